@@ -1,0 +1,46 @@
+"""celery-pglock: singleton Celery tasks on PostgreSQL advisory locks.
+
+``@app.task(base=SingletonTask)`` runs a task at most once at a time (per task, or per
+``lock_args`` values), however many workers, replicas or beat schedulers send it.
+"""
+
+from __future__ import annotations
+
+from celery_pglock import signals
+from celery_pglock.config import LockConfig, LockScope, OnBusy
+from celery_pglock.context import current_lock
+from celery_pglock.exceptions import (
+    ConfigurationError,
+    DatabaseError,
+    LockBusy,
+    LockError,
+    LockKeyError,
+    LockLost,
+    LockNotOwnedError,
+    PgLockError,
+)
+from celery_pglock.keys import KEY_FORMAT, LockKey, make_key
+from celery_pglock.lock import AdvisoryLock
+from celery_pglock.task import SKIPPED, SingletonTask
+
+__all__ = [
+    "KEY_FORMAT",
+    "SKIPPED",
+    "AdvisoryLock",
+    "ConfigurationError",
+    "DatabaseError",
+    "LockBusy",
+    "LockConfig",
+    "LockError",
+    "LockKey",
+    "LockKeyError",
+    "LockLost",
+    "LockNotOwnedError",
+    "LockScope",
+    "OnBusy",
+    "PgLockError",
+    "SingletonTask",
+    "current_lock",
+    "make_key",
+    "signals",
+]

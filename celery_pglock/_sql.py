@@ -1,0 +1,76 @@
+"""Every SQL statement celery-pglock sends, as named constants.
+
+Parameters are DBAPI ``%s`` placeholders filled by psycopg2 (never string formatting of
+user data). Statements that take a lock key exist in two forms, indexed by the key's arity:
+``{1: <bigint form>, 2: <(int, int) form>}``; the key ids always come first.
+
+Each lock function is called exactly once per statement, as a scalar in a single-row
+SELECT: inside a multi-row query the planner may evaluate it more than once and leave a
+phantom re-entrant hold that one unlock does not free (GoodJob PR #1735).
+"""
+
+from __future__ import annotations
+
+_KEY = {1: "%s::bigint", 2: "%s::integer, %s::integer"}
+
+#: Try to take a session lock; on success also label the session. Params: key ids, the
+#: application_name to show while holding. Returns the new name, or NULL when busy.
+TRY_LOCK_SESSION = {
+    arity: f"SELECT CASE WHEN pg_try_advisory_lock({key}) "
+    "THEN set_config('application_name', %s, false) END"
+    for arity, key in _KEY.items()
+}
+
+#: Wait for a session lock for at most lock_timeout. The explicit transaction makes the
+#: SET LOCAL end at COMMIT, so the timeout never leaks onto the pooled connection; the
+#: session lock itself outlives the transaction. Params: timeout in ms, application_name,
+#: key ids. Raises SQLSTATE 55P03 (lock_not_available) on timeout.
+WAIT_LOCK_SESSION = {
+    arity: "BEGIN; SELECT set_config('lock_timeout', %s, true); "
+    f"SELECT set_config('application_name', %s, false), pg_advisory_lock({key}); COMMIT"
+    for arity, key in _KEY.items()
+}
+
+#: Release a session lock and relabel the idle session in one round trip. Params: key ids,
+#: the idle application_name. Returns (unlocked, name); unlocked is false if not held.
+UNLOCK_SESSION = {
+    arity: f"SELECT pg_advisory_unlock({key}), set_config('application_name', %s, false)"
+    for arity, key in _KEY.items()
+}
+
+#: Try to take a transaction lock inside the caller's open transaction; the label is
+#: transaction-local too, so COMMIT/ROLLBACK undo both. Params: key ids, application_name.
+TRY_LOCK_TRANSACTION = {
+    arity: f"SELECT CASE WHEN pg_try_advisory_xact_lock({key}) "
+    "THEN set_config('application_name', %s, true) END"
+    for arity, key in _KEY.items()
+}
+
+#: Wait for a transaction lock for at most lock_timeout, then put lock_timeout back to
+#: what it was, so the task body's own statements are not affected by our bound.
+#: Params: timeout in ms, application_name, key ids.
+WAIT_LOCK_TRANSACTION = {
+    arity: "SELECT set_config('celery_pglock.saved_lock_timeout', current_setting('lock_timeout'), true); "
+    "SELECT set_config('lock_timeout', %s, true); "
+    f"SELECT set_config('application_name', %s, true), pg_advisory_xact_lock({key}); "
+    "SELECT set_config('lock_timeout', current_setting('celery_pglock.saved_lock_timeout'), true)"
+    for arity, key in _KEY.items()
+}
+
+#: Ends the server-side transaction a timed-out WAIT_LOCK_SESSION left aborted.
+ROLLBACK = "ROLLBACK"
+
+#: Pool check-in safety net: drop every session advisory lock of this session.
+UNLOCK_ALL = "SELECT pg_advisory_unlock_all()"
+
+#: Is the key granted to any session in this database? Params: classid, objid, objsubid
+#: as unsigned OIDs (see LockKey.pg_locks_ids).
+IS_LOCKED = (
+    "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' "
+    "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "AND classid = %s::oid AND objid = %s::oid AND objsubid = %s::smallint AND granted)"
+)
+
+#: SQLSTATEs that mean "the lock was not granted in time", not "the database failed".
+LOCK_NOT_AVAILABLE = "55P03"
+QUERY_CANCELED = "57014"

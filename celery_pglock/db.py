@@ -1,0 +1,273 @@
+"""The lock database: one SQLAlchemy engine per URL per process, and the error boundary.
+
+Fork hazard: a pooled connection must never be used by two processes. Engines are keyed by
+process id and forgotten in a forked child (``os.register_at_fork``) with
+``dispose(close=False)``, which drops the parent's sockets without sending a Terminate on
+them; the child then opens its own connections lazily. Celery's prefork pool forks children
+after the app is imported, so this is the normal path, not an edge case.
+
+Locks use this engine, never the application's: the pool's ``checkin`` hook below assumes
+every connection in it is a lock connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event, exc as sa_exc
+from sqlalchemy.engine import make_url
+
+from celery_pglock import _sql, config, exceptions
+
+logger = logging.getLogger(__name__)
+
+#: Key in a pooled connection's ``info`` dict: Counter of the advisory keys it holds.
+HELD = "celery_pglock.held"
+
+#: PostgreSQL truncates application_name to NAMEDATALEN - 1 bytes.
+APPLICATION_NAME_MAX = 63
+DEFAULT_APPLICATION_NAME = "pglock"
+
+#: Server-side TCP keepalive settings sent as startup options, so that PostgreSQL notices a
+#: vanished worker host (power loss, partition) within about idle + interval * count
+#: seconds and frees its locks, instead of after the kernel default of two hours.
+SERVER_KEEPALIVE_OPTIONS = (
+    "-c tcp_keepalives_idle=30 -c tcp_keepalives_interval=10 -c tcp_keepalives_count=3"
+)
+#: Client-side libpq keepalives: the worker notices a vanished server in bounded time.
+CLIENT_KEEPALIVES: dict[str, Any] = {
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+}
+SUPPORTED_DRIVERS = ("psycopg2",)
+
+_engines: dict[str, sa.Engine] = {}
+_labels: weakref.WeakKeyDictionary[sa.Engine, dict[str, str]] = weakref.WeakKeyDictionary()
+_engines_pid = os.getpid()
+_engines_lock = threading.Lock()
+
+
+def mask_url(url: str | sa.URL) -> str:
+    """Render a database URL with its password replaced by ``***``: safe to log."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - a malformed URL must still never be logged raw
+        return "<unparseable database URL>"
+
+
+_process_tag: tuple[int, str] = (0, "")
+
+
+def process_tag() -> str:
+    """``host:pid`` of this process, for application_name (cached per pid: hot path)."""
+    global _process_tag
+    pid = os.getpid()
+    if _process_tag[0] != pid:
+        _process_tag = (pid, f"{socket.gethostname().split('.')[0][:20]}:{pid}")
+    return _process_tag[1]
+
+
+def application_name(prefix: str, *parts: object) -> str:
+    """Build an application_name within PostgreSQL's 63-byte limit.
+
+    The tail (normally the task name) is cut from the left so its most specific part
+    survives. Only names and numbers go in: never argument values, which may be personal
+    data.
+    """
+    text = " ".join(str(part) for part in (prefix, *parts))
+    encoded = text.encode("ascii", "replace")
+    if len(encoded) <= APPLICATION_NAME_MAX:
+        return encoded.decode("ascii")
+    head = " ".join(str(part) for part in (prefix, *parts[:-1]))
+    room = APPLICATION_NAME_MAX - len(head.encode("ascii", "replace")) - 2
+    tail = str(parts[-1]).encode("ascii", "replace")[-max(room, 0):].decode("ascii")
+    return f"{head} ~{tail}"[:APPLICATION_NAME_MAX]
+
+
+def check_url(url: str) -> sa.URL:
+    """Parse and check a lock database URL.
+
+    Raises:
+        ConfigurationError: not a PostgreSQL URL with a supported driver.
+    """
+    try:
+        parsed = make_url(url)
+    except sa_exc.ArgumentError:
+        raise exceptions.ConfigurationError(
+            f"{config.DATABASE_URL_SETTING} is not a valid database URL: {mask_url(url)!r}."
+        ) from None
+    driver = parsed.get_driver_name()
+    if parsed.get_backend_name() != "postgresql" or driver not in SUPPORTED_DRIVERS:
+        raise exceptions.ConfigurationError(
+            f"{config.DATABASE_URL_SETTING} must be a PostgreSQL URL using psycopg2, such "
+            f"as postgresql+psycopg2://user:password@host/db; got {mask_url(parsed)!r}."
+        )
+    return parsed
+
+
+def engine_for(conf: Mapping[str, Any]) -> sa.Engine:
+    """The lock engine of this process for the app configuration ``conf``.
+
+    Created on first use (never at import, never in the parent before a fork), then cached.
+
+    Raises:
+        ConfigurationError: no database URL, or an invalid one.
+    """
+    url = config.database_url(conf)
+    engine = _engines.get(url)
+    if engine is not None and _engines_pid == os.getpid():
+        return engine
+    with _engines_lock:
+        _forget_engines_after_fork()
+        engine = _engines.get(url)
+        if engine is None:
+            engine = create_engine(url, conf)
+            _engines[url] = engine
+        return engine
+
+
+def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
+    """Create a lock engine: keepalives, an idle application_name and the check-in net.
+
+    ``app.conf.pglock_engine_options`` (a dict) is passed to ``sqlalchemy.create_engine``
+    and wins over our defaults; ``pglock_server_keepalives = False`` drops the server-side
+    keepalive startup options (PgBouncer refuses unknown startup parameters).
+    """
+    conf = conf or {}
+    parsed = check_url(url)
+    prefix = str(conf.get("pglock_application_name") or DEFAULT_APPLICATION_NAME)
+    connect_args: dict[str, Any] = {
+        **CLIENT_KEEPALIVES,
+        "application_name": application_name(prefix, process_tag(), "idle"),
+    }
+    if conf.get("pglock_server_keepalives", True):
+        connect_args["options"] = SERVER_KEEPALIVE_OPTIONS
+    options: dict[str, Any] = {
+        # Each running locked task pins one connection; threads/gevent pools run several
+        # at once in one process. Idle connections are kept so the hot path never connects.
+        "pool_size": 10,
+        "max_overflow": 20,
+        "pool_pre_ping": False,
+        "connect_args": connect_args,
+    }
+    extra = conf.get("pglock_engine_options") or {}
+    if not isinstance(extra, Mapping):
+        raise exceptions.ConfigurationError(
+            f"pglock_engine_options must be a dict of sqlalchemy.create_engine options, got {extra!r}."
+        )
+    extra = dict(extra)
+    connect_args.update(extra.pop("connect_args", {}))
+    options.update(extra)
+    engine = sa.create_engine(parsed, **options)
+    _labels[engine] = {"application_name_prefix": prefix, "masked_url": mask_url(parsed)}
+    event.listen(engine, "checkin", _unlock_leftovers)
+    return engine
+
+
+def engine_info(engine: sa.Engine) -> dict[str, str]:
+    """The labels create_engine attached: application_name prefix and masked URL."""
+    labels = _labels.get(engine)
+    if labels is None:  # an engine the caller made: label it and add the net on first sight
+        if not event.contains(engine, "checkin", _unlock_leftovers):
+            event.listen(engine, "checkin", _unlock_leftovers)
+        labels = _labels[engine] = {
+            "application_name_prefix": DEFAULT_APPLICATION_NAME,
+            "masked_url": mask_url(engine.url),
+        }
+    return labels
+
+
+def held_keys(connection_info: dict[Any, Any]) -> Counter[tuple[int, ...]]:
+    """The Counter of advisory keys a pooled connection holds (created on first use)."""
+    held: Counter[tuple[int, ...]] | None = connection_info.get(HELD)
+    if held is None:
+        held = connection_info[HELD] = Counter()
+    return held
+
+
+def _unlock_leftovers(dbapi_connection: Any, record: Any) -> None:
+    """Pool check-in safety net: a connection never goes back to the pool holding a lock.
+
+    Normal releases leave the Counter empty, so this costs nothing on the hot path; it
+    only runs SQL when some path returned a connection without releasing (a bug, or an
+    exception between acquire and bookkeeping). If even that fails, the connection is
+    invalidated: closing the session is the one release PostgreSQL always honours.
+    """
+    held = record.info.get(HELD)
+    if not held or dbapi_connection is None:
+        return
+    logger.warning(
+        "A lock connection came back to the pool still holding advisory keys %s; unlocking them all",
+        sorted(held),
+        extra={"action": "lock_checkin_unlock_all"},
+    )
+    try:
+        if not dbapi_connection.autocommit:
+            dbapi_connection.rollback()
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute(_sql.UNLOCK_ALL)
+        held.clear()
+    except Exception:
+        logger.exception("Could not unlock a returning lock connection; closing it instead")
+        record.invalidate()
+
+
+@contextlib.contextmanager
+def wrap_db_errors(action: str, engine: sa.Engine | None = None) -> Iterator[None]:
+    """Translate SQLAlchemy/driver errors into :class:`DatabaseError` at one boundary."""
+    try:
+        yield
+    except exceptions.PgLockError:
+        raise
+    except (sa_exc.SQLAlchemyError, OSError, _driver_error()) as exc:
+        where = f" on {engine_info(engine)['masked_url']}" if engine is not None else ""
+        raise exceptions.DatabaseError(f"Could not {action}{where}: {exc}".strip()) from exc
+
+
+def _driver_error() -> type[Exception]:
+    import psycopg2  # the only supported driver; imported lazily to keep import cheap
+
+    return psycopg2.Error  # type: ignore[no-any-return]
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a driver error (or one wrapped by SQLAlchemy), if any."""
+    original = getattr(exc, "orig", exc)
+    code = getattr(original, "pgcode", None)
+    return code if isinstance(code, str) else None
+
+
+def _forget_engines_after_fork() -> None:
+    global _engines_pid
+    if _engines_pid == os.getpid():
+        return
+    for engine in _engines.values():
+        # close=False: drop the parent's pooled sockets without closing them, because the
+        # parent is still using them.
+        engine.dispose(close=False)
+    _engines.clear()
+    _engines_pid = os.getpid()
+
+
+def dispose_all() -> None:
+    """Close every lock engine of this process (worker shutdown, tests)."""
+    with _engines_lock:
+        _forget_engines_after_fork()
+        for engine in _engines.values():
+            engine.dispose()
+        _engines.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_engines_after_fork)

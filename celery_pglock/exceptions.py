@@ -1,0 +1,86 @@
+"""The whole celery-pglock error tree.
+
+This module is a leaf: it imports nothing from the package, to avoid import loops.
+
+::
+
+    PgLockError                  root; its docstring is the default message
+    ├── ConfigurationError       (also ValueError) a missing or invalid setting
+    ├── LockKeyError             (also TypeError) a task argument that cannot form a key
+    ├── DatabaseError            any SQLAlchemy/driver failure; the original is __cause__
+    └── LockError                .key and .name on every instance
+        ├── LockBusy             busy lock, or a bounded wait that timed out
+        ├── LockNotOwnedError    release of a lock this connection does not hold
+        └── LockLost             the lock ended before the protected work did
+
+Every exception pickles and unpickles with its message intact, because Celery ships a
+failed task's exception through the result backend (celery-singleton#55 crashed workers
+with an exception class that could not be rebuilt).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PgLockError(Exception):
+    """A celery-pglock operation failed."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+    @property
+    def message(self) -> str:
+        """The human-readable sentence this error was raised with."""
+        return str(self.args[0]) if self.args else ""
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigurationError(PgLockError, ValueError):
+    """A celery-pglock setting or task option is missing or invalid."""
+
+
+class LockKeyError(PgLockError, TypeError):
+    """A task argument cannot be turned into a stable lock key."""
+
+
+class DatabaseError(PgLockError):
+    """The lock database could not be reached or answered with an error."""
+
+
+class LockError(PgLockError):
+    """A lock operation failed; ``key`` and ``name`` say which lock."""
+
+    def __init__(
+        self, message: str | None = None, *, key: str | None = None, name: str | None = None
+    ) -> None:
+        super().__init__(message)
+        #: The advisory key as PostgreSQL sees it, e.g. ``"-4311986427365126397"`` or ``"42,1001"``.
+        self.key = key
+        #: The lock's name: the task name unless ``lock_name`` overrides it.
+        self.name = name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only attributes are not in self.args; rebuild them explicitly so the
+        # exception survives pickling (result backends, billiard pipes).
+        return (_rebuild_lock_error, (type(self), self.message, self.key, self.name))
+
+
+def _rebuild_lock_error(
+    cls: type[LockError], message: str, key: str | None, name: str | None
+) -> LockError:
+    return cls(message, key=key, name=name)
+
+
+class LockBusy(LockError):
+    """The lock is held by another holder."""
+
+
+class LockNotOwnedError(LockError):
+    """Cannot release a lock that is not owned by this holder."""
+
+
+class LockLost(LockError):
+    """The lock ended before the protected work finished."""

@@ -1,0 +1,209 @@
+"""Lock keys: task name + arguments -> a PostgreSQL advisory key. Pure functions, no I/O.
+
+The algorithm (key format 1) is a contract with every process that takes these locks,
+including non-Python code and ``psql`` sessions, so it must never change silently:
+
+1. Canonicalise the key material (see :func:`canonical`): JSON types only, object keys
+   sorted, tuples as arrays, UUID/Decimal/date/datetime/time as their text form.
+2. Build the *key text*: the compact JSON array
+   ``["celery_pglock/1", <namespace>, <lock name>, <material>]`` with ``ensure_ascii``
+   off, keys sorted and no whitespace.
+3. Hash the UTF-8 bytes of the key text with SHA-256 and read the first 8 bytes as a
+   big-endian *signed* 64-bit integer. Big-endian on purpose: ``struct.unpack('q')``
+   would depend on the host's byte order (a known pals trap).
+
+The same key in SQL (PostgreSQL >= 11)::
+
+    SELECT ('x' || left(encode(sha256(convert_to(:key_text, 'UTF8')), 'hex'), 16))::bit(64)::bigint;
+
+Never Python's ``hash()``: it is salted per process, so two workers would disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import decimal
+import enum
+import hashlib
+import json
+import math
+import uuid
+from collections.abc import Mapping
+from typing import TypeAlias
+
+from celery_pglock import exceptions
+
+#: Bumped only with a migration note: a format change is a rolling-deploy hazard, since old
+#: and new workers would compute different keys for the same work and run it together.
+KEY_FORMAT = "celery_pglock/1"
+
+#: The SQL twin of :func:`key_from_text`, with the key text as its only parameter.
+KEY_SQL = "('x' || left(encode(sha256(convert_to(%s, 'UTF8')), 'hex'), 16))::bit(64)::bigint"
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+#: What :func:`canonical` returns: plain JSON data.
+Json: TypeAlias = "None | bool | int | float | str | list[Json] | dict[str, Json]"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LockKey:
+    """One advisory lock key, with what an operator needs to recognise it."""
+
+    #: The lock name: the task name unless the task sets ``lock_name``.
+    name: str
+    #: The advisory key: ``(bigint,)`` or the two-int form ``(namespace, resource)``.
+    ids: tuple[int] | tuple[int, int]
+    #: The hashed key text, or None for an explicit ``lock_id``.
+    text: str | None = None
+
+    def __str__(self) -> str:
+        return ",".join(str(i) for i in self.ids)
+
+    @property
+    def pg_locks_ids(self) -> tuple[int, int, int]:
+        """``(classid, objid, objsubid)`` as this key appears in ``pg_locks``.
+
+        A bigint key shows its high and low 32 bits as unsigned OIDs with objsubid 1;
+        the two-int form shows both ints (as unsigned OIDs) with objsubid 2.
+        """
+        if len(self.ids) == 1:
+            unsigned = self.ids[0] & 0xFFFFFFFFFFFFFFFF
+            return unsigned >> 32, unsigned & 0xFFFFFFFF, 1
+        first, second = self.ids[0], self.ids[-1]
+        return first & 0xFFFFFFFF, second & 0xFFFFFFFF, 2
+
+
+def key_text(namespace: str, name: str, material: Json) -> str:
+    """Return the canonical key text for already-canonical material."""
+    return json.dumps(
+        [KEY_FORMAT, namespace, name, material],
+        ensure_ascii=False,
+        sort_keys=True,
+        separators=(",", ":"),
+        allow_nan=False,
+    )
+
+
+def key_from_text(text: str) -> int:
+    """Hash a key text to a signed 64-bit advisory key (step 3 of the module docstring)."""
+    digest = hashlib.sha256(text.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def make_key(namespace: str, name: str, material: object = None, *, where: str = "key") -> LockKey:
+    """Build the :class:`LockKey` for ``material`` under ``namespace`` and lock ``name``.
+
+    Args:
+        namespace: Separates applications that share one database.
+        name: The lock name (normally the task name).
+        material: Anything :func:`canonical` accepts; ``None`` for one lock per name.
+        where: How to name the material in error messages.
+
+    Raises:
+        LockKeyError: ``material`` holds a value without a stable canonical form.
+    """
+    text = key_text(namespace, name, canonical(material, where))
+    return LockKey(name=name, ids=(key_from_text(text),), text=text)
+
+
+def explicit_key(name: str, lock_id: object, *, where: str = "lock_id") -> LockKey:
+    """Validate an explicit numeric key: one signed 64-bit int or two signed 32-bit ints.
+
+    Raises:
+        ConfigurationError: the value has the wrong shape or is out of range.
+    """
+    if isinstance(lock_id, int) and not isinstance(lock_id, bool):
+        if not INT64_MIN <= lock_id <= INT64_MAX:
+            raise exceptions.ConfigurationError(
+                f"{where}={lock_id!r} is out of range: a single lock id must be a signed "
+                f"64-bit integer ({INT64_MIN} to {INT64_MAX})."
+            )
+        return LockKey(name=name, ids=(lock_id,))
+    if (
+        isinstance(lock_id, tuple)
+        and len(lock_id) == 2
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in lock_id)
+    ):
+        first, second = lock_id
+        if not (INT32_MIN <= first <= INT32_MAX and INT32_MIN <= second <= INT32_MAX):
+            raise exceptions.ConfigurationError(
+                f"{where}={lock_id!r} is out of range: a (namespace, resource) lock id "
+                f"must be two signed 32-bit integers ({INT32_MIN} to {INT32_MAX})."
+            )
+        return LockKey(name=name, ids=(first, second))
+    raise exceptions.ConfigurationError(
+        f"{where}={lock_id!r} is not a lock id: expected one signed 64-bit int or a "
+        "tuple of two signed 32-bit ints, such as 1001 or (42, 1001)."
+    )
+
+
+def canonical(value: object, where: str = "value") -> Json:
+    """Return ``value`` as plain JSON data whose text form is stable across processes.
+
+    Deliberate choices, each tested:
+
+    - ``7`` and ``"7"`` differ (JSON number vs string); ``True`` and ``1`` differ too.
+    - Tuples become arrays: Celery's JSON serializer turns them into lists in transit, so
+      the producer's tuple and the worker's list must give one key.
+    - UUID, Decimal, date, datetime and time become their ``str()``/ISO text, which is
+      what a non-Python producer sends for them; so ``UUID(x)`` and ``str(UUID(x))`` match.
+    - Strings are hashed exactly as given: no Unicode normalisation (NFC and NFD forms of
+      one word are different keys), and lone surrogates are refused.
+    - ``int``/``str`` enum members count as their value; other enums, bytes, sets, NaN,
+      infinities and arbitrary objects are refused, because their text form is either
+      unstable (a ``repr`` with a memory address) or ambiguous.
+
+    Raises:
+        LockKeyError: naming ``where`` (e.g. ``tenant_id[2]``) and the offending type.
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise exceptions.LockKeyError(
+                f"{where} is a string that is not valid Unicode text ({exc.reason}); "
+                "it cannot be part of a lock key."
+            ) from None
+        return str.__str__(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise exceptions.LockKeyError(
+                f"{where}={value!r} is not a finite number; it cannot be part of a lock key."
+            )
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        return [canonical(item, f"{where}[{index}]") for index, item in enumerate(value)]
+    if isinstance(value, Mapping):
+        result: dict[str, Json] = {}
+        for item_key, item in value.items():
+            if not isinstance(item_key, str):
+                raise exceptions.LockKeyError(
+                    f"{where} has a {type(item_key).__name__} key {item_key!r}; only "
+                    "string keys are allowed in lock key material, so that {1: x} and "
+                    "{'1': x} cannot silently collide."
+                )
+            result[str.__str__(item_key)] = canonical(item, f"{where}[{item_key!r}]")
+        return result
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, decimal.Decimal):
+        if not value.is_finite():
+            raise exceptions.LockKeyError(
+                f"{where}={value!r} is not a finite number; it cannot be part of a lock key."
+            )
+        return str(value)
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    kind = "an enum member" if isinstance(value, enum.Enum) else f"a {type(value).__qualname__}"
+    raise exceptions.LockKeyError(
+        f"{where} is {kind}, which has no stable text form for a lock key. Pass plain "
+        "data (str, int, float, bool, None, lists, dicts with str keys, UUID, Decimal, "
+        "date/time), or set lock_key to a function that returns such data."
+    )

@@ -1,0 +1,337 @@
+"""SingletonTask: a Celery task whose body runs under a PostgreSQL advisory lock.
+
+Where things happen, and why there (each line is a bug in an existing library):
+
+- The lock is taken in ``__call__``, the task's own call path, not in ``task_prerun``:
+  Celery swallows exceptions raised by signal receivers, so a receiver cannot stop a
+  duplicate. Being worker-side, it also covers ``send_task``, beat without the task
+  imported, and producers in other services.
+- The lock is released in ``__call__``'s own ``finally``, i.e. for every outcome
+  (SUCCESS, FAILURE, RETRY, IGNORED, REJECTED) and *before* Celery stores the result and
+  sends chain callbacks: a client that saw the result can send the next run at once.
+  ``task_postrun``, ``task_revoked`` and worker shutdown are idempotent safety nets
+  (see ``_hooks.py``). A killed pool child needs no hook: its session ends and PostgreSQL
+  frees the lock.
+- ``self.retry()`` releases the lock *before* publishing the retry message, so the next
+  attempt can never be blocked by its own predecessor (celery-singleton#20 dropped retries
+  that way). The price is a window between attempts in which a duplicate may run.
+- A skipped run never runs its body and is not a success: its state is SKIPPED and
+  ``Ignore`` keeps Celery from storing SUCCESS or running chain callbacks.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import celery
+from celery import states
+from celery.exceptions import Ignore, Reject, Retry
+
+from celery_pglock import _hooks, config, context, db, exceptions, keys, signals
+from celery_pglock.config import LockScope, OnBusy
+from celery_pglock.lock import AdvisoryLock
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+
+logger = logging.getLogger(__name__)
+
+#: The result state of a run that did not execute because its lock was held.
+SKIPPED = "SKIPPED"
+
+_MISSING = inspect.Parameter.empty
+
+
+class _KeyArgument:
+    """Where one ``lock_args`` value comes from in a call: precomputed for the hot path."""
+
+    __slots__ = ("default", "keyword", "name", "position")
+
+    def __init__(self, parameter: inspect.Parameter, position: int | None) -> None:
+        self.name = parameter.name
+        self.position = position
+        self.keyword = parameter.kind is not parameter.POSITIONAL_ONLY
+        self.default = parameter.default
+
+    def value(self, task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        # The same binding Python does for the call itself, without Signature.bind's cost:
+        # f(7), f(tenant_id=7) and f(7, fmt="pdf") all yield 7, and defaults apply.
+        if self.keyword and self.name in kwargs:
+            return kwargs[self.name]
+        if self.position is not None and self.position < len(args):
+            return args[self.position]
+        if self.default is not _MISSING:
+            return self.default
+        raise exceptions.LockKeyError(
+            f"Task {task_name!r} was called without its lock argument {self.name!r}, so "
+            "there is no key to lock; the body did not run."
+        )
+
+
+class _Guard:
+    """One task's resolved options plus its per-process engine: built once at bind."""
+
+    def __init__(self, options: config.LockConfig, parameters: Sequence[inspect.Parameter], conf: Any) -> None:
+        self.config = options
+        self.conf = conf
+        positional = [
+            p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        by_name = {p.name: p for p in parameters}
+        self.arguments = [
+            _KeyArgument(by_name[name], positional.index(by_name[name]) if by_name[name] in positional else None)
+            for name in options.lock_args
+        ]
+        self._engine: tuple[int, sa.Engine] | None = None
+
+    def engine(self) -> sa.Engine:
+        cached = self._engine
+        if cached is not None and cached[0] == os.getpid():
+            return cached[1]
+        engine = db.engine_for(self.conf)
+        self._engine = (os.getpid(), engine)
+        return engine
+
+    def key(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> keys.LockKey:
+        options = self.config
+        if options.fixed_key is not None:
+            return options.fixed_key
+        if options.lock_key is not None:
+            material = options.lock_key(*args, **kwargs)
+            where = f"Task {options.task_name!r}: the value returned by lock_key"
+            return keys.make_key(options.namespace, options.name, material, where=where)
+        material = {
+            argument.name: keys.canonical(
+                argument.value(options.task_name, args, kwargs),
+                f"Task {options.task_name!r}: argument {argument.name!r}",
+            )
+            for argument in self.arguments
+        }
+        return keys.make_key(options.namespace, options.name, material)
+
+
+def _option_attributes(cls: type) -> dict[str, Any]:
+    """The task's ``lock_*`` attributes that are set (not None), functions unwrapped."""
+    found: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        for name in vars(klass):
+            if name.startswith("lock_") and (name in config.TASK_OPTIONS or name not in vars(SingletonTask)):
+                value = inspect.getattr_static(cls, name)
+                if isinstance(value, staticmethod):
+                    value = value.__func__
+                if value is not None:
+                    found[name] = value
+                else:
+                    found.pop(name, None)
+    return found
+
+
+def _call_parameters(cls: type) -> list[inspect.Parameter]:
+    run = inspect.getattr_static(cls, "run")
+    if isinstance(run, staticmethod):  # @app.task without bind=True
+        return config.task_parameters(run.__func__, drop_self=False)
+    return config.task_parameters(run, drop_self=True)  # bind=True or a class-based task
+
+
+class SingletonTask(celery.Task):  # type: ignore[type-arg]
+    """A Celery task that runs at most once at a time per lock key.
+
+    Use it as a base: ``@app.task(base=SingletonTask, lock_args=("tenant_id",))``. Each
+    option below may be a decorator keyword, a class attribute of a subclass, or (where
+    noted) an app-wide default ``app.conf.pglock_<option without lock_>``.
+    """
+
+    #: Names of the task's parameters whose values form the key. None: one lock per task.
+    lock_args: ClassVar[Sequence[str] | str | None] = None
+    #: ``lock_key(*args, **kwargs)`` returns the key material, for keys that are not
+    #: plain arguments. Exclusive with lock_args and lock_id.
+    lock_key: ClassVar[Callable[..., object] | None] = None
+    #: An explicit numeric key: one signed 64-bit int or two signed 32-bit ints.
+    lock_id: ClassVar[int | tuple[int, int] | None] = None
+    #: The name hashed into the key (default: the task name). Tasks that share a
+    #: lock_name (and lock_args values) share one lock.
+    lock_name: ClassVar[str | None] = None
+    #: Mixed into every key; separates apps sharing a database. App: pglock_namespace.
+    lock_namespace: ClassVar[str | None] = None
+    #: skip (default), raise, retry or wait. App: pglock_on_busy.
+    lock_on_busy: ClassVar[OnBusy | str | None] = None
+    #: session (default) or transaction. App: pglock_scope.
+    lock_scope: ClassVar[LockScope | str | None] = None
+    #: Seconds before a lock_on_busy='retry' re-run (default 30). App: pglock_retry_delay.
+    lock_retry_delay: ClassVar[float | None] = None
+    #: Longest lock_on_busy='wait' wait, enforced server-side (default 10). App:
+    #: pglock_wait_timeout.
+    lock_wait_timeout: ClassVar[float | None] = None
+
+    _pglock: ClassVar[_Guard | None] = None
+
+    @classmethod
+    def on_bound(cls, app: celery.Celery) -> None:
+        """Validate and freeze the lock options when Celery binds the task to ``app``."""
+        super().on_bound(app)
+        if cls.name:  # an abstract base has no name and no real run() yet
+            cls._pglock = cls._build_guard(app)
+        _hooks.connect()
+
+    @classmethod
+    def _build_guard(cls, app: celery.Celery) -> _Guard:
+        try:
+            parameters = _call_parameters(cls)
+        except (TypeError, ValueError) as exc:
+            raise exceptions.ConfigurationError(f"Task {cls.name!r}: cannot read its signature ({exc}).") from exc
+        options = config.resolve(
+            task_name=cls.name,
+            attributes=_option_attributes(cls),
+            conf=app.conf,
+            parameters=parameters,
+        )
+        return _Guard(options, parameters, app.conf)
+
+    @property
+    def lock_config(self) -> config.LockConfig:
+        """The resolved options of this task."""
+        return self._guard().config
+
+    def _guard(self) -> _Guard:
+        guard = type(self)._pglock
+        if guard is None:
+            guard = type(self)._pglock = type(self)._build_guard(self.app)
+        return guard
+
+    def lock_key_for(self, *args: Any, **kwargs: Any) -> keys.LockKey:
+        """The key a call with these arguments would lock (no I/O): for docs and tools."""
+        return self._guard().key(args, kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        guard = self._guard()
+        options = guard.config
+        request = self.request
+        task_id: str | None = request.id
+        key = guard.key(args, kwargs)
+        lock = AdvisoryLock(engine=guard.engine(), key=key, scope=options.scope, label=options.task_name)
+        granted = lock.acquire(timeout=options.wait_timeout if options.on_busy is OnBusy.WAIT else None)
+        if not granted:
+            self._on_busy(lock, task_id)
+        if signals.lock_acquired.receivers:
+            signals.lock_acquired.send(
+                sender=self, task_id=task_id, task_name=self.name, key=key, wait_seconds=lock.wait_seconds
+            )
+        logger.debug(
+            "Acquired lock %s (key %s) for %s[%s] on %s",
+            key.name, key, self.name, task_id, db.engine_info(lock.engine)["masked_url"],
+            extra={"action": "lock_acquired", "lock_key": str(key), "task_id": task_id},
+        )
+        token = context.enter(lock, task_id)
+        try:
+            try:
+                retval = super().__call__(*args, **kwargs)
+            except BaseException as exc:
+                self._finish(lock, task_id, exc)
+                raise
+            self._finish(lock, task_id, None)
+            return retval
+        finally:
+            context.leave(token, task_id)
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's retry, after releasing the lock so the next attempt can take it.
+
+        The lock is released before the retry message is published: otherwise a retry
+        that is delivered at once would find its own predecessor's lock and be skipped.
+        Between the two attempts another run of the same key may take the lock.
+        In transaction scope, releasing rolls the attempt's work back.
+        """
+        lock = context.peek()
+        if lock is not None and lock.owned() and kwargs.get("throw", True):
+            self._release(lock, self.request.id, commit=False)
+        return super().retry(*args, **kwargs)
+
+    # -- outcomes -----------------------------------------------------------------------
+
+    def _on_busy(self, lock: AdvisoryLock, task_id: str | None) -> None:
+        """Apply lock_on_busy to a run whose lock is held. Always raises."""
+        options = self._guard().config
+        key = lock.key
+        action = options.on_busy
+        if signals.lock_skipped.receivers:
+            signals.lock_skipped.send(
+                sender=self, task_id=task_id, task_name=self.name, key=key,
+                wait_seconds=lock.wait_seconds, action=action.value,
+            )
+        waited = f" after waiting {options.wait_timeout:g}s" if action is OnBusy.WAIT else ""
+        message = f"Lock {key.name!r} (key {key}) is held by another run{waited}; {self.name}[{task_id}] did not run."
+        logger.info(
+            "%s Policy: %s. Database: %s.", message, action.value, db.engine_info(lock.engine)["masked_url"],
+            extra={"action": "lock_skipped", "lock_key": str(key), "task_id": task_id, "on_busy": action.value},
+        )
+        busy = exceptions.LockBusy(message, key=str(key), name=key.name)
+        request = self.request
+        if request.called_directly:
+            raise busy  # a direct call has no message to skip or re-queue
+        if action is OnBusy.SKIP:
+            if task_id is not None and not (self.ignore_result or request.ignore_result):
+                self.update_state(
+                    task_id=task_id,
+                    state=SKIPPED,
+                    meta={"reason": "lock_busy", "lock": key.name, "key": str(key), "task": self.name},
+                )
+            raise Ignore(message)
+        if action is OnBusy.RETRY:
+            raise self.retry(countdown=options.retry_delay, exc=busy)
+        raise busy
+
+    def _finish(self, lock: AdvisoryLock, task_id: str | None, exc: BaseException | None) -> None:
+        """Release (if still held) and report the outcome of a run that held the lock."""
+        release_error: exceptions.PgLockError | None = None
+        if lock.owned():
+            release_error = self._release(lock, task_id, commit=exc is None)
+        held = (lock.released_at or 0.0) - (lock.acquired_at or 0.0)
+        common = {
+            "sender": self, "task_id": task_id, "task_name": self.name, "key": lock.key,
+            "wait_seconds": lock.wait_seconds, "held_seconds": held,
+        }
+        if exc is None and release_error is None:
+            if signals.lock_completed.receivers:
+                signals.lock_completed.send(state=states.SUCCESS, **common)
+        elif signals.lock_failed.receivers:
+            signals.lock_failed.send(state=_state_of(exc), exception=exc or release_error, **common)
+        if exc is None and release_error is not None and lock.scope is LockScope.TRANSACTION:
+            # The body's work was not committed under the lock: the run must not succeed.
+            raise release_error
+
+    def _release(self, lock: AdvisoryLock, task_id: str | None, *, commit: bool) -> exceptions.PgLockError | None:
+        """Release ``lock``; report (not raise) a failure, which already closed the connection."""
+        try:
+            lock.release(commit=commit)
+        except exceptions.PgLockError as error:
+            logger.error(
+                "Releasing lock %s (key %s) of %s[%s] failed: %s. The connection was closed, "
+                "so PostgreSQL no longer holds the lock. Database: %s.",
+                lock.key.name, lock.key, self.name, task_id, error, db.engine_info(lock.engine)["masked_url"],
+                extra={"action": "lock_release_failed", "lock_key": str(lock.key), "task_id": task_id},
+            )
+            if signals.lock_release_failed.receivers:
+                signals.lock_release_failed.send(
+                    sender=self, task_id=task_id, task_name=self.name, key=lock.key,
+                    wait_seconds=lock.wait_seconds, exception=error,
+                )
+            return error
+        logger.debug(
+            "Released lock %s (key %s) of %s[%s]", lock.key.name, lock.key, self.name, task_id,
+            extra={"action": "lock_released", "lock_key": str(lock.key), "task_id": task_id},
+        )
+        return None
+
+
+def _state_of(exc: BaseException | None) -> str:
+    if isinstance(exc, Retry):
+        return states.RETRY
+    if isinstance(exc, Ignore):
+        return states.IGNORED
+    if isinstance(exc, Reject):
+        return states.REJECTED
+    return states.FAILURE
