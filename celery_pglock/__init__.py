@@ -15,7 +15,7 @@ from celery_pglock.exceptions import (
     LockBusy,
     LockError,
     LockKeyError,
-    LockLost,
+    LockLostError,
     LockNotOwnedError,
     PgLockError,
 )
@@ -34,7 +34,7 @@ __all__ = [
     "LockError",
     "LockKey",
     "LockKeyError",
-    "LockLost",
+    "LockLostError",
     "LockNotOwnedError",
     "LockScope",
     "OnBusy",

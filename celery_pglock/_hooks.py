@@ -27,6 +27,10 @@ from celery_pglock import config, context, db, exceptions
 
 logger = logging.getLogger(__name__)
 
+_SHUTDOWN_SIGNALS = {
+    "worker_process_shutdown": celery_signals.worker_process_shutdown,
+    "worker_shutdown": celery_signals.worker_shutdown,
+}
 _connected = False
 _connect_guard = threading.Lock()
 
@@ -37,11 +41,19 @@ def connect() -> None:
     with _connect_guard:
         if _connected:
             return
-        celery_signals.worker_init.connect(_check_worker_config, weak=False, dispatch_uid="celery_pglock.worker_init")
-        celery_signals.task_postrun.connect(_release_after_task, weak=False, dispatch_uid="celery_pglock.task_postrun")
-        celery_signals.task_revoked.connect(_release_revoked, weak=False, dispatch_uid="celery_pglock.task_revoked")
-        for signal in (celery_signals.worker_process_shutdown, celery_signals.worker_shutdown):
-            signal.connect(_release_everything, weak=False, dispatch_uid=f"celery_pglock.{signal.name}")
+        celery_signals.worker_init.connect(
+            _check_worker_config, weak=False, dispatch_uid="celery_pglock.worker_init"
+        )
+        celery_signals.task_postrun.connect(
+            _release_after_task, weak=False, dispatch_uid="celery_pglock.task_postrun"
+        )
+        celery_signals.task_revoked.connect(
+            _release_revoked, weak=False, dispatch_uid="celery_pglock.task_revoked"
+        )
+        for name, signal in _SHUTDOWN_SIGNALS.items():
+            signal.connect(
+                _release_everything, weak=False, dispatch_uid=f"celery_pglock.{name}"
+            )
         _connected = True
 
 
@@ -50,10 +62,14 @@ def disconnect() -> None:
     global _connected
     with _connect_guard:
         celery_signals.worker_init.disconnect(dispatch_uid="celery_pglock.worker_init")
-        celery_signals.task_postrun.disconnect(dispatch_uid="celery_pglock.task_postrun")
-        celery_signals.task_revoked.disconnect(dispatch_uid="celery_pglock.task_revoked")
-        for signal in (celery_signals.worker_process_shutdown, celery_signals.worker_shutdown):
-            signal.disconnect(dispatch_uid=f"celery_pglock.{signal.name}")
+        celery_signals.task_postrun.disconnect(
+            dispatch_uid="celery_pglock.task_postrun"
+        )
+        celery_signals.task_revoked.disconnect(
+            dispatch_uid="celery_pglock.task_revoked"
+        )
+        for name, signal in _SHUTDOWN_SIGNALS.items():
+            signal.disconnect(dispatch_uid=f"celery_pglock.{name}")
         _connected = False
 
 
@@ -63,14 +79,18 @@ def check_app(app: Any) -> None:
     Raises:
         ConfigurationError: naming the setting (and environment variable) at fault.
     """
-    from celery_pglock.task import SingletonTask  # noqa: PLC0415 - task imports this module
+    from celery_pglock.task import SingletonTask
 
     if not any(isinstance(task, SingletonTask) for task in app.tasks.values()):
         return
     config.check_unknown_settings(app.conf)
     url = config.database_url(app.conf)
     db.check_url(url)
-    logger.info("celery-pglock: lock database %s", db.mask_url(url), extra={"action": "lock_config"})
+    logger.info(
+        "celery-pglock: lock database %s",
+        db.mask_url(url),
+        extra={"action": "lock_config"},
+    )
 
 
 def _check_worker_config(sender: Any = None, **_: Any) -> None:
@@ -100,13 +120,23 @@ def _release_leftover(task_id: str, hook: str) -> None:
     if lock is None or not lock.owned():
         return
     logger.warning(
-        "Lock %s (key %s) of task %s was still held at %s; releasing it", lock.key.name, lock.key, task_id, hook,
-        extra={"action": "lock_leftover_released", "lock_key": str(lock.key), "task_id": task_id},
+        "Lock %s (key %s) of task %s was still held at %s; releasing it",
+        lock.key.name,
+        lock.key,
+        task_id,
+        hook,
+        extra={
+            "action": "lock_leftover_released",
+            "lock_key": str(lock.key),
+            "task_id": task_id,
+        },
     )
     try:
         lock.release(commit=False)
     except exceptions.PgLockError:
-        logger.exception("Releasing leftover lock %s failed; its connection was closed", lock.key)
+        logger.exception(
+            "Releasing leftover lock %s failed; its connection was closed", lock.key
+        )
 
 
 def _release_everything(**_: Any) -> None:

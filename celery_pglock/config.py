@@ -14,10 +14,12 @@ import difflib
 import enum
 import inspect
 import os
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery_pglock import exceptions, keys
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
 
 #: Environment variable read when ``app.conf.pglock_database_url`` is not set.
 DATABASE_URL_ENV = "CELERY_PGLOCK_DATABASE_URL"
@@ -77,19 +79,25 @@ class LockConfig:
     on_busy: OnBusy = OnBusy.SKIP  #: What to do when the lock is held.
     scope: LockScope = LockScope.SESSION  #: Session or transaction lifetime.
     retry_delay: float = DEFAULT_RETRY_DELAY  #: Seconds before a RETRY re-run.
-    wait_timeout: float = DEFAULT_WAIT_TIMEOUT  #: Seconds a WAIT may block (server-side).
+    wait_timeout: float = (
+        DEFAULT_WAIT_TIMEOUT  #: Seconds a WAIT may block (server-side).
+    )
     lock_args: tuple[str, ...] = ()  #: Parameter names whose values form the key.
     lock_key: Callable[..., object] | None = None  #: Custom key-material function.
     fixed_key: keys.LockKey | None = None  #: The key when it never varies per call.
 
 
-def _fail(task_name: str, option: str, value: object, expected: str) -> exceptions.ConfigurationError:
+def _fail(
+    task_name: str, option: str, value: object, expected: str
+) -> exceptions.ConfigurationError:
     return exceptions.ConfigurationError(
         f"Task {task_name!r}: {option}={value!r} is invalid; expected {expected}."
     )
 
 
-def _choice(task_name: str, option: str, value: object, enum_cls: type[enum.Enum]) -> Any:
+def _choice(
+    task_name: str, option: str, value: object, enum_cls: type[enum.Enum]
+) -> Any:
     try:
         return enum_cls(value)
     except ValueError:
@@ -101,14 +109,23 @@ def _seconds(task_name: str, option: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise _fail(task_name, option, value, "a positive number of seconds")
     if value == float("inf"):
-        raise _fail(task_name, option, value, "a finite number of seconds (waits are always bounded)")
+        raise _fail(
+            task_name,
+            option,
+            value,
+            "a finite number of seconds (waits are always bounded)",
+        )
     return float(value)
 
 
 def check_unknown_settings(conf: Mapping[str, Any]) -> None:
     """Refuse ``pglock_*`` settings we do not know, with a did-you-mean hint."""
     for setting in conf:
-        if isinstance(setting, str) and setting.lower().startswith("pglock_") and setting not in KNOWN_SETTINGS:
+        if (
+            isinstance(setting, str)
+            and setting.lower().startswith("pglock_")
+            and setting not in KNOWN_SETTINGS
+        ):
             hint = difflib.get_close_matches(setting, KNOWN_SETTINGS, n=1)
             raise exceptions.ConfigurationError(
                 f"Unknown setting {setting!r}"
@@ -117,7 +134,9 @@ def check_unknown_settings(conf: Mapping[str, Any]) -> None:
             )
 
 
-def task_parameters(run: Callable[..., object], *, drop_self: bool) -> list[inspect.Parameter]:
+def task_parameters(
+    run: Callable[..., object], *, drop_self: bool
+) -> list[inspect.Parameter]:
     """The parameters a caller passes to the task (``self`` removed for bound tasks)."""
     parameters = list(inspect.signature(run).parameters.values())
     return parameters[1:] if drop_self else parameters
@@ -166,12 +185,24 @@ def resolve(
     if not isinstance(lock_name, str) or not lock_name:
         raise _fail(task_name, "lock_name", lock_name, "a non-empty string")
 
-    on_busy = _choice(task_name, "lock_on_busy", option("lock_on_busy", OnBusy.SKIP), OnBusy)
-    scope = _choice(task_name, "lock_scope", option("lock_scope", LockScope.SESSION), LockScope)
-    retry_delay = _seconds(task_name, "lock_retry_delay", option("lock_retry_delay", DEFAULT_RETRY_DELAY))
-    wait_timeout = _seconds(task_name, "lock_wait_timeout", option("lock_wait_timeout", DEFAULT_WAIT_TIMEOUT))
+    on_busy = _choice(
+        task_name, "lock_on_busy", option("lock_on_busy", OnBusy.SKIP), OnBusy
+    )
+    scope = _choice(
+        task_name, "lock_scope", option("lock_scope", LockScope.SESSION), LockScope
+    )
+    retry_delay = _seconds(
+        task_name, "lock_retry_delay", option("lock_retry_delay", DEFAULT_RETRY_DELAY)
+    )
+    wait_timeout = _seconds(
+        task_name,
+        "lock_wait_timeout",
+        option("lock_wait_timeout", DEFAULT_WAIT_TIMEOUT),
+    )
 
-    given = [name for name in ("lock_args", "lock_key", "lock_id") if name in attributes]
+    given = [
+        name for name in ("lock_args", "lock_key", "lock_id") if name in attributes
+    ]
     if len(given) > 1:
         raise exceptions.ConfigurationError(
             f"Task {task_name!r}: set only one of lock_args, lock_key and lock_id "
@@ -181,11 +212,15 @@ def resolve(
     lock_args = _lock_args(task_name, attributes.get("lock_args", ()), parameters)
     lock_key = attributes.get("lock_key")
     if lock_key is not None and not callable(lock_key):
-        raise _fail(task_name, "lock_key", lock_key, "a callable taking the task's arguments")
+        raise _fail(
+            task_name, "lock_key", lock_key, "a callable taking the task's arguments"
+        )
 
     fixed_key: keys.LockKey | None = None
     if "lock_id" in attributes:
-        fixed_key = keys.explicit_key(lock_name, attributes["lock_id"], where=f"Task {task_name!r}: lock_id")
+        fixed_key = keys.explicit_key(
+            lock_name, attributes["lock_id"], where=f"Task {task_name!r}: lock_id"
+        )
     elif not lock_args and lock_key is None:
         fixed_key = keys.make_key(namespace, lock_name)
 
@@ -203,14 +238,21 @@ def resolve(
     )
 
 
-def _lock_args(task_name: str, value: object, parameters: Sequence[inspect.Parameter]) -> tuple[str, ...]:
+def _lock_args(
+    task_name: str, value: object, parameters: Sequence[inspect.Parameter]
+) -> tuple[str, ...]:
     names: tuple[object, ...]
     if isinstance(value, str):
         names = (value,)
     elif isinstance(value, (list, tuple)):
         names = tuple(value)
     else:
-        raise _fail(task_name, "lock_args", value, "a parameter name or a tuple of parameter names")
+        raise _fail(
+            task_name,
+            "lock_args",
+            value,
+            "a parameter name or a tuple of parameter names",
+        )
     by_name = {parameter.name: parameter for parameter in parameters}
     for name in names:
         parameter = by_name.get(name) if isinstance(name, str) else None

@@ -17,7 +17,9 @@ from celery_pglock import exceptions
 if TYPE_CHECKING:
     from celery_pglock.lock import AdvisoryLock
 
-_current: contextvars.ContextVar[AdvisoryLock | None] = contextvars.ContextVar("celery_pglock_current", default=None)
+_current: contextvars.ContextVar[AdvisoryLock | None] = contextvars.ContextVar(
+    "celery_pglock_current", default=None
+)
 _held: dict[str, AdvisoryLock] = {}
 _held_guard = threading.Lock()
 
@@ -33,11 +35,15 @@ def current_lock() -> AdvisoryLock:
     """
     lock = _current.get()
     if lock is None:
-        raise exceptions.PgLockError("current_lock() was called outside a running SingletonTask body.")
+        raise exceptions.PgLockError(
+            "current_lock() was called outside a running SingletonTask body."
+        )
     return lock
 
 
-def enter(lock: AdvisoryLock, task_id: str | None) -> contextvars.Token[AdvisoryLock | None]:
+def enter(
+    lock: AdvisoryLock, task_id: str | None
+) -> contextvars.Token[AdvisoryLock | None]:
     """Make ``lock`` the current lock and remember it under ``task_id``."""
     if task_id is not None:
         with _held_guard:

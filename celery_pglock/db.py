@@ -23,7 +23,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy import event, exc as sa_exc
+from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 
 from celery_pglock import _sql, config, exceptions
@@ -53,7 +54,9 @@ CLIENT_KEEPALIVES: dict[str, Any] = {
 SUPPORTED_DRIVERS = ("psycopg2",)
 
 _engines: dict[str, sa.Engine] = {}
-_labels: weakref.WeakKeyDictionary[sa.Engine, dict[str, str]] = weakref.WeakKeyDictionary()
+_labels: weakref.WeakKeyDictionary[sa.Engine, dict[str, str]] = (
+    weakref.WeakKeyDictionary()
+)
 _engines_pid = os.getpid()
 _engines_lock = threading.Lock()
 
@@ -62,7 +65,7 @@ def mask_url(url: str | sa.URL) -> str:
     """Render a database URL with its password replaced by ``***``: safe to log."""
     try:
         return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - a malformed URL must still never be logged raw
+    except Exception:
         return "<unparseable database URL>"
 
 
@@ -91,7 +94,7 @@ def application_name(prefix: str, *parts: object) -> str:
         return encoded.decode("ascii")
     head = " ".join(str(part) for part in (prefix, *parts[:-1]))
     room = APPLICATION_NAME_MAX - len(head.encode("ascii", "replace")) - 2
-    tail = str(parts[-1]).encode("ascii", "replace")[-max(room, 0):].decode("ascii")
+    tail = str(parts[-1]).encode("ascii", "replace")[-max(room, 0) :].decode("ascii")
     return f"{head} ~{tail}"[:APPLICATION_NAME_MAX]
 
 
@@ -170,7 +173,10 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
     connect_args.update(extra.pop("connect_args", {}))
     options.update(extra)
     engine = sa.create_engine(parsed, **options)
-    _labels[engine] = {"application_name_prefix": prefix, "masked_url": mask_url(parsed)}
+    _labels[engine] = {
+        "application_name_prefix": prefix,
+        "masked_url": mask_url(parsed),
+    }
     event.listen(engine, "checkin", _unlock_leftovers)
     return engine
 
@@ -178,7 +184,9 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
 def engine_info(engine: sa.Engine) -> dict[str, str]:
     """The labels create_engine attached: application_name prefix and masked URL."""
     labels = _labels.get(engine)
-    if labels is None:  # an engine the caller made: label it and add the net on first sight
+    if (
+        labels is None
+    ):  # an engine the caller made: label it and add the net on first sight
         if not event.contains(engine, "checkin", _unlock_leftovers):
             event.listen(engine, "checkin", _unlock_leftovers)
         labels = _labels[engine] = {
@@ -219,7 +227,9 @@ def _unlock_leftovers(dbapi_connection: Any, record: Any) -> None:
             cursor.execute(_sql.UNLOCK_ALL)
         held.clear()
     except Exception:
-        logger.exception("Could not unlock a returning lock connection; closing it instead")
+        logger.exception(
+            "Could not unlock a returning lock connection; closing it instead"
+        )
         record.invalidate()
 
 
@@ -232,13 +242,15 @@ def wrap_db_errors(action: str, engine: sa.Engine | None = None) -> Iterator[Non
         raise
     except (sa_exc.SQLAlchemyError, OSError, _driver_error()) as exc:
         where = f" on {engine_info(engine)['masked_url']}" if engine is not None else ""
-        raise exceptions.DatabaseError(f"Could not {action}{where}: {exc}".strip()) from exc
+        raise exceptions.DatabaseError(
+            f"Could not {action}{where}: {exc}".strip()
+        ) from exc
 
 
 def _driver_error() -> type[Exception]:
     import psycopg2  # the only supported driver; imported lazily to keep import cheap
 
-    return psycopg2.Error  # type: ignore[no-any-return]
+    return psycopg2.Error
 
 
 def sqlstate(exc: BaseException) -> str | None:

@@ -11,7 +11,7 @@ This module is a leaf: it imports nothing from the package, to avoid import loop
     └── LockError                .key and .name on every instance
         ├── LockBusy             busy lock, or a bounded wait that timed out
         ├── LockNotOwnedError    release of a lock this connection does not hold
-        └── LockLost             the lock ended before the protected work did
+        └── LockLostError             the lock ended before the protected work did
 
 Every exception pickles and unpickles with its message intact, because Celery ships a
 failed task's exception through the result backend (celery-singleton#55 crashed workers
@@ -54,7 +54,11 @@ class LockError(PgLockError):
     """A lock operation failed; ``key`` and ``name`` say which lock."""
 
     def __init__(
-        self, message: str | None = None, *, key: str | None = None, name: str | None = None
+        self,
+        message: str | None = None,
+        *,
+        key: str | None = None,
+        name: str | None = None,
     ) -> None:
         super().__init__(message)
         #: The advisory key as PostgreSQL sees it, e.g. ``"-4311986427365126397"`` or ``"42,1001"``.
@@ -74,7 +78,7 @@ def _rebuild_lock_error(
     return cls(message, key=key, name=name)
 
 
-class LockBusy(LockError):
+class LockBusy(LockError):  # noqa: N818 - the public name users asked for
     """The lock is held by another holder."""
 
 
@@ -82,5 +86,5 @@ class LockNotOwnedError(LockError):
     """Cannot release a lock that is not owned by this holder."""
 
 
-class LockLost(LockError):
+class LockLostError(LockError):
     """The lock ended before the protected work finished."""

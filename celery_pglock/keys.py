@@ -39,13 +39,15 @@ from celery_pglock import exceptions
 KEY_FORMAT = "celery_pglock/1"
 
 #: The SQL twin of :func:`key_from_text`, with the key text as its only parameter.
-KEY_SQL = "('x' || left(encode(sha256(convert_to(%s, 'UTF8')), 'hex'), 16))::bit(64)::bigint"
+KEY_SQL = (
+    "('x' || left(encode(sha256(convert_to(%s, 'UTF8')), 'hex'), 16))::bit(64)::bigint"
+)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 #: What :func:`canonical` returns: plain JSON data.
-Json: TypeAlias = "None | bool | int | float | str | list[Json] | dict[str, Json]"
+Json: TypeAlias = "bool | int | float | str | list[Json] | dict[str, Json] | None"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,7 +95,9 @@ def key_from_text(text: str) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-def make_key(namespace: str, name: str, material: object = None, *, where: str = "key") -> LockKey:
+def make_key(
+    namespace: str, name: str, material: object = None, *, where: str = "key"
+) -> LockKey:
     """Build the :class:`LockKey` for ``material`` under ``namespace`` and lock ``name``.
 
     Args:
@@ -179,7 +183,9 @@ def canonical(value: object, where: str = "value") -> Json:
             )
         return float(value)
     if isinstance(value, (list, tuple)):
-        return [canonical(item, f"{where}[{index}]") for index, item in enumerate(value)]
+        return [
+            canonical(item, f"{where}[{index}]") for index, item in enumerate(value)
+        ]
     if isinstance(value, Mapping):
         result: dict[str, Json] = {}
         for item_key, item in value.items():
@@ -201,7 +207,11 @@ def canonical(value: object, where: str = "value") -> Json:
         return str(value)
     if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
         return value.isoformat()
-    kind = "an enum member" if isinstance(value, enum.Enum) else f"a {type(value).__qualname__}"
+    kind = (
+        "an enum member"
+        if isinstance(value, enum.Enum)
+        else f"a {type(value).__qualname__}"
+    )
     raise exceptions.LockKeyError(
         f"{where} is {kind}, which has no stable text form for a lock key. Pass plain "
         "data (str, int, float, bool, None, lists, dicts with str keys, UUID, Decimal, "

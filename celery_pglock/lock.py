@@ -30,13 +30,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import _sql, db, exceptions
 from celery_pglock.config import LockScope
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
     import sqlalchemy as sa
 
     from celery_pglock.keys import LockKey
@@ -72,7 +73,9 @@ class AdvisoryLock:
         self._holding_name = db.application_name(
             labels["application_name_prefix"], db.process_tag(), key, label or key.name
         )
-        self._idle_name = db.application_name(labels["application_name_prefix"], db.process_tag(), "idle")
+        self._idle_name = db.application_name(
+            labels["application_name_prefix"], db.process_tag(), "idle"
+        )
         self._pooled: Any = None  # the pool's proxied DBAPI connection while held
         self._connection: sa.Connection | None = None  # transaction scope only
         self._transaction: sa.RootTransaction | None = None
@@ -105,7 +108,11 @@ class AdvisoryLock:
             )
         timeout_ms: int | None = None
         if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < math.inf):
+            if (
+                isinstance(timeout, bool)
+                or not isinstance(timeout, (int, float))
+                or not (0 < timeout < math.inf)
+            ):
                 raise exceptions.ConfigurationError(
                     f"timeout={timeout!r} is invalid; expected None (try once) or a positive number of seconds."
                 )
@@ -132,7 +139,7 @@ class AdvisoryLock:
         Raises:
             LockNotOwnedError: this object does not hold the lock, or PostgreSQL says the
                 session no longer held it (the connection is then closed, not pooled).
-            LockLost: transaction scope: the transaction was already ended by someone
+            LockLostError: transaction scope: the transaction was already ended by someone
                 else (e.g. the task body committed), so the lock ended early.
             DatabaseError: the database failed; the connection is closed, which frees
                 any session lock it held.
@@ -157,8 +164,13 @@ class AdvisoryLock:
 
     def locked(self) -> bool:
         """True if any session in this database holds the key (one ``pg_locks`` query)."""
-        with db.wrap_db_errors("read pg_locks", self.engine), self.engine.connect() as connection:
-            result = connection.exec_driver_sql(_sql.IS_LOCKED, self.key.pg_locks_ids).scalar()
+        with (
+            db.wrap_db_errors("read pg_locks", self.engine),
+            self.engine.connect() as connection,
+        ):
+            result = connection.exec_driver_sql(
+                _sql.IS_LOCKED, self.key.pg_locks_ids
+            ).scalar()
             return bool(result)
 
     @property
@@ -178,7 +190,9 @@ class AdvisoryLock:
                 "shared with the task; set lock_scope='transaction' to work inside the lock's transaction."
             )
         if self._connection is None:
-            raise exceptions.PgLockError(f"Lock {self.key.name!r} (key {self.key}) is not held.")
+            raise exceptions.PgLockError(
+                f"Lock {self.key.name!r} (key {self.key}) is not held."
+            )
         return self._connection
 
     def __enter__(self) -> AdvisoryLock:
@@ -210,16 +224,23 @@ class AdvisoryLock:
         with db.wrap_db_errors(f"acquire lock {self.key.name!r}", self.engine):
             pooled = self.engine.raw_connection()
         try:
-            dbapi = pooled.dbapi_connection
+            dbapi: Any = (
+                pooled.dbapi_connection
+            )  # psycopg2: typed loosely by SQLAlchemy
             dbapi.autocommit = True
             with dbapi.cursor() as cursor:
                 if timeout_ms is None:
-                    cursor.execute(_sql.TRY_LOCK_SESSION[arity], (*self.key.ids, self._holding_name))
+                    cursor.execute(
+                        _sql.TRY_LOCK_SESSION[arity],
+                        (*self.key.ids, self._holding_name),
+                    )
                     row = cursor.fetchone()
                     granted = row is not None and row[0] is not None
                 else:
                     granted = self._wait(
-                        cursor, _sql.WAIT_LOCK_SESSION[arity], (str(timeout_ms), self._holding_name, *self.key.ids)
+                        cursor,
+                        _sql.WAIT_LOCK_SESSION[arity],
+                        (str(timeout_ms), self._holding_name, *self.key.ids),
                     )
         except BaseException as exc:
             # Unknown state (e.g. interrupted mid-statement): closing is the only safe release.
@@ -258,7 +279,9 @@ class AdvisoryLock:
         held = db.held_keys(pooled.info)
         try:
             with pooled.dbapi_connection.cursor() as cursor:
-                cursor.execute(_sql.UNLOCK_SESSION[arity], (*self.key.ids, self._idle_name))
+                cursor.execute(
+                    _sql.UNLOCK_SESSION[arity], (*self.key.ids, self._idle_name)
+                )
                 row = cursor.fetchone()
             unlocked = bool(row and row[0])
         except BaseException as exc:
@@ -290,11 +313,17 @@ class AdvisoryLock:
             connection = self.engine.connect()
         try:
             pooled = connection.connection
-            pooled.dbapi_connection.autocommit = False  # type: ignore[union-attr]
+            dbapi: Any = (
+                pooled.dbapi_connection
+            )  # psycopg2: typed loosely by SQLAlchemy
+            dbapi.autocommit = False
             transaction = connection.begin()
-            with pooled.dbapi_connection.cursor() as cursor:  # type: ignore[union-attr]
+            with dbapi.cursor() as cursor:
                 if timeout_ms is None:
-                    cursor.execute(_sql.TRY_LOCK_TRANSACTION[arity], (*self.key.ids, self._holding_name))
+                    cursor.execute(
+                        _sql.TRY_LOCK_TRANSACTION[arity],
+                        (*self.key.ids, self._holding_name),
+                    )
                     row = cursor.fetchone()
                     granted = row is not None and row[0] is not None
                 else:
@@ -314,22 +343,34 @@ class AdvisoryLock:
                 with db.wrap_db_errors(f"acquire lock {self.key.name!r}", self.engine):
                     raise
             raise
-        self._connection, self._transaction, self._pooled = connection, transaction, pooled
+        self._connection, self._transaction, self._pooled = (
+            connection,
+            transaction,
+            pooled,
+        )
         return True
 
     def _do_release_transaction(self, commit: bool) -> None:
         connection, transaction = self._connection, self._transaction
         self._connection = self._transaction = self._pooled = None
-        assert connection is not None and transaction is not None  # noqa: S101 - owned() checked
+        if (
+            connection is None or transaction is None
+        ):  # owned() was checked by release()
+            raise exceptions.LockNotOwnedError(
+                f"Lock {self.key.name!r} has no open transaction."
+            )
         try:
             if not transaction.is_active:
-                raise exceptions.LockLost(
+                raise exceptions.LockLostError(
                     f"The transaction of lock {self.key.name!r} (key {self.key}) was ended before "
                     "release (committed or rolled back by the task?), so the lock ended early.",
                     key=str(self.key),
                     name=self.key.name,
                 )
-            with db.wrap_db_errors(f"{'commit' if commit else 'roll back'} lock {self.key.name!r}", self.engine):
+            with db.wrap_db_errors(
+                f"{'commit' if commit else 'roll back'} lock {self.key.name!r}",
+                self.engine,
+            ):
                 if commit:
                     transaction.commit()
                 else:

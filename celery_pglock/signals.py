@@ -40,4 +40,10 @@ lock_completed = Signal(name="lock_completed")
 lock_failed = Signal(name="lock_failed")
 lock_release_failed = Signal(name="lock_release_failed")
 
-__all__ = ["lock_acquired", "lock_completed", "lock_failed", "lock_release_failed", "lock_skipped"]
+__all__ = [
+    "lock_acquired",
+    "lock_completed",
+    "lock_failed",
+    "lock_release_failed",
+    "lock_skipped",
+]

@@ -24,7 +24,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import celery
@@ -36,6 +35,8 @@ from celery_pglock.config import LockScope, OnBusy
 from celery_pglock.lock import AdvisoryLock
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
     import sqlalchemy as sa
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,9 @@ class _KeyArgument:
         self.keyword = parameter.kind is not parameter.POSITIONAL_ONLY
         self.default = parameter.default
 
-    def value(self, task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    def value(
+        self, task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> Any:
         # The same binding Python does for the call itself, without Signature.bind's cost:
         # f(7), f(tenant_id=7) and f(7, fmt="pdf") all yield 7, and defaults apply.
         if self.keyword and self.name in kwargs:
@@ -75,15 +78,27 @@ class _KeyArgument:
 class _Guard:
     """One task's resolved options plus its per-process engine: built once at bind."""
 
-    def __init__(self, options: config.LockConfig, parameters: Sequence[inspect.Parameter], conf: Any) -> None:
+    def __init__(
+        self,
+        options: config.LockConfig,
+        parameters: Sequence[inspect.Parameter],
+        conf: Any,
+    ) -> None:
         self.config = options
         self.conf = conf
         positional = [
-            p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            p
+            for p in parameters
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         ]
         by_name = {p.name: p for p in parameters}
         self.arguments = [
-            _KeyArgument(by_name[name], positional.index(by_name[name]) if by_name[name] in positional else None)
+            _KeyArgument(
+                by_name[name],
+                positional.index(by_name[name])
+                if by_name[name] in positional
+                else None,
+            )
             for name in options.lock_args
         ]
         self._engine: tuple[int, sa.Engine] | None = None
@@ -119,7 +134,9 @@ def _option_attributes(cls: type) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for klass in reversed(cls.__mro__):
         for name in vars(klass):
-            if name.startswith("lock_") and (name in config.TASK_OPTIONS or name not in vars(SingletonTask)):
+            if name.startswith("lock_") and (
+                name in config.TASK_OPTIONS or name not in vars(SingletonTask)
+            ):
                 value = inspect.getattr_static(cls, name)
                 if isinstance(value, staticmethod):
                     value = value.__func__
@@ -134,7 +151,9 @@ def _call_parameters(cls: type) -> list[inspect.Parameter]:
     run = inspect.getattr_static(cls, "run")
     if isinstance(run, staticmethod):  # @app.task without bind=True
         return config.task_parameters(run.__func__, drop_self=False)
-    return config.task_parameters(run, drop_self=True)  # bind=True or a class-based task
+    return config.task_parameters(
+        run, drop_self=True
+    )  # bind=True or a class-based task
 
 
 class SingletonTask(celery.Task):  # type: ignore[type-arg]
@@ -182,7 +201,9 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         try:
             parameters = _call_parameters(cls)
         except (TypeError, ValueError) as exc:
-            raise exceptions.ConfigurationError(f"Task {cls.name!r}: cannot read its signature ({exc}).") from exc
+            raise exceptions.ConfigurationError(
+                f"Task {cls.name!r}: cannot read its signature ({exc})."
+            ) from exc
         options = config.resolve(
             task_name=cls.name,
             attributes=_option_attributes(cls),
@@ -212,17 +233,29 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         request = self.request
         task_id: str | None = request.id
         key = guard.key(args, kwargs)
-        lock = AdvisoryLock(engine=guard.engine(), key=key, scope=options.scope, label=options.task_name)
-        granted = lock.acquire(timeout=options.wait_timeout if options.on_busy is OnBusy.WAIT else None)
+        lock = AdvisoryLock(
+            engine=guard.engine(), key=key, scope=options.scope, label=options.task_name
+        )
+        granted = lock.acquire(
+            timeout=options.wait_timeout if options.on_busy is OnBusy.WAIT else None
+        )
         if not granted:
             self._on_busy(lock, task_id)
         if signals.lock_acquired.receivers:
             signals.lock_acquired.send(
-                sender=self, task_id=task_id, task_name=self.name, key=key, wait_seconds=lock.wait_seconds
+                sender=self,
+                task_id=task_id,
+                task_name=self.name,
+                key=key,
+                wait_seconds=lock.wait_seconds,
             )
         logger.debug(
             "Acquired lock %s (key %s) for %s[%s] on %s",
-            key.name, key, self.name, task_id, db.engine_info(lock.engine)["masked_url"],
+            key.name,
+            key,
+            self.name,
+            task_id,
+            db.engine_info(lock.engine)["masked_url"],
             extra={"action": "lock_acquired", "lock_key": str(key), "task_id": task_id},
         )
         token = context.enter(lock, task_id)
@@ -259,51 +292,86 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         action = options.on_busy
         if signals.lock_skipped.receivers:
             signals.lock_skipped.send(
-                sender=self, task_id=task_id, task_name=self.name, key=key,
-                wait_seconds=lock.wait_seconds, action=action.value,
+                sender=self,
+                task_id=task_id,
+                task_name=self.name,
+                key=key,
+                wait_seconds=lock.wait_seconds,
+                action=action.value,
             )
-        waited = f" after waiting {options.wait_timeout:g}s" if action is OnBusy.WAIT else ""
+        waited = (
+            f" after waiting {options.wait_timeout:g}s" if action is OnBusy.WAIT else ""
+        )
         message = f"Lock {key.name!r} (key {key}) is held by another run{waited}; {self.name}[{task_id}] did not run."
         logger.info(
-            "%s Policy: %s. Database: %s.", message, action.value, db.engine_info(lock.engine)["masked_url"],
-            extra={"action": "lock_skipped", "lock_key": str(key), "task_id": task_id, "on_busy": action.value},
+            "%s Policy: %s. Database: %s.",
+            message,
+            action.value,
+            db.engine_info(lock.engine)["masked_url"],
+            extra={
+                "action": "lock_skipped",
+                "lock_key": str(key),
+                "task_id": task_id,
+                "on_busy": action.value,
+            },
         )
         busy = exceptions.LockBusy(message, key=str(key), name=key.name)
         request = self.request
         if request.called_directly:
             raise busy  # a direct call has no message to skip or re-queue
         if action is OnBusy.SKIP:
-            if task_id is not None and not (self.ignore_result or request.ignore_result):
+            if task_id is not None and not (
+                self.ignore_result or request.ignore_result
+            ):
                 self.update_state(
                     task_id=task_id,
                     state=SKIPPED,
-                    meta={"reason": "lock_busy", "lock": key.name, "key": str(key), "task": self.name},
+                    meta={
+                        "reason": "lock_busy",
+                        "lock": key.name,
+                        "key": str(key),
+                        "task": self.name,
+                    },
                 )
             raise Ignore(message)
         if action is OnBusy.RETRY:
             raise self.retry(countdown=options.retry_delay, exc=busy)
         raise busy
 
-    def _finish(self, lock: AdvisoryLock, task_id: str | None, exc: BaseException | None) -> None:
+    def _finish(
+        self, lock: AdvisoryLock, task_id: str | None, exc: BaseException | None
+    ) -> None:
         """Release (if still held) and report the outcome of a run that held the lock."""
         release_error: exceptions.PgLockError | None = None
         if lock.owned():
             release_error = self._release(lock, task_id, commit=exc is None)
         held = (lock.released_at or 0.0) - (lock.acquired_at or 0.0)
         common = {
-            "sender": self, "task_id": task_id, "task_name": self.name, "key": lock.key,
-            "wait_seconds": lock.wait_seconds, "held_seconds": held,
+            "sender": self,
+            "task_id": task_id,
+            "task_name": self.name,
+            "key": lock.key,
+            "wait_seconds": lock.wait_seconds,
+            "held_seconds": held,
         }
         if exc is None and release_error is None:
             if signals.lock_completed.receivers:
                 signals.lock_completed.send(state=states.SUCCESS, **common)
         elif signals.lock_failed.receivers:
-            signals.lock_failed.send(state=_state_of(exc), exception=exc or release_error, **common)
-        if exc is None and release_error is not None and lock.scope is LockScope.TRANSACTION:
+            signals.lock_failed.send(
+                state=_state_of(exc), exception=exc or release_error, **common
+            )
+        if (
+            exc is None
+            and release_error is not None
+            and lock.scope is LockScope.TRANSACTION
+        ):
             # The body's work was not committed under the lock: the run must not succeed.
             raise release_error
 
-    def _release(self, lock: AdvisoryLock, task_id: str | None, *, commit: bool) -> exceptions.PgLockError | None:
+    def _release(
+        self, lock: AdvisoryLock, task_id: str | None, *, commit: bool
+    ) -> exceptions.PgLockError | None:
         """Release ``lock``; report (not raise) a failure, which already closed the connection."""
         try:
             lock.release(commit=commit)
@@ -311,18 +379,39 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             logger.error(
                 "Releasing lock %s (key %s) of %s[%s] failed: %s. The connection was closed, "
                 "so PostgreSQL no longer holds the lock. Database: %s.",
-                lock.key.name, lock.key, self.name, task_id, error, db.engine_info(lock.engine)["masked_url"],
-                extra={"action": "lock_release_failed", "lock_key": str(lock.key), "task_id": task_id},
+                lock.key.name,
+                lock.key,
+                self.name,
+                task_id,
+                error,
+                db.engine_info(lock.engine)["masked_url"],
+                extra={
+                    "action": "lock_release_failed",
+                    "lock_key": str(lock.key),
+                    "task_id": task_id,
+                },
             )
             if signals.lock_release_failed.receivers:
                 signals.lock_release_failed.send(
-                    sender=self, task_id=task_id, task_name=self.name, key=lock.key,
-                    wait_seconds=lock.wait_seconds, exception=error,
+                    sender=self,
+                    task_id=task_id,
+                    task_name=self.name,
+                    key=lock.key,
+                    wait_seconds=lock.wait_seconds,
+                    exception=error,
                 )
             return error
         logger.debug(
-            "Released lock %s (key %s) of %s[%s]", lock.key.name, lock.key, self.name, task_id,
-            extra={"action": "lock_released", "lock_key": str(lock.key), "task_id": task_id},
+            "Released lock %s (key %s) of %s[%s]",
+            lock.key.name,
+            lock.key,
+            self.name,
+            task_id,
+            extra={
+                "action": "lock_released",
+                "lock_key": str(lock.key),
+                "task_id": task_id,
+            },
         )
         return None
 

@@ -1,0 +1,301 @@
+"""AdvisoryLock against a real PostgreSQL: scopes, waits, bookkeeping, safety nets."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import sqlalchemy as sa
+
+from celery_pglock import (
+    AdvisoryLock,
+    DatabaseError,
+    LockBusy,
+    LockLostError,
+    LockNotOwnedError,
+    LockScope,
+    keys,
+)
+from celery_pglock import db as db_module
+
+from ..unit.test_keys import VECTORS
+
+
+@pytest.fixture
+def single_engine(database_url):
+    """A lock engine whose pool holds exactly one connection, to inspect it after use."""
+    engine = db_module.create_engine(
+        database_url, {"pglock_engine_options": {"pool_size": 1, "max_overflow": 0}}
+    )
+    yield engine
+    engine.dispose()
+
+
+def make_key(namespace, material=None):
+    return keys.make_key(namespace, "it.lock", material)
+
+
+def pg_locks_rows(engine, key):
+    classid, objid, objsubid = key.pg_locks_ids
+    with engine.connect() as connection:
+        return connection.execute(
+            sa.text(
+                "SELECT a.application_name, l.granted FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+                "WHERE l.locktype = 'advisory' AND l.classid = :c AND l.objid = :o AND l.objsubid = :s"
+            ),
+            {"c": classid, "o": objid, "s": objsubid},
+        ).all()
+
+
+def test_session_lock_excludes_a_second_holder_until_released(lock_engine, namespace):
+    """Try-lock semantics: the second holder gets False, then True after release."""
+    key = make_key(namespace)
+    first, second = (
+        AdvisoryLock(engine=lock_engine, key=key),
+        AdvisoryLock(engine=lock_engine, key=key),
+    )
+    assert first.acquire()
+    assert first.owned()
+    assert not second.acquire()
+    assert not second.owned()
+    assert first.locked()
+    first.release()
+    assert not first.locked()
+    assert second.acquire()
+    second.release()
+
+
+def test_holder_is_visible_in_pg_locks_with_application_name(lock_engine, namespace):
+    """The article's incident query shows who holds the key: application_name has key and label."""
+    key = make_key(namespace)
+    with AdvisoryLock(engine=lock_engine, key=key, label="billing.daily_settlement"):
+        rows = pg_locks_rows(lock_engine, key)
+        assert 1 == len(rows)
+        name, granted = rows[0]
+        assert granted
+        assert name.startswith("pglock ")
+        assert str(key) in name
+        assert name.endswith("billing.daily_settlement")
+    assert [] == pg_locks_rows(lock_engine, key)
+
+
+def test_idle_connection_is_relabelled_after_release(single_engine, namespace):
+    """After release the pooled session no longer claims to hold anything."""
+    with AdvisoryLock(engine=single_engine, key=make_key(namespace)):
+        pass
+    with single_engine.connect() as connection:
+        name = connection.exec_driver_sql("SHOW application_name").scalar()
+    assert name.endswith(" idle")
+
+
+def test_two_int_key_uses_the_two_int_key_space(lock_engine, namespace):
+    """(42, 1001) shows as classid 42, objid 1001, objsubid 2, separate from bigint keys."""
+    key = keys.explicit_key("it.pair", (42, 1001))
+    assert (42, 1001, 2) == key.pg_locks_ids
+    bigint_twin = keys.LockKey(name="it.pair", ids=((42 << 32) | 1001,))
+    with AdvisoryLock(engine=lock_engine, key=key):
+        assert 1 == len(pg_locks_rows(lock_engine, key))
+        with AdvisoryLock(engine=lock_engine, key=bigint_twin):  # disjoint key spaces
+            assert 1 == len(pg_locks_rows(lock_engine, bigint_twin))
+
+
+def test_bounded_wait_times_out_server_side_without_leaking_lock_timeout(
+    single_engine, lock_engine, namespace
+):
+    """acquire(timeout) waits about that long, returns False, and leaves lock_timeout as it was."""
+    key = make_key(namespace)
+    with AdvisoryLock(engine=lock_engine, key=key):
+        waiter = AdvisoryLock(engine=single_engine, key=key)
+        started = time.monotonic()
+        assert not waiter.acquire(timeout=0.3)
+        assert time.monotonic() - started >= 0.29
+        assert waiter.wait_seconds >= 0.29
+    with single_engine.connect() as connection:  # the very connection that waited
+        assert "0" == connection.exec_driver_sql("SHOW lock_timeout").scalar()
+        assert (
+            not connection.in_transaction()
+            or connection.exec_driver_sql("SELECT 1").scalar() == 1
+        )
+
+
+def test_bounded_wait_gets_the_lock_when_the_holder_releases(lock_engine, namespace):
+    """A waiter is granted the lock as soon as the holder lets go."""
+    key = make_key(namespace)
+    holder = AdvisoryLock(engine=lock_engine, key=key)
+    assert holder.acquire()
+    releaser = threading.Timer(0.2, holder.release)
+    releaser.start()
+    waiter = AdvisoryLock(engine=lock_engine, key=key)
+    try:
+        assert waiter.acquire(timeout=5)
+        assert 0.15 <= waiter.wait_seconds < 5
+    finally:
+        releaser.join()
+        if waiter.owned():
+            waiter.release()
+
+
+def test_release_without_holding_raises(lock_engine, namespace):
+    """release() of a lock this object does not hold names the lock."""
+    lock = AdvisoryLock(engine=lock_engine, key=make_key(namespace))
+    with pytest.raises(LockNotOwnedError, match=r"it\.lock"):
+        lock.release()
+
+
+def test_unlock_that_returns_false_closes_the_connection(single_engine, namespace):
+    """If PostgreSQL says the key was not held, the session is closed, not pooled."""
+    lock = AdvisoryLock(engine=single_engine, key=make_key(namespace))
+    assert lock.acquire()
+    dbapi = lock._pooled.dbapi_connection
+    with dbapi.cursor() as cursor:  # someone unlocked behind our back
+        cursor.execute("SELECT pg_advisory_unlock(%s)", lock.key.ids)
+    with pytest.raises(LockNotOwnedError, match="connection was closed"):
+        lock.release()
+    assert dbapi.closed
+    with single_engine.connect() as connection:  # the pool reconnects transparently
+        assert 1 == connection.exec_driver_sql("SELECT 1").scalar()
+
+
+def test_checkin_safety_net_unlocks_a_forgotten_lock(lock_engine, namespace):
+    """A connection returned to the pool while holding a lock is unlocked on check-in."""
+    lock = AdvisoryLock(engine=lock_engine, key=make_key(namespace))
+    assert lock.acquire()
+    lock._pooled.close()  # a buggy path returns the connection without releasing
+    lock._pooled = None
+    assert not lock.locked()
+
+
+def test_transaction_scope_commits_work_with_the_lock(lock_engine, namespace):
+    """Transaction scope: the lock's transaction carries the work; commit releases both."""
+    table = f"t_{namespace.replace('-', '_')}"
+    with lock_engine.begin() as connection:
+        connection.exec_driver_sql(f"CREATE TABLE {table} (v int)")
+    try:
+        key = make_key(namespace)
+        with AdvisoryLock(
+            engine=lock_engine, key=key, scope=LockScope.TRANSACTION
+        ) as lock:
+            lock.connection.exec_driver_sql(f"INSERT INTO {table} VALUES (1)")
+            assert not AdvisoryLock(
+                engine=lock_engine, key=key
+            ).acquire()  # excludes session holders too
+        rolled_back = AdvisoryLock(engine=lock_engine, key=key, scope="transaction")
+        try:
+            with rolled_back as lock:
+                lock.connection.exec_driver_sql(f"INSERT INTO {table} VALUES (2)")
+                raise RuntimeError("roll back")
+        except RuntimeError:
+            pass
+        assert not rolled_back.owned()
+        with lock_engine.connect() as connection:
+            assert [1] == connection.exec_driver_sql(
+                f"SELECT v FROM {table}"
+            ).scalars().all()
+        assert not AdvisoryLock(engine=lock_engine, key=key).locked()
+    finally:
+        with lock_engine.begin() as connection:
+            connection.exec_driver_sql(f"DROP TABLE {table}")
+
+
+def test_transaction_scope_detects_a_commit_by_the_body(lock_engine, namespace):
+    """Committing the lock's transaction ends the lock early; release() says so."""
+    lock = AdvisoryLock(
+        engine=lock_engine, key=make_key(namespace), scope=LockScope.TRANSACTION
+    )
+    assert lock.acquire()
+    lock.connection.commit()
+    with pytest.raises(LockLostError, match="ended early"):
+        lock.release()
+    assert not lock.owned()
+
+
+def test_transaction_scope_wait_restores_lock_timeout_inside_the_transaction(
+    lock_engine, namespace
+):
+    """The bounded wait's lock_timeout does not apply to the body's own statements."""
+    lock = AdvisoryLock(
+        engine=lock_engine, key=make_key(namespace), scope=LockScope.TRANSACTION
+    )
+    assert lock.acquire(timeout=2)
+    try:
+        assert "0" == lock.connection.exec_driver_sql("SHOW lock_timeout").scalar()
+    finally:
+        lock.release()
+
+
+def test_session_lock_and_connection_are_not_shared(lock_engine, namespace):
+    """Session scope does not lend its pinned connection to application code."""
+    with (
+        AdvisoryLock(engine=lock_engine, key=make_key(namespace)) as lock,
+        pytest.raises(Exception, match="session scope"),
+    ):
+        _ = lock.connection
+
+
+def test_context_manager_raises_lock_busy(lock_engine, namespace):
+    """`with lock:` raises LockBusy with key and name when the lock is held."""
+    key = make_key(namespace)
+    second = AdvisoryLock(engine=lock_engine, key=key)
+    with AdvisoryLock(engine=lock_engine, key=key), pytest.raises(LockBusy) as caught:
+        second.__enter__()
+    assert str(key) == caught.value.key
+    assert "it.lock" == caught.value.name
+
+
+def test_killed_holder_process_frees_the_lock(database_url, lock_engine, namespace):
+    """SIGKILL of the holder: PostgreSQL frees the lock when the session dies; no TTL."""
+    key = make_key(namespace)
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from celery_pglock import AdvisoryLock, keys, db
+        engine = db.create_engine({database_url!r})
+        lock = AdvisoryLock(engine=engine, key=keys.make_key({namespace!r}, "it.lock"))
+        assert lock.acquire()
+        print("held", flush=True)
+        time.sleep(60)
+        """
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert "held" == holder.stdout.readline().strip()
+        assert AdvisoryLock(engine=lock_engine, key=key).locked()
+        holder.kill()
+        holder.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while AdvisoryLock(engine=lock_engine, key=key).locked():
+            assert time.monotonic() < deadline, (
+                "lock still held 10 s after its holder was killed"
+            )
+            time.sleep(0.05)
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+        holder.stdout.close()
+    assert AdvisoryLock(engine=lock_engine, key=key).acquire()
+
+
+def test_unreachable_database_raises_database_error_with_masked_url(namespace):
+    """No silent run without a lock: a dead database is an error naming it (password masked)."""
+    engine = db_module.create_engine(
+        "postgresql+psycopg2://app:s3cret@127.0.0.1:1/app",
+        {"pglock_engine_options": {"connect_args": {"connect_timeout": 2}}},
+    )
+    try:
+        with pytest.raises(DatabaseError) as caught:
+            AdvisoryLock(engine=engine, key=make_key(namespace)).acquire()
+        assert "s3cret" not in str(caught.value)
+        assert "127.0.0.1:1" in str(caught.value)
+    finally:
+        engine.dispose()
+
+
+def test_vectors_are_importable():
+    """The SQL-twin vectors module is shared with this file."""
+    assert VECTORS

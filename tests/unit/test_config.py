@@ -1,0 +1,240 @@
+"""Option validation at registration time, and resolution order. No I/O."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from celery import Celery
+
+from celery_pglock import (
+    ConfigurationError,
+    LockBusy,
+    LockNotOwnedError,
+    LockScope,
+    OnBusy,
+    SingletonTask,
+    db,
+)
+from celery_pglock import config as config_module
+
+
+@pytest.fixture
+def app():
+    app = Celery("unit", broker="memory://", set_as_current=False)
+    app.conf.pglock_database_url = "postgresql+psycopg2://u:secret@db.invalid/app"
+    return app
+
+
+def register(app, fun=None, **options):
+    """Register a SingletonTask and force Celery to bind it (where validation runs)."""
+
+    def export(tenant_id, fmt="csv", *, region="eu"):
+        return tenant_id
+
+    fun = fun or export
+    task = app.task(
+        base=SingletonTask, name=f"unit.{fun.__name__}", shared=False, **options
+    )(fun)
+    app.finalize(auto=True)
+    return app.tasks[task.name]
+
+
+def test_defaults(app):
+    """No options: one lock per task name, skip when busy, session scope."""
+    options = register(app).lock_config
+    assert OnBusy.SKIP == options.on_busy
+    assert LockScope.SESSION == options.scope
+    assert options.fixed_key is not None
+    assert "unit.export" in options.fixed_key.text
+
+
+def test_task_option_beats_app_setting_beats_default(app):
+    """Resolution order: task attribute > app.conf.pglock_* > default."""
+    app.conf.pglock_on_busy = "raise"
+    app.conf.pglock_wait_timeout = 3
+    options = register(app, lock_on_busy="wait").lock_config
+    assert OnBusy.WAIT == options.on_busy
+    assert 3.0 == options.wait_timeout
+    assert config_module.DEFAULT_RETRY_DELAY == options.retry_delay
+
+
+@pytest.mark.parametrize(
+    ("options", "fragments"),
+    [
+        (
+            {"lock_args": ("tenant",)},
+            ["lock_args", "'tenant' is not one of them", "tenant_id, fmt, region"],
+        ),
+        ({"lock_args": 7}, ["lock_args", "parameter name"]),
+        ({"lock_args": ("tenant_id", "tenant_id")}, ["at most once"]),
+        (
+            {"lock_args": ("tenant_id",), "lock_key": lambda *a, **k: 1},
+            ["only one of", "lock_args and lock_key"],
+        ),
+        ({"lock_id": 2**63}, ["lock_id", "64-bit"]),
+        ({"lock_id": (42, 2**31)}, ["lock_id", "32-bit"]),
+        ({"lock_id": 5, "lock_args": ("tenant_id",)}, ["only one of"]),
+        (
+            {"lock_on_busy": "skp"},
+            ["lock_on_busy='skp'", "'skip', 'raise', 'retry', 'wait'"],
+        ),
+        ({"lock_scope": "global"}, ["lock_scope='global'", "'session', 'transaction'"]),
+        (
+            {"lock_wait_timeout": 0},
+            ["lock_wait_timeout=0", "positive number of seconds"],
+        ),
+        ({"lock_wait_timeout": float("inf")}, ["always bounded"]),
+        ({"lock_retry_delay": -1}, ["lock_retry_delay=-1"]),
+        ({"lock_key": "tenant_id"}, ["lock_key='tenant_id'", "callable"]),
+        ({"lock_namespace": ""}, ["lock_namespace"]),
+        (
+            {"lock_arg": ("tenant_id",)},
+            ["unknown option 'lock_arg'", "did you mean 'lock_args'"],
+        ),
+    ],
+)
+def test_bad_options_fail_at_registration(app, options, fragments):
+    """Each bad option raises ConfigurationError naming the task, the option, the expectation."""
+    with pytest.raises(ConfigurationError) as caught:
+        register(app, **options)
+    message = str(caught.value)
+    assert "unit.export" in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_catch_all_parameters_cannot_be_lock_args(app):
+    """**kwargs names are not parameters: the error points to lock_key."""
+
+    def handler(*args, **kwargs):
+        return None
+
+    with pytest.raises(ConfigurationError, match="use lock_key instead"):
+        register(app, fun=handler, lock_args=("kwargs",))
+
+
+def test_unknown_app_setting_is_an_error(app):
+    """A typo in app.conf.pglock_* is refused with a hint, never ignored."""
+    app.conf.pglock_on_bussy = "raise"
+    with pytest.raises(ConfigurationError, match="did you mean 'pglock_on_busy'"):
+        register(app)
+
+
+def test_lock_args_bind_through_the_signature(app):
+    """f(7), f(tenant_id=7), f(7, fmt='pdf') contend for one key; defaults apply."""
+    task = register(app, lock_args=("tenant_id",))
+    key = task.lock_key_for(7)
+    assert key == task.lock_key_for(tenant_id=7)
+    assert key == task.lock_key_for(7, fmt="pdf")
+    assert key == task.lock_key_for(7, "pdf", region="us")
+    assert key != task.lock_key_for(8)
+    region = register(
+        Celery("unit", broker="memory://", set_as_current=False), lock_args=("region",)
+    )
+    assert region.lock_key_for(1) == region.lock_key_for(2, region="eu")
+
+
+def test_bound_task_drops_self(app):
+    """bind=True tasks: 'self' is not a lockable parameter and positions shift correctly."""
+
+    def export(self, tenant_id):
+        return tenant_id
+
+    task = register(app, fun=export, bind=True, lock_args=("tenant_id",))
+    assert task.lock_key_for(3) == task.lock_key_for(tenant_id=3)
+    with pytest.raises(ConfigurationError):
+        register(
+            Celery("unit", broker="memory://", set_as_current=False),
+            fun=export,
+            bind=True,
+            lock_args=("self",),
+        )
+
+
+def test_lock_key_callable_gets_the_call_arguments(app):
+    """lock_key is called like the task; its result is the key material."""
+    task = register(
+        app,
+        lock_key=lambda tenant_id, fmt="csv", **_: {"tenant": tenant_id, "fmt": fmt},
+    )
+    assert '{"fmt":"pdf","tenant":7}' in task.lock_key_for(7, fmt="pdf").text
+
+
+def test_lock_name_shares_a_lock_between_tasks(app):
+    """Tasks with one lock_name and equal lock_args values get one key."""
+
+    def export(tenant_id):
+        return tenant_id
+
+    def purge(tenant_id):
+        return tenant_id
+
+    first = register(app, fun=export, lock_name="tenant", lock_args=("tenant_id",))
+    second = register(app, fun=purge, lock_name="tenant", lock_args=("tenant_id",))
+    assert first.lock_key_for(1) == second.lock_key_for(1)
+
+
+def test_lock_id_is_used_verbatim(app):
+    """An explicit (namespace, resource) pair is the key, as in the article's (42, 1001)."""
+    assert (42, 1001) == register(app, lock_id=(42, 1001)).lock_key_for(5).ids
+
+
+def test_missing_database_url_names_setting_and_variable(monkeypatch):
+    """The error names both the app setting and the environment variable."""
+    monkeypatch.delenv(config_module.DATABASE_URL_ENV, raising=False)
+    with pytest.raises(ConfigurationError) as caught:
+        config_module.database_url({})
+    assert "pglock_database_url" in str(caught.value)
+    assert "CELERY_PGLOCK_DATABASE_URL" in str(caught.value)
+    monkeypatch.setenv(config_module.DATABASE_URL_ENV, "postgresql://x@h/db")
+    assert "postgresql://x@h/db" == config_module.database_url({})
+
+
+@pytest.mark.parametrize(
+    "url", ["mysql://u:pw@h/db", "postgresql+asyncpg://u:pw@h/db", "not a url"]
+)
+def test_unsupported_urls_are_refused_with_password_masked(url):
+    """Only PostgreSQL + psycopg2; the message never shows the password."""
+    with pytest.raises(ConfigurationError) as caught:
+        db.check_url(url)
+    assert "pw" not in str(caught.value)
+
+
+def test_mask_url_hides_password():
+    """Passwords never reach logs."""
+    masked = db.mask_url("postgresql+psycopg2://app:s3cr3t@db:5432/app")
+    assert "s3cr3t" not in masked
+    assert "app:***@db:5432/app" in masked
+
+
+def test_application_name_fits_and_keeps_task_tail():
+    """application_name stays within 63 bytes and keeps the most specific part of the name."""
+    name = db.application_name(
+        "pglock",
+        "host:123",
+        -9223372036854775808,
+        "project.module." * 10 + "daily_settlement",
+    )
+    assert len(name.encode()) <= 63
+    assert name.endswith("daily_settlement")
+    assert name.startswith("pglock host:123 -9223372036854775808 ~")
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        LockBusy("busy", key="1", name="t"),
+        LockNotOwnedError("gone", key="1,2", name="t"),
+    ],
+)
+def test_lock_errors_survive_pickling(error):
+    """Result backends pickle exceptions; message, key and name must survive."""
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(error) is type(copy)
+    assert (error.message, error.key, error.name) == (copy.message, copy.key, copy.name)
+
+
+def test_configuration_error_is_also_a_value_error():
+    """Callers catching ValueError for bad settings keep working."""
+    assert issubclass(ConfigurationError, ValueError)
