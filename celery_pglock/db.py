@@ -253,6 +253,21 @@ def _driver_error() -> type[Exception]:
     return psycopg2.Error
 
 
+def is_disconnect(exc: BaseException | None) -> bool:
+    """True if ``exc`` means the session is gone (so it holds no lock any more)."""
+    import psycopg2  # the only supported driver; imported here to keep import cheap
+
+    original = getattr(exc, "orig", exc)
+    if isinstance(original, psycopg2.InterfaceError):  # "connection already closed"
+        return True
+    if not isinstance(original, psycopg2.OperationalError):
+        return False
+    code = sqlstate(original)
+    # No SQLSTATE: the socket died. 08xxx: connection exceptions. 57P0x: the server is
+    # shutting down or terminated this backend (admin shutdown, crash, restart).
+    return code is None or code.startswith(("08", "57P0"))
+
+
 def sqlstate(exc: BaseException) -> str | None:
     """The SQLSTATE of a driver error (or one wrapped by SQLAlchemy), if any."""
     original = getattr(exc, "orig", exc)

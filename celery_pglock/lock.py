@@ -119,10 +119,23 @@ class AdvisoryLock:
             # lock_timeout = 0 would mean "wait forever": never round a small bound to 0.
             timeout_ms = max(1, math.ceil(timeout * 1000))
         asked_at = time.monotonic()
-        if self.scope is LockScope.SESSION:
-            granted = self._do_acquire_session(timeout_ms)
-        else:
-            granted = self._do_acquire_transaction(timeout_ms)
+        try:
+            granted = self._do_acquire(timeout_ms)
+        except exceptions.DatabaseError as error:
+            if not db.is_disconnect(error.__cause__):
+                raise
+            # The pooled session was already dead (server restart, failover, idle
+            # timeout, cut network), so it held nothing. Its idle siblings are likely
+            # dead too: drop them all (close=False: no goodbye on dead sockets) and try
+            # once more on a fresh connection, instead of failing one task per corpse.
+            logger.warning(
+                "Lock connection to %s was dead (%s); reconnecting once",
+                db.engine_info(self.engine)["masked_url"],
+                error.__cause__,
+                extra={"action": "lock_reconnect", "lock_key": str(self.key)},
+            )
+            self.engine.dispose(close=False)
+            granted = self._do_acquire(timeout_ms)
         self.wait_seconds = time.monotonic() - asked_at
         if granted:
             self.acquired_at = asked_at + self.wait_seconds
@@ -218,6 +231,11 @@ class AdvisoryLock:
         return f"<AdvisoryLock {self.key.name!r} key={self.key} scope={self.scope.value} {state}>"
 
     # -- primitives ---------------------------------------------------------------------
+
+    def _do_acquire(self, timeout_ms: int | None) -> bool:
+        if self.scope is LockScope.SESSION:
+            return self._do_acquire_session(timeout_ms)
+        return self._do_acquire_transaction(timeout_ms)
 
     def _do_acquire_session(self, timeout_ms: int | None) -> bool:
         arity = len(self.key.ids)
