@@ -110,6 +110,9 @@ def check_url(url: str) -> sa.URL:
         raise exceptions.ConfigurationError(
             f"{config.DATABASE_URL_SETTING} is not a valid database URL: {mask_url(url)!r}."
         ) from None
+    if parsed.drivername in ("postgresql", "postgres"):
+        # No driver named: SQLAlchemy 2.1 would pick psycopg 3; we run on psycopg2.
+        parsed = parsed.set(drivername="postgresql+psycopg2")
     driver = parsed.get_driver_name()
     if parsed.get_backend_name() != "postgresql" or driver not in SUPPORTED_DRIVERS:
         raise exceptions.ConfigurationError(

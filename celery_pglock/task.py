@@ -249,15 +249,23 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 key=key,
                 wait_seconds=lock.wait_seconds,
             )
-        logger.debug(
-            "Acquired lock %s (key %s) for %s[%s] on %s",
-            key.name,
-            key,
-            self.name,
-            task_id,
-            db.engine_info(lock.engine)["masked_url"],
-            extra={"action": "lock_acquired", "lock_key": str(key), "task_id": task_id},
-        )
+        if logger.isEnabledFor(
+            logging.DEBUG
+        ):  # skip building the message on the hot path
+            logger.debug(
+                "Acquired lock %s (key %s) for %s[%s] on %s",
+                key.name,
+                key,
+                self.name,
+                task_id,
+                db.engine_info(lock.engine)["masked_url"],
+                extra={
+                    "action": "lock_acquired",
+                    "lock_key": str(key),
+                    "lock_namespace": options.namespace,
+                    "task_id": task_id,
+                },
+            )
         token = context.enter(lock, task_id)
         try:
             try:
@@ -289,7 +297,13 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         """Apply lock_on_busy to a run whose lock is held. Always raises."""
         options = self._guard().config
         key = lock.key
-        action = options.on_busy
+        request = self.request
+        # A direct call has no message to skip or re-queue: whatever the policy, it raises.
+        action = (
+            OnBusy.RAISE
+            if request.called_directly and options.on_busy is not OnBusy.WAIT
+            else options.on_busy
+        )
         if signals.lock_skipped.receivers:
             signals.lock_skipped.send(
                 sender=self,
@@ -316,9 +330,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             },
         )
         busy = exceptions.LockBusy(message, key=str(key), name=key.name)
-        request = self.request
         if request.called_directly:
-            raise busy  # a direct call has no message to skip or re-queue
+            raise busy
         if action is OnBusy.SKIP:
             if task_id is not None and not (
                 self.ignore_result or request.ignore_result
@@ -354,7 +367,13 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             "wait_seconds": lock.wait_seconds,
             "held_seconds": held,
         }
-        if exc is None and release_error is None:
+        # A session-scope release failure leaves the run's outcome as it was (the body's
+        # work is done and the session is closed); lock_release_failed reports it. In
+        # transaction scope it means the work was not committed under the lock: a failure.
+        failed = exc is not None or (
+            release_error is not None and lock.scope is LockScope.TRANSACTION
+        )
+        if not failed:
             if signals.lock_completed.receivers:
                 signals.lock_completed.send(state=states.SUCCESS, **common)
         elif signals.lock_failed.receivers:
@@ -401,18 +420,19 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                     exception=error,
                 )
             return error
-        logger.debug(
-            "Released lock %s (key %s) of %s[%s]",
-            lock.key.name,
-            lock.key,
-            self.name,
-            task_id,
-            extra={
-                "action": "lock_released",
-                "lock_key": str(lock.key),
-                "task_id": task_id,
-            },
-        )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "Released lock %s (key %s) of %s[%s]",
+                lock.key.name,
+                lock.key,
+                self.name,
+                task_id,
+                extra={
+                    "action": "lock_released",
+                    "lock_key": str(lock.key),
+                    "task_id": task_id,
+                },
+            )
         return None
 
 

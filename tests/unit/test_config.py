@@ -201,6 +201,11 @@ def test_unsupported_urls_are_refused_with_password_masked(url):
     assert "pw" not in str(caught.value)
 
 
+def test_plain_postgresql_url_means_psycopg2():
+    """postgresql:// (no driver) is accepted and runs on psycopg2, whatever SQLAlchemy's default."""
+    assert "psycopg2" == db.check_url("postgresql://u@h/db").get_driver_name()
+
+
 def test_mask_url_hides_password():
     """Passwords never reach logs."""
     masked = db.mask_url("postgresql+psycopg2://app:s3cr3t@db:5432/app")

@@ -1,0 +1,180 @@
+"""Crashes, time limits, retries and chains with real worker processes.
+
+The point of session-scoped advisory locks: whatever kills a run, PostgreSQL frees its
+lock when the session ends, so the next run is never blocked by a TTL or a leaked lock.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+import sqlalchemy as sa
+from celery import chain
+
+from celery_pglock import SKIPPED, AdvisoryLock, db
+
+from .conftest import wait_until
+
+
+@pytest.fixture(scope="module")
+def workers(start_workers):
+    """One prefork worker with two children."""
+    return start_workers(1, concurrency=2)
+
+
+def key_is_free(acceptance, task, *args):
+    engine = db.engine_for(acceptance.app.conf)
+    return not AdvisoryLock(engine=engine, key=task.lock_key_for(*args)).locked()
+
+
+def test_self_retry_publishes_and_reacquires(acceptance, workers, recorder, run):
+    """self.retry() releases the lock, the retry is really delivered, and it runs locked."""
+    result = acceptance.retries_once.delay(run)
+    assert 1 == result.get(timeout=30)
+    assert 2 == recorder.count(run)  # both attempts ran their body
+    assert [] == recorder.overlaps(run)
+
+
+def test_hard_time_limit_kill_frees_the_lock(acceptance, workers, recorder, run):
+    """The pool SIGKILLs a child over its hard time limit: the lock goes with its session."""
+    result = acceptance.overruns.delay(run, gate=f"{run}-never")
+    wait_until(lambda: recorder.count(run) == 1, timeout=30, what="the run to start")
+    wait_until(
+        lambda: result.state == "FAILURE",
+        timeout=30,
+        what="the hard time limit to kill the run",
+    )
+    assert "TimeLimitExceeded" == type(result.result).__name__
+    wait_until(
+        lambda: key_is_free(acceptance, acceptance.overruns, run),
+        timeout=10,
+        what="the lock to be freed",
+    )
+    gate = f"{run}-open"
+    acceptance.open_gate(gate)
+    assert "finished" == acceptance.overruns.delay(run, gate=gate).get(timeout=30)
+
+
+def test_sigkill_of_the_pool_child_frees_the_lock(acceptance, workers, recorder, run):
+    """kill -9 of the process holding the lock: a duplicate runs as soon as PostgreSQL notices."""
+    gate = f"{run}-gate"
+    acceptance.protected.delay(run, "k", gate=gate)
+    wait_until(
+        lambda: recorder.count(run, "k") == 1, timeout=30, what="the holder to start"
+    )
+    holder_pid = recorder.intervals(run)[0].pid
+    assert holder_pid in workers[0].child_pids()
+    duplicate = acceptance.protected.delay(run, "k")
+    wait_until(
+        lambda: duplicate.state == SKIPPED,
+        timeout=30,
+        what="the duplicate to be SKIPPED",
+    )
+    holder = psutil.Process(holder_pid)
+    os.kill(holder_pid, signal.SIGKILL)
+    holder.wait(timeout=10)
+    wait_until(
+        lambda: key_is_free(acceptance, acceptance.protected, run, "k"),
+        timeout=10,
+        what="the lock to be freed",
+    )
+    acceptance.open_gate(gate)
+    assert "k" == acceptance.protected.delay(run, "k").get(timeout=60)
+    assert [] == recorder.overlaps(run)
+
+
+def test_a_skipped_link_stops_its_chain(acceptance, workers, recorder, run):
+    """A SKIPPED task is not a success: the rest of its chain does not run."""
+    gate = f"{run}-gate"
+    holder = acceptance.protected.delay(run, "k", gate=gate)
+    wait_until(
+        lambda: recorder.count(run, "k") == 1, timeout=30, what="the holder to start"
+    )
+    skipped = chain(acceptance.protected.si(run, "k"), acceptance.after.s(run)).delay()
+    wait_until(
+        lambda: skipped.parent.state == SKIPPED,
+        timeout=30,
+        what="the chain's first link to be SKIPPED",
+    )
+    acceptance.open_gate(gate)
+    holder.get(timeout=30)
+    ran = chain(acceptance.protected.si(run, "k"), acceptance.after.s(run)).delay()
+    assert "k" == ran.get(timeout=30)
+    assert 1 == recorder.count(run, "after")  # only the chain whose first link ran
+    assert "PENDING" == skipped.state
+
+
+def test_transaction_scope_commits_or_rolls_back_in_the_worker(
+    acceptance, workers, run
+):
+    """Transaction scope in a worker: success commits the body's row, failure rolls it back."""
+    assert 1 == acceptance.writes_in_lock.delay(run).get(timeout=30)
+    failed = acceptance.writes_in_lock.delay(run, fail=True)
+    wait_until(lambda: failed.state == "FAILURE", timeout=30, what="the failing run")
+    engine = db.engine_for(acceptance.app.conf)
+    with engine.connect() as connection:
+        rows = connection.execute(
+            sa.text("SELECT count(*) FROM pglock_test_writes WHERE run = :r"),
+            {"r": run},
+        )
+        assert 1 == rows.scalar()
+
+
+def test_threads_pool_is_exclusive_too(acceptance, start_workers, recorder, run):
+    """--pool threads: tasks in one process use separate sessions, so they exclude each other."""
+    start_workers(
+        1,
+        pool="threads",
+        concurrency=4,
+        queues=[f"{acceptance.app.conf.task_default_queue}-threads"],
+    )
+    queue = f"{acceptance.app.conf.task_default_queue}-threads"
+    results = [
+        acceptance.protected.apply_async((run, "k"), {"hold": 0.02}, queue=queue)
+        for _ in range(40)
+    ]
+    wait_until(
+        lambda: all(result.state in ("SUCCESS", SKIPPED) for result in results),
+        timeout=60,
+        what="every run to end",
+    )
+    assert recorder.count(run, "k") >= 1
+    assert [] == recorder.overlaps(run)
+
+
+def test_worker_refuses_to_start_without_a_database_url(acceptance_env, tmp_path):
+    """A missing lock database is reported at worker start, naming setting and variable."""
+    env = {
+        k: v
+        for k, v in {**os.environ, **acceptance_env}.items()
+        if k != "CELERY_PGLOCK_DATABASE_URL"
+    }
+    env["PGLOCK_TEST_NO_DB_URL"] = "1"
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.acceptance.app",
+            "worker",
+            "--pool",
+            "solo",
+            "--loglevel",
+            "INFO",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert 0 != completed.returncode
+    output = completed.stdout + completed.stderr
+    assert "pglock_database_url" in output
+    assert "CELERY_PGLOCK_DATABASE_URL" in output
