@@ -301,7 +301,9 @@ def test_vectors_are_importable():
     assert VECTORS
 
 
-def test_dead_pooled_connection_is_replaced_transparently(single_engine, lock_engine, namespace):
+def test_dead_pooled_connection_is_replaced_transparently(
+    single_engine, lock_engine, namespace
+):
     """A pooled session killed while idle (restart, idle timeout) costs no failed task."""
     key = make_key(namespace)
     with AdvisoryLock(engine=single_engine, key=key):
@@ -309,7 +311,9 @@ def test_dead_pooled_connection_is_replaced_transparently(single_engine, lock_en
     with single_engine.connect() as connection:
         idle_pid = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
     with lock_engine.connect() as connection:
-        assert connection.exec_driver_sql("SELECT pg_terminate_backend(%s)", (idle_pid,)).scalar()
+        assert connection.exec_driver_sql(
+            "SELECT pg_terminate_backend(%s)", (idle_pid,)
+        ).scalar()
     lock = AdvisoryLock(engine=single_engine, key=key)
     assert lock.acquire()
     lock.release()

@@ -1,0 +1,277 @@
+"""Shared test infrastructure: services, markers by directory, namespaces, leak check.
+
+Services come from ``--pg-url`` / ``--broker-url`` (or the environment variables
+CELERY_PGLOCK_TEST_DATABASE_URL / CELERY_PGLOCK_TEST_BROKER_URL); whatever is not given
+is started privately for the session by :func:`celery_pglock.testing.start_services`.
+So ``pytest`` passes on a bare machine, and CI points it at its service containers.
+
+Markers follow the directory: tests/integration -> postgres + redis; tests/acceptance ->
+worker + postgres + redis. ``pytest -m "not postgres and not redis and not worker"`` is
+the fast inner loop (no services are started for it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psutil  # type: ignore[import-untyped, unused-ignore]  # no stubs
+import pytest
+
+from celery_pglock import config, db
+from celery_pglock.testing import (
+    BROKER_URL_ENV,
+    DATABASE_URL_ENV,
+    EmbeddedPostgres,
+    OverlapRecorder,
+    ServiceError,
+    Services,
+    WorkerProcess,
+    _support,
+    start_services,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Mapping
+
+    import sqlalchemy as sa
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+DIRECTORY_MARKERS = {
+    "integration": ("postgres", "redis"),
+    "acceptance": ("worker", "postgres", "redis"),
+}
+#: application_name prefix of lock sessions; see celery_pglock.db.
+LOCK_APPLICATION_PREFIX = db.DEFAULT_APPLICATION_NAME
+#: How long the leak check waits for asynchronous releases (worker processes).
+LEAK_CHECK_SECONDS = 2.0
+LEAKED_LOCKS_SQL = """
+    SELECT l.pid, l.classid, l.objid, l.objsubid, a.application_name, a.state, a.query
+    FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+    WHERE l.locktype = 'advisory' AND l.granted
+      AND a.application_name LIKE %s AND l.pid <> pg_backend_pid()
+    ORDER BY l.pid
+"""
+#: "host:pid" inside a lock session's application_name (see db.process_tag()).
+PROCESS_TAG = re.compile(r"(\S+):(\d+)")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("celery-pglock")
+    group.addoption(
+        "--pg-url",
+        default=os.environ.get(DATABASE_URL_ENV),
+        help=f"SQLAlchemy URL of a PostgreSQL to test against (env {DATABASE_URL_ENV}); "
+        "default: start an embedded one",
+    )
+    group.addoption(
+        "--broker-url",
+        default=os.environ.get(BROKER_URL_ENV),
+        help=f"Celery broker URL (env {BROKER_URL_ENV}); default: start an embedded Redis",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Options win over the environment, and go back into it so that subprocesses
+    # (workers, helper scripts) see the same services.
+    for option, variable in (
+        ("--pg-url", DATABASE_URL_ENV),
+        ("--broker-url", BROKER_URL_ENV),
+    ):
+        value = config.getoption(option)
+        if value:
+            os.environ[variable] = value
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            tier = item.path.resolve().relative_to(TESTS_DIR).parts[0]
+        except (ValueError, IndexError):
+            continue
+        for marker in DIRECTORY_MARKERS.get(tier, ()):
+            item.add_marker(marker)
+
+
+# -- services ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def services() -> Iterator[Services]:
+    """The session's PostgreSQL, broker and result backend (embedded unless configured)."""
+    started = start_services()
+    with pytest.MonkeyPatch.context() as patch:
+        for variable, value in started.env().items():
+            if variable != config.DATABASE_URL_ENV:  # tests of "no URL" need it unset
+                patch.setenv(variable, value)
+        try:
+            yield started
+        finally:
+            started.stop()
+
+
+@pytest.fixture(scope="session")
+def database_url(services: Services) -> str:
+    return services.database_url
+
+
+@pytest.fixture(scope="session")
+def broker_url(services: Services) -> str:
+    return services.broker_url
+
+
+@pytest.fixture(scope="session")
+def result_backend_url(services: Services) -> str:
+    return services.result_backend_url
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A lock namespace of this test's own: tests never contend for each other's keys."""
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def lock_engine(database_url: str) -> Iterator[sa.Engine]:
+    """A lock engine (celery_pglock.db.create_engine) disposed after the test."""
+    engine = db.create_engine(database_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def private_postgres() -> Iterator[EmbeddedPostgres]:
+    """A PostgreSQL of this test's own, for tests that crash or restart the server."""
+    server = EmbeddedPostgres()
+    try:
+        yield server.start()
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def overlap(database_url: str) -> Iterator[OverlapRecorder]:
+    """An OverlapRecorder on the test database, its table created."""
+    recorder = OverlapRecorder(database_url)
+    recorder.setup()
+    yield recorder
+    recorder.close()
+
+
+@pytest.fixture
+def worker_factory(
+    services: Services, tmp_path: Path
+) -> Iterator[Callable[..., WorkerProcess]]:
+    """Start ``celery worker`` subprocesses: ``worker_factory("tests.acceptance.app", ...)``.
+
+    Keyword arguments go to WorkerProcess, plus ``timeout`` for start(). The worker's
+    environment points at the session's services and puts the repository root on
+    PYTHONPATH. Every worker is stopped (then killed) at teardown; their log tails are
+    printed, which pytest shows when the test failed.
+    """
+    workers: list[WorkerProcess] = []
+    pythonpath = os.pathsep.join(
+        filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])
+    )
+
+    def start(
+        app: str,
+        *,
+        timeout: float = 60.0,
+        env: Mapping[str, str] | None = None,
+        **options: Any,
+    ) -> WorkerProcess:
+        options.setdefault("log_path", tmp_path / f"worker-{len(workers) + 1}.log")
+        worker = WorkerProcess(
+            app,
+            env={**services.env(), "PYTHONPATH": pythonpath, **(env or {})},
+            **options,
+        )
+        workers.append(worker)
+        return worker.start(timeout)
+
+    yield start
+    errors: list[Exception] = []
+    for worker in reversed(workers):
+        try:
+            worker.stop(timeout=15)
+        except Exception as exc:  # stop the others anyway
+            errors.append(exc)
+        with contextlib.suppress(ServiceError):  # never started: no log
+            print(_support.with_log(f"worker {worker.hostname}", worker.log_path))
+    if errors:
+        raise errors[0]
+
+
+# -- leak check -------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_advisory_locks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each postgres test: no granted advisory lock is left in a session of ours.
+
+    Releases by worker processes are asynchronous to the test, so the check retries for
+    up to LEAK_CHECK_SECONDS. Only sessions opened by this process or its descendants
+    count (by the host:pid in their application_name), so test runs sharing one server
+    do not fail each other.
+    """
+    if request.node.get_closest_marker("postgres") is None:
+        yield
+        return
+    database_url = request.getfixturevalue("database_url")
+    yield
+    rows: list[tuple[Any, ...]] = []
+    deadline = time.monotonic() + LEAK_CHECK_SECONDS
+    while True:
+        rows = _leaked_locks(database_url)
+        if not rows or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    if rows:
+        lines = "\n".join(
+            "  pid={} classid={} objid={} objsubid={} application_name={!r} state={} query={!r}".format(
+                *row
+            )
+            for row in rows
+        )
+        pytest.fail(
+            f"Advisory locks still held after the test:\n{lines}", pytrace=False
+        )
+
+
+def _leaked_locks(database_url: str) -> list[tuple[Any, ...]]:
+    connection = _support.connect(
+        database_url, application_name="celery_pglock tests leak-check"
+    )
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(LEAKED_LOCKS_SQL, (LOCK_APPLICATION_PREFIX + "%",))
+            rows = cursor.fetchall()
+    finally:
+        connection.close()
+    family = _our_process_tags()
+    return [row for row in rows if _is_ours(row[4], family)]
+
+
+def _our_process_tags() -> tuple[str, set[int]]:
+    """This host's tag (as db.process_tag() writes it) and this process tree's pids."""
+    host = db.process_tag().rsplit(":", 1)[0]
+    me = psutil.Process()
+    return host, {me.pid, *(child.pid for child in me.children(recursive=True))}
+
+
+def _is_ours(application_name: str | None, family: tuple[str, set[int]]) -> bool:
+    """A session of this test run: opened by our process tree, or by a process of this
+    host that is gone (its session outlived it; the retry gives it time to end)."""
+    match = PROCESS_TAG.search(application_name or "")
+    if match is None:
+        return True
+    host, pids = family
+    pid = int(match.group(2))
+    return match.group(1) == host and (pid in pids or not psutil.pid_exists(pid))

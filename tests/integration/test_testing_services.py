@@ -1,0 +1,319 @@
+"""celery_pglock.testing against the real thing: servers, a worker, the overlap detector."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import TYPE_CHECKING
+
+import psutil  # type: ignore[import-untyped, unused-ignore]  # no stubs
+import pytest
+import redis
+import sqlalchemy as sa
+from celery import Celery
+
+from celery_pglock.testing import (
+    BROKER_URL_ENV,
+    DATABASE_URL_ENV,
+    RESULT_BACKEND_ENV,
+    EmbeddedPostgres,
+    EmbeddedRedis,
+    OverlapRecorder,
+    ServiceError,
+    start_services,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+TRIVIAL_APP = "tests.acceptance.trivial_app"
+
+
+def server_version(url: str) -> str:
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as connection:
+            return str(connection.execute(sa.text("SHOW server_version")).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def alive(pids: Iterable[int]) -> list[int]:
+    """The pids among ``pids`` that still exist as live (non-zombie) processes."""
+    result = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                result.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return result
+
+
+# -- EmbeddedPostgres ---------------------------------------------------------------------
+
+
+def test_embedded_postgres_serves_18_and_survives_crash_and_restart(private_postgres):
+    """A crash kills every session; restart() brings the server back on the same URL."""
+    url = private_postgres.url()
+    assert (
+        f"postgresql+psycopg2://postgres@127.0.0.1:{private_postgres.port}/postgres"
+        == url
+    )
+    assert private_postgres.running
+    assert private_postgres.server_version.startswith("18.")
+    assert private_postgres.server_version == server_version(url)
+
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as connection:
+            settings = connection.execute(
+                sa.text(
+                    "SELECT name, setting FROM pg_settings WHERE name IN "
+                    "('fsync', 'synchronous_commit', 'full_page_writes', 'max_connections')"
+                )
+            ).all()
+            assert {
+                "fsync": "off",
+                "full_page_writes": "off",
+                "max_connections": "200",
+                "synchronous_commit": "off",
+            } == dict(settings)
+
+            private_postgres.crash()
+            assert not private_postgres.running
+            with pytest.raises(sa.exc.OperationalError):
+                connection.execute(sa.text("SELECT 1"))
+
+        private_postgres.restart()
+        assert private_postgres.running
+        assert url == private_postgres.url()
+        with engine.connect() as connection:
+            assert 1 == connection.execute(sa.text("SELECT 1")).scalar_one()
+    finally:
+        engine.dispose()
+
+
+def test_embedded_postgres_context_manager_stops_and_deletes_everything():
+    """Leaving the with block stops the server and deletes its temporary directory."""
+    with EmbeddedPostgres() as server:
+        root = server.data_dir.parent
+        pid = int((server.data_dir / "postmaster.pid").read_text().split()[0])
+        assert [pid] == alive([pid])
+        server.stop()
+        assert [] == alive([pid])
+        server.start()  # a plain stop() keeps the data: start again from it
+        pid = int((server.data_dir / "postmaster.pid").read_text().split()[0])
+    assert [] == alive([pid])
+    assert not root.exists()
+
+
+def test_embedded_postgres_start_failure_shows_the_log(tmp_path):
+    """A server that cannot start raises ServiceError carrying its log tail."""
+    data_dir = tmp_path / "data"
+    with EmbeddedPostgres(data_dir=data_dir) as server:
+        server.stop()
+    (data_dir / "postgresql.auto.conf").write_text("max_connections = 'lots'\n")
+    broken = EmbeddedPostgres(data_dir=data_dir)
+    try:
+        with pytest.raises(ServiceError) as caught:
+            broken.start(timeout=20)
+        assert "max_connections" in str(caught.value)
+        assert not broken.running
+    finally:
+        broken.cleanup()
+    assert data_dir.exists()  # a caller's data directory is never deleted
+
+
+# -- EmbeddedRedis --------------------------------------------------------------------------
+
+
+def test_embedded_redis_answers_ping_and_stops():
+    """EmbeddedRedis serves redis://127.0.0.1:PORT/0 until stop()."""
+    server = EmbeddedRedis().start()
+    try:
+        assert f"redis://127.0.0.1:{server.port}/0" == server.url()
+        client = redis.Redis.from_url(server.url(), socket_timeout=5)
+        with client:
+            assert client.ping()
+            assert {"save": ""} == client.config_get("save")
+    finally:
+        server.stop()
+    assert not server.running
+    client = redis.Redis.from_url(server.url(), socket_connect_timeout=1)
+    with client, pytest.raises(redis.ConnectionError):
+        client.ping()
+
+
+def test_embedded_redis_on_a_taken_port_fails_instead_of_using_the_other_server():
+    """A fixed port already served by another Redis is an error with the log tail."""
+    with EmbeddedRedis() as first:
+        second = EmbeddedRedis(port=first.port)
+        with pytest.raises(ServiceError) as caught:
+            second.start(timeout=10)
+        assert "Address already in use" in str(caught.value)
+        assert not second.running
+        assert first.running
+
+
+# -- start_services ------------------------------------------------------------------------
+
+
+def test_unreachable_configured_database_is_an_error_naming_the_variable(monkeypatch):
+    """A configured URL that does not answer is an error (password masked), never a fallback."""
+    monkeypatch.setenv(
+        DATABASE_URL_ENV, "postgresql+psycopg2://app:s3cret@127.0.0.1:1/app"
+    )
+    with pytest.raises(ServiceError) as caught:
+        start_services(timeout=0.5)
+    message = str(caught.value)
+    assert DATABASE_URL_ENV in message
+    assert "app:***@127.0.0.1:1/app" in message
+    assert "s3cret" not in message
+
+
+def test_unreachable_configured_broker_is_an_error_naming_the_variable(
+    database_url, monkeypatch
+):
+    """The broker check names CELERY_PGLOCK_TEST_BROKER_URL and masks its password."""
+    monkeypatch.setenv(DATABASE_URL_ENV, database_url)
+    monkeypatch.setenv(BROKER_URL_ENV, "redis://:s3cret@127.0.0.1:1/0")
+    with pytest.raises(ServiceError) as caught:
+        start_services(timeout=0.5)
+    message = str(caught.value)
+    assert BROKER_URL_ENV in message
+    assert "s3cret" not in message
+
+
+def test_session_services_describe_themselves(services):
+    """The session's services are reachable and say which ones the session started."""
+    assert services.postgres_version == server_version(services.database_url).split()[0]
+    assert set(services.started) <= {"postgres", "redis"}
+    assert ("postgres" in services.started) == (services.postgres is not None)
+    assert ("redis" in services.started) == (services.redis is not None)
+    assert services.database_url == os.environ[DATABASE_URL_ENV]
+    assert services.result_backend_url == services.env()[RESULT_BACKEND_ENV]
+
+
+# -- OverlapRecorder -----------------------------------------------------------------------
+
+
+def test_overlap_recorder_finds_a_deliberate_overlap(overlap, namespace):
+    """Two intervals of one key that intersect are reported, with both task ids."""
+    first = overlap.begin(namespace, "k", "task-1")
+    second = overlap.begin(namespace, "k", "task-2")
+    overlap.end(first)
+    overlap.end(second)
+    with overlap.record(namespace, "other-key", "task-3"):  # same time, other key: fine
+        pass
+
+    found = overlap.overlaps(namespace)
+    assert [("task-1", "task-2")] == [
+        (o.first.task_id, o.second.task_id) for o in found
+    ]
+    assert "key 'k'" in str(found[0])
+    assert 3 == overlap.count(namespace)
+    assert 2 == overlap.count(namespace, "k")
+
+
+def test_overlap_recorder_sees_no_overlap_in_disjoint_intervals(overlap, namespace):
+    """Back-to-back intervals of one key and overlapping ones of different keys are fine."""
+    for task_id in ("a", "b", "c"):
+        with overlap.record(namespace, "k", task_id):
+            pass
+    left = overlap.begin(namespace, "left")
+    right = overlap.begin(namespace, "right")
+    overlap.end(left)
+    overlap.end(right)
+
+    assert [] == overlap.overlaps(namespace)
+    intervals = overlap.intervals(namespace)
+    assert ["a", "b", "c", None, None] == [i.task_id for i in intervals]
+    assert all(i.started_at <= i.ended_at for i in intervals)
+    assert [] == overlap.unfinished(namespace)
+    assert [] == overlap.overlaps(f"{namespace}-other-run")
+
+
+def test_overlap_recorder_works_in_a_forked_child_without_breaking_the_parent(
+    database_url, namespace
+):
+    """A child inherits the recorder: it reconnects, and the parent's session survives."""
+    recorder = OverlapRecorder(database_url)
+    recorder.setup()
+    try:
+        row = recorder.begin(namespace, "k", "parent")
+        pid = os.fork()
+        if pid == 0:  # child: record, then leave without running any cleanup
+            code = 1
+            try:
+                with recorder.record(namespace, "k", "child"):
+                    pass
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert 0 == os.waitstatus_to_exitcode(status)
+        recorder.end(row)  # the parent's connection still works
+        assert 1 == len(recorder.overlaps(namespace))
+        assert {"parent", "child"} == {i.task_id for i in recorder.intervals(namespace)}
+    finally:
+        recorder.close()
+
+
+def test_overlap_recorder_reports_unfinished_intervals(overlap, namespace):
+    """A body that never ended (a killed worker) is listed by unfinished(), not overlaps()."""
+    overlap.begin(namespace, "k", "killed")
+    with overlap.record(namespace, "k", "later"):
+        pass
+    assert ["killed"] == [i.task_id for i in overlap.unfinished(namespace)]
+    assert [] == overlap.overlaps(namespace)
+
+
+# -- WorkerProcess ------------------------------------------------------------------------
+
+
+def client(broker_url: str, result_backend_url: str) -> Celery:
+    return Celery(
+        "client", broker=broker_url, backend=result_backend_url, set_as_current=False
+    )
+
+
+@pytest.mark.worker
+def test_worker_runs_a_task_and_stops_without_leftovers(
+    worker_factory, broker_url, result_backend_url, namespace
+):
+    """A real worker runs a task; a warm shutdown exits 0 and leaves no process behind."""
+    worker = worker_factory(TRIVIAL_APP, concurrency=2, queues=[namespace])
+    assert f"{worker.hostname} ready." in worker.log_text()
+    children = worker.child_pids()
+    assert 2 == len(children)
+
+    app = client(broker_url, result_backend_url)
+    try:
+        result = app.send_task("trivial.add", (2, 3), queue=namespace)
+        assert 5 == result.get(timeout=20)
+    finally:
+        app.close()
+
+    assert 0 == worker.stop(timeout=20)
+    assert [] == alive([worker.pid, *children])
+    assert not worker.running
+
+
+@pytest.mark.worker
+def test_worker_kill_takes_the_pool_with_it(worker_factory, namespace):
+    """kill() is a crash: SIGKILL reaches the main process and every pool child."""
+    worker = worker_factory(TRIVIAL_APP, concurrency=1, queues=[namespace])
+    children = worker.child_pids()
+    assert 1 == len(children)
+    assert -signal.SIGKILL == worker.kill()
+    assert [] == alive([worker.pid, *children])
+
+
+@pytest.mark.worker
+def test_worker_that_cannot_start_fails_fast_with_its_log(worker_factory):
+    """A worker that exits during startup raises ServiceError with the log tail."""
+    with pytest.raises(ServiceError) as caught:
+        worker_factory("tests.acceptance.no_such_app_module", timeout=30)
+    assert "no_such_app_module" in str(caught.value)
+    assert "exited with code" in str(caught.value)
