@@ -159,14 +159,6 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
     }
     if conf.get("pglock_server_keepalives", True):
         connect_args["options"] = SERVER_KEEPALIVE_OPTIONS
-    options: dict[str, Any] = {
-        # Each running locked task pins one connection; threads/gevent pools run several
-        # at once in one process. Idle connections are kept so the hot path never connects.
-        "pool_size": 10,
-        "max_overflow": 20,
-        "pool_pre_ping": False,
-        "connect_args": connect_args,
-    }
     extra = conf.get("pglock_engine_options") or {}
     if not isinstance(extra, Mapping):
         raise exceptions.ConfigurationError(
@@ -174,6 +166,12 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
         )
     extra = dict(extra)
     connect_args.update(extra.pop("connect_args", {}))
+    options: dict[str, Any] = {"pool_pre_ping": False, "connect_args": connect_args}
+    if "poolclass" not in extra:
+        # Each running locked task pins one connection; threads/gevent pools run several
+        # at once in one process. Idle connections are kept so the hot path never
+        # connects. (A custom poolclass, e.g. NullPool, may not take these arguments.)
+        options.update(pool_size=10, max_overflow=20)
     options.update(extra)
     engine = sa.create_engine(parsed, **options)
     _labels[engine] = {

@@ -23,6 +23,7 @@ if [ "${PGLOCK_SKIP_LINT:-0}" != 1 ]; then
   .venv/bin/ruff format --check celery_pglock tests examples benchmarks
   echo "== mypy --strict"
   .venv/bin/mypy
+  .venv/bin/mypy tests/typing  # the README examples must type-check
 fi
 
 echo "== pytest"

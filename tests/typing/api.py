@@ -1,0 +1,62 @@
+"""The README's examples, type-checked only (mypy), never run: the public API must type.
+
+scripts/test.sh runs ``mypy tests/typing`` next to ``mypy`` on the package.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from celery_pglock import (
+    SKIPPED,
+    AdvisoryLock,
+    LockBusy,
+    LockKey,
+    LockScope,
+    OnBusy,
+    SingletonTask,
+    current_lock,
+    signals,
+)
+from celery_pglock.db import create_engine
+
+app = Celery("billing", broker="redis://localhost:6379/0")
+app.conf.pglock_database_url = "postgresql+psycopg2://app@db/app"
+
+
+@app.task(base=SingletonTask)
+def daily_settlement() -> None: ...
+
+
+@app.task(base=SingletonTask, lock_args=("tenant_id",))
+def build_tenant_export(tenant_id: int, fmt: str = "csv") -> str:
+    return f"{tenant_id}.{fmt}"
+
+
+@app.task(base=SingletonTask, lock_scope="transaction")
+def settle() -> int:
+    connection = current_lock().connection
+    return int(connection.exec_driver_sql("SELECT 1").scalar_one())
+
+
+class Exports(SingletonTask):
+    lock_args = ("tenant_id",)
+    lock_on_busy = OnBusy.RETRY
+    lock_scope = LockScope.SESSION
+
+
+def on_skipped(sender: object, task_id: str | None, key: LockKey, **_: object) -> None:
+    print(task_id, key, SKIPPED)
+
+
+signals.lock_skipped.connect(on_skipped)
+
+
+def standalone() -> None:
+    engine = create_engine("postgresql+psycopg2://app@db/app")
+    lock = AdvisoryLock(engine=engine, key=build_tenant_export.lock_key_for(7))
+    try:
+        with lock:
+            pass
+    except LockBusy as busy:
+        print(busy.key, busy.name)
