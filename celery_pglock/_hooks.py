@@ -4,9 +4,14 @@ Connected once per process, the first time a SingletonTask is bound (celery sign
 global, and the receivers work for any app). None of these is the normal release path:
 ``SingletonTask.__call__`` releases in its own ``finally``. They catch what that cannot:
 
-- ``task_postrun`` / ``task_revoked``: a lock still registered for a finished or revoked
-  task id (a bug or an unexpected exit path) is released. Both are idempotent, which
-  matters because ``task_revoked`` can fire twice (celery#3805).
+- ``task_postrun``: if the execution that just ended still holds its lock (a bug or an
+  unexpected exit path), it is released. The lock is found on the tracer's request, i.e.
+  per execution and per thread, never by task id: two executions can share an id (a
+  redelivery, an explicit task_id, a retry attempt) and must not release each other's
+  lock. Releasing is idempotent.
+- ``task_revoked`` needs no hook: a task revoked before it starts holds nothing, and
+  ``terminate=True`` kills the prefork child, whose session end frees the lock. (The
+  signal fires in the worker's main process, and can fire twice, celery#3805.)
 - ``worker_process_shutdown`` / ``worker_shutdown``: anything still held is released and
   every lock connection closed, so a stopping worker frees its locks before it exits.
 - ``worker_init``: a missing or invalid database URL, or an unknown ``pglock_*`` setting,
@@ -47,9 +52,6 @@ def connect() -> None:
         celery_signals.task_postrun.connect(
             _release_after_task, weak=False, dispatch_uid="celery_pglock.task_postrun"
         )
-        celery_signals.task_revoked.connect(
-            _release_revoked, weak=False, dispatch_uid="celery_pglock.task_revoked"
-        )
         for name, signal in _SHUTDOWN_SIGNALS.items():
             signal.connect(
                 _release_everything, weak=False, dispatch_uid=f"celery_pglock.{name}"
@@ -64,9 +66,6 @@ def disconnect() -> None:
         celery_signals.worker_init.disconnect(dispatch_uid="celery_pglock.worker_init")
         celery_signals.task_postrun.disconnect(
             dispatch_uid="celery_pglock.task_postrun"
-        )
-        celery_signals.task_revoked.disconnect(
-            dispatch_uid="celery_pglock.task_revoked"
         )
         for name, signal in _SHUTDOWN_SIGNALS.items():
             signal.disconnect(dispatch_uid=f"celery_pglock.{name}")
@@ -104,33 +103,19 @@ def _check_worker_config(sender: Any = None, **_: Any) -> None:
         raise SystemExit(f"celery-pglock: {error}") from error
 
 
-def _release_after_task(task_id: str | None = None, **_: Any) -> None:
-    if task_id is not None:
-        _release_leftover(task_id, "task_postrun")
+def _release_after_task(task: Any = None, **_: Any) -> None:
+    execution = getattr(getattr(task, "request", None), "_pglock_execution", None)
+    lock = getattr(execution, "lock", None)
+    if execution is not None and lock is not None and lock.owned():
+        _release_leftover(lock, f"task_postrun of {execution.task_id}")
 
 
-def _release_revoked(request: Any = None, **_: Any) -> None:
-    task_id = getattr(request, "id", None)
-    if task_id is not None:
-        _release_leftover(task_id, "task_revoked")
-
-
-def _release_leftover(task_id: str, hook: str) -> None:
-    lock = context.held_by_task(task_id)
-    if lock is None or not lock.owned():
-        return
+def _release_leftover(lock: Any, where: str) -> None:
     logger.warning(
-        "Lock %s (key %s) of task %s was still held at %s; releasing it",
-        lock.key.name,
-        lock.key,
-        task_id,
-        hook,
-        extra={
-            "action": "lock_leftover_released",
-            "lock_key": str(lock.key),
-            "task_id": task_id,
-        },
-    )
+        "Lock %s (key %s) was still held at %s; releasing it", lock.key.name, lock.key, where,
+        extra={"action": "lock_leftover_released", "lock_key": str(lock.key)},
+    )  # fmt: skip
+    context.drop(lock)
     try:
         lock.release(commit=False)
     except exceptions.PgLockError:
@@ -140,6 +125,7 @@ def _release_leftover(task_id: str, hook: str) -> None:
 
 
 def _release_everything(**_: Any) -> None:
-    for task_id, _lock in context.all_held():
-        _release_leftover(task_id, "worker shutdown")
+    for lock in context.all_held():
+        if lock.owned():
+            _release_leftover(lock, "worker shutdown")
     db.dispose_all()

@@ -60,8 +60,16 @@ WAIT_LOCK_TRANSACTION = {
 #: Ends the server-side transaction a timed-out WAIT_LOCK_SESSION left aborted.
 ROLLBACK = "ROLLBACK"
 
-#: Pool check-in safety net: drop every session advisory lock of this session.
-UNLOCK_ALL = "SELECT pg_advisory_unlock_all()"
+#: Pool check-in safety net: drop every session advisory lock of this session and stop
+#: claiming to hold them. Params: the idle application_name.
+UNLOCK_ALL = (
+    "SELECT pg_advisory_unlock_all(), set_config('application_name', %s, false)"
+)
+
+#: After a transaction-scope run: the task body had the connection, so reset everything
+#: it may have left on the session (settings, its own session advisory locks, temp
+#: tables, prepared statements, LISTENs). application_name returns to its startup value.
+DISCARD_ALL = "DISCARD ALL"
 
 #: Is the key granted to any session in this database? Params: classid, objid, objsubid
 #: as unsigned OIDs (see LockKey.pg_locks_ids).

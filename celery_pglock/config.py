@@ -170,34 +170,27 @@ def resolve(
             )
     check_unknown_settings(conf)
 
-    def option(name: str, default: object) -> object:
+    def option(name: str, default: object) -> tuple[str, object]:
+        """(how to name the option in an error, its value): task > app.conf > default."""
         if name in attributes:
-            return attributes[name]
+            return name, attributes[name]
         setting = APP_SETTINGS.get(name)
         if setting is not None and conf.get(setting) is not None:
-            return conf[setting]
-        return default
+            return f"{name} (from app.conf.{setting})", conf[setting]
+        return name, default
 
-    namespace = option("lock_namespace", DEFAULT_NAMESPACE)
+    source, namespace = option("lock_namespace", DEFAULT_NAMESPACE)
     if not isinstance(namespace, str) or not namespace:
-        raise _fail(task_name, "lock_namespace", namespace, "a non-empty string")
+        raise _fail(task_name, source, namespace, "a non-empty string")
     lock_name = attributes.get("lock_name", task_name)
     if not isinstance(lock_name, str) or not lock_name:
         raise _fail(task_name, "lock_name", lock_name, "a non-empty string")
 
-    on_busy = _choice(
-        task_name, "lock_on_busy", option("lock_on_busy", OnBusy.SKIP), OnBusy
-    )
-    scope = _choice(
-        task_name, "lock_scope", option("lock_scope", LockScope.SESSION), LockScope
-    )
-    retry_delay = _seconds(
-        task_name, "lock_retry_delay", option("lock_retry_delay", DEFAULT_RETRY_DELAY)
-    )
+    on_busy = _choice(task_name, *option("lock_on_busy", OnBusy.SKIP), OnBusy)
+    scope = _choice(task_name, *option("lock_scope", LockScope.SESSION), LockScope)
+    retry_delay = _seconds(task_name, *option("lock_retry_delay", DEFAULT_RETRY_DELAY))
     wait_timeout = _seconds(
-        task_name,
-        "lock_wait_timeout",
-        option("lock_wait_timeout", DEFAULT_WAIT_TIMEOUT),
+        task_name, *option("lock_wait_timeout", DEFAULT_WAIT_TIMEOUT)
     )
 
     given = [

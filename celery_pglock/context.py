@@ -1,31 +1,48 @@
-"""The running task's lock handle, and what this process holds, for the safety nets.
+"""The running task's lock handle, per execution, and what this process holds.
 
-``current_lock()`` uses a ContextVar, so it is right per thread and per greenlet (gevent
->= 20.12 gives each greenlet its own context). The held-lock registry is keyed by Celery
-task id; task_postrun, task_revoked and worker shutdown use it to release anything a task
-left behind. Releasing is idempotent: ``task_revoked`` can fire twice (celery#3805).
+Each ``SingletonTask.__call__`` opens an :class:`Execution` in a ContextVar, so the
+handle is right per thread and per greenlet (gevent >= 20.12 gives each greenlet its own
+context), and nested calls (a task body calling another task eagerly or directly) each see
+their own. Nothing is keyed by Celery task id: a redelivered message or an explicit
+``task_id`` can make two executions share one id, and a retry attempt shares its
+predecessor's id, so an id-keyed registry would let one execution release another's lock.
+
+The process-wide registry of held locks exists only for worker shutdown.
 """
 
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from celery_pglock import exceptions
 
 if TYPE_CHECKING:
     from celery_pglock.lock import AdvisoryLock
 
-_current: contextvars.ContextVar[AdvisoryLock | None] = contextvars.ContextVar(
-    "celery_pglock_current", default=None
+
+@dataclasses.dataclass(eq=False)
+class Execution:
+    """One run of a SingletonTask: its lock once granted, and a retry to send after release."""
+
+    task_id: str | None
+    lock: AdvisoryLock | None = None
+    #: Keyword arguments of a ``self.retry(throw=False)`` call made while the lock was
+    #: held: published only after the release, so the retry cannot find its own lock.
+    deferred_retry: dict[str, Any] | None = None
+
+
+_current: contextvars.ContextVar[Execution | None] = contextvars.ContextVar(
+    "celery_pglock_execution", default=None
 )
-_held: dict[str, AdvisoryLock] = {}
+_held: set[AdvisoryLock] = set()
 _held_guard = threading.Lock()
 
 
 def current_lock() -> AdvisoryLock:
-    """The lock of the SingletonTask running in this thread/greenlet.
+    """The lock of the SingletonTask body running in this thread/greenlet.
 
     Its ``key`` says which lock; in transaction scope its ``connection`` is the open
     transaction to do the protected database work in.
@@ -33,44 +50,43 @@ def current_lock() -> AdvisoryLock:
     Raises:
         PgLockError: no SingletonTask body is running here.
     """
-    lock = _current.get()
-    if lock is None:
+    execution = _current.get()
+    if execution is None or execution.lock is None:
         raise exceptions.PgLockError(
             "current_lock() was called outside a running SingletonTask body."
         )
-    return lock
+    return execution.lock
 
 
-def enter(
-    lock: AdvisoryLock, task_id: str | None
-) -> contextvars.Token[AdvisoryLock | None]:
-    """Make ``lock`` the current lock and remember it under ``task_id``."""
-    if task_id is not None:
-        with _held_guard:
-            _held[task_id] = lock
-    return _current.set(lock)
-
-
-def leave(token: contextvars.Token[AdvisoryLock | None], task_id: str | None) -> None:
-    """Undo :func:`enter`."""
-    _current.reset(token)
-    if task_id is not None:
-        with _held_guard:
-            _held.pop(task_id, None)
-
-
-def peek() -> AdvisoryLock | None:
-    """The current lock, or None (no exception)."""
+def current_execution() -> Execution | None:
+    """The innermost SingletonTask execution of this thread/greenlet, if any."""
     return _current.get()
 
 
-def held_by_task(task_id: str) -> AdvisoryLock | None:
-    """The lock a running task of this process holds, if any."""
-    with _held_guard:
-        return _held.get(task_id)
+def begin(task_id: str | None) -> tuple[Execution, contextvars.Token[Execution | None]]:
+    """Open an execution; pass the token to :func:`end`."""
+    execution = Execution(task_id)
+    return execution, _current.set(execution)
 
 
-def all_held() -> list[tuple[str, AdvisoryLock]]:
-    """Every (task id, lock) this process holds right now."""
+def end(token: contextvars.Token[Execution | None]) -> None:
+    """Close the execution opened with ``token``."""
+    _current.reset(token)
+
+
+def hold(lock: AdvisoryLock) -> None:
+    """Register a lock this process holds (for the worker-shutdown safety net)."""
     with _held_guard:
-        return list(_held.items())
+        _held.add(lock)
+
+
+def drop(lock: AdvisoryLock) -> None:
+    """Forget a released lock (idempotent)."""
+    with _held_guard:
+        _held.discard(lock)
+
+
+def all_held() -> list[AdvisoryLock]:
+    """Every lock SingletonTasks of this process hold right now."""
+    with _held_guard:
+        return list(_held)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import socket
 import threading
 import weakref
@@ -31,8 +32,10 @@ from celery_pglock import _sql, config, exceptions
 
 logger = logging.getLogger(__name__)
 
-#: Key in a pooled connection's ``info`` dict: Counter of the advisory keys it holds.
+#: Keys in a pooled connection's ``info`` dict: a Counter of the advisory keys it holds,
+#: and the application_name it shows when idle.
 HELD = "celery_pglock.held"
+IDLE_NAME = "celery_pglock.idle_name"
 
 #: PostgreSQL truncates application_name to NAMEDATALEN - 1 bytes.
 APPLICATION_NAME_MAX = 63
@@ -61,11 +64,24 @@ _engines_pid = os.getpid()
 _engines_lock = threading.Lock()
 
 
+#: Query parameters of a database URL whose values never reach a log line.
+_SECRET_QUERY = re.compile(r"pass|secret|token|key|dsn|credential", re.IGNORECASE)
+
+
 def mask_url(url: str | sa.URL) -> str:
-    """Render a database URL with its password replaced by ``***``: safe to log."""
+    """Render a database URL with every secret replaced by ``***``: safe to log.
+
+    Masks the password in the userinfo and the value of any query parameter that may
+    carry one (``?password=``, ``?sslpassword=``, ``?dsn=...``, tokens, keys).
+    """
     try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
+        parsed = make_url(url)
+        secret = {name: "***" for name in parsed.query if _SECRET_QUERY.search(name)}
+        if secret:
+            parsed = parsed.update_query_dict(secret)
+        # "***" is percent-encoded in a query string; show it as in the userinfo.
+        return parsed.render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
+    except Exception:  # a malformed URL must still never be logged raw
         return "<unparseable database URL>"
 
 
@@ -225,7 +241,9 @@ def _unlock_leftovers(dbapi_connection: Any, record: Any) -> None:
         if not dbapi_connection.autocommit:
             dbapi_connection.rollback()
         with dbapi_connection.cursor() as cursor:
-            cursor.execute(_sql.UNLOCK_ALL)
+            cursor.execute(
+                _sql.UNLOCK_ALL, (record.info.get(IDLE_NAME, DEFAULT_APPLICATION_NAME),)
+            )
         held.clear()
     except Exception:
         logger.exception(

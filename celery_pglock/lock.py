@@ -79,6 +79,7 @@ class AdvisoryLock:
         self._pooled: Any = None  # the pool's proxied DBAPI connection while held
         self._connection: sa.Connection | None = None  # transaction scope only
         self._transaction: sa.RootTransaction | None = None
+        self._discard_connection = False  # set by _wait when a session can't be trusted
         #: time.monotonic() when the lock was granted, or None.
         self.acquired_at: float | None = None
         #: time.monotonic() when the lock was released, or None.
@@ -269,9 +270,13 @@ class AdvisoryLock:
                     raise
             raise
         if not granted:
+            if self._discard_connection:
+                self._discard_connection = False
+                pooled.invalidate()
             pooled.close()
             return False
         db.held_keys(pooled.info)[self.key.ids] += 1
+        pooled.info[db.IDLE_NAME] = self._idle_name
         self._pooled = pooled
         return True
 
@@ -280,15 +285,24 @@ class AdvisoryLock:
         try:
             cursor.execute(statement, params)
         except Exception as exc:
-            if db.sqlstate(exc) in (_sql.LOCK_NOT_AVAILABLE, _sql.QUERY_CANCELED):
-                # In autocommit mode psycopg2's rollback() is a no-op, but our statement
-                # opened a server-side transaction that is now aborted: end it by hand.
-                if cursor.connection.autocommit:
-                    cursor.execute(_sql.ROLLBACK)
-                else:
-                    cursor.connection.rollback()
+            code = db.sqlstate(exc)
+            if code not in (_sql.LOCK_NOT_AVAILABLE, _sql.QUERY_CANCELED):
+                raise
+            if (
+                not cursor.connection.autocommit
+            ):  # transaction scope: rollback ends it all
+                cursor.connection.rollback()
                 return False
-            raise
+            if code == _sql.QUERY_CANCELED:
+                # A cancel (statement_timeout, pg_cancel_backend) may land after the
+                # session lock was granted, and a session lock outlives the aborted
+                # transaction: this session cannot be trusted. The caller closes it.
+                self._discard_connection = True
+                return False
+            # lock_timeout fired inside pg_advisory_lock: nothing was granted. psycopg2's
+            # rollback() is a no-op in autocommit mode, so end the aborted BEGIN by hand.
+            cursor.execute(_sql.ROLLBACK)
+            return False
         return True
 
     def _do_release_session(self) -> None:
@@ -393,6 +407,12 @@ class AdvisoryLock:
                     transaction.commit()
                 else:
                     transaction.rollback()
+                # The body had this connection: wipe what it may have left on the session
+                # (SET search_path, its own advisory locks, temp tables) before pooling it.
+                dbapi: Any = connection.connection.dbapi_connection
+                dbapi.autocommit = True
+                with dbapi.cursor() as cursor:
+                    cursor.execute(_sql.DISCARD_ALL)
         except BaseException:
             connection.invalidate()
             raise

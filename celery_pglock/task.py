@@ -232,64 +232,92 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         options = guard.config
         request = self.request
         task_id: str | None = request.id
-        key = guard.key(args, kwargs)
-        lock = AdvisoryLock(
-            engine=guard.engine(), key=key, scope=options.scope, label=options.task_name
-        )
-        granted = lock.acquire(
-            timeout=options.wait_timeout if options.on_busy is OnBusy.WAIT else None
-        )
-        if not granted:
-            self._on_busy(lock, task_id)
-        if signals.lock_acquired.receivers:
-            signals.lock_acquired.send(
-                sender=self,
-                task_id=task_id,
-                task_name=self.name,
-                key=key,
-                wait_seconds=lock.wait_seconds,
-            )
-        if logger.isEnabledFor(
-            logging.DEBUG
-        ):  # skip building the message on the hot path
-            logger.debug(
-                "Acquired lock %s (key %s) for %s[%s] on %s",
-                key.name,
-                key,
-                self.name,
-                task_id,
-                db.engine_info(lock.engine)["masked_url"],
-                extra={
-                    "action": "lock_acquired",
-                    "lock_key": str(key),
-                    "lock_namespace": options.namespace,
-                    "task_id": task_id,
-                },
-            )
-        token = context.enter(lock, task_id)
+        execution, token = context.begin(task_id)
+        if task_id is not None and not request.called_directly:
+            # task_postrun finds this execution's lock on the tracer's request: per
+            # execution and per thread, never by task id (see context.py).
+            request._pglock_execution = execution  # type: ignore[attr-defined]
         try:
+            key = guard.key(args, kwargs)
+            lock = AdvisoryLock(
+                engine=guard.engine(),
+                key=key,
+                scope=options.scope,
+                label=options.task_name,
+            )
+            granted = lock.acquire(
+                timeout=options.wait_timeout if options.on_busy is OnBusy.WAIT else None
+            )
+            if not granted:
+                self._on_busy(lock, task_id)
+            execution.lock = lock
+            context.hold(lock)
+            self._report_acquired(lock, task_id)
             try:
                 retval = super().__call__(*args, **kwargs)
             except BaseException as exc:
-                self._finish(lock, task_id, exc)
+                self._finish(execution, exc)
                 raise
-            self._finish(lock, task_id, None)
+            self._finish(execution, None)
             return retval
         finally:
-            context.leave(token, task_id)
+            context.end(token)
 
-    def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's retry, after releasing the lock so the next attempt can take it.
+    def retry(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: BaseException | None = None,
+        throw: bool = True,
+        eta: Any = None,
+        countdown: Any = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's retry, publishing the retry message only once the lock is released.
 
-        The lock is released before the retry message is published: otherwise a retry
-        that is delivered at once would find its own predecessor's lock and be skipped.
-        Between the two attempts another run of the same key may take the lock.
-        In transaction scope, releasing rolls the attempt's work back.
+        Publishing while the lock is held could deliver the retry to another worker
+        before this attempt has unwound, and it would find its own predecessor's lock
+        and be skipped (celery-singleton#20). So the message is published right after
+        the release, when the attempt has fully unwound (its ``finally`` blocks still
+        ran under the lock). Between the release and the retry's start another run of
+        the same key may take the lock; in transaction scope the attempt's work is
+        rolled back.
+
+        When Celery would not publish at all (a direct call, or no retries left: it
+        raises ``exc`` or MaxRetriesExceededError), nothing changes and the lock is kept
+        for the code that handles that exception. Eager retries run only after the
+        attempt has returned, so they need no deferral either.
         """
-        lock = context.peek()
-        if lock is not None and lock.owned() and kwargs.get("throw", True):
-            self._release(lock, self.request.id, commit=False)
-        return super().retry(*args, **kwargs)
+        retry_options = {
+            "args": args, "kwargs": kwargs, "exc": exc, "eta": eta,
+            "countdown": countdown, "max_retries": max_retries, **options,
+        }  # fmt: skip
+        execution = context.current_execution()
+        lock = execution.lock if execution is not None else None
+        if (
+            execution is None
+            or lock is None
+            or not lock.owned()
+            or self.request.is_eager
+            or not self._retry_publishes(max_retries)
+        ):
+            return super().retry(throw=throw, **retry_options)
+        execution.deferred_retry = retry_options
+        retry = Retry(
+            exc=exc if isinstance(exc, Exception) else None, when=eta or countdown
+        )
+        if throw:
+            raise retry
+        return retry
+
+    def _retry_publishes(self, max_retries: int | None) -> bool:
+        """Will Celery's retry() publish a message? (Mirrors its own checks.)"""
+        request = self.request
+        if request.called_directly:
+            return False
+        limit = self.max_retries if max_retries is None else max_retries
+        return limit is None or request.retries + 1 <= limit
 
     # -- outcomes -----------------------------------------------------------------------
 
@@ -348,38 +376,71 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 )
             raise Ignore(message)
         if action is OnBusy.RETRY:
+            if request.is_eager and self.max_retries is None:
+                raise busy  # eager retries run inline without the countdown: never spin
             raise self.retry(countdown=options.retry_delay, exc=busy)
         raise busy
 
-    def _finish(
-        self, lock: AdvisoryLock, task_id: str | None, exc: BaseException | None
-    ) -> None:
-        """Release (if still held) and report the outcome of a run that held the lock."""
+    def _report_acquired(self, lock: AdvisoryLock, task_id: str | None) -> None:
+        if signals.lock_acquired.receivers:
+            signals.lock_acquired.send(
+                sender=self, task_id=task_id, task_name=self.name, key=lock.key,
+                wait_seconds=lock.wait_seconds,
+            )  # fmt: skip
+        if logger.isEnabledFor(
+            logging.DEBUG
+        ):  # skip building the message on the hot path
+            logger.debug(
+                "Acquired lock %s (key %s) for %s[%s] on %s",
+                lock.key.name, lock.key, self.name, task_id, db.engine_info(lock.engine)["masked_url"],
+                extra=self._log_extra("lock_acquired", lock, task_id),
+            )  # fmt: skip
+
+    def _log_extra(
+        self, action: str, lock: AdvisoryLock, task_id: str | None
+    ) -> dict[str, Any]:
+        return {
+            "action": action,
+            "lock_key": str(lock.key),
+            "lock_name": lock.key.name,
+            "lock_namespace": self._guard().config.namespace,
+            "task_id": task_id,
+            "database": db.engine_info(lock.engine)["masked_url"],
+        }
+
+    def _finish(self, execution: context.Execution, exc: BaseException | None) -> None:
+        """Release (if still held), report the outcome, then publish a deferred retry."""
+        lock = execution.lock
+        if lock is None:  # pragma: no cover - _finish runs only after a grant
+            return
+        task_id = execution.task_id
         release_error: exceptions.PgLockError | None = None
         if lock.owned():
             release_error = self._release(lock, task_id, commit=exc is None)
         held = (lock.released_at or 0.0) - (lock.acquired_at or 0.0)
-        common = {
-            "sender": self,
-            "task_id": task_id,
-            "task_name": self.name,
-            "key": lock.key,
-            "wait_seconds": lock.wait_seconds,
-            "held_seconds": held,
-        }
         # A session-scope release failure leaves the run's outcome as it was (the body's
         # work is done and the session is closed); lock_release_failed reports it. In
         # transaction scope it means the work was not committed under the lock: a failure.
         failed = exc is not None or (
             release_error is not None and lock.scope is LockScope.TRANSACTION
         )
+        state = _state_of(exc) if failed else states.SUCCESS
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "Lock %s (key %s) of %s[%s]: %s after %.3fs held, on %s",
+                lock.key.name, lock.key, self.name, task_id, state, held,
+                db.engine_info(lock.engine)["masked_url"],
+                extra={**self._log_extra("lock_failed" if failed else "lock_completed", lock, task_id), "state": state},
+            )  # fmt: skip
+        common = {
+            "sender": self, "task_id": task_id, "task_name": self.name, "key": lock.key,
+            "wait_seconds": lock.wait_seconds, "held_seconds": held, "state": state,
+        }  # fmt: skip
         if not failed:
             if signals.lock_completed.receivers:
-                signals.lock_completed.send(state=states.SUCCESS, **common)
+                signals.lock_completed.send(**common)
         elif signals.lock_failed.receivers:
-            signals.lock_failed.send(
-                state=_state_of(exc), exception=exc or release_error, **common
-            )
+            signals.lock_failed.send(exception=exc or release_error, **common)
         if (
             exc is None
             and release_error is not None
@@ -387,52 +448,32 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         ):
             # The body's work was not committed under the lock: the run must not succeed.
             raise release_error
+        deferred, execution.deferred_retry = execution.deferred_retry, None
+        if deferred is not None:
+            # Now that the lock is released, publish the retry that self.retry() asked
+            # for. A publish failure raises Reject, as Celery's own retry() does.
+            super().retry(throw=False, **deferred)
 
     def _release(
         self, lock: AdvisoryLock, task_id: str | None, *, commit: bool
     ) -> exceptions.PgLockError | None:
         """Release ``lock``; report (not raise) a failure, which already closed the connection."""
+        context.drop(lock)
         try:
             lock.release(commit=commit)
         except exceptions.PgLockError as error:
             logger.error(
                 "Releasing lock %s (key %s) of %s[%s] failed: %s. The connection was closed, "
                 "so PostgreSQL no longer holds the lock. Database: %s.",
-                lock.key.name,
-                lock.key,
-                self.name,
-                task_id,
-                error,
-                db.engine_info(lock.engine)["masked_url"],
-                extra={
-                    "action": "lock_release_failed",
-                    "lock_key": str(lock.key),
-                    "task_id": task_id,
-                },
-            )
+                lock.key.name, lock.key, self.name, task_id, error, db.engine_info(lock.engine)["masked_url"],
+                extra=self._log_extra("lock_release_failed", lock, task_id),
+            )  # fmt: skip
             if signals.lock_release_failed.receivers:
                 signals.lock_release_failed.send(
-                    sender=self,
-                    task_id=task_id,
-                    task_name=self.name,
-                    key=lock.key,
-                    wait_seconds=lock.wait_seconds,
-                    exception=error,
-                )
+                    sender=self, task_id=task_id, task_name=self.name, key=lock.key,
+                    wait_seconds=lock.wait_seconds, exception=error,
+                )  # fmt: skip
             return error
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "Released lock %s (key %s) of %s[%s]",
-                lock.key.name,
-                lock.key,
-                self.name,
-                task_id,
-                extra={
-                    "action": "lock_released",
-                    "lock_key": str(lock.key),
-                    "task_id": task_id,
-                },
-            )
         return None
 
 

@@ -182,3 +182,26 @@ def after(self, previous: str, run: str) -> str:
     with recorder.record(run, "after", self.request.id):
         pass
     return previous
+
+
+@app.task(base=SingletonTask, bind=True, lock_args=("run",), max_retries=3)
+def retry_later(self, run: str) -> str:
+    """self.retry(throw=False), then keep working under the lock for a while.
+
+    The retry must not be delivered while this attempt still holds the lock (it would
+    be skipped and lost): it is published only after the release.
+    """
+    with recorder.record(run, "retry_later", self.request.id):
+        if self.request.retries == 0:
+            self.retry(countdown=0, throw=False)
+            time.sleep(0.5)
+            return "first"
+    return "second"
+
+
+@app.task(base=SingletonTask, bind=True, lock_args=("run",), soft_time_limit=1)
+def soft_limited(self, run: str, gate: str) -> str:
+    """Wait on a gate past its soft time limit: SoftTimeLimitExceeded unwinds the body."""
+    with recorder.record(run, "soft_limited", self.request.id) as row_id:
+        wait_gate(gate, row_id)
+    return "finished"

@@ -27,6 +27,13 @@ def workers(start_workers):
     return start_workers(1, concurrency=2)
 
 
+@pytest.fixture(scope="module")
+def threads_worker(acceptance, start_workers):
+    queue = f"{acceptance.app.conf.task_default_queue}-threads"
+    start_workers(1, pool="threads", concurrency=4, queues=[queue])
+    return queue
+
+
 def key_is_free(acceptance, task, *args):
     engine = db.engine_for(acceptance.app.conf)
     return not AdvisoryLock(engine=engine, key=task.lock_key_for(*args)).locked()
@@ -125,17 +132,12 @@ def test_transaction_scope_commits_or_rolls_back_in_the_worker(
         assert 1 == rows.scalar()
 
 
-def test_threads_pool_is_exclusive_too(acceptance, start_workers, recorder, run):
+def test_threads_pool_is_exclusive_too(acceptance, threads_worker, recorder, run):
     """--pool threads: tasks in one process use separate sessions, so they exclude each other."""
-    start_workers(
-        1,
-        pool="threads",
-        concurrency=4,
-        queues=[f"{acceptance.app.conf.task_default_queue}-threads"],
-    )
-    queue = f"{acceptance.app.conf.task_default_queue}-threads"
     results = [
-        acceptance.protected.apply_async((run, "k"), {"hold": 0.02}, queue=queue)
+        acceptance.protected.apply_async(
+            (run, "k"), {"hold": 0.02}, queue=threads_worker
+        )
         for _ in range(40)
     ]
     wait_until(
@@ -178,3 +180,118 @@ def test_worker_refuses_to_start_without_a_database_url(acceptance_env, tmp_path
     output = completed.stdout + completed.stderr
     assert "pglock_database_url" in output
     assert "CELERY_PGLOCK_DATABASE_URL" in output
+
+
+def test_retry_without_throw_is_published_after_the_release(
+    acceptance, workers, recorder, run
+):
+    """self.retry(throw=False): the retry is not lost to the attempt's own lock.
+
+    (The result stays "first": Celery never overwrites a stored SUCCESS. The recorded
+    intervals show that the retry attempt ran, after the first one.)
+    """
+    result = acceptance.retry_later.delay(run)
+    wait_until(
+        lambda: recorder.count(run) == 2 and not recorder.unfinished(run),
+        timeout=30,
+        what="both attempts",
+    )
+    first, second = recorder.intervals(run)
+    assert result.id == first.task_id == second.task_id
+    assert first.ended_at <= second.started_at
+    assert [] == recorder.overlaps(run)
+
+
+def test_soft_time_limit_unwinds_and_releases(acceptance, workers, recorder, run):
+    """SoftTimeLimitExceeded is an exception in the body: the finally releases the lock."""
+    result = acceptance.soft_limited.delay(run, gate=f"{run}-never")
+    wait_until(
+        lambda: result.state == "FAILURE", timeout=30, what="the soft time limit"
+    )
+    assert "SoftTimeLimitExceeded" == type(result.result).__name__
+    assert key_is_free(acceptance, acceptance.soft_limited, run)
+
+
+def test_revoke_with_terminate_frees_the_lock(acceptance, workers, recorder, run):
+    """revoke(terminate=True) kills the pool child; its session, and so its lock, end with it."""
+    gate = f"{run}-gate"
+    result = acceptance.protected.delay(run, "k", gate=gate)
+    wait_until(
+        lambda: recorder.count(run, "k") == 1, timeout=30, what="the run to start"
+    )
+    result.revoke(terminate=True, signal="SIGKILL")
+    wait_until(
+        lambda: key_is_free(acceptance, acceptance.protected, run, "k"),
+        timeout=15,
+        what="the lock to be freed",
+    )
+    acceptance.open_gate(gate)
+    assert "k" == acceptance.protected.delay(run, "k").get(timeout=30)
+
+
+def test_threads_pool_same_task_id_duplicate_keeps_the_holder_locked(
+    acceptance, threads_worker, recorder, run
+):
+    """Threads pool: a duplicate delivered with the holder's task id (a redelivery, an
+    explicit task_id) is skipped, and its end does not release the holder's lock."""
+    gate, task_id = f"{run}-gate", f"{run}-id"
+    acceptance.protected.apply_async(
+        (run, "k"), {"gate": gate}, task_id=task_id, queue=threads_worker
+    )
+    wait_until(
+        lambda: recorder.count(run, "k") == 1, timeout=30, what="the holder to start"
+    )
+    same_id = acceptance.protected.apply_async(
+        (run, "k"), task_id=task_id, queue=threads_worker
+    )
+    wait_until(
+        lambda: same_id.state == SKIPPED,
+        timeout=30,
+        what="the same-id duplicate to be SKIPPED",
+    )
+    other = acceptance.protected.apply_async((run, "k"), queue=threads_worker)
+    wait_until(
+        lambda: other.state == SKIPPED,
+        timeout=30,
+        what="a later duplicate to be SKIPPED too",
+    )
+    acceptance.open_gate(gate)
+    wait_until(
+        lambda: key_is_free(acceptance, acceptance.protected, run, "k"),
+        timeout=30,
+        what="the holder to end",
+    )
+    assert 1 == recorder.count(run, "k")
+
+
+def test_threads_pool_retry_attempts_never_overlap(
+    acceptance, threads_worker, recorder, run
+):
+    """Threads pool: self.retry() attempts share a task id and must not free each other's lock."""
+    results = [
+        acceptance.retries_once.apply_async((run,), queue=threads_worker)
+        for _ in range(3)
+    ]
+    wait_until(
+        lambda: all(r.state in ("SUCCESS", SKIPPED) for r in results),
+        timeout=60,
+        what="every attempt to end",
+    )
+    assert [] == recorder.overlaps(run)
+
+
+def test_solo_pool_is_exclusive(acceptance, start_workers, recorder, run):
+    """--pool solo: one task at a time per worker; two solo workers still exclude each other."""
+    queue = f"{acceptance.app.conf.task_default_queue}-solo"
+    start_workers(2, pool="solo", concurrency=1, queues=[queue])
+    results = [
+        acceptance.protected.apply_async((run, "k"), {"hold": 0.02}, queue=queue)
+        for _ in range(30)
+    ]
+    wait_until(
+        lambda: all(r.state in ("SUCCESS", SKIPPED) for r in results),
+        timeout=60,
+        what="every run to end",
+    )
+    assert recorder.count(run, "k") >= 1
+    assert [] == recorder.overlaps(run)

@@ -22,47 +22,56 @@ def _hooks_connected():
 
 
 def test_task_postrun_releases_a_leftover_lock(lock_engine, namespace):
-    """If a task id still holds a lock at task_postrun, the hook releases it."""
+    """If the execution that just ended still holds its lock, task_postrun releases it."""
     lock = AdvisoryLock(engine=lock_engine, key=make_key(namespace))
     assert lock.acquire()
-    token = context.enter(lock, "task-1")
-    try:
+    execution = context.Execution("task-1", lock=lock)
+
+    class Request:
+        _pglock_execution = execution
+
+    class Task:
+        request = Request()
+
+    for _ in range(
+        2
+    ):  # idempotent: a second postrun (or any second release) is a no-op
         celery_signals.task_postrun.send(
             sender=None,
             task_id="task-1",
-            task=None,
+            task=Task(),
             args=(),
             kwargs={},
             state="SUCCESS",
         )
-        assert not lock.owned()
-        assert not lock.locked()
-    finally:
-        context.leave(token, "task-1")
+    assert not lock.owned()
+    assert not lock.locked()
 
 
-def test_task_revoked_twice_is_harmless(lock_engine, namespace):
-    """task_revoked can fire twice (celery#3805): the second release is a no-op."""
-
-    class Request:
-        id = "task-2"
-
+def test_task_postrun_of_another_execution_leaves_the_lock_alone(
+    lock_engine, namespace
+):
+    """Executions sharing a task id never release each other's lock (per-execution lookup)."""
     lock = AdvisoryLock(engine=lock_engine, key=make_key(namespace))
     assert lock.acquire()
-    token = context.enter(lock, "task-2")
     try:
-        for _ in range(2):
-            celery_signals.task_revoked.send(
-                sender=None,
-                request=Request(),
-                terminated=True,
-                signum=15,
-                expired=False,
-            )
-        assert not lock.owned()
-        assert not lock.locked()
+
+        class Task:
+            request = type(
+                "Request", (), {"_pglock_execution": context.Execution("shared-id")}
+            )()
+
+        celery_signals.task_postrun.send(
+            sender=None,
+            task_id="shared-id",
+            task=Task(),
+            args=(),
+            kwargs={},
+            state="IGNORED",
+        )
+        assert lock.owned()
     finally:
-        context.leave(token, "task-2")
+        lock.release()
 
 
 def test_worker_shutdown_releases_everything(database_url, namespace):
@@ -70,14 +79,12 @@ def test_worker_shutdown_releases_everything(database_url, namespace):
     engine = db_module.engine_for({"pglock_database_url": database_url})
     lock = AdvisoryLock(engine=engine, key=make_key(namespace))
     assert lock.acquire()
-    token = context.enter(lock, "task-3")
-    try:
-        celery_signals.worker_process_shutdown.send(
-            sender=None, pid=os.getpid(), exitcode=0
-        )
-        assert not lock.owned()
-    finally:
-        context.leave(token, "task-3")
+    context.hold(lock)
+    celery_signals.worker_process_shutdown.send(
+        sender=None, pid=os.getpid(), exitcode=0
+    )
+    assert not lock.owned()
+    assert [] == context.all_held()
     checker = AdvisoryLock(
         engine=db_module.engine_for({"pglock_database_url": database_url}), key=lock.key
     )

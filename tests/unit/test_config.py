@@ -243,3 +243,25 @@ def test_lock_errors_survive_pickling(error):
 def test_configuration_error_is_also_a_value_error():
     """Callers catching ValueError for bad settings keep working."""
     assert issubclass(ConfigurationError, ValueError)
+
+
+def test_bad_app_setting_is_named_as_the_setting(app):
+    """A bad app-wide default names app.conf.pglock_*, not only the task option."""
+    app.conf.pglock_retry_delay = -1
+    with pytest.raises(ConfigurationError, match=r"app\.conf\.pglock_retry_delay"):
+        register(app)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg2://u@h/db?password=s3cret",
+        "postgresql+psycopg2://u@h/db?sslpassword=s3cret&sslmode=require",
+        "postgresql+psycopg2://u:s3cret@h/db",
+    ],
+)
+def test_mask_url_hides_secrets_in_query_parameters(url):
+    """Passwords in the query string are masked too."""
+    masked = db.mask_url(url)
+    assert "s3cret" not in masked
+    assert "***" in masked

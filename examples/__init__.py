@@ -1,0 +1,10 @@
+"""Runnable examples of celery-pglock: the design article's two scenarios and the demo.
+
+- ``examples.settlement``: the daily settlement job, one transaction, a numeric key.
+- ``examples.tenant_export``: a per-tenant export under a session lock, made idempotent.
+- ``examples.demo`` (run by ``bash scripts/demo.sh``) with ``examples.demo_app``.
+
+Run them from the repository root, so that ``examples`` is importable by ``celery -A``.
+"""
+
+from __future__ import annotations
