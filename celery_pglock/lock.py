@@ -27,6 +27,7 @@ session).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -43,6 +44,12 @@ if TYPE_CHECKING:
     from celery_pglock.keys import LockKey
 
 logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=4096)
+def _application_name(prefix: str, *parts: object) -> str:
+    # Per-task hot path: the same few names are built over and over.
+    return db.application_name(prefix, *parts)
 
 
 class AdvisoryLock:
@@ -69,13 +76,12 @@ class AdvisoryLock:
         self.engine = engine
         self.key = key
         self.scope = LockScope(scope)
-        labels = db.engine_info(engine)
-        self._holding_name = db.application_name(
-            labels["application_name_prefix"], db.process_tag(), key, label or key.name
+        prefix, tag = (
+            db.engine_info(engine)["application_name_prefix"],
+            db.process_tag(),
         )
-        self._idle_name = db.application_name(
-            labels["application_name_prefix"], db.process_tag(), "idle"
-        )
+        self._holding_name = _application_name(prefix, tag, key, label or key.name)
+        self._idle_name = _application_name(prefix, tag, "idle")
         self._pooled: Any = None  # the pool's proxied DBAPI connection while held
         self._connection: sa.Connection | None = None  # transaction scope only
         self._transaction: sa.RootTransaction | None = None
