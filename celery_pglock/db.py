@@ -201,9 +201,8 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
 def engine_info(engine: sa.Engine) -> dict[str, str]:
     """The labels create_engine attached: application_name prefix and masked URL."""
     labels = _labels.get(engine)
-    if (
-        labels is None
-    ):  # an engine the caller made: label it and add the net on first sight
+    if labels is None:
+        # An engine the caller made: label it and add the check-in net on first sight.
         if not event.contains(engine, "checkin", _unlock_leftovers):
             event.listen(engine, "checkin", _unlock_leftovers)
         labels = _labels[engine] = {

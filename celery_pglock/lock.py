@@ -249,24 +249,16 @@ class AdvisoryLock:
         with db.wrap_db_errors(f"acquire lock {self.key.name!r}", self.engine):
             pooled = self.engine.raw_connection()
         try:
-            dbapi: Any = (
-                pooled.dbapi_connection
-            )  # psycopg2: typed loosely by SQLAlchemy
+            # psycopg2, typed loosely by SQLAlchemy.
+            dbapi: Any = pooled.dbapi_connection
             dbapi.autocommit = True
             with dbapi.cursor() as cursor:
-                if timeout_ms is None:
-                    cursor.execute(
-                        _sql.TRY_LOCK_SESSION[arity],
-                        (*self.key.ids, self._holding_name),
-                    )
-                    row = cursor.fetchone()
-                    granted = row is not None and row[0] is not None
-                else:
-                    granted = self._wait(
-                        cursor,
-                        _sql.WAIT_LOCK_SESSION[arity],
-                        (str(timeout_ms), self._holding_name, *self.key.ids),
-                    )
+                granted = self._lock_statement(
+                    cursor,
+                    _sql.TRY_LOCK_SESSION[arity],
+                    _sql.WAIT_LOCK_SESSION[arity],
+                    timeout_ms,
+                )
         except BaseException as exc:
             # Unknown state (e.g. interrupted mid-statement): closing is the only safe release.
             pooled.invalidate()
@@ -286,6 +278,18 @@ class AdvisoryLock:
         self._pooled = pooled
         return True
 
+    def _lock_statement(
+        self, cursor: Any, try_sql: str, wait_sql: str, timeout_ms: int | None
+    ) -> bool:
+        """Try once (one round trip) or wait at most ``timeout_ms``; True if granted."""
+        if timeout_ms is None:
+            cursor.execute(try_sql, (*self.key.ids, self._holding_name))
+            row = cursor.fetchone()
+            return row is not None and row[0] is not None
+        return self._wait(
+            cursor, wait_sql, (str(timeout_ms), self._holding_name, *self.key.ids)
+        )
+
     def _wait(self, cursor: Any, statement: str, params: tuple[Any, ...]) -> bool:
         """Run a bounded blocking lock statement; False if lock_timeout expired."""
         try:
@@ -294,9 +298,8 @@ class AdvisoryLock:
             code = db.sqlstate(exc)
             if code not in (_sql.LOCK_NOT_AVAILABLE, _sql.QUERY_CANCELED):
                 raise
-            if (
-                not cursor.connection.autocommit
-            ):  # transaction scope: rollback ends it all
+            if not cursor.connection.autocommit:
+                # Transaction scope: the rollback ends the transaction and the wait.
                 cursor.connection.rollback()
                 return False
             if code == _sql.QUERY_CANCELED:
@@ -351,25 +354,17 @@ class AdvisoryLock:
             connection = self.engine.connect()
         try:
             pooled = connection.connection
-            dbapi: Any = (
-                pooled.dbapi_connection
-            )  # psycopg2: typed loosely by SQLAlchemy
+            # psycopg2, typed loosely by SQLAlchemy.
+            dbapi: Any = pooled.dbapi_connection
             dbapi.autocommit = False
             transaction = connection.begin()
             with dbapi.cursor() as cursor:
-                if timeout_ms is None:
-                    cursor.execute(
-                        _sql.TRY_LOCK_TRANSACTION[arity],
-                        (*self.key.ids, self._holding_name),
-                    )
-                    row = cursor.fetchone()
-                    granted = row is not None and row[0] is not None
-                else:
-                    granted = self._wait(
-                        cursor,
-                        _sql.WAIT_LOCK_TRANSACTION[arity],
-                        (str(timeout_ms), self._holding_name, *self.key.ids),
-                    )
+                granted = self._lock_statement(
+                    cursor,
+                    _sql.TRY_LOCK_TRANSACTION[arity],
+                    _sql.WAIT_LOCK_TRANSACTION[arity],
+                    timeout_ms,
+                )
             if not granted:
                 transaction.rollback()
                 connection.close()
@@ -391,9 +386,7 @@ class AdvisoryLock:
     def _do_release_transaction(self, commit: bool) -> None:
         connection, transaction = self._connection, self._transaction
         self._connection = self._transaction = self._pooled = None
-        if (
-            connection is None or transaction is None
-        ):  # owned() was checked by release()
+        if connection is None or transaction is None:  # release() checked owned()
             raise exceptions.LockNotOwnedError(
                 f"Lock {self.key.name!r} has no open transaction."
             )

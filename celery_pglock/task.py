@@ -387,9 +387,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 sender=self, task_id=task_id, task_name=self.name, key=lock.key,
                 wait_seconds=lock.wait_seconds,
             )  # fmt: skip
-        if logger.isEnabledFor(
-            logging.DEBUG
-        ):  # skip building the message on the hot path
+        # Skip building the message and its extras on the hot path unless DEBUG is on.
+        if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "Acquired lock %s (key %s) for %s[%s] on %s",
                 lock.key.name, lock.key, self.name, task_id, db.engine_info(lock.engine)["masked_url"],
