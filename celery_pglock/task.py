@@ -21,6 +21,7 @@ Where things happen, and why there (each line is a bug in an existing library):
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 SKIPPED = "SKIPPED"
 
 _MISSING = inspect.Parameter.empty
+#: Exact types whose keys are memoised per task (hashable, and canonical() keeps them).
+_SCALARS = frozenset({int, str, bool, type(None)})
 
 
 class _KeyArgument:
@@ -102,6 +105,7 @@ class _Guard:
             for name in options.lock_args
         ]
         self._engine: tuple[int, sa.Engine] | None = None
+        self._scalar_key = functools.lru_cache(maxsize=4096)(self._scalar_key)  # type: ignore[method-assign]
 
     def engine(self) -> sa.Engine:
         cached = self._engine
@@ -119,14 +123,28 @@ class _Guard:
             material = options.lock_key(*args, **kwargs)
             where = f"Task {options.task_name!r}: the value returned by lock_key"
             return keys.make_key(options.namespace, options.name, material, where=where)
+        values = tuple(
+            argument.value(options.task_name, args, kwargs)
+            for argument in self.arguments
+        )
+        if all(type(value) in _SCALARS for value in values):
+            # The everyday case (a tenant id, a date string): memoise, keyed with each
+            # value's exact type so that 7, "7", 7.0 and True stay distinct keys.
+            return self._scalar_key(tuple((type(value), value) for value in values))
+        return self._make_key(values)
+
+    def _make_key(self, values: tuple[Any, ...]) -> keys.LockKey:
+        options = self.config
         material = {
             argument.name: keys.canonical(
-                argument.value(options.task_name, args, kwargs),
-                f"Task {options.task_name!r}: argument {argument.name!r}",
+                value, f"Task {options.task_name!r}: argument {argument.name!r}"
             )
-            for argument in self.arguments
+            for argument, value in zip(self.arguments, values, strict=True)
         }
         return keys.make_key(options.namespace, options.name, material)
+
+    def _scalar_key(self, typed_values: tuple[tuple[type, Any], ...]) -> keys.LockKey:
+        return self._make_key(tuple(value for _, value in typed_values))
 
 
 def _option_attributes(cls: type) -> dict[str, Any]:
@@ -254,7 +272,12 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             context.hold(lock)
             self._report_acquired(lock, task_id)
             try:
-                retval = super().__call__(*args, **kwargs)
+                # In a worker (and in apply()) Celery's tracer has already pushed this
+                # request and task, so Task.__call__ would only push copies (~35 us per
+                # task); a plain task gets the same shortcut from the tracer itself.
+                # A direct call has no request yet and needs Task.__call__ to push one.
+                body = super().__call__ if request.called_directly else self.run
+                retval = body(*args, **kwargs)
             except BaseException as exc:
                 self._finish(execution, exc)
                 raise

@@ -265,3 +265,19 @@ def test_mask_url_hides_secrets_in_query_parameters(url):
     masked = db.mask_url(url)
     assert "s3cret" not in masked
     assert "***" in masked
+
+
+def test_memoised_scalar_keys_keep_types_apart(app):
+    """The per-task key cache never merges 1, True, "1" or 1.0, and agrees with make_key."""
+    from celery_pglock import keys
+
+    task = register(app, lock_args=("tenant_id",))
+    distinct = {
+        task.lock_key_for(value).ids for value in (1, True, "1", 1.0, None, 0, False)
+    }
+    assert 7 == len(distinct)
+    for value in (1, True, "1", None):
+        expected = keys.make_key("default", "unit.export", {"tenant_id": value})
+        assert (
+            expected == task.lock_key_for(value) == task.lock_key_for(tenant_id=value)
+        )
