@@ -86,6 +86,7 @@ class AdvisoryLock:
         self._connection: sa.Connection | None = None  # transaction scope only
         self._transaction: sa.RootTransaction | None = None
         self._discard_connection = False  # set by _wait when a session can't be trusted
+        self._lent = False  # transaction scope: did anyone take .connection?
         #: time.monotonic() when the lock was granted, or None.
         self.acquired_at: float | None = None
         #: time.monotonic() when the lock was released, or None.
@@ -213,6 +214,7 @@ class AdvisoryLock:
             raise exceptions.PgLockError(
                 f"Lock {self.key.name!r} (key {self.key}) is not held."
             )
+        self._lent = True
         return self._connection
 
     def __enter__(self) -> AdvisoryLock:
@@ -246,8 +248,11 @@ class AdvisoryLock:
 
     def _do_acquire_session(self, timeout_ms: int | None) -> bool:
         arity = len(self.key.ids)
-        with db.wrap_db_errors(f"acquire lock {self.key.name!r}", self.engine):
+        try:
             pooled = self.engine.raw_connection()
+        except Exception:
+            with db.wrap_db_errors(f"acquire lock {self.key.name!r}", self.engine):
+                raise
         try:
             # psycopg2, typed loosely by SQLAlchemy.
             dbapi: Any = pooled.dbapi_connection
@@ -406,12 +411,15 @@ class AdvisoryLock:
                     transaction.commit()
                 else:
                     transaction.rollback()
-                # The body had this connection: wipe what it may have left on the session
-                # (SET search_path, its own advisory locks, temp tables) before pooling it.
-                dbapi: Any = connection.connection.dbapi_connection
-                dbapi.autocommit = True
-                with dbapi.cursor() as cursor:
-                    cursor.execute(_sql.DISCARD_ALL)
+                if self._lent:
+                    # The body had this connection: wipe what it may have left on the
+                    # session (SET search_path, its own advisory locks, temp tables)
+                    # before pooling it. Not needed (one round trip saved) otherwise.
+                    self._lent = False
+                    dbapi: Any = connection.connection.dbapi_connection
+                    dbapi.autocommit = True
+                    with dbapi.cursor() as cursor:
+                        cursor.execute(_sql.DISCARD_ALL)
         except BaseException:
             connection.invalidate()
             raise
