@@ -374,9 +374,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             action.value,
             db.engine_info(lock.engine)["masked_url"],
             extra={
-                "action": "lock_skipped",
-                "lock_key": str(key),
-                "task_id": task_id,
+                **self._log_extra("lock_skipped", lock, task_id),
                 "on_busy": action.value,
             },
         )
