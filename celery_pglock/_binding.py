@@ -1,0 +1,149 @@
+"""A task's resolved lock options and the per-call key binding (the hot path's first step).
+
+Built once per task class when Celery binds it (``SingletonTask.on_bound``): the frozen
+LockConfig, where each ``lock_args`` value sits in a call, and the process's lock engine
+(re-fetched after a fork). ``Guard.key()`` then turns one call's arguments into a LockKey
+without ``inspect.Signature.bind`` and, for plain scalar arguments, from a cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from typing import TYPE_CHECKING, Any
+
+from celery_pglock import config, db, exceptions, keys
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    import sqlalchemy as sa
+
+_MISSING = inspect.Parameter.empty
+#: Exact types whose keys are memoised per task (hashable, and canonical() keeps them).
+_SCALARS = frozenset({int, str, bool, type(None)})
+
+
+class KeyArgument:
+    """Where one ``lock_args`` value comes from in a call: precomputed for the hot path."""
+
+    __slots__ = ("default", "keyword", "name", "position")
+
+    def __init__(self, parameter: inspect.Parameter, position: int | None) -> None:
+        self.name = parameter.name
+        self.position = position
+        self.keyword = parameter.kind is not parameter.POSITIONAL_ONLY
+        self.default = parameter.default
+
+    def value(
+        self, task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> Any:
+        # The same binding Python does for the call itself, without Signature.bind's cost:
+        # f(7), f(tenant_id=7) and f(7, fmt="pdf") all yield 7, and defaults apply.
+        if self.keyword and self.name in kwargs:
+            return kwargs[self.name]
+        if self.position is not None and self.position < len(args):
+            return args[self.position]
+        if self.default is not _MISSING:
+            return self.default
+        raise exceptions.LockKeyError(
+            f"Task {task_name!r} was called without its lock argument {self.name!r}, so "
+            "there is no key to lock; the body did not run."
+        )
+
+
+class Guard:
+    """One task's resolved options plus its per-process engine: built once at bind."""
+
+    def __init__(
+        self,
+        options: config.LockConfig,
+        parameters: Sequence[inspect.Parameter],
+        conf: Any,
+    ) -> None:
+        self.config = options
+        self.conf = conf
+        positional = [
+            p
+            for p in parameters
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        by_name = {p.name: p for p in parameters}
+        self.arguments = [
+            KeyArgument(
+                by_name[name],
+                positional.index(by_name[name])
+                if by_name[name] in positional
+                else None,
+            )
+            for name in options.lock_args
+        ]
+        self._engine: tuple[int, sa.Engine] | None = None
+        self._scalar_key = functools.lru_cache(maxsize=4096)(self._scalar_key)  # type: ignore[method-assign]
+
+    def engine(self) -> sa.Engine:
+        cached = self._engine
+        if cached is not None and cached[0] == os.getpid():
+            return cached[1]
+        engine = db.engine_for(self.conf)
+        self._engine = (os.getpid(), engine)
+        return engine
+
+    def key(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> keys.LockKey:
+        options = self.config
+        if options.fixed_key is not None:
+            return options.fixed_key
+        if options.lock_key is not None:
+            material = options.lock_key(*args, **kwargs)
+            where = f"Task {options.task_name!r}: the value returned by lock_key"
+            return keys.make_key(options.namespace, options.name, material, where=where)
+        values = tuple(
+            argument.value(options.task_name, args, kwargs)
+            for argument in self.arguments
+        )
+        if all(type(value) in _SCALARS for value in values):
+            # The everyday case (a tenant id, a date string): memoise, keyed with each
+            # value's exact type so that 7, "7", 7.0 and True stay distinct keys.
+            return self._scalar_key(tuple((type(value), value) for value in values))
+        return self._make_key(values)
+
+    def _make_key(self, values: tuple[Any, ...]) -> keys.LockKey:
+        options = self.config
+        material = {
+            argument.name: keys.canonical(
+                value, f"Task {options.task_name!r}: argument {argument.name!r}"
+            )
+            for argument, value in zip(self.arguments, values, strict=True)
+        }
+        return keys.make_key(options.namespace, options.name, material)
+
+    def _scalar_key(self, typed_values: tuple[tuple[type, Any], ...]) -> keys.LockKey:
+        return self._make_key(tuple(value for _, value in typed_values))
+
+
+def option_attributes(cls: type, reserved: set[str]) -> dict[str, Any]:
+    """The task's ``lock_*`` attributes that are set (not None), functions unwrapped."""
+    found: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        for name in vars(klass):
+            if name.startswith("lock_") and (
+                name in config.TASK_OPTIONS or name not in reserved
+            ):
+                value = inspect.getattr_static(cls, name)
+                if isinstance(value, staticmethod):
+                    value = value.__func__
+                if value is not None:
+                    found[name] = value
+                else:
+                    found.pop(name, None)
+    return found
+
+
+def call_parameters(cls: type) -> list[inspect.Parameter]:
+    run = inspect.getattr_static(cls, "run")
+    if isinstance(run, staticmethod):  # @app.task without bind=True
+        return config.task_parameters(run.__func__, drop_self=False)
+    return config.task_parameters(
+        run, drop_self=True
+    )  # bind=True or a class-based task
