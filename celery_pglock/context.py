@@ -28,6 +28,8 @@ class Execution:
     """One run of a SingletonTask: its lock once granted, and a retry to send after release."""
 
     task_id: str | None
+    #: The Celery request this execution runs for (identity only: nested-call detection).
+    request: Any = None
     lock: AdvisoryLock | None = None
     #: Keyword arguments of a ``self.retry(throw=False)`` call made while the lock was
     #: held: published only after the release, so the retry cannot find its own lock.
@@ -63,9 +65,11 @@ def current_execution() -> Execution | None:
     return _current.get()
 
 
-def begin(task_id: str | None) -> tuple[Execution, contextvars.Token[Execution | None]]:
+def begin(
+    task_id: str | None, request: Any = None
+) -> tuple[Execution, contextvars.Token[Execution | None]]:
     """Open an execution; pass the token to :func:`end`."""
-    execution = Execution(task_id)
+    execution = Execution(task_id, request)
     return execution, _current.set(execution)
 
 

@@ -126,9 +126,15 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         guard = self._guard()
         options = guard.config
         request = self.request
-        task_id: str | None = request.id
-        execution, token = context.begin(task_id)
-        if task_id is not None and not request.called_directly:
+        outer = context.current_execution()
+        # A body calling its own task directly (recursion) sees the outer run's request
+        # on the stack: treat it as the direct call it is, not as a run of that message.
+        direct = request.called_directly or (
+            outer is not None and outer.request is request
+        )
+        task_id: str | None = None if direct else request.id
+        execution, token = context.begin(task_id, request)
+        if not direct:
             # task_postrun finds this execution's lock on the tracer's request: per
             # execution and per thread, never by task id (see context.py).
             request._pglock_execution = execution  # type: ignore[attr-defined]
@@ -144,7 +150,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 timeout=options.wait_timeout if options.on_busy is OnBusy.WAIT else None
             )
             if not granted:
-                self._on_busy(lock, task_id)
+                self._on_busy(lock, task_id, direct=direct)
             execution.lock = lock
             context.hold(lock)
             self._report_acquired(lock, task_id)
@@ -153,7 +159,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 # request and task, so Task.__call__ would only push copies (~35 us per
                 # task); a plain task gets the same shortcut from the tracer itself.
                 # A direct call has no request yet and needs Task.__call__ to push one.
-                body = super().__call__ if request.called_directly else self.run
+                body = super().__call__ if direct else self.run
                 retval = body(*args, **kwargs)
             except BaseException as exc:
                 self._finish(execution, exc)
@@ -199,6 +205,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             execution is None
             or lock is None
             or not lock.owned()
+            or execution.task_id is None  # a direct (or recursive) call: Celery decides
             or self.request.is_eager
             or not self._retry_publishes(max_retries)
         ):
@@ -221,7 +228,9 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
 
     # -- outcomes -----------------------------------------------------------------------
 
-    def _on_busy(self, lock: AdvisoryLock, task_id: str | None) -> None:
+    def _on_busy(
+        self, lock: AdvisoryLock, task_id: str | None, *, direct: bool
+    ) -> None:
         """Apply lock_on_busy to a run whose lock is held. Always raises."""
         options = self._guard().config
         key = lock.key
@@ -229,7 +238,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         # A direct call has no message to skip or re-queue: whatever the policy, it raises.
         action = (
             OnBusy.RAISE
-            if request.called_directly and options.on_busy is not OnBusy.WAIT
+            if direct and options.on_busy is not OnBusy.WAIT
             else options.on_busy
         )
         if signals.lock_skipped.receivers:
@@ -256,7 +265,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             },
         )
         busy = exceptions.LockBusy(message, key=str(key), name=key.name)
-        if request.called_directly:
+        if direct:
             raise busy
         if action is OnBusy.SKIP:
             if task_id is not None and not (

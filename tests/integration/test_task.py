@@ -534,3 +534,25 @@ def test_release_failure_is_reported_and_the_run_keeps_its_outcome(app, events):
     failure = events[1][1]
     assert "LockNotOwnedError" == type(failure["exception"]).__name__
     assert result.id == failure["task_id"]
+
+
+def test_a_body_calling_its_own_task_directly_is_a_direct_call(app):
+    """Recursion: the inner call is a direct call (busy -> LockBusy), never a SKIPPED store
+    against the outer run's task id, and the outer run is unaffected."""
+    seen = {}
+
+    def walk(self, node):
+        if node == "root":
+            try:
+                walk_task("root")  # same key: busy, held by this very run
+            except LockBusy:
+                seen["inner"] = "busy"
+            seen["child"] = walk_task("leaf")  # another key: runs, under its own lock
+        return node
+
+    walk_task = define(app, walk, bind=True, lock_args=("node",))
+    result = walk_task.apply(args=("root",))
+    assert "root" == result.get()
+    assert {"inner": "busy", "child": "leaf"} == seen
+    assert SKIPPED != AsyncResult(result.id, app=app).state  # nothing stored against the outer id
+    assert not is_held(walk_task, "root")
