@@ -6,15 +6,16 @@ Where things happen, and why there (each line is a bug in an existing library):
   Celery swallows exceptions raised by signal receivers, so a receiver cannot stop a
   duplicate. Being worker-side, it also covers ``send_task``, beat without the task
   imported, and producers in other services.
-- The lock is released in ``__call__``'s own ``finally``, i.e. for every outcome
+- The lock is released by ``__call__`` itself, around the body, for every outcome
   (SUCCESS, FAILURE, RETRY, IGNORED, REJECTED) and *before* Celery stores the result and
   sends chain callbacks: a client that saw the result can send the next run at once.
-  ``task_postrun``, ``task_revoked`` and worker shutdown are idempotent safety nets
-  (see ``_hooks.py``). A killed pool child needs no hook: its session ends and PostgreSQL
-  frees the lock.
-- ``self.retry()`` releases the lock *before* publishing the retry message, so the next
-  attempt can never be blocked by its own predecessor (celery-singleton#20 dropped retries
-  that way). The price is a window between attempts in which a duplicate may run.
+  ``task_postrun`` (per execution, never by task id) and worker shutdown are idempotent
+  safety nets (see ``_hooks.py``). A killed pool child needs no hook: its session ends
+  and PostgreSQL frees the lock.
+- ``self.retry()`` publishes the retry message only after the attempt has unwound and
+  released its lock, so the retry can never be blocked by its own predecessor
+  (celery-singleton#20 dropped retries that way). The price is a window between attempts
+  in which a duplicate may run.
 - A skipped run never runs its body and is not a success: its state is SKIPPED and
   ``Ignore`` keeps Celery from storing SUCCESS or running chain callbacks.
 """
@@ -153,8 +154,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 self._on_busy(lock, task_id, direct=direct)
             execution.lock = lock
             context.hold(lock)
-            self._report_acquired(lock, task_id)
             try:
+                self._report_acquired(lock, task_id)
                 # In a worker (and in apply()) Celery's tracer has already pushed this
                 # request and task, so Task.__call__ would only push copies (~35 us per
                 # task); a plain task gets the same shortcut from the tracer itself.
@@ -187,8 +188,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         and be skipped (celery-singleton#20). So the message is published right after
         the release, when the attempt has fully unwound (its ``finally`` blocks still
         ran under the lock). Between the release and the retry's start another run of
-        the same key may take the lock; in transaction scope the attempt's work is
-        rolled back.
+        the same key may take the lock. In transaction scope the attempt's work is
+        rolled back (with ``throw=False`` the body returns normally, so it commits).
 
         When Celery would not publish at all (a direct call, or no retries left: it
         raises ``exc`` or MaxRetriesExceededError), nothing changes and the lock is kept

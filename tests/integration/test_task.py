@@ -554,5 +554,7 @@ def test_a_body_calling_its_own_task_directly_is_a_direct_call(app):
     result = walk_task.apply(args=("root",))
     assert "root" == result.get()
     assert {"inner": "busy", "child": "leaf"} == seen
-    assert SKIPPED != AsyncResult(result.id, app=app).state  # nothing stored against the outer id
+    assert (
+        SKIPPED != AsyncResult(result.id, app=app).state
+    )  # nothing stored against the outer id
     assert not is_held(walk_task, "root")

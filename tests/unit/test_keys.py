@@ -194,3 +194,25 @@ def test_explicit_ids_out_of_range_are_refused(value):
 def test_pg_locks_ids(ids, expected):
     """Keys map to pg_locks' unsigned (classid, objid, objsubid) columns."""
     assert expected == keys.LockKey(name="t", ids=ids).pg_locks_ids
+
+
+def test_remaining_canonical_rules():
+    """1 and 1.0 differ; time and naive/aware datetimes key as ISO text; str enums as their value;
+    Decimal infinity is refused."""
+    assert keys.make_key("n", "t", 1).ids != keys.make_key("n", "t", 1.0).ids
+    assert keys.make_key("n", "t", datetime.time(12, 30)) == keys.make_key(
+        "n", "t", "12:30:00"
+    )
+    naive = datetime.datetime(2026, 11, 29, 12, 0)  # noqa: DTZ001 - naive on purpose
+    aware = naive.replace(tzinfo=datetime.timezone.utc)
+    assert keys.make_key("n", "t", naive) == keys.make_key(
+        "n", "t", "2026-11-29T12:00:00"
+    )
+    assert keys.make_key("n", "t", naive).ids != keys.make_key("n", "t", aware).ids
+
+    class Region(str, enum.Enum):
+        EU = "eu"
+
+    assert keys.make_key("n", "t", Region.EU) == keys.make_key("n", "t", "eu")
+    with pytest.raises(LockKeyError, match="not a finite number"):
+        keys.make_key("n", "t", decimal.Decimal("Infinity"))
