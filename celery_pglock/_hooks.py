@@ -26,6 +26,7 @@ import logging
 import threading
 from typing import Any
 
+from celery import Task
 from celery import signals as celery_signals
 
 from celery_pglock import config, context, db, exceptions
@@ -105,9 +106,32 @@ def _check_worker_config(sender: Any = None, **_: Any) -> None:
 
 def _release_after_task(task: Any = None, **_: Any) -> None:
     execution = getattr(getattr(task, "request", None), "_pglock_execution", None)
-    lock = getattr(execution, "lock", None)
-    if execution is not None and lock is not None and lock.owned():
+    if execution is None:
+        return
+    lock = execution.lock
+    if lock is not None and lock.owned():
         _release_leftover(lock, f"task_postrun of {execution.task_id}")
+    deferred, execution.deferred_retry = execution.deferred_retry, None
+    if deferred is not None:
+        _publish_retry(task, execution.task_id, deferred)
+
+
+def _publish_retry(task: Any, task_id: str | None, deferred: dict[str, Any]) -> None:
+    """Publish the retry a SingletonTask body asked for, now that its lock is released.
+
+    This runs after Celery stored the attempt's RETRY state, so the retry attempt's own
+    outcome cannot be overwritten by it. Celery's retry() raises Reject when the broker
+    refuses the message; here that can only be logged (signal receivers cannot fail a
+    task), and the task's state stays RETRY.
+    """
+    try:
+        Task.retry(task, throw=False, **deferred)
+    except Exception:
+        logger.exception(
+            "The retry of %s[%s] could not be published; the retry is lost",
+            getattr(task, "name", "?"), task_id,
+            extra={"action": "lock_retry_publish_failed", "task_id": task_id},
+        )  # fmt: skip
 
 
 def _release_leftover(lock: Any, where: str) -> None:

@@ -187,7 +187,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         before this attempt has unwound, and it would find its own predecessor's lock
         and be skipped (celery-singleton#20). So the message is published right after
         the release, when the attempt has fully unwound (its ``finally`` blocks still
-        ran under the lock). Between the release and the retry's start another run of
+        ran under the lock), by the task_postrun hook, once Celery has stored the
+        attempt's RETRY state. Between the release and the retry's start another run of
         the same key may take the lock. In transaction scope the attempt's work is
         rolled back (with ``throw=False`` the body returns normally, so it commits).
 
@@ -355,11 +356,9 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         ):
             # The body's work was not committed under the lock: the run must not succeed.
             raise release_error
-        deferred, execution.deferred_retry = execution.deferred_retry, None
-        if deferred is not None:
-            # Now that the lock is released, publish the retry that self.retry() asked
-            # for. A publish failure raises Reject, as Celery's own retry() does.
-            super().retry(throw=False, **deferred)
+        # A retry deferred by self.retry() is published by the task_postrun hook: after
+        # this release, and after Celery has stored this attempt's RETRY state, so a
+        # fast retry attempt's own outcome (SUCCESS, SKIPPED) is never overwritten by it.
 
     def _release(
         self, lock: AdvisoryLock, task_id: str | None, *, commit: bool
