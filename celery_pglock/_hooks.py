@@ -8,7 +8,9 @@ global, and the receivers work for any app). None of these is the normal release
   unexpected exit path), it is released. The lock is found on the tracer's request, i.e.
   per execution and per thread, never by task id: two executions can share an id (a
   redelivery, an explicit task_id, a retry attempt) and must not release each other's
-  lock. Releasing is idempotent.
+  lock. Releasing is idempotent. It also publishes a retry that ``self.retry()``
+  deferred: this is the first moment after both the release and Celery's store of the
+  attempt's RETRY state.
 - ``task_revoked`` needs no hook: a task revoked before it starts holds nothing, and
   ``terminate=True`` kills the prefork child, whose session end frees the lock. (The
   signal fires in the worker's main process, and can fire twice, celery#3805.)
@@ -51,7 +53,7 @@ def connect() -> None:
             _check_worker_config, weak=False, dispatch_uid="celery_pglock.worker_init"
         )
         celery_signals.task_postrun.connect(
-            _release_after_task, weak=False, dispatch_uid="celery_pglock.task_postrun"
+            _after_task, weak=False, dispatch_uid="celery_pglock.task_postrun"
         )
         for name, signal in _SHUTDOWN_SIGNALS.items():
             signal.connect(
@@ -104,7 +106,7 @@ def _check_worker_config(sender: Any = None, **_: Any) -> None:
         raise SystemExit(f"celery-pglock: {error}") from error
 
 
-def _release_after_task(task: Any = None, **_: Any) -> None:
+def _after_task(task: Any = None, **_: Any) -> None:
     execution = getattr(getattr(task, "request", None), "_pglock_execution", None)
     if execution is None:
         return

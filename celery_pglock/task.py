@@ -163,9 +163,9 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 body = super().__call__ if direct else self.run
                 retval = body(*args, **kwargs)
             except BaseException as exc:
-                self._finish(execution, exc)
+                self._finish(execution, lock, exc)
                 raise
-            self._finish(execution, None)
+            self._finish(execution, lock, None)
             return retval
         finally:
             context.end(token)
@@ -221,12 +221,10 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         return retry
 
     def _retry_publishes(self, max_retries: int | None) -> bool:
-        """Will Celery's retry() publish a message? (Mirrors its own checks.)"""
-        request = self.request
-        if request.called_directly:
-            return False
+        """Are retries left, so that Celery's retry() will publish? (Its own check; the
+        direct-call case is ruled out by the caller.)"""
         limit = self.max_retries if max_retries is None else max_retries
-        return limit is None or request.retries + 1 <= limit
+        return limit is None or self.request.retries + 1 <= limit
 
     # -- outcomes -----------------------------------------------------------------------
 
@@ -316,11 +314,18 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             "database": db.engine_info(lock.engine)["masked_url"],
         }
 
-    def _finish(self, execution: context.Execution, exc: BaseException | None) -> None:
-        """Release (if still held), report the outcome, then publish a deferred retry."""
-        lock = execution.lock
-        if lock is None:  # pragma: no cover - _finish runs only after a grant
-            return
+    def _finish(
+        self,
+        execution: context.Execution,
+        lock: AdvisoryLock,
+        exc: BaseException | None,
+    ) -> None:
+        """Release ``lock`` (if still held) and report the outcome of the run.
+
+        A retry deferred by self.retry() is not published here but by the task_postrun
+        hook: after this release, and after Celery has stored the attempt's RETRY state,
+        so a fast retry attempt's own outcome (SUCCESS, SKIPPED) is never overwritten.
+        """
         task_id = execution.task_id
         release_error: exceptions.PgLockError | None = None
         if lock.owned():
@@ -349,16 +354,10 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 signals.lock_completed.send(**common)
         elif signals.lock_failed.receivers:
             signals.lock_failed.send(exception=exc or release_error, **common)
-        if (
-            exc is None
-            and release_error is not None
-            and lock.scope is LockScope.TRANSACTION
-        ):
-            # The body's work was not committed under the lock: the run must not succeed.
+        if failed and exc is None and release_error is not None:
+            # Transaction scope: the body's work was not committed under the lock, so
+            # the run must not succeed.
             raise release_error
-        # A retry deferred by self.retry() is published by the task_postrun hook: after
-        # this release, and after Celery has stored this attempt's RETRY state, so a
-        # fast retry attempt's own outcome (SUCCESS, SKIPPED) is never overwritten by it.
 
     def _release(
         self, lock: AdvisoryLock, task_id: str | None, *, commit: bool
