@@ -281,3 +281,62 @@ def test_memoised_scalar_keys_keep_types_apart(app):
         assert (
             expected == task.lock_key_for(value) == task.lock_key_for(tenant_id=value)
         )
+
+
+@pytest.mark.parametrize(
+    ("options", "fragments"),
+    [
+        (
+            {"unique_on": ["tenant_id"]},
+            ["'unique_on' is a celery-singleton option", "lock_args=('tenant_id',)"],
+        ),
+        ({"unique_on": "tenant_id"}, ["lock_args=('tenant_id',)"]),
+        (
+            {"once": {"keys": ["tenant_id"], "graceful": True, "timeout": 60}},
+            [
+                "'once' is a celery-once option",
+                "lock_args=('tenant_id',)",
+                "lock_on_busy",
+                "no expiry to choose",
+            ],
+        ),
+        ({"once": {"keys": []}}, ["no lock_args (one lock per task)"]),
+        (
+            {"raise_on_duplicate": True},
+            ["celery-singleton", "lock_on_busy='raise'"],
+        ),
+        (
+            {"lock_expiry": 3600},
+            ["'lock_expiry' is a celery-singleton option", "remove it"],
+        ),
+        ({"heimdall": {"unique": True}}, ["celery-heimdall", "lock_args or lock_key"]),
+    ],
+)
+def test_peer_options_are_refused_naming_our_equivalent(app, options, fragments):
+    """celery-once/-singleton/-heimdall option names fail at registration with our equivalent.
+
+    Accepted silently, they would leave the task with one lock for every tenant.
+    """
+    with pytest.raises(ConfigurationError) as caught:
+        register(app, **options)
+    message = str(caught.value)
+    assert "unit.export" in message
+    assert "docs/migration.md" in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_peer_option_on_a_subclass_is_refused(app):
+    """A shared base class carrying a peer option (a half-migrated QueueOnce) is refused too."""
+
+    class Migrated(SingletonTask):
+        abstract = True
+        unique_on = ("tenant_id",)
+
+    def export(tenant_id):
+        return tenant_id
+
+    task = app.task(base=Migrated, name="unit.export", shared=False)(export)
+    with pytest.raises(ConfigurationError, match="use lock_args=\\('tenant_id',\\)"):
+        app.finalize(auto=True)
+        _ = app.tasks[task.name]
