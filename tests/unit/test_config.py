@@ -336,7 +336,6 @@ def test_peer_option_on_a_subclass_is_refused(app):
     def export(tenant_id):
         return tenant_id
 
-    task = app.task(base=Migrated, name="unit.export", shared=False)(export)
+    app.task(base=Migrated, name="unit.export", shared=False)(export)
     with pytest.raises(ConfigurationError, match="use lock_args=\\('tenant_id',\\)"):
         app.finalize(auto=True)
-        _ = app.tasks[task.name]
