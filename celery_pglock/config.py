@@ -137,18 +137,28 @@ def _seconds(task_name: str, option: str, value: object) -> float:
 
 
 def check_unknown_settings(conf: Mapping[str, Any]) -> None:
-    """Refuse ``pglock_*`` settings we do not know, with a did-you-mean hint."""
+    """Refuse ``pglock_*`` settings we do not know, with a did-you-mean hint.
+
+    Settings loaded with a namespace (Django's ``config_from_object(...,
+    namespace="CELERY")``) are checked under their own spelling, ``CELERY_PGLOCK_*``.
+    """
+    # Celery keeps a namespace's keys as given (CELERY_PGLOCK_ON_BUSY) and finds them
+    # for conf.get("pglock_on_busy") through its prefix: check them under that name.
+    prefix = getattr(conf, "prefix", None) or ""
     for setting in conf:
-        if (
-            isinstance(setting, str)
-            and setting.lower().startswith("pglock_")
-            and setting not in KNOWN_SETTINGS
-        ):
+        spelled = setting
+        if prefix and setting.upper().startswith(prefix.upper()):
+            setting = setting[len(prefix) :].lower()
+        if setting.lower().startswith("pglock_") and setting not in KNOWN_SETTINGS:
             hint = difflib.get_close_matches(setting, KNOWN_SETTINGS, n=1)
+            known = KNOWN_SETTINGS
+            if spelled != setting:  # show names the way this configuration writes them
+                hint = [f"{prefix}{name}".upper() for name in hint]
+                known = tuple(f"{prefix}{name}".upper() for name in known)
             raise exceptions.ConfigurationError(
-                f"Unknown setting {setting!r}"
+                f"Unknown setting {spelled!r}"
                 + (f"; did you mean {hint[0]!r}?" if hint else ".")
-                + f" Known settings: {', '.join(KNOWN_SETTINGS)}."
+                + f" Known settings: {', '.join(known)}."
             )
 
 

@@ -339,3 +339,30 @@ def test_peer_option_on_a_subclass_is_refused(app):
     app.task(base=Migrated, name="unit.export", shared=False)(export)
     with pytest.raises(ConfigurationError, match="use lock_args=\\('tenant_id',\\)"):
         app.finalize(auto=True)
+
+
+def test_namespaced_settings_are_read_and_typos_refused():
+    """Django-style CELERY_PGLOCK_* settings are used, and a typo among them is an error."""
+    import sys
+    import types
+
+    settings = types.ModuleType("unit_django_settings")
+    settings.CELERY_BROKER_URL = "memory://"  # type: ignore[attr-defined]
+    settings.CELERY_PGLOCK_DATABASE_URL = "postgresql+psycopg2://u@h/db"  # type: ignore[attr-defined]
+    settings.CELERY_PGLOCK_ON_BUSY = "raise"  # type: ignore[attr-defined]
+    sys.modules[settings.__name__] = settings
+    try:
+        app = Celery("unit", set_as_current=False)
+        app.config_from_object(settings.__name__, namespace="CELERY")
+        assert OnBusy.RAISE == register(app).lock_config.on_busy
+
+        settings.CELERY_PGLOCK_ON_BUSSY = "skip"  # type: ignore[attr-defined]
+        typo = Celery("unit", set_as_current=False)
+        typo.config_from_object(settings.__name__, namespace="CELERY")
+        with pytest.raises(
+            ConfigurationError,
+            match="'CELERY_PGLOCK_ON_BUSSY'; did you mean 'CELERY_PGLOCK_ON_BUSY'",
+        ):
+            register(typo)
+    finally:
+        del sys.modules[settings.__name__]
