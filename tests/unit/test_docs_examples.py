@@ -68,8 +68,8 @@ class Block:
     reason: str
 
 
-def python_blocks(page: Path) -> list[Block]:
-    """The ```python blocks of a Markdown page, with the marker before each (if any)."""
+def fenced_blocks(page: Path, language: str = "python") -> list[Block]:
+    """The ``language`` code blocks of a Markdown page, with the marker before each."""
     lines = page.read_text(encoding="utf-8").splitlines()
     blocks: list[Block] = []
     index = 0
@@ -82,7 +82,7 @@ def python_blocks(page: Path) -> list[Block]:
         index += 1
         while index < len(lines) and lines[index].strip() != "```":
             index += 1
-        if fence["info"].strip().split(" ")[0] == "python":
+        if fence["info"].strip().split(" ")[0] == language:
             previous = next(
                 (line for line in reversed(lines[:start]) if line.strip()), ""
             )
@@ -130,7 +130,7 @@ def page_line(origin: list[tuple[int, int, int]], line: int) -> int | None:
     return None
 
 
-PAGE_BLOCKS = {page: python_blocks(page) for page in PAGES}
+PAGE_BLOCKS = {page: fenced_blocks(page) for page in PAGES}
 RUNNABLE = [
     page
     for page, blocks in PAGE_BLOCKS.items()
