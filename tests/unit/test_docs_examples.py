@@ -19,6 +19,7 @@ Running needs no service: defining apps and tasks opens no connection.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -214,3 +215,25 @@ def test_examples_run(page, tmp_path):
             f"\n(module line {line} is {page.name}:{page_line(origin, int(line))})"
         )
     assert 0 == result.returncode, traceback
+
+
+def test_package_imports_without_a_database():
+    """The API reference and users' imports need no database: importing opens nothing."""
+    code = (
+        "import celery_pglock, celery_pglock.task, celery_pglock.db as db; "
+        "assert db._engines == {}, db._engines"
+    )
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith("CELERY_PGLOCK_")
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert 0 == result.returncode, result.stderr
