@@ -237,3 +237,14 @@ def test_package_imports_without_a_database():
         check=False,
     )
     assert 0 == result.returncode, result.stderr
+
+
+def test_published_key_vectors_match_the_algorithm():
+    """Every row of the docs' test-vector table is what key_from_text computes."""
+    from celery_pglock import keys
+
+    page = (ROOT / "docs" / "reference" / "keys.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `(\[\"celery_pglock/1\".*\])` \| `(-?\d+)` \|$", page, re.M)
+    assert len(rows) >= 6
+    for text, key in rows:
+        assert int(key) == keys.key_from_text(text), text
