@@ -76,7 +76,7 @@ PEER_OPTIONS = {
     "lock_expiry": "celery-singleton",
     "heimdall": "celery-heimdall",
 }
-#: What to write instead, for the options whose equivalent does not depend on the value.
+#: What to do with a TTL option (lock_expiry, once's timeout, heimdall's unique_timeout).
 _NO_EXPIRY = (
     "remove it: the lock ends with the run, or with its database session when a worker "
     "dies, so there is no expiry to choose"
@@ -274,13 +274,14 @@ def _peer_option(
 
 
 def _peer_equivalent(option: str, value: object) -> str:
-    def names(keys: object) -> str:
-        listed = [keys] if isinstance(keys, str) else keys
+    def names(given: object) -> str:
+        listed = [given] if isinstance(given, str) else given
         if isinstance(listed, (list, tuple)) and listed:
             return f"lock_args={tuple(listed)!r}"
         if isinstance(listed, (list, tuple)):
             return "no lock_args (one lock per task)"
-        return "lock_args=(<parameter names>,)"
+        # celery-once without 'keys' locked on every argument
+        return "lock_args naming every parameter"
 
     if option == "unique_on":
         return f"use {names(value)}"

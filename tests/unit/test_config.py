@@ -301,6 +301,7 @@ def test_memoised_scalar_keys_keep_types_apart(app):
             ],
         ),
         ({"once": {"keys": []}}, ["no lock_args (one lock per task)"]),
+        ({"once": {"graceful": True}}, ["lock_args naming every parameter"]),
         (
             {"raise_on_duplicate": True},
             ["celery-singleton", "lock_on_busy='raise'"],
