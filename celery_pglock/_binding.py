@@ -123,13 +123,16 @@ class Guard:
 
 
 def option_attributes(cls: type, reserved: set[str]) -> dict[str, Any]:
-    """The task's ``lock_*`` attributes that are set (not None), functions unwrapped."""
+    """The task's ``lock_*`` (and peer) attributes that are set (not None), unwrapped."""
     found: dict[str, Any] = {}
     for klass in reversed(cls.__mro__):
         for name in vars(klass):
-            if name.startswith("lock_") and (
-                name in config.TASK_OPTIONS or name not in reserved
-            ):
+            # Peer libraries' option names are collected too, so that resolve() can
+            # refuse them instead of silently running with one lock for all values.
+            if (
+                name.startswith("lock_")
+                and (name in config.TASK_OPTIONS or name not in reserved)
+            ) or name in config.PEER_OPTIONS:
                 value = inspect.getattr_static(cls, name)
                 if isinstance(value, staticmethod):
                     value = value.__func__

@@ -64,6 +64,24 @@ DATABASE_SETTINGS = (
 )
 KNOWN_SETTINGS = (*APP_SETTINGS.values(), *DATABASE_SETTINGS)
 
+#: Per-task option names of the Redis-based peers, refused on a SingletonTask. Left in
+#: place after a migration they would do nothing, and a task keyed per tenant through them
+#: would silently run with one lock for all tenants. Each maps to the library it comes from.
+#: App-wide ``singleton_*``/``ONCE`` settings are not refused: during a migration the peer
+#: may still run other tasks of the same app.
+PEER_OPTIONS = {
+    "once": "celery-once",
+    "unique_on": "celery-singleton",
+    "raise_on_duplicate": "celery-singleton",
+    "lock_expiry": "celery-singleton",
+    "heimdall": "celery-heimdall",
+}
+#: What to do with a TTL option (lock_expiry, once's timeout, heimdall's unique_timeout).
+_NO_EXPIRY = (
+    "remove it: the lock ends with the run, or with its database session when a worker "
+    "dies, so there is no expiry to choose"
+)
+
 DEFAULT_NAMESPACE = "default"
 DEFAULT_RETRY_DELAY = 30.0
 DEFAULT_WAIT_TIMEOUT = 10.0
@@ -119,18 +137,28 @@ def _seconds(task_name: str, option: str, value: object) -> float:
 
 
 def check_unknown_settings(conf: Mapping[str, Any]) -> None:
-    """Refuse ``pglock_*`` settings we do not know, with a did-you-mean hint."""
+    """Refuse ``pglock_*`` settings we do not know, with a did-you-mean hint.
+
+    Settings loaded with a namespace (Django's ``config_from_object(...,
+    namespace="CELERY")``) are checked under their own spelling, ``CELERY_PGLOCK_*``.
+    """
+    # Celery keeps a namespace's keys as given (CELERY_PGLOCK_ON_BUSY) and finds them
+    # for conf.get("pglock_on_busy") through its prefix: check them under that name.
+    prefix = getattr(conf, "prefix", None) or ""
     for setting in conf:
-        if (
-            isinstance(setting, str)
-            and setting.lower().startswith("pglock_")
-            and setting not in KNOWN_SETTINGS
-        ):
+        spelled = setting
+        if prefix and setting.upper().startswith(prefix.upper()):
+            setting = setting[len(prefix) :].lower()
+        if setting.lower().startswith("pglock_") and setting not in KNOWN_SETTINGS:
             hint = difflib.get_close_matches(setting, KNOWN_SETTINGS, n=1)
+            known = KNOWN_SETTINGS
+            if spelled != setting:  # show names the way this configuration writes them
+                hint = [f"{prefix}{name}".upper() for name in hint]
+                known = tuple(f"{prefix}{name}".upper() for name in known)
             raise exceptions.ConfigurationError(
-                f"Unknown setting {setting!r}"
+                f"Unknown setting {spelled!r}"
                 + (f"; did you mean {hint[0]!r}?" if hint else ".")
-                + f" Known settings: {', '.join(KNOWN_SETTINGS)}."
+                + f" Known settings: {', '.join(known)}."
             )
 
 
@@ -161,6 +189,8 @@ def resolve(
         ConfigurationError: naming the task, the option and what was expected.
     """
     for attribute in attributes:
+        if attribute in PEER_OPTIONS:
+            raise _peer_option(task_name, attribute, attributes[attribute])
         if attribute not in TASK_OPTIONS:
             hint = difflib.get_close_matches(attribute, TASK_OPTIONS, n=1)
             raise exceptions.ConfigurationError(
@@ -228,6 +258,46 @@ def resolve(
         lock_args=lock_args,
         lock_key=lock_key,
         fixed_key=fixed_key,
+    )
+
+
+def _peer_option(
+    task_name: str, option: str, value: object
+) -> exceptions.ConfigurationError:
+    """The error for a peer library's option, naming what to write instead."""
+    return exceptions.ConfigurationError(
+        f"Task {task_name!r}: {option!r} is a {PEER_OPTIONS[option]} option, which "
+        "SingletonTask does not read (left in place, the task would run with one lock "
+        f"for all argument values); {_peer_equivalent(option, value)}. See the migration "
+        "guide (docs/migration.md)."
+    )
+
+
+def _peer_equivalent(option: str, value: object) -> str:
+    def names(given: object) -> str:
+        listed = [given] if isinstance(given, str) else given
+        if isinstance(listed, (list, tuple)) and listed:
+            return f"lock_args={tuple(listed)!r}"
+        if isinstance(listed, (list, tuple)):
+            return "no lock_args (one lock per task)"
+        # celery-once without 'keys' locked on every argument
+        return "lock_args naming every parameter"
+
+    if option == "unique_on":
+        return f"use {names(value)}"
+    if option == "raise_on_duplicate":
+        return "use lock_on_busy='raise', or leave the default lock_on_busy='skip'"
+    if option == "lock_expiry":
+        return _NO_EXPIRY
+    if option == "once":
+        keys_given = value.get("keys") if isinstance(value, dict) else None
+        return (
+            f"use {names(keys_given)} for its 'keys', lock_on_busy for 'graceful' "
+            "('skip', the default, or 'raise'), and for 'timeout', " + _NO_EXPIRY
+        )
+    return (  # heimdall
+        "use lock_args or lock_key for its 'key', lock_on_busy='raise' for "
+        f"'unique_raises', and for 'unique_timeout', {_NO_EXPIRY}"
     )
 
 

@@ -98,12 +98,12 @@ def key_from_text(text: str) -> int:
 def make_key(
     namespace: str, name: str, material: object = None, *, where: str = "key"
 ) -> LockKey:
-    """Build the :class:`LockKey` for ``material`` under ``namespace`` and lock ``name``.
+    """Build the ``LockKey`` for ``material`` under ``namespace`` and lock ``name``.
 
     Args:
         namespace: Separates applications that share one database.
         name: The lock name (normally the task name).
-        material: Anything :func:`canonical` accepts; ``None`` for one lock per name.
+        material: Anything ``canonical()`` accepts; ``None`` for one lock per name.
         where: How to name the material in error messages.
 
     Raises:

@@ -56,7 +56,7 @@ class AdvisoryLock:
     """One advisory lock on a dedicated connection from ``engine``'s pool.
 
     Args:
-        engine: A lock engine (see :func:`celery_pglock.db.create_engine`); its pool
+        engine: A lock engine (see ``celery_pglock.db.create_engine``); its pool
             must be used for lock connections only.
         key: The advisory key.
         scope: ``LockScope.SESSION`` (default) or ``LockScope.TRANSACTION``.

@@ -12,10 +12,8 @@ Where things happen, and why there (each line is a bug in an existing library):
   ``task_postrun`` (per execution, never by task id) and worker shutdown are idempotent
   safety nets (see ``_hooks.py``). A killed pool child needs no hook: its session ends
   and PostgreSQL frees the lock.
-- ``self.retry()`` publishes the retry message only after the attempt has unwound and
-  released its lock, so the retry can never be blocked by its own predecessor
-  (celery-singleton#20 dropped retries that way). The price is a window between attempts
-  in which a duplicate may run.
+- ``self.retry()`` publishes the retry message only after the attempt has released its
+  lock, so the retry never meets its own predecessor's lock (docs/guide/retries.md).
 - A skipped run never runs its body and is not a success: its state is SKIPPED and
   ``Ignore`` keeps Celery from storing SUCCESS or running chain callbacks.
 """
@@ -183,19 +181,10 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     ) -> Any:
         """Celery's retry, publishing the retry message only once the lock is released.
 
-        Publishing while the lock is held could deliver the retry to another worker
-        before this attempt has unwound, and it would find its own predecessor's lock
-        and be skipped (celery-singleton#20). So the message is published right after
-        the release, when the attempt has fully unwound (its ``finally`` blocks still
-        ran under the lock), by the task_postrun hook, once Celery has stored the
-        attempt's RETRY state. Between the release and the retry's start another run of
-        the same key may take the lock. In transaction scope the attempt's work is
-        rolled back (with ``throw=False`` the body returns normally, so it commits).
-
-        When Celery would not publish at all (a direct call, or no retries left: it
-        raises ``exc`` or MaxRetriesExceededError), nothing changes and the lock is kept
-        for the code that handles that exception. Eager retries run only after the
-        attempt has returned, so they need no deferral either.
+        The task_postrun hook publishes it, after the attempt has unwound, released its
+        lock and had its RETRY state stored. When Celery would not publish (a direct
+        call, no retries left) or the run is eager, this is Celery's retry unchanged and
+        the lock is kept. Why, and what it means for callers: docs/guide/retries.md.
         """
         retry_options = {
             "args": args, "kwargs": kwargs, "exc": exc, "eta": eta,

@@ -1,6 +1,7 @@
-"""The README's examples, type-checked only (mypy), never run: the public API must type.
+"""The public API used as users do, type-checked only (mypy), never run.
 
-scripts/test.sh runs ``mypy tests/typing`` next to ``mypy`` on the package.
+scripts/test.sh runs ``mypy tests/typing`` next to ``mypy`` on the package. The examples in
+README.md and docs/ are type-checked and run by tests/unit/test_docs_examples.py.
 """
 
 from __future__ import annotations

@@ -281,3 +281,89 @@ def test_memoised_scalar_keys_keep_types_apart(app):
         assert (
             expected == task.lock_key_for(value) == task.lock_key_for(tenant_id=value)
         )
+
+
+@pytest.mark.parametrize(
+    ("options", "fragments"),
+    [
+        (
+            {"unique_on": ["tenant_id"]},
+            ["'unique_on' is a celery-singleton option", "lock_args=('tenant_id',)"],
+        ),
+        ({"unique_on": "tenant_id"}, ["lock_args=('tenant_id',)"]),
+        (
+            {"once": {"keys": ["tenant_id"], "graceful": True, "timeout": 60}},
+            [
+                "'once' is a celery-once option",
+                "lock_args=('tenant_id',)",
+                "lock_on_busy",
+                "no expiry to choose",
+            ],
+        ),
+        ({"once": {"keys": []}}, ["no lock_args (one lock per task)"]),
+        ({"once": {"graceful": True}}, ["lock_args naming every parameter"]),
+        (
+            {"raise_on_duplicate": True},
+            ["celery-singleton", "lock_on_busy='raise'"],
+        ),
+        (
+            {"lock_expiry": 3600},
+            ["'lock_expiry' is a celery-singleton option", "remove it"],
+        ),
+        ({"heimdall": {"unique": True}}, ["celery-heimdall", "lock_args or lock_key"]),
+    ],
+)
+def test_peer_options_are_refused_naming_our_equivalent(app, options, fragments):
+    """celery-once/-singleton/-heimdall option names fail at registration with our equivalent.
+
+    Accepted silently, they would leave the task with one lock for every tenant.
+    """
+    with pytest.raises(ConfigurationError) as caught:
+        register(app, **options)
+    message = str(caught.value)
+    assert "unit.export" in message
+    assert "docs/migration.md" in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_peer_option_on_a_subclass_is_refused(app):
+    """A shared base class carrying a peer option (a half-migrated QueueOnce) is refused too."""
+
+    class Migrated(SingletonTask):
+        abstract = True
+        unique_on = ("tenant_id",)
+
+    def export(tenant_id):
+        return tenant_id
+
+    app.task(base=Migrated, name="unit.export", shared=False)(export)
+    with pytest.raises(ConfigurationError, match="use lock_args=\\('tenant_id',\\)"):
+        app.finalize(auto=True)
+
+
+def test_namespaced_settings_are_read_and_typos_refused():
+    """Django-style CELERY_PGLOCK_* settings are used, and a typo among them is an error."""
+    import sys
+    import types
+
+    settings = types.ModuleType("unit_django_settings")
+    settings.CELERY_BROKER_URL = "memory://"  # type: ignore[attr-defined]
+    settings.CELERY_PGLOCK_DATABASE_URL = "postgresql+psycopg2://u@h/db"  # type: ignore[attr-defined]
+    settings.CELERY_PGLOCK_ON_BUSY = "raise"  # type: ignore[attr-defined]
+    sys.modules[settings.__name__] = settings
+    try:
+        app = Celery("unit", set_as_current=False)
+        app.config_from_object(settings.__name__, namespace="CELERY")
+        assert OnBusy.RAISE == register(app).lock_config.on_busy
+
+        settings.CELERY_PGLOCK_ON_BUSSY = "skip"  # type: ignore[attr-defined]
+        typo = Celery("unit", set_as_current=False)
+        typo.config_from_object(settings.__name__, namespace="CELERY")
+        with pytest.raises(
+            ConfigurationError,
+            match="'CELERY_PGLOCK_ON_BUSSY'; did you mean 'CELERY_PGLOCK_ON_BUSY'",
+        ):
+            register(typo)
+    finally:
+        del sys.modules[settings.__name__]
