@@ -49,6 +49,13 @@ CONFIG_ENV = "CELERY_PGLOCK_PYTEST_CONFIG"
 RECORD_URL_ENV = "CELERY_PGLOCK_PYTEST_RECORD_URL"
 RECORD_TABLE_ENV = "CELERY_PGLOCK_PYTEST_RECORD_TABLE"
 RECORD_RUN_ENV = "CELERY_PGLOCK_PYTEST_RECORD_RUN"
+#: Celery's own environment overrides of a setting, which win over every app's conf.
+CELERY_OVERRIDE_ENV = {
+    "CELERY_BROKER_URL": "broker_url",
+    "CELERY_BROKER_READ_URL": "broker_url",
+    "CELERY_BROKER_WRITE_URL": "broker_url",
+    "CELERY_RESULT_BACKEND": "result_backend",
+}
 #: The ``-A`` module of those workers.
 WORKER_APP = "celery_pglock.testing._pytest_worker"
 
@@ -191,7 +198,7 @@ def pglock_app_name() -> str:
 @pytest.fixture(scope="session")
 def pglock_app(
     pglock_app_name: str, pglock_celery_config: dict[str, Any]
-) -> celery.Celery:
+) -> Iterator[celery.Celery]:
     """Your app (``pglock_app_name``), reconfigured with ``pglock_celery_config``.
 
     Request it before your tests first use the app: a broker connection made before
@@ -201,7 +208,14 @@ def pglock_app(
 
     app: celery.Celery = find_app(pglock_app_name)
     app.conf.update(pglock_celery_config)
-    return app
+    with pytest.MonkeyPatch.context() as patch:
+        # Celery reads these variables before any setting of any app (``celery
+        # --broker`` sets them): one inherited from the user's shell would send the
+        # tests' tasks to another broker than the workers'. Workers inherit them.
+        for variable, setting in CELERY_OVERRIDE_ENV.items():
+            if pglock_celery_config.get(setting):
+                patch.setenv(variable, str(pglock_celery_config[setting]))
+        yield app
 
 
 @pytest.fixture
@@ -289,9 +303,9 @@ def pglock_final_states() -> FinalStates:
     """
     from celery import states
 
-    from celery_pglock import SKIPPED
+    import celery_pglock
 
-    ended = {*states.READY_STATES, SKIPPED}
+    ended = {*states.READY_STATES, celery_pglock.SKIPPED}
 
     def wait(
         results: Iterable[celery.result.AsyncResult[Any]], *, timeout: float = 30.0

@@ -94,11 +94,14 @@ def test_plugin_loads_from_the_entry_point_and_is_inert_unless_used(
 
 
 def test_user_test_runs_a_real_worker_and_proves_exclusion(
-    project: pytest.Pytester,
+    project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Duplicates sent to a prefork worker of the user's app: one tenant's runs never
     overlap (some are SKIPPED), while two tenants do run at the same time, which shows
-    that the overlap check watched concurrent processes."""
+    that the overlap check watched concurrent processes. Celery's own broker and backend
+    variables, left in the user's shell, do not divert the test's tasks."""
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("CELERY_RESULT_BACKEND", "redis://127.0.0.1:1/0")
     project.makepyfile(
         test_user="""
         from celery_pglock import SKIPPED
