@@ -11,7 +11,10 @@ removes them to prove the embedded path.
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 from typing import TYPE_CHECKING
 
 import pytest
@@ -22,6 +25,7 @@ from celery_pglock.testing import (
     RESULT_BACKEND_ENV,
     Services,
 )
+from tests.conftest import REPO_ROOT
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -63,6 +67,29 @@ def project(pytester: pytest.Pytester, services: Services) -> pytest.Pytester:
     pytester.makepyfile(user_app=USER_APP)
     pytester.makeconftest(USER_CONFTEST)
     return pytester
+
+
+def test_pytest_example_passes(services: Services) -> None:
+    """examples/pytest_example, a user's test of examples/tenant_export.py, passes in a
+    pytest session of its own (the plugin loaded through its entry point)."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "examples/pytest_example",
+        ],
+        cwd=REPO_ROOT,
+        env={**os.environ, **services.env()},
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
+    assert 0 == result.returncode, result.stdout + result.stderr
+    assert "1 passed" in result.stdout
 
 
 def test_plugin_loads_from_the_entry_point_and_is_inert_unless_used(
