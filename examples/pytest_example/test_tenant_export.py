@@ -50,7 +50,7 @@ def test_one_export_per_tenant_at_a_time(
 
     assert set(states) <= {"SUCCESS", SKIPPED}
     pglock_overlap.assert_no_overlap(min_intervals=len(tenants))
-    done = [result.result for result in results if result.state == "SUCCESS"]
+    done = [result.get() for result in results if result.state == "SUCCESS"]
     for tenant in tenants:
         runs = [
             export for export in done if f"tenant-{tenant}-" in export["object_name"]
