@@ -6,8 +6,9 @@ is the user guide.
 
 Hazard: the entry point is registered whenever celery-pglock is installed, with or
 without the extra, so this module is loaded into every pytest run of that environment.
-It must stay inert: it defines fixtures and no hook, imports nothing beyond pytest at
-load time, and starts services only when a test asks for a fixture that needs them.
+It must stay inert: it defines fixtures and no hook, imports nothing itself at load
+time but pytest (Python does import its parent packages, which start nothing), and starts
+services only when a test asks for a fixture that needs them.
 Every fixture name starts with ``pglock_`` so that none can shadow Celery's
 ``celery_*`` fixtures or a project's own. ``-p no:celery_pglock`` disables it.
 """
