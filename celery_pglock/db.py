@@ -230,11 +230,15 @@ def probe(conf: Mapping[str, Any]) -> str:
     options["connect_args"].setdefault("connect_timeout", PROBE_CONNECT_TIMEOUT)
     engine = sa.create_engine(parsed, **options)
     try:
-        with (
-            wrap_db_errors("connect to the lock database", engine),
-            engine.connect() as connection,
-        ):
-            version = connection.exec_driver_sql("SHOW server_version").scalar()
+        # raw_connection(): the driver's own error text, without SQLAlchemy's wrapping.
+        with wrap_db_errors("connect to the lock database", engine):
+            connection: Any = engine.raw_connection()
+            try:
+                with connection.cursor() as cursor:
+                    cursor.execute("SHOW server_version")
+                    (version,) = cursor.fetchone()
+            finally:
+                connection.close()
     finally:
         engine.dispose()
     # Distribution builds append their own text: "15.14 (Ubuntu 15.14-1.pgdg22.04+1)".
