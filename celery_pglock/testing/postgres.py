@@ -232,7 +232,11 @@ class EmbeddedPostgres:
             self._root = None
 
     def __enter__(self) -> Self:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.cleanup()  # __exit__ does not run when __enter__ fails
+            raise
 
     def __exit__(
         self,

@@ -160,6 +160,22 @@ def test_embedded_postgres_as_root_runs_unprivileged_from_the_binary_cache(
     assert 0 == stat.S_IMODE(cache.stat().st_mode) & 0o022
 
 
+def test_embedded_postgres_that_fails_to_start_in_with_leaves_nothing(
+    monkeypatch, reachable_tmp
+):
+    """A start that fails in ``with EmbeddedPostgres()`` still deletes its directory."""
+    temporary = reachable_tmp / "tmp"
+    temporary.mkdir(mode=0o711)
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    data_dir = reachable_tmp / "data"
+    data_dir.mkdir()
+    (data_dir / "PG_VERSION").write_text("not a data directory\n")
+    with pytest.raises(ServiceError), EmbeddedPostgres(data_dir=data_dir):
+        pass
+    assert [] == list(temporary.iterdir())
+    assert data_dir.exists()  # a caller's data directory is never deleted
+
+
 @only_as_root
 def test_embedded_postgres_as_root_refuses_an_unreachable_data_dir(tmp_path):
     """A data_dir the server's user cannot enter is an error, never a chmod."""
