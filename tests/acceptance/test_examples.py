@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import sqlalchemy as sa
 
-from celery_pglock import SKIPPED
+from celery_pglock import SKIPPED, config
+from celery_pglock.testing import BROKER_URL_ENV, DATABASE_URL_ENV
 from tests.conftest import REPO_ROOT
 
 from .conftest import states, wait_until
@@ -111,14 +112,16 @@ def _wait_ended(results: list[Any], timeout: float = 30) -> list[str]:
 def test_demo_reports_no_overlaps(services: Services) -> None:
     """examples/demo.py exits 0; its table shows 60 sent, no overlap, ran + skipped = sent.
 
-    The URL carries a password (ignored by trust authentication) that must never be
-    printed.
+    The demo takes its services from the bootstrap's variables, like the test suite; the
+    URL carries a password (ignored by trust authentication) that must never be printed.
+    A developer's CELERY_PGLOCK_DATABASE_URL (a real lock database, say) is not touched.
     """
     url = sa.make_url(services.database_url).set(password=DEMO_PASSWORD)
     env = {
         **os.environ,
-        "CELERY_PGLOCK_DATABASE_URL": url.render_as_string(hide_password=False),
-        "CELERY_PGLOCK_BROKER_URL": services.broker_url,
+        DATABASE_URL_ENV: url.render_as_string(hide_password=False),
+        BROKER_URL_ENV: services.broker_url,
+        config.DATABASE_URL_ENV: "postgresql+psycopg2://app@127.0.0.1:1/production",
     }
     demo = subprocess.Popen(
         [sys.executable, "examples/demo.py", "--timeout", "45"],
