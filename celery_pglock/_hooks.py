@@ -19,7 +19,10 @@ global, and the receivers work for any app). None of these is the normal release
 - ``worker_init``: a missing or invalid database URL, or an unknown ``pglock_*`` setting,
   stops the worker at start with a message naming the setting and the environment
   variable, instead of failing every locked task later. (It exits: Celery logs and
-  swallows ordinary exceptions raised by signal receivers.)
+  swallows ordinary exceptions raised by signal receivers.) It logs the (masked) lock
+  database URL once, so per-task lines need not repeat it, and starts the /metrics
+  endpoint when ``pglock_metrics_port`` is set: in the main process, before the pool
+  forks, so children inherit its multiprocess directory. Worker shutdown stops it.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 from celery import Task
 from celery import signals as celery_signals
 
-from celery_pglock import config, context, db, exceptions
+from celery_pglock import config, context, db, exceptions, metrics
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +91,21 @@ def check_app(app: Any) -> None:
     config.check_unknown_settings(app.conf)
     url = config.database_url(app.conf)
     db.check_url(url)
+    metrics.from_conf(app.conf)
     logger.info(
         "celery-pglock: lock database %s",
         db.mask_url(url),
         extra={"action": "lock_config"},
     )
+    server = metrics.serve(app.conf)
+    if server is not None:
+        logger.info(
+            "celery-pglock: serving /metrics on port %d (prometheus_client "
+            "multiprocess directory %s)",
+            server.port,
+            server.directory,
+            extra={"action": "lock_metrics_serving"},
+        )
 
 
 def _check_worker_config(sender: Any = None, **_: Any) -> None:
@@ -155,3 +168,4 @@ def _release_everything(**_: Any) -> None:
         if lock.owned():
             _release_leftover(lock, "worker shutdown")
     db.dispose_all()
+    metrics.stop()  # the main process's /metrics endpoint; a no-op in pool children

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import sqlalchemy as sa
 
-from celery_pglock import SKIPPED, db
+from celery_pglock import LockSkipped, db
 from celery_pglock.testing import (
     EmbeddedPostgres,
     EmbeddedRedis,
@@ -58,9 +58,9 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parent.parent
 DATABASE_URL_ENV = "CELERY_PGLOCK_DATABASE_URL"
 BROKER_URL_ENV = "CELERY_PGLOCK_BROKER_URL"
-#: States in which a task has ended. SKIPPED is not one of Celery's ready states, so
-#: ``AsyncResult.get()`` would block on a skipped task until its timeout: poll instead.
-ENDED = ("SUCCESS", SKIPPED, "FAILURE")
+#: How a task can end: it ran, it was skipped (FAILURE with LockSkipped, the default
+#: lock_skip_result), or it failed.
+ENDED = ("SUCCESS", "SKIPPED", "FAILURE")
 #: Seconds a configured service may take to answer (a container may still be starting).
 CONNECT_TIMEOUT = 20.0
 #: The design article's monitoring query, limited to this database.
@@ -207,7 +207,7 @@ def _demo(
             [
                 len(results[tenant]),
                 app.recorder.count(run, f"tenant-{tenant}"),
-                outcome[SKIPPED],
+                outcome["SKIPPED"],
                 outcome["FAILURE"],
                 overlaps[f"tenant-{tenant}"],
             ]
@@ -349,6 +349,8 @@ def _wait_until_ended(
         still = []
         for result in waiting:
             state = result.state
+            if state == "FAILURE" and isinstance(result.result, LockSkipped):
+                state = "SKIPPED"
             states[result.id] = state
             if state not in ENDED:
                 still.append(result)
