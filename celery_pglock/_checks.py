@@ -78,14 +78,20 @@ def run_checks(
                 if str(exc)
                 else type(exc).__name__
             )
+            name = "connectivity"
             fix = f"check host, port, database and credentials in {setting}, and that the server accepts this host"
             if "startup parameter" in text and "options" in text:
                 fix = "a pooler (PgBouncer) refuses the server keepalive startup options: set app.conf.pglock_server_keepalives = False, or connect to PostgreSQL directly"
+            elif _pooler.refuses_transactions(parsed):
+                name = "pooler"
+                text = "statement pooling: multi-statement transactions are refused, and both lock scopes need them"
+                fix = "use a URL that reaches PostgreSQL directly, or a pool in session mode (transaction mode for lock_scope='transaction' only)"
             findings.append(
                 Finding(
                     "FAIL",
-                    "connectivity",
-                    f"cannot connect to {db.mask_url(parsed)}: {text}",
+                    name,
+                    f"{'cannot connect to ' if name == 'connectivity' else ''}"
+                    f"{db.mask_url(parsed)}: {text}",
                     fix,
                 )
             )

@@ -57,10 +57,11 @@ def detect(connect: Any, url_port: int | None, server_port: int | None) -> Poole
                 cursor.execute("SELECT 1")
                 cursor.execute("COMMIT")
             except Exception as exc:
-                if "statement pooling" in str(exc).lower():
+                if _refused(exc, second):
                     return PoolerReport(
                         PoolMode.STATEMENT,
-                        f"the server refused a multi-statement transaction: {exc}".strip(),
+                        "a multi-statement transaction was refused (PgBouncer closes the "
+                        "connection on BEGIN in statement pooling)",
                     )
                 raise
         with first.cursor() as cursor:
@@ -93,3 +94,48 @@ def detect(connect: Any, url_port: int | None, server_port: int | None) -> Poole
             "proxy or pooler is in the way, and it kept one server session per client",
         )
     return PoolerReport(PoolMode.DIRECT, "no pooler or proxy detected")
+
+
+def refuses_transactions(url: Any) -> bool:
+    """Does ``url`` lead to statement pooling? (A plain libpq session, no startup options.)
+
+    SQLAlchemy opens a transaction on its first connection, which statement pooling
+    answers by closing the connection; this asks again without SQLAlchemy, so the
+    refusal's own message can be seen.
+    """
+    import psycopg2
+
+    kwargs = url.translate_connect_args(username="user", database="dbname")
+    try:
+        connection = psycopg2.connect(
+            connect_timeout=5, application_name="celery-pglock cli", **kwargs
+        )
+    except Exception:
+        return False
+    try:
+        connection.autocommit = True
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")  # a single statement works...
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("BEGIN")  # ...and a transaction is refused
+                cursor.execute("SELECT 1")
+                cursor.execute("ROLLBACK")
+        except Exception as exc:
+            return _refused(exc, connection)
+    except Exception:
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            connection.close()
+    return False
+
+
+def _refused(exc: Exception, connection: Any) -> bool:
+    # PgBouncer answers BEGIN in statement pooling with an error naming the mode (newer
+    # versions) or by closing the client connection (1.18 logs the reason server-side
+    # only). PostgreSQL itself never does either on BEGIN.
+    if "statement pooling" in str(exc).lower():
+        return True
+    raw = getattr(connection, "dbapi_connection", connection)
+    return bool(getattr(raw, "closed", False))

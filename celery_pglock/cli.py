@@ -198,6 +198,16 @@ def describe_locks(rows: list[dict[str, Any]], target: Target) -> list[dict[str,
         for task in target.singleton_tasks()
         if task.lock_config.fixed_key is not None
     }
+    names: list[str] = [str(task.name) for task in target.singleton_tasks()]
+
+    def full_name(task: str | None) -> str | None:
+        # application_name keeps only the tail of a long task name ("~app.tasks.x").
+        if task and task.startswith("~"):
+            matches = [name for name in names if name.endswith(task[1:])]
+            if len(matches) == 1:
+                return matches[0]
+        return task
+
     by_key: dict[str, dict[str, Any]] = {}
     for row in rows:
         application_name = row.get("application_name") or None
@@ -213,7 +223,7 @@ def describe_locks(rows: list[dict[str, Any]], target: Target) -> list[dict[str,
         session = {
             "backend_pid": row["backend_pid"],
             "holder": process,
-            "task": task,
+            "task": full_name(task),
             "application_name": application_name,
             "client_addr": row.get("client_addr"),
             "celery_pglock": ours,
@@ -238,8 +248,8 @@ def describe_locks(rows: list[dict[str, Any]], target: Target) -> list[dict[str,
         if row["granted"]:
             entry.update(session, held_seconds=seconds)
             known = fixed.get(row["key"])
-            if known is not None:
-                entry["task"] = entry["task"] or known[0]
+            if known is not None:  # the full task name (application_name may cut it)
+                entry["task"] = known[0]
                 entry["lock_name"] = known[1]
             elif ours and task and not task.startswith("~"):
                 entry["lock_name"] = (

@@ -7,6 +7,10 @@ every skip" is checked the way a monitor sees it.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -193,6 +197,48 @@ def test_shadow_mode_runs_every_body(acceptance, workers, recorder, run):
     assert "k" == holder.get(timeout=30)
     assert 4 == recorder.count(run, "k")
     assert recorder.overlaps(run)  # what shadow mode reports instead of preventing
+
+
+def test_pglock_locks_shows_the_running_holder_and_nothing_after(
+    acceptance, acceptance_env, workers, recorder, run
+):
+    """`celery -A app pglock locks` shows a running body's lock by task name, worker
+    host:pid and how long it has been held; once the body ends, the lock is gone."""
+    key = str(acceptance.protected.lock_key_for(run, "k"))
+    holder, gate = hold_key(acceptance, recorder, run)
+    time.sleep(0.2)  # a visible duration
+    entry = _lock_entry(acceptance_env, key)
+    assert entry is not None
+    assert acceptance.protected.name == entry["task"]
+    assert f"{_host()}:{recorder.intervals(run)[0].pid}" == entry["holder"]
+    assert entry["held_seconds"] >= 0.2
+    assert entry["celery_pglock"]
+    acceptance.open_gate(gate)
+    assert "k" == holder.get(timeout=30)
+    assert None is _lock_entry(acceptance_env, key)
+
+
+def _lock_entry(env, key):
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.acceptance.app",
+            "pglock",
+            "locks",
+            "--json",
+        ],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert 0 == completed.returncode, completed.stderr
+    found = [e for e in json.loads(completed.stdout) if e["key"] == key]
+    return found[0] if found else None
 
 
 def _host() -> str:
