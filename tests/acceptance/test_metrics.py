@@ -97,6 +97,68 @@ def test_scraped_skips_equal_the_skips_callers_saw(
     assert run not in after  # labels never carry argument values
 
 
+def test_shadow_mode_counts_would_be_skips(acceptance, metrics_worker, recorder, run):
+    """lock_shadow=True: every body runs, and the would-be skips are counted."""
+    _, port, queue = metrics_worker
+    task = "tests.acceptance.app.shadowed"
+    before = sample(
+        scrape(port), "celery_pglock_skipped_total", task=task, policy="skip"
+    )
+    gate = f"{run}-gate"
+    holder = acceptance.shadowed.apply_async((run, "k"), {"gate": gate}, queue=queue)
+    wait_until(
+        lambda: recorder.count(run, "k") == 1, timeout=30, what="the holder to start"
+    )
+    duplicates = [
+        acceptance.shadowed.apply_async((run, "k"), queue=queue) for _ in range(3)
+    ]
+    assert ["k"] * 3 == [result.get(timeout=30) for result in duplicates]
+    acceptance.open_gate(gate)
+    assert "k" == holder.get(timeout=30)
+    after = sample(
+        scrape(port), "celery_pglock_skipped_total", task=task, policy="skip"
+    )
+    assert 3 == after - before
+    assert 4 == recorder.count(run, "k")
+
+
+@pytest.mark.parametrize("pool", ["threads", "solo"])
+def test_metrics_in_single_process_pools(
+    acceptance, start_workers, recorder, run, pool
+):
+    """--pool threads / solo: the main process both counts and serves."""
+    port = free_port()
+    queue = f"{acceptance.app.conf.task_default_queue}-metrics-{pool}"
+    start_workers(
+        1,
+        pool=pool,
+        concurrency=4 if pool == "threads" else 1,
+        queues=[queue],
+        env={"PGLOCK_TEST_METRICS_PORT": str(port)},
+    )
+    gate = f"{run}-gate"
+    holder = acceptance.protected.apply_async((run, "k"), {"gate": gate}, queue=queue)
+    wait_until(
+        lambda: recorder.count(run, "k") == 1, timeout=30, what="the holder to start"
+    )
+    skips = 0
+    if pool == "threads":  # solo runs one task at a time: no duplicate can start
+        for result in [
+            acceptance.protected.apply_async((run, "k"), queue=queue) for _ in range(3)
+        ]:
+            with pytest.raises(LockSkipped):
+                result.get(timeout=30)
+            skips += 1
+    acceptance.open_gate(gate)
+    assert "k" == holder.get(timeout=30)
+    text = scrape(port)
+    assert 1 == sample(text, "celery_pglock_acquired_total", task=TASK)
+    assert skips == sample(
+        text, "celery_pglock_skipped_total", task=TASK, policy="skip"
+    )
+    assert 1 == sample(text, "celery_pglock_released_total", task=TASK, state="SUCCESS")
+
+
 def test_counts_survive_replaced_children_and_the_directory_is_removed(
     acceptance, metrics_worker, recorder, run
 ):
