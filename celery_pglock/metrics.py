@@ -89,6 +89,7 @@ class PrometheusMetrics:
         _require_prometheus()
         self._registry = registry
         self._collectors: dict[str, Any] | None = None
+        self._children: dict[tuple[str, ...], Any] = {}
         self._guard = threading.Lock()
 
     def collectors(self) -> dict[str, Any]:
@@ -101,26 +102,32 @@ class PrometheusMetrics:
                 collectors = self._collectors
         return collectors
 
+    def _child(self, name: str, *labels: str) -> Any:
+        # labels() costs a few microseconds per call: keep each labelled child (the
+        # label sets are task names x policies/states, so this stays small).
+        key = (name, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.collectors()[name].labels(*labels)
+        return child
+
     def acquired(self, task: str, wait_seconds: float) -> None:
-        c = self.collectors()
-        c["acquired"].labels(task).inc()
-        c["wait"].labels(task).observe(wait_seconds)
+        self._child("acquired", task).inc()
+        self._child("wait", task).observe(wait_seconds)
 
     def skipped(self, task: str, policy: str, wait_seconds: float) -> None:
-        c = self.collectors()
-        c["skipped"].labels(task, policy).inc()
-        c["wait"].labels(task).observe(wait_seconds)
+        self._child("skipped", task, policy).inc()
+        self._child("wait", task).observe(wait_seconds)
 
     def released(self, task: str, state: str, held_seconds: float) -> None:
-        c = self.collectors()
-        c["released"].labels(task, state).inc()
-        c["held"].labels(task).observe(held_seconds)
+        self._child("released", task, state).inc()
+        self._child("held", task).observe(held_seconds)
 
     def release_failed(self, task: str) -> None:
-        self.collectors()["release_failed"].labels(task).inc()
+        self._child("release_failed", task).inc()
 
     def lost(self, task: str) -> None:
-        self.collectors()["lost"].labels(task).inc()
+        self._child("lost", task).inc()
 
 
 def _create_collectors(registry: Any) -> dict[str, Any]:
