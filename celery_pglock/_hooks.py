@@ -97,7 +97,14 @@ def check_app(app: Any) -> None:
         db.mask_url(url),
         extra={"action": "lock_config"},
     )
-    server = metrics.serve(app.conf)
+    try:
+        server = metrics.serve(app.conf)
+    except exceptions.ConfigurationError as error:
+        # Metrics are not worth refusing to run the tasks for: say so loudly, go on.
+        logger.error(
+            "celery-pglock: %s", error, extra={"action": "lock_metrics_failed"}
+        )
+        return
     if server is not None:
         logger.info(
             "celery-pglock: serving /metrics on port %d (prometheus_client "

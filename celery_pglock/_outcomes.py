@@ -30,7 +30,10 @@ logger = logging.getLogger(__name__)
 def acquired(task: Any, task_id: str | None, lock: AdvisoryLock) -> None:
     """The run got its lock and its body is about to run."""
     wait = lock.wait_seconds or 0.0
-    metrics.current().acquired(task.name, wait)
+    try:
+        metrics.current().acquired(task.name, wait)
+    except Exception as exc:
+        _metrics_failed(exc)
     if signals.lock_acquired.receivers:
         signals.lock_acquired.send(
             sender=task,
@@ -72,7 +75,10 @@ def skipped(
         shadow: Shadow mode: the body runs anyway; this is a would-be skip.
     """
     wait = lock.wait_seconds or 0.0
-    metrics.current().skipped(task.name, action, wait)
+    try:
+        metrics.current().skipped(task.name, action, wait)
+    except Exception as exc:
+        _metrics_failed(exc)
     if signals.lock_skipped.receivers:
         signals.lock_skipped.send(
             sender=task,
@@ -113,7 +119,10 @@ def released(
 ) -> None:
     """The run ended (its lock released, or its release already reported as failed)."""
     held = (lock.released_at or 0.0) - (lock.acquired_at or 0.0)
-    metrics.current().released(task.name, state, held)
+    try:
+        metrics.current().released(task.name, state, held)
+    except Exception as exc:
+        _metrics_failed(exc)
     if not failed:
         if signals.lock_completed.receivers:
             signals.lock_completed.send(**_payload(task, task_id, lock, held, state))
@@ -141,7 +150,10 @@ def release_failed(
     task: Any, task_id: str | None, lock: AdvisoryLock, error: BaseException
 ) -> None:
     """Releasing failed; the lock's connection was closed, so PostgreSQL freed it."""
-    metrics.current().release_failed(task.name)
+    try:
+        metrics.current().release_failed(task.name)
+    except Exception as exc:
+        _metrics_failed(exc)
     logger.error(
         "Releasing lock %s (key %s) of %s[%s] failed: %s. The connection was closed, "
         "so PostgreSQL no longer holds the lock.",
@@ -161,6 +173,20 @@ def release_failed(
             wait_seconds=lock.wait_seconds,
             exception=error,
         )
+
+
+def _metrics_failed(exc: Exception) -> None:
+    # A metrics sink must never fail a task: log (once per process) and go on.
+    global _metrics_warned
+    if not _metrics_warned:
+        _metrics_warned = True
+        logger.error(
+            "celery-pglock: the metrics sink failed; tasks go on, counts may be lost",
+            exc_info=exc,
+        )
+
+
+_metrics_warned = False
 
 
 def _payload(

@@ -318,18 +318,27 @@ def serve(conf: Mapping[str, Any]) -> Server | None:
     owned = not directory
     if not directory:
         directory = tempfile.mkdtemp(prefix="celery-pglock-metrics-")
-        os.environ[MULTIPROC_ENV] = directory
+    registry = prom.CollectorRegistry()
+    registry.register(_ArchivingCollector(directory))
+    address = conf.get("pglock_metrics_address") or DEFAULT_ADDRESS
+    try:
+        httpd, _ = prom.start_http_server(port, addr=address, registry=registry)
+    except OSError as exc:
+        # The port is taken (often: a second worker on this host with the same setting).
+        # Counting goes on in memory, unserved; the tasks are not affected.
+        if owned:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise exceptions.ConfigurationError(
+            f"pglock_metrics_port={port!r}: cannot serve /metrics on {address}:{port} "
+            f"({exc}). Give each worker on a host its own port (e.g. from an environment "
+            "variable per worker)."
+        ) from exc
+    # Only now that the server runs: children inherit the directory and count into it.
+    os.environ[MULTIPROC_ENV] = directory
     if not getattr(values.ValueClass, "_multiprocess", False):
         # prometheus_client chose in-process values when it was first imported, before
         # the variable was set; values created from now on (in the children) use files.
         values.ValueClass = values.MultiProcessValue()
-    registry = prom.CollectorRegistry()
-    registry.register(_ArchivingCollector(directory))
-    httpd, _ = prom.start_http_server(
-        port,
-        addr=conf.get("pglock_metrics_address") or DEFAULT_ADDRESS,
-        registry=registry,
-    )
     _server = Server(httpd, directory, owned)
     if not isinstance(_sink, PrometheusMetrics):
         install(PrometheusMetrics())

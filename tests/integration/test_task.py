@@ -666,3 +666,24 @@ def test_a_body_calling_its_own_task_directly_is_a_direct_call(app):
         SKIPPED != AsyncResult(result.id, app=app).state
     )  # nothing stored against the outer id
     assert not is_held(walk_task, "root")
+
+
+def test_a_failing_metrics_sink_never_fails_a_task(app):
+    """A Metrics implementation that raises is logged, and the run's outcome stands."""
+
+    class Broken:
+        def __getattr__(self, name):
+            def fail(*args, **kwargs):
+                raise RuntimeError("sink down")
+
+            return fail
+
+    from celery_pglock import metrics
+
+    task = define(app, ran)
+    metrics.install(Broken())
+    try:
+        assert "ran" == task.apply().get()
+    finally:
+        metrics.install(metrics.NullMetrics())
+    assert not is_held(task)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
 import prometheus_client
 import pytest
 
-from celery_pglock import metrics
+from celery_pglock import ConfigurationError, metrics
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 METRIC = re.compile(r"\bcelery_pglock_[a-z_]+")
@@ -51,3 +52,23 @@ def test_prometheus_labels_never_carry_more_than_names():
         for key in sample.labels
     }
     assert {"task", "policy", "le"} >= labels
+
+
+def test_a_taken_port_is_reported_and_changes_nothing(monkeypatch, tmp_path):
+    """serve() on a port in use raises ConfigurationError naming the setting, and leaves
+    no multiprocess directory or environment variable behind (children keep counting in
+    memory; tasks are unaffected)."""
+    import socket
+
+    monkeypatch.delenv(metrics.MULTIPROC_ENV, raising=False)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigurationError, match=f"pglock_metrics_port={port}"):
+            metrics.serve(
+                {"pglock_metrics_port": port, "pglock_metrics_address": "127.0.0.1"}
+            )
+    assert metrics.MULTIPROC_ENV not in os.environ
+    assert [] == list(tmp_path.iterdir())
