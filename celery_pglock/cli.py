@@ -248,13 +248,10 @@ def describe_locks(rows: list[dict[str, Any]], target: Target) -> list[dict[str,
         if row["granted"]:
             entry.update(session, held_seconds=seconds)
             known = fixed.get(row["key"])
+            # Only keys that do not depend on arguments can be named from the key alone.
             if known is not None:  # the full task name (application_name may cut it)
                 entry["task"] = known[0]
                 entry["lock_name"] = known[1]
-            elif ours and task and not task.startswith("~"):
-                entry["lock_name"] = (
-                    None  # a per-argument key: its name is not in pg_locks
-                )
         else:
             entry["waiters"].append({**session, "waiting_seconds": seconds})
     return list(by_key.values())
