@@ -262,3 +262,32 @@ def test_check_through_pgbouncer(database_url, pool_mode, ignore, status, fragme
         )
     assert status in output, output
     assert fragment in output, output
+
+
+def test_python_dash_m_runs_the_standalone_command(database_url):
+    """`python -m celery_pglock` is the standalone command, exit status included."""
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "celery_pglock",
+            "--database-url",
+            database_url,
+            "check",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert 0 == ok.returncode, ok.stdout + ok.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "celery_pglock", "check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={k: v for k, v in os.environ.items() if k != "CELERY_PGLOCK_DATABASE_URL"},
+    )
+    assert 1 == bad.returncode
+    assert "CELERY_PGLOCK_DATABASE_URL" in bad.stdout
