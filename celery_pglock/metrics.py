@@ -204,21 +204,29 @@ def configure(conf: Mapping[str, Any]) -> None:
     ``pglock_metrics``: None (default; NullMetrics unless ``pglock_metrics_port`` is set),
     ``"prometheus"``, or an object implementing :class:`Metrics`.
 
+    A process without prometheus_client (a web app sharing the workers' settings, say)
+    keeps NullMetrics: only a worker needs the extra, and its start refuses to go on
+    without it (``_hooks.check_app`` calls :func:`from_conf`).
+
     Raises:
-        ConfigurationError: a bad value, or ``"prometheus"`` without prometheus_client.
+        ConfigurationError: a bad value.
     """
-    wanted = from_conf(conf)
+    wanted = from_conf(conf, require=False)
     if wanted is None:
         return
     if isinstance(wanted, str):
-        if not isinstance(_sink, PrometheusMetrics):
+        if not isinstance(_sink, PrometheusMetrics) and _has_prometheus():
             install(PrometheusMetrics())
         return
     install(wanted)
 
 
-def from_conf(conf: Mapping[str, Any]) -> Metrics | str | None:
-    """Validate the metrics settings: ``"prometheus"``, a Metrics object, or None."""
+def from_conf(conf: Mapping[str, Any], *, require: bool = True) -> Metrics | str | None:
+    """Validate the metrics settings: ``"prometheus"``, a Metrics object, or None.
+
+    Args:
+        require: ``"prometheus"`` needs prometheus_client to be installed.
+    """
     value = conf.get("pglock_metrics")
     port = conf.get("pglock_metrics_port")
     address = conf.get("pglock_metrics_address")
@@ -239,7 +247,8 @@ def from_conf(conf: Mapping[str, Any]) -> Metrics | str | None:
             return None
         value = "prometheus"
     if value == "prometheus":
-        _require_prometheus()
+        if require:
+            _require_prometheus()
         return "prometheus"
     if isinstance(value, str) or not all(
         callable(getattr(value, name, None))
@@ -255,6 +264,14 @@ def from_conf(conf: Mapping[str, Any]) -> Metrics | str | None:
             f"a custom pglock_metrics={value!r}. Unset one of them."
         )
     return value  # type: ignore[no-any-return]
+
+
+def _has_prometheus() -> bool:
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _require_prometheus() -> None:

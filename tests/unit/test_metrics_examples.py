@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import prometheus_client
@@ -72,3 +73,25 @@ def test_a_taken_port_is_reported_and_changes_nothing(monkeypatch, tmp_path):
             )
     assert metrics.MULTIPROC_ENV not in os.environ
     assert [] == list(tmp_path.iterdir())
+
+
+def test_without_prometheus_client_only_the_worker_refuses(monkeypatch):
+    """A process without the extra registers tasks (NullMetrics); a worker start names
+    the extra to install."""
+    from celery import Celery
+
+    from celery_pglock import SingletonTask, _hooks
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import fails
+    app = Celery("unit", broker="memory://", set_as_current=False)
+    app.conf.pglock_database_url = "postgresql+psycopg2://u@db.invalid/app"
+    app.conf.pglock_metrics_port = 9808
+
+    @app.task(base=SingletonTask, name="unit.no_prometheus", shared=False)
+    def no_prometheus():
+        return 1
+
+    app.finalize(auto=True)
+    assert isinstance(metrics.current(), metrics.NullMetrics)
+    with pytest.raises(ConfigurationError, match=r"celery-pglock\[prometheus\]"):
+        _hooks.check_app(app)
