@@ -34,7 +34,7 @@ from typing import Any
 from celery import Task
 from celery import signals as celery_signals
 
-from celery_pglock import config, context, db, exceptions, metrics
+from celery_pglock import _metrics_server, config, context, db, exceptions, metrics
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def check_app(app: Any) -> None:
         extra={"action": "lock_config"},
     )
     try:
-        server = metrics.serve(app.conf)
+        server = _metrics_server.serve(app.conf)
     except exceptions.ConfigurationError as error:
         # Metrics are not worth refusing to run the tasks for: say so loudly, go on.
         logger.error(
@@ -175,4 +175,4 @@ def _release_everything(**_: Any) -> None:
         if lock.owned():
             _release_leftover(lock, "worker shutdown")
     db.dispose_all()
-    metrics.stop()  # the main process's /metrics endpoint; a no-op in pool children
+    _metrics_server.stop()  # the main process's /metrics endpoint; no-op in children

@@ -11,7 +11,7 @@ from pathlib import Path
 import prometheus_client
 import pytest
 
-from celery_pglock import ConfigurationError, metrics
+from celery_pglock import ConfigurationError, _metrics_server, metrics
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 METRIC = re.compile(r"\bcelery_pglock_[a-z_]+")
@@ -61,17 +61,17 @@ def test_a_taken_port_is_reported_and_changes_nothing(monkeypatch, tmp_path):
     memory; tasks are unaffected)."""
     import socket
 
-    monkeypatch.delenv(metrics.MULTIPROC_ENV, raising=False)
+    monkeypatch.delenv(_metrics_server.MULTIPROC_ENV, raising=False)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(ConfigurationError, match=f"pglock_metrics_port={port}"):
-            metrics.serve(
+            _metrics_server.serve(
                 {"pglock_metrics_port": port, "pglock_metrics_address": "127.0.0.1"}
             )
-    assert metrics.MULTIPROC_ENV not in os.environ
+    assert _metrics_server.MULTIPROC_ENV not in os.environ
     assert [] == list(tmp_path.iterdir())
 
 
