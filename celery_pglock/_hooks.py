@@ -19,7 +19,9 @@ global, and the receivers work for any app). None of these is the normal release
 - ``worker_init``: a missing or invalid database URL, or an unknown ``pglock_*`` setting,
   stops the worker at start with a message naming the setting and the environment
   variable, instead of failing every locked task later. (It exits: Celery logs and
-  swallows ordinary exceptions raised by signal receivers.)
+  swallows ordinary exceptions raised by signal receivers.) It also starts the
+  /metrics endpoint when ``pglock_metrics_port`` is set: in the main process, before the
+  pool forks, so children inherit its multiprocess directory. Worker shutdown stops it.
 - ``worker_ready``: connects once to the lock database and logs the lock configuration
   (``lock_config``), or an ERROR naming the masked URL and what to check
   (``lock_database_unreachable``). Not from ``worker_init``: Celery configures logging
@@ -39,7 +41,7 @@ from typing import Any
 from celery import Task
 from celery import signals as celery_signals
 
-from celery_pglock import config, context, db, exceptions
+from celery_pglock import _metrics_server, config, context, db, exceptions, metrics
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ _SHUTDOWN_SIGNALS = {
 }
 _connected = False
 _connect_guard = threading.Lock()
+#: What start_metrics() did, for report_lock_database() to log once logging is set up.
+_metrics_outcome: _metrics_server.Server | exceptions.ConfigurationError | None = None
 
 
 def connect() -> None:
@@ -99,6 +103,7 @@ def check_app(app: Any) -> None:
         return
     config.check_unknown_settings(app.conf)
     db.check_url(config.database_url(app.conf))
+    metrics.from_conf(app.conf)
 
 
 def report_lock_database(app: Any) -> None:
@@ -124,6 +129,7 @@ def report_lock_database(app: Any) -> None:
             config.DATABASE_URL_ENV,
             extra={"action": "lock_database_unreachable", "database": url},
         )
+        _report_metrics()
         return
     settings = {
         name: app.conf.get(name)
@@ -141,6 +147,39 @@ def report_lock_database(app: Any) -> None:
         described or "default",
         extra={"action": "lock_config", "database": url},
     )
+    _report_metrics()
+
+
+def start_metrics(app: Any) -> None:
+    """Serve /metrics when ``pglock_metrics_port`` is set (worker_init: before the fork).
+
+    The outcome is logged at worker_ready by :func:`report_lock_database`, once logging is
+    configured. A failure is not worth refusing to run the tasks for: it is reported, and
+    the worker goes on without metrics.
+    """
+    global _metrics_outcome
+    if not _singleton_tasks(app):
+        return
+    try:
+        _metrics_outcome = _metrics_server.serve(app.conf)
+    except exceptions.ConfigurationError as error:
+        _metrics_outcome = error
+
+
+def _report_metrics() -> None:
+    outcome = _metrics_outcome
+    if isinstance(outcome, exceptions.ConfigurationError):
+        logger.error(
+            "celery-pglock: %s", outcome, extra={"action": "lock_metrics_failed"}
+        )
+    elif outcome is not None:
+        logger.info(
+            "celery-pglock: serving /metrics on port %d (prometheus_client "
+            "multiprocess directory %s)",
+            outcome.port,
+            outcome.directory,
+            extra={"action": "lock_metrics_serving"},
+        )
 
 
 def _singleton_tasks(app: Any) -> list[Any]:
@@ -158,6 +197,7 @@ def _check_worker_config(sender: Any = None, **_: Any) -> None:
     except exceptions.ConfigurationError as error:
         logger.critical("celery-pglock: %s", error)
         raise SystemExit(f"celery-pglock: {error}") from error
+    start_metrics(app)
 
 
 def _report_at_ready(sender: Any = None, **_: Any) -> None:
@@ -215,3 +255,4 @@ def _release_everything(**_: Any) -> None:
         if lock.owned():
             _release_leftover(lock, "worker shutdown")
     db.dispose_all()
+    _metrics_server.stop()  # the main process's /metrics endpoint; no-op in children

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import sqlalchemy as sa
 
-from celery_pglock import SKIPPED, config
+from celery_pglock import LockSkipped, config
 from celery_pglock.testing import ServiceError, WorkerProcess, start_services
 
 if TYPE_CHECKING:
@@ -49,9 +49,9 @@ if TYPE_CHECKING:
     from celery.result import AsyncResult
 
 ROOT = Path(__file__).resolve().parent.parent
-#: States in which a task has ended. SKIPPED is not one of Celery's ready states, so
-#: ``AsyncResult.get()`` would block on a skipped task until its timeout: poll instead.
-ENDED = ("SUCCESS", SKIPPED, "FAILURE")
+#: How a task can end: it ran, it was skipped (FAILURE with LockSkipped, the default
+#: lock_skip_result), or it failed.
+ENDED = ("SUCCESS", "SKIPPED", "FAILURE")
 #: Seconds a configured service may take to answer (a container may still be starting).
 CONNECT_TIMEOUT = 20.0
 #: The design article's monitoring query, limited to this database.
@@ -204,7 +204,7 @@ def _demo(
             [
                 len(results[tenant]),
                 app.recorder.count(run, f"tenant-{tenant}"),
-                outcome[SKIPPED],
+                outcome["SKIPPED"],
                 outcome["FAILURE"],
                 overlaps[f"tenant-{tenant}"],
             ]
@@ -297,6 +297,8 @@ def _wait_until_ended(
         still = []
         for result in waiting:
             state = result.state
+            if state == "FAILURE" and isinstance(result.result, LockSkipped):
+                state = "SKIPPED"
             states[result.id] = state
             if state not in ENDED:
                 still.append(result)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -58,6 +59,9 @@ LEAKED_LOCKS_SQL = """
       AND a.application_name LIKE %s AND l.pid <> pg_backend_pid()
     ORDER BY l.pid
 """
+#: Set to 1 (CI) to fail, rather than deselect, PgBouncer tests without the binary.
+REQUIRE_PGBOUNCER_ENV = "CELERY_PGLOCK_REQUIRE_PGBOUNCER"
+_PGBOUNCER_NOTICE: list[str] = []
 #: "host:pid" inside a lock session's application_name (see db.process_tag()).
 PROCESS_TAG = re.compile(r"(\S+):(\d+)")
 
@@ -89,7 +93,9 @@ def pytest_configure(config: pytest.Config) -> None:
             os.environ[variable] = value
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
     for item in items:
         try:
             tier = item.path.resolve().relative_to(TESTS_DIR).parts[0]
@@ -97,6 +103,38 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             continue
         for marker in DIRECTORY_MARKERS.get(tier, ()):
             item.add_marker(marker)
+    _deselect_pgbouncer_tests_without_pgbouncer(config, items)
+
+
+def _deselect_pgbouncer_tests_without_pgbouncer(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    """Without the pgbouncer binary, deselect its tests, loudly; unless CI requires them.
+
+    PgBouncer is the one service the test session cannot bring itself (no wheel ships
+    it), and the test command must pass on a bare laptop. So its tests are deselected
+    there with a warning in the summary; CI installs the Debian package and sets
+    REQUIRE_PGBOUNCER_ENV=1, which turns a missing binary back into failures.
+    """
+    if shutil.which("pgbouncer") or os.path.exists("/usr/sbin/pgbouncer"):
+        return
+    if os.environ.get(REQUIRE_PGBOUNCER_ENV) == "1":
+        return  # the tests run, and fail naming the missing binary
+    needing = [item for item in items if item.get_closest_marker("pgbouncer")]
+    if not needing:
+        return
+    items[:] = [item for item in items if item not in needing]
+    config.hook.pytest_deselected(items=needing)
+    _PGBOUNCER_NOTICE.append(
+        f"{len(needing)} PgBouncer tests were NOT run: no pgbouncer binary on this "
+        f"machine (apt-get install pgbouncer to run them; CI sets "
+        f"{REQUIRE_PGBOUNCER_ENV}=1 and requires them)."
+    )
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for notice in _PGBOUNCER_NOTICE:
+        terminalreporter.write_sep("!", notice, yellow=True, bold=True)
 
 
 # -- services ---------------------------------------------------------------------------
