@@ -164,10 +164,11 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 scope=options.scope,
                 label=options.task_name,
             )
+            # A retry's run may find its predecessor still unwinding (it keeps its lock
+            # until Celery stored RETRY, see retry()): it waits for it, bounded.
+            waits = options.on_busy is OnBusy.WAIT or (request.retries and not direct)
             granted = lock.acquire(
-                timeout=options.wait_timeout
-                if options.on_busy is OnBusy.WAIT and not options.shadow
-                else None
+                timeout=options.wait_timeout if waits and not options.shadow else None
             )
             if not granted:
                 if options.shadow:
@@ -184,9 +185,9 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 body = super().__call__ if direct else self.run
                 retval = body(*args, **kwargs)
             except BaseException as exc:
-                self._finish(execution, lock, exc)
+                self._end(execution, lock, exc)
                 raise
-            self._finish(execution, lock, None)
+            self._end(execution, lock, None)
             return retval
         finally:
             context.end(token)
@@ -202,12 +203,16 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         max_retries: int | None = None,
         **options: Any,
     ) -> Any:
-        """Celery's retry, publishing the retry message only once the lock is released.
+        """Celery's retry, with this run's lock kept until Celery has stored RETRY.
 
-        The task_postrun hook publishes it, after the attempt has unwound, released its
-        lock and had its RETRY state stored. When Celery would not publish (a direct
-        call, no retries left) or the run is eager, this is Celery's retry unchanged and
-        the lock is kept. Why, and what it means for callers: docs/guide/retries.md.
+        The retry message is published at once, as Celery does, so a worker killed
+        after ``self.retry()`` loses no retry. This run then keeps its lock until the
+        task_postrun hook, after Celery has stored the attempt's RETRY state, and the
+        retry's run waits (up to ``lock_wait_timeout``) for it rather than being
+        skipped by its own predecessor. When Celery would not publish (a direct call,
+        no retries left) or the run is eager, the lock is released as usual, once the
+        body has handled the exception. Why, and what it means for callers:
+        docs/guide/retries.md.
         """
         retry_options = {
             "args": args, "kwargs": kwargs, "exc": exc, "eta": eta,
@@ -216,21 +221,15 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         execution = context.current_execution()
         lock = execution.lock if execution is not None else None
         if (
-            execution is None
-            or lock is None
-            or not lock.owned()
-            or execution.task_id is None  # a direct (or recursive) call: Celery decides
-            or self.request.is_eager
-            or not self._retry_publishes(max_retries)
+            execution is not None
+            and lock is not None
+            and lock.owned()
+            and execution.task_id is not None  # not a direct (or recursive) call
+            and not self.request.is_eager
+            and self._retry_publishes(max_retries)
         ):
-            return super().retry(throw=throw, **retry_options)
-        execution.deferred_retry = retry_options
-        retry = Retry(
-            exc=exc if isinstance(exc, Exception) else None, when=eta or countdown
-        )
-        if throw:
-            raise retry
-        return retry
+            execution.release_at_postrun = True
+        return super().retry(throw=throw, **retry_options)
 
     def _retry_publishes(self, max_retries: int | None) -> bool:
         """Are retries left, so that Celery's retry() will publish? (Its own check; the
@@ -374,7 +373,24 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         body = super().__call__ if execution.task_id is None else self.run
         return body(*args, **kwargs)
 
-    def _finish(
+    def _end(
+        self,
+        execution: context.Execution,
+        lock: AdvisoryLock,
+        exc: BaseException | None,
+    ) -> None:
+        """The body has ended: finish now, or at task_postrun if it published a retry.
+
+        A run that published a retry keeps its lock until Celery has stored its RETRY
+        state, so the retry's own outcome can never be overwritten by it; the
+        task_postrun hook then calls :meth:`finish`.
+        """
+        if execution.release_at_postrun:
+            execution.ended_with = exc
+            return
+        self.finish(execution, lock, exc)
+
+    def finish(
         self,
         execution: context.Execution,
         lock: AdvisoryLock,
@@ -382,9 +398,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     ) -> None:
         """Release ``lock`` (if still held) and report the outcome of the run.
 
-        A retry deferred by self.retry() is not published here but by the task_postrun
-        hook: after this release, and after Celery has stored the attempt's RETRY state,
-        so a fast retry attempt's own outcome (SUCCESS, SKIPPED) is never overwritten.
+        Internal: called when the body ends, or by the task_postrun hook (see _end).
         """
         task_id = execution.task_id
         release_error: exceptions.PgLockError | None = None
