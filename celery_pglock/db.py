@@ -349,6 +349,19 @@ def is_connect_failure(exc: BaseException | None) -> bool:
     )
 
 
+def is_transient(exc: BaseException | None) -> bool:
+    """True if ``exc`` says the database is unavailable for now, not that we are wrong:
+    a failed connect, a dead session, or insufficient resources (SQLSTATE 53xxx, such as
+    ``too_many_connections``)."""
+    if exc is None:
+        return False
+    return (
+        is_connect_failure(exc)
+        or is_disconnect(exc)
+        or (sqlstate(exc) or "").startswith("53")
+    )
+
+
 def sqlstate(exc: BaseException) -> str | None:
     """The SQLSTATE of a driver error (or one wrapped by SQLAlchemy), if any."""
     original = getattr(exc, "orig", exc)

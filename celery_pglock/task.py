@@ -26,7 +26,7 @@ Where things happen, and why there (each line is a bug in an existing library):
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import celery
 from celery import states
@@ -39,11 +39,12 @@ from celery_pglock import (
     _outcomes,
     config,
     context,
+    db,
     exceptions,
     keys,
     metrics,
 )
-from celery_pglock.config import LockScope, OnBusy, SkipResult
+from celery_pglock.config import LockScope, OnBusy, OnError, SkipResult
 from celery_pglock.lock import AdvisoryLock
 
 if TYPE_CHECKING:
@@ -93,6 +94,15 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     #: Shadow mode: try the lock and report every outcome, but always run the body.
     #: App: pglock_shadow.
     lock_shadow: ClassVar[bool | None] = None
+    #: When the lock database fails at acquire: retry (default; transient errors only)
+    #: or raise. App: pglock_on_error. The body never runs without its lock.
+    lock_on_error: ClassVar[OnError | str | None] = None
+    #: Re-queues for database errors before the run fails (default 5). App:
+    #: pglock_error_retries.
+    lock_error_retries: ClassVar[int | None] = None
+    #: Seconds before the first re-queue, doubled each time up to 300 (default 2). App:
+    #: pglock_error_backoff.
+    lock_error_backoff: ClassVar[float | None] = None
 
     _pglock: ClassVar[_binding.Guard | None] = None
 
@@ -167,9 +177,14 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             # A retry's run may find its predecessor still unwinding (it keeps its lock
             # until Celery stored RETRY, see retry()): it waits for it, bounded.
             waits = options.on_busy is OnBusy.WAIT or (request.retries and not direct)
-            granted = lock.acquire(
-                timeout=options.wait_timeout if waits and not options.shadow else None
-            )
+            try:
+                granted = lock.acquire(
+                    timeout=options.wait_timeout
+                    if waits and not options.shadow
+                    else None
+                )
+            except exceptions.DatabaseError as error:
+                return self._on_database_error(error, direct=direct)
             if not granted:
                 if options.shadow:
                     return self._run_shadowed(execution, lock, task_id, args, kwargs)
@@ -230,6 +245,29 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         ):
             execution.release_at_postrun = True
         return super().retry(throw=throw, **retry_options)
+
+    def _on_database_error(
+        self, error: exceptions.DatabaseError, *, direct: bool
+    ) -> NoReturn:
+        """The lock database failed at acquire: re-queue with backoff, or fail. Never
+        runs the body without its lock."""
+        options = self._guard().config
+        request = self.request
+        if (
+            direct
+            or request.is_eager
+            or options.on_error is OnError.RAISE
+            or not db.is_transient(error.__cause__)
+            or request.retries >= options.error_retries
+        ):
+            raise error
+        countdown = min(
+            options.error_backoff * 2**request.retries, config.MAX_ERROR_COUNTDOWN
+        )
+        _outcomes.database_error(self, request.id, error, countdown)
+        raise self.retry(
+            countdown=countdown, exc=error, max_retries=options.error_retries
+        )
 
     def _retry_publishes(self, max_retries: int | None) -> bool:
         """Are retries left, so that Celery's retry() will publish? (Its own check; the
