@@ -66,6 +66,11 @@ SAFE_OPTIONS = frozenset(
     }
 )
 
+#: Options whose names are shown but whose values are always masked. Any other name is
+#: masked too: an unknown name may be a piece of a password split at an unescaped "&".
+SECRET_OPTIONS = frozenset(
+    {"dsn", "options", "passfile", "password", "sslkey", "sslpassword"}
+)
 #: Characters of a component that is shown; anything else is masked.
 _SAFE_SCHEME = re.compile(r"[A-Za-z][\w+.\-]*")
 _SAFE_USER = re.compile(r"[\w.\-+@]+")  # '@' only from %40: see _ambiguous()
@@ -248,6 +253,7 @@ def _mask_options(items: Iterable[tuple[str, str]]) -> list[str]:
     shown = []
     for name, value in items:
         safe = name.lower() in SAFE_OPTIONS and _SAFE_VALUE.fullmatch(value)
-        label = name if _SAFE_NAME.fullmatch(name) else MASK
+        known = name.lower() in SAFE_OPTIONS or name.lower() in SECRET_OPTIONS
+        label = name if known and _SAFE_NAME.fullmatch(name) else MASK
         shown.append(f"{label}={quote(value, safe='/:,@') if safe else MASK}")
     return shown

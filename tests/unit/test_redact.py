@@ -48,7 +48,11 @@ HOSTILE_URLS = [
     ("postgresql://app@db/x?dsn=host%3Ddb%20password%3DLEAK", None),
     ("postgresql://app@db/x?options=-c%20app.token%3DLEAK", None),
     ("postgresql://app@db/x?sslmode=require;password=LEAK", None),
-    ("postgresql://app@db/x?mytoken=LEAK", "postgresql://app@db/x?mytoken=***"),
+    ("postgresql://app@db/x?mytoken=LEAK", "postgresql://app@db/x?***=***"),
+    (
+        "postgresql://app@db/x?password=a&LEAK=b",
+        "postgresql://app@db/x?password=***&***=***",
+    ),
     ("postgresql://app@db/x?p%40LEAK=1", None),
     (
         "postgresql:///x?host=/tmp&password=LEAK",
