@@ -93,8 +93,21 @@ def key_text(namespace: str, name: str, material: Json) -> str:
 
 def key_from_text(text: str) -> int:
     """Hash a key text to a signed 64-bit advisory key (step 3 of the module docstring)."""
-    digest = hashlib.sha256(text.encode("utf-8")).digest()
+    if len(text) <= _HASH_CHUNK:
+        digest = hashlib.sha256(text.encode("utf-8")).digest()
+    else:
+        # A huge key text is encoded a slice at a time, so hashing never allocates a
+        # second copy of it (UTF-8 is self-synchronising per code point, so the
+        # concatenated slices encode to the same bytes).
+        hasher = hashlib.sha256()
+        for start in range(0, len(text), _HASH_CHUNK):
+            hasher.update(text[start : start + _HASH_CHUNK].encode("utf-8"))
+        digest = hasher.digest()
     return int.from_bytes(digest[:8], "big", signed=True)
+
+
+#: Characters encoded per slice when hashing a long key text (at most 256 KiB of UTF-8).
+_HASH_CHUNK = 64 * 1024
 
 
 def make_key(
