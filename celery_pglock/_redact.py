@@ -132,10 +132,13 @@ def ambiguous_userinfo(url: str) -> bool:
 def secrets_of(url: sa.URL) -> list[str]:
     """The strings of a parsed URL that must never appear in text we log or raise."""
     found = [url.password] if isinstance(url.password, str) else []
-    for part in (url.username, url.host, url.database):
+    # An ambiguous split: what the parser took for the host, user or database holds
+    # the rest of a password (host "ss@db" from "app:p@ss@db": "ss" is secret, "db"
+    # is the real host and stays readable in "could not translate host name").
+    if url.host and "@" in url.host:
+        found.append(url.host.rpartition("@")[0])
+    for part in (url.username, url.database):
         if part and "@" in part:
-            # An ambiguous split: what the parser took for a user, host or database
-            # holds the rest of a password.
             found.extend(piece for piece in re.split(r"[@:/]", part) if piece)
     for name, value in url.query.items():
         if name.lower() not in SAFE_OPTIONS:

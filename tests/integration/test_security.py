@@ -240,3 +240,17 @@ def app_for_names(database_url, broker_url, result_backend_url, namespace):
     app.finalize(auto=True)
     yield app, app.tasks["names.by_email"]
     app.close()
+
+
+def test_testing_services_error_shows_no_password():
+    """celery_pglock.testing's "set but not reachable" error (pytest prints it) is clean."""
+    from celery_pglock.testing import ServiceError, services
+
+    url = f"postgresql+psycopg2://app:p@ss{MARKER}@127.0.0.1:5432/test"
+    with pytest.raises(ServiceError) as caught:
+        services._check_configured(
+            "CELERY_PGLOCK_TEST_DATABASE_URL", url, services.wait_for_postgres, 1.0
+        )
+    said = "".join(traceback.format_exception(caught.value))
+    assert "not reachable" in said
+    assert MARKER not in said
