@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Mapping
 from typing import TypeAlias
 
-from celery_pglock import exceptions
+from celery_pglock import _keystream, exceptions
 
 #: Bumped only with a migration note: a format change is a rolling-deploy hazard, since old
 #: and new workers would compute different keys for the same work and run it together.
@@ -93,27 +93,29 @@ def key_text(namespace: str, name: str, material: Json) -> str:
 
 def key_from_text(text: str) -> int:
     """Hash a key text to a signed 64-bit advisory key (step 3 of the module docstring)."""
-    if len(text) <= _HASH_CHUNK:
+    if len(text) <= _keystream.CHUNK:
         digest = hashlib.sha256(text.encode("utf-8")).digest()
     else:
         # A huge key text is encoded a slice at a time, so hashing never allocates a
         # second copy of it (UTF-8 is self-synchronising per code point, so the
         # concatenated slices encode to the same bytes).
         hasher = hashlib.sha256()
-        for start in range(0, len(text), _HASH_CHUNK):
-            hasher.update(text[start : start + _HASH_CHUNK].encode("utf-8"))
+        for start in range(0, len(text), _keystream.CHUNK):
+            hasher.update(text[start : start + _keystream.CHUNK].encode("utf-8"))
         digest = hasher.digest()
-    return int.from_bytes(digest[:8], "big", signed=True)
-
-
-#: Characters encoded per slice when hashing a long key text (at most 256 KiB of UTF-8).
-_HASH_CHUNK = 64 * 1024
+    return _key_from_digest(digest)
 
 
 def make_key(
     namespace: str, name: str, material: object = None, *, where: str = "key"
 ) -> LockKey:
     """Build the :class:`LockKey` for ``material`` under ``namespace`` and lock ``name``.
+
+    A key text longer than :data:`TEXT_MAX` characters is hashed as a stream, a slice at
+    a time, and never built: the key's ``text`` is then None (rebuild it with
+    ``key_text(namespace, name, canonical(material))`` if needed). So a 5 MB argument
+    costs no multi-megabyte copies, and a LockKey never holds megabytes of argument
+    values.
 
     Args:
         namespace: Separates applications that share one database.
@@ -124,8 +126,24 @@ def make_key(
     Raises:
         LockKeyError: ``material`` holds a value without a stable canonical form.
     """
-    text = key_text(namespace, name, canonical(material, where))
+    canonical_material = canonical(material, where)
+    if _keystream.longer_than(canonical_material, TEXT_MAX):
+        hasher = hashlib.sha256()
+        for piece in _keystream.encoded_pieces(
+            [KEY_FORMAT, namespace, name, canonical_material]
+        ):
+            hasher.update(piece)
+        return LockKey(name=name, ids=(_key_from_digest(hasher.digest()),))
+    text = key_text(namespace, name, canonical_material)
     return LockKey(name=name, ids=(key_from_text(text),), text=text)
+
+
+#: Longest key text kept in :attr:`LockKey.text` (characters); longer ones are streamed.
+TEXT_MAX = 64 * 1024
+
+
+def _key_from_digest(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "big", signed=True)
 
 
 def explicit_key(name: str, lock_id: object, *, where: str = "lock_id") -> LockKey:
