@@ -32,18 +32,18 @@ def longer_than(value: Json, limit: int) -> bool:
         item = stack.pop()
         if isinstance(item, str):
             budget -= len(item) + 2
-        elif isinstance(item, list):
-            budget -= len(item) + 1
-            stack.extend(item)
+        elif isinstance(item, int):  # bool too: bit_length() 1, a slight over-estimate
+            budget -= item.bit_length() // 3 + 2  # digits, rounded up, and a sign
         elif isinstance(item, dict):
             budget -= len(item) + 1
             for item_key, item_value in item.items():
                 budget -= len(item_key) + 3
                 stack.append(item_value)
-        elif isinstance(item, int) and not isinstance(item, bool):
-            budget -= item.bit_length() // 3 + 2  # digits, rounded up, and a sign
+        elif isinstance(item, list):
+            budget -= len(item) + 1
+            stack.extend(item)
         else:
-            budget -= 24  # a float's repr, or true/false/null
+            budget -= 24  # a float's repr, or null
         if budget < 0:
             return True
     return False
