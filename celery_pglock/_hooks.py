@@ -107,9 +107,14 @@ def _check_worker_config(sender: Any = None, **_: Any) -> None:
 
 
 def _after_task(task: Any = None, **_: Any) -> None:
-    execution = getattr(getattr(task, "request", None), "_pglock_execution", None)
+    request: Any = getattr(task, "request", None)
+    execution = getattr(request, "_pglock_execution", None)
     if execution is None:
         return
+    # Break the request <-> execution cycle now: it would keep the request, and with it
+    # the call's arguments, alive until the next garbage collection.
+    request._pglock_execution = None
+    execution.request = None
     lock = execution.lock
     if lock is not None and lock.owned():
         _release_leftover(lock, f"task_postrun of {execution.task_id}")

@@ -254,3 +254,45 @@ def test_testing_services_error_shows_no_password():
     said = "".join(traceback.format_exception(caught.value))
     assert "not reachable" in said
     assert MARKER not in said
+
+
+# -- arguments are freed with the run --------------------------------------------------------
+
+
+class Payload:
+    """A stand-in for a big argument; weakly referenceable, so the test can see it go."""
+
+
+def test_a_runs_arguments_are_freed_when_it_ends_without_waiting_for_gc(
+    database_url, broker_url, result_backend_url, namespace
+):
+    """The request <-> execution link is broken at task_postrun: otherwise the cycle kept
+    every call's arguments (a 5 MB string each) alive until a garbage collection, and a
+    pool child's heap grew by about 100 MiB over 20 such calls (glibc keeps the memory)."""
+    import gc
+    import weakref
+
+    app = Celery(
+        "freed", broker=broker_url, backend=result_backend_url, set_as_current=False
+    )
+    app.conf.pglock_database_url = database_url
+    app.conf.pglock_namespace = namespace
+
+    @app.task(
+        base=SingletonTask, name="freed.export", lock_args=("tenant",), shared=False
+    )
+    def export(tenant, payload):
+        return tenant
+
+    app.finalize(auto=True)
+    payload = Payload()
+    gone = weakref.ref(payload)
+    gc.collect()
+    gc.disable()
+    try:
+        assert 7 == app.tasks["freed.export"].apply(args=(7, payload)).get()
+        del payload
+        assert gone() is None
+    finally:
+        gc.enable()
+        app.close()
