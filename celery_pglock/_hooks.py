@@ -10,7 +10,9 @@ global, and the receivers work for any app). None of these is the normal release
   redelivery, an explicit task_id, a retry attempt) and must not release each other's
   lock. Releasing is idempotent. It also publishes a retry that ``self.retry()``
   deferred: this is the first moment after both the release and Celery's store of the
-  attempt's RETRY state.
+  attempt's RETRY state. Last, it cuts the request <-> execution link, so that the
+  request (and the call's arguments) is freed now rather than at the next garbage
+  collection.
 - ``task_revoked`` needs no hook: a task revoked before it starts holds nothing, and
   ``terminate=True`` kills the prefork child, whose session end frees the lock. (The
   signal fires in the worker's main process, and can fire twice, celery#3805.)
