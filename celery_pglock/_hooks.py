@@ -10,6 +10,8 @@ global, and the receivers work for any app). None of these is the normal release
   redelivery, an explicit task_id, a retry attempt) and must not release each other's
   lock. Releasing is idempotent. It is also where a run that published a retry
   releases its lock: the first moment after Celery stored the attempt's RETRY state.
+  Last, it cuts the request <-> execution link, so that the request (and the call's
+  arguments) is freed now rather than at the next garbage collection.
 - ``task_revoked`` needs no hook: a task revoked before it starts holds nothing, and
   ``terminate=True`` kills the prefork child, whose session end frees the lock. (The
   signal fires in the worker's main process, and can fire twice, celery#3805.)
@@ -206,9 +208,14 @@ def _report_at_ready(sender: Any = None, **_: Any) -> None:
 
 
 def _after_task(task: Any = None, **_: Any) -> None:
-    execution = getattr(getattr(task, "request", None), "_pglock_execution", None)
+    request: Any = getattr(task, "request", None)
+    execution = getattr(request, "_pglock_execution", None)
     if execution is None:
         return
+    # Break the request <-> execution cycle now: it would keep the request, and with it
+    # the call's arguments, alive until the next garbage collection.
+    request._pglock_execution = None
+    execution.request = None
     lock = execution.lock
     if execution.release_at_postrun and lock is not None:
         # The run published a retry; Celery has now stored its RETRY state.
