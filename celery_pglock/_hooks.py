@@ -19,7 +19,8 @@ global, and the receivers work for any app). None of these is the normal release
 - ``worker_init``: a missing or invalid database URL, or an unknown ``pglock_*`` setting,
   stops the worker at start with a message naming the setting and the environment
   variable, instead of failing every locked task later. (It exits: Celery logs and
-  swallows ordinary exceptions raised by signal receivers.)
+  swallows ordinary exceptions raised by signal receivers.) So does a lock database that
+  is a standby, or a pooler that breaks a task's lock scope (``_server.check_app``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 from celery import Task
 from celery import signals as celery_signals
 
-from celery_pglock import config, context, db, exceptions
+from celery_pglock import _server, config, context, db, exceptions
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ def _check_worker_config(sender: Any = None, **_: Any) -> None:
         return
     try:
         check_app(app)
+        _server.check_app(app)  # standby, pooling mode against the tasks' scopes
     except exceptions.ConfigurationError as error:
         logger.critical("celery-pglock: %s", error)
         raise SystemExit(f"celery-pglock: {error}") from error

@@ -164,7 +164,8 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
 
     ``app.conf.pglock_engine_options`` (a dict) is passed to ``sqlalchemy.create_engine``
     and wins over our defaults; ``pglock_server_keepalives = False`` drops the server-side
-    keepalive startup options (PgBouncer refuses unknown startup parameters).
+    keepalive startup options. A pooler that refuses them (PgBouncer) gets a second
+    connect without them (see ``_server.OptionsFallback``).
     """
     conf = conf or {}
     parsed = check_url(url)
@@ -195,6 +196,10 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
         "masked_url": mask_url(parsed),
     }
     event.listen(engine, "checkin", _unlock_leftovers)
+    if connect_args.get("options") == SERVER_KEEPALIVE_OPTIONS:
+        from celery_pglock import _server  # imports this module
+
+        _server.install_options_fallback(engine, _labels[engine]["masked_url"])
     return engine
 
 
