@@ -33,6 +33,7 @@ from celery_pglock.testing import (
     Services,
     WorkerProcess,
     _support,
+    pgbouncer,
     start_services,
 )
 
@@ -89,7 +90,9 @@ def pytest_configure(config: pytest.Config) -> None:
             os.environ[variable] = value
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
     for item in items:
         try:
             tier = item.path.resolve().relative_to(TESTS_DIR).parts[0]
@@ -97,6 +100,78 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             continue
         for marker in DIRECTORY_MARKERS.get(tier, ()):
             item.add_marker(marker)
+    _deselect_pgbouncer_tests(config, items)
+
+
+# -- PgBouncer (marker pgbouncer) -------------------------------------------------------
+#: Set by scripts/test.sh when no pgbouncer binary is installed: its tests are deselected,
+#: and the summary says so. Without it, a missing binary fails the session.
+SKIP_PGBOUNCER_ENV = "CELERY_PGLOCK_SKIP_PGBOUNCER"
+#: CI: a missing binary fails the session, whatever SKIP_PGBOUNCER_ENV says.
+REQUIRE_PGBOUNCER_ENV = "CELERY_PGLOCK_REQUIRE_PGBOUNCER"
+_pgbouncer_deselected: list[pytest.Item] = []
+
+
+def _deselect_pgbouncer_tests(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if (
+        os.environ.get(SKIP_PGBOUNCER_ENV) != "1"
+        or os.environ.get(REQUIRE_PGBOUNCER_ENV) == "1"
+    ):
+        return
+    kept = [item for item in items if item.get_closest_marker("pgbouncer") is None]
+    _pgbouncer_deselected[:] = [item for item in items if item not in kept]
+    if _pgbouncer_deselected:
+        config.hook.pytest_deselected(items=_pgbouncer_deselected)
+        items[:] = kept
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    required = os.environ.get(REQUIRE_PGBOUNCER_ENV) == "1"
+    wanted = any(item.get_closest_marker("pgbouncer") for item in session.items)
+    if (required or wanted) and pgbouncer.find_binary() is None:
+        raise pytest.UsageError(
+            "The PgBouncer tests (marker pgbouncer) need the pgbouncer binary: "
+            "apt-get install pgbouncer, or set CELERY_PGLOCK_PGBOUNCER to its path. "
+            + (
+                f"{REQUIRE_PGBOUNCER_ENV}=1 requires it."
+                if required
+                else f"To run without them, deselect them (-m 'not pgbouncer', or "
+                f"{SKIP_PGBOUNCER_ENV}=1 as scripts/test.sh sets when it is missing)."
+            )
+        )
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _pgbouncer_deselected:
+        terminalreporter.write_sep(
+            "!",
+            f"{len(_pgbouncer_deselected)} PgBouncer tests NOT RUN: pgbouncer is not "
+            f"installed ({SKIP_PGBOUNCER_ENV}=1)",
+            yellow=True,
+            bold=True,
+        )
+
+
+@pytest.fixture
+def pgbouncer_factory(
+    database_url: str,
+) -> Iterator[Callable[..., pgbouncer.PgBouncer]]:
+    """Start PgBouncers in front of the test database: ``pgbouncer_factory("transaction")``.
+
+    Keyword arguments are more ``[pgbouncer]`` settings. All are stopped at teardown.
+    """
+    started: list[pgbouncer.PgBouncer] = []
+
+    def start(pool_mode: str, **settings: str) -> pgbouncer.PgBouncer:
+        bouncer = pgbouncer.PgBouncer(
+            database_url, pool_mode=pool_mode, settings=settings
+        )
+        started.append(bouncer)
+        return bouncer.start()
+
+    yield start
+    for bouncer in reversed(started):
+        bouncer.stop()
 
 
 # -- services ---------------------------------------------------------------------------
