@@ -285,6 +285,11 @@ def _proxied(connection: Any, server_seen_port: int | None) -> bool | None:
 # -- per-engine check -------------------------------------------------------------------
 
 _facts: weakref.WeakKeyDictionary[sa.Engine, ServerFacts] = weakref.WeakKeyDictionary()
+#: Per engine: each scope's refusal message (None: allowed), so that check() is one
+#: dict lookup per acquire after the probe.
+_refusals: weakref.WeakKeyDictionary[sa.Engine, dict[LockScope, str | None]] = (
+    weakref.WeakKeyDictionary()
+)
 _probing = threading.Lock()
 
 
@@ -299,7 +304,9 @@ def facts_for(engine: sa.Engine) -> ServerFacts:
     with _probing:
         facts = _facts.get(engine)
         if facts is None:
-            facts = _facts[engine] = probe(engine)
+            facts = probe(engine)
+            _refusals[engine] = {scope: facts.refusal(scope) for scope in LockScope}
+            _facts[engine] = facts
             logger.debug(
                 "celery-pglock: lock database %s: PostgreSQL %s, standby=%s, pooling=%s",
                 facts.masked_url, facts.server_version, facts.is_standby,
@@ -309,18 +316,22 @@ def facts_for(engine: sa.Engine) -> ServerFacts:
         return facts
 
 
-def check(engine: sa.Engine, scope: LockScope | str) -> None:
+def check(engine: sa.Engine, scope: LockScope) -> None:
     """Refuse locks of ``scope`` on ``engine`` if its server cannot honour them.
 
     The first call per engine probes (see :func:`facts_for`); later ones are a dict
-    lookup.
+    lookup, so this may sit on the per-task path.
 
     Raises:
         ConfigurationError: a standby, or a pooling mode that breaks this scope; the
             message names the fix.
         DatabaseError: the probe could not reach the database.
     """
-    message = facts_for(engine).refusal(scope)
+    refusals = _refusals.get(engine)
+    if refusals is None:
+        facts_for(engine)
+        refusals = _refusals[engine]
+    message = refusals[scope]
     if message is not None:
         raise exceptions.ConfigurationError(message)
 
