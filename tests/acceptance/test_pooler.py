@@ -30,7 +30,6 @@ SENT = 90
 @pytest.fixture(scope="module")
 def pooler_app(services):
     """The pooler app in this process (it only sends tasks), on this module's queue."""
-    os.environ["PGLOCK_TEST_QUEUE"] = QUEUE
     module = importlib.import_module(APP)
     module.app.conf.task_default_queue = QUEUE
     module.recorder.setup()
