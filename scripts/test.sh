@@ -28,8 +28,8 @@ fi
 
 # -- PgBouncer tests (marker pgbouncer) need the pgbouncer binary (apt-get install pgbouncer).
 # Without it they are deselected, loudly; CELERY_PGLOCK_REQUIRE_PGBOUNCER=1 (CI) fails instead.
-if [ -z "${CELERY_PGLOCK_PGBOUNCER:-}" ] && ! command -v pgbouncer >/dev/null \
-  && [ ! -x /usr/sbin/pgbouncer ] && [ "${CELERY_PGLOCK_REQUIRE_PGBOUNCER:-0}" != 1 ]; then
+if [ "${CELERY_PGLOCK_REQUIRE_PGBOUNCER:-0}" != 1 ] && ! .venv/bin/python -c \
+  'from celery_pglock.testing import pgbouncer; raise SystemExit(not pgbouncer.find_binary())'; then
   echo "!! pgbouncer not found: the PgBouncer tests are NOT RUN (apt-get install pgbouncer)" >&2
   export CELERY_PGLOCK_SKIP_PGBOUNCER=1
 fi

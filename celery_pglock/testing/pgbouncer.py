@@ -51,10 +51,13 @@ PORT_ATTEMPTS = 3
 
 
 def find_binary() -> Path | None:
-    """The pgbouncer binary: ``$CELERY_PGLOCK_PGBOUNCER``, PATH, then the sbin dirs."""
+    """The pgbouncer binary: ``$CELERY_PGLOCK_PGBOUNCER``, PATH, then the sbin dirs.
+
+    None if there is none, or if the variable names something that cannot run.
+    """
     configured = os.environ.get(BINARY_ENV)
     if configured:
-        return Path(configured)
+        return Path(configured) if os.access(configured, os.X_OK) else None
     found = shutil.which("pgbouncer")
     if found:
         return Path(found)
