@@ -6,7 +6,7 @@ Tasks (all bodies trivial, so that what is measured is the per-task machinery):
 - ``bench.locked_per_arg(i)``: SingletonTask, ``lock_args=("i",)``, session scope. Called
   with distinct ``i``, so no two runs contend: pure lock overhead (the 0.95x target).
 - ``bench.locked_fixed()``: SingletonTask with one key for the task: every run contends;
-  the loser of a race is skipped (state IGNORED in Celery's trace).
+  the loser of a race is skipped (FAILURE with LockSkipped in Celery's trace).
 - ``bench.locked_xact(i)``: like ``locked_per_arg`` in transaction scope.
 - ``bench.plain_results(i)`` / ``bench.locked_results(i)``: the plain and per-argument
   tasks with their results stored in the result backend.
@@ -168,14 +168,22 @@ def _on_prerun(task_id: str | None = None, **_: Any) -> None:
         _starts[task_id] = time.monotonic_ns()
 
 
-def _on_postrun(task_id: str | None = None, state: str | None = None, **_: Any) -> None:
+def _on_postrun(
+    task_id: str | None = None,
+    state: str | None = None,
+    retval: Any = None,
+    **_: Any,
+) -> None:
     end = time.monotonic_ns()
     start = _starts.pop(task_id, end) if task_id is not None else end
+    # A skip: FAILURE with LockSkipped (the default lock_skip_result), IGNORED before.
+    # By name: this module must not import celery_pglock (see the module docstring).
+    skipped = state == "IGNORED" or type(retval).__name__ == "LockSkipped"
     outcome = (
         OUTCOME_SUCCESS
         if state == "SUCCESS"
         else OUTCOME_IGNORED
-        if state == "IGNORED"
+        if skipped
         else OUTCOME_OTHER
     )
     # O_APPEND + one write of 24 bytes: atomic, so threads of one process may share it.

@@ -6,8 +6,8 @@
 
 from __future__ import annotations
 
-from celery_pglock import signals
-from celery_pglock.config import LockConfig, LockScope, OnBusy
+from celery_pglock import metrics, signals
+from celery_pglock.config import LockConfig, LockScope, OnBusy, SkipResult
 from celery_pglock.context import current_lock
 from celery_pglock.exceptions import (
     ConfigurationError,
@@ -17,11 +17,12 @@ from celery_pglock.exceptions import (
     LockKeyError,
     LockLostError,
     LockNotOwnedError,
+    LockSkipped,
     PgLockError,
 )
 from celery_pglock.keys import KEY_FORMAT, LockKey, make_key
 from celery_pglock.lock import AdvisoryLock
-from celery_pglock.task import SKIPPED, SingletonTask
+from celery_pglock.task import SKIPPED, SingletonTask, skip_info
 
 __all__ = [
     "KEY_FORMAT",
@@ -37,10 +38,14 @@ __all__ = [
     "LockLostError",
     "LockNotOwnedError",
     "LockScope",
+    "LockSkipped",
     "OnBusy",
     "PgLockError",
     "SingletonTask",
+    "SkipResult",
     "current_lock",
     "make_key",
+    "metrics",
     "signals",
+    "skip_info",
 ]

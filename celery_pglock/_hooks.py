@@ -20,7 +20,18 @@ global, and the receivers work for any app). None of these is the normal release
   stops the worker at start with a message naming the setting and the environment
   variable, instead of failing every locked task later. (It exits: Celery logs and
   swallows ordinary exceptions raised by signal receivers.) So does a lock database that
-  is a standby, or a pooler that breaks a task's lock scope (``_server.check_app``).
+  is a standby, or a pooler that breaks a task's lock scope (``_server.check_app``;
+  an unreachable database is left to ``worker_ready``). It also starts the
+  /metrics endpoint when ``pglock_metrics_port`` is set: in the main process, before the
+  pool forks, so children inherit its multiprocess directory. Worker shutdown stops it.
+- ``worker_ready``: connects once to the lock database and logs the lock configuration
+  (``lock_config``), or an ERROR naming the masked URL and what to check
+  (``lock_database_unreachable``). Not from ``worker_init``: Celery configures logging
+  after that signal, so records sent there are lost. An unreachable database does not
+  stop the worker: it may be a moment's outage (a failover, a deploy in the wrong
+  order), other tasks of the worker may not need it, and a supervisor restarting a
+  refusing worker in a loop helps no one; every SingletonTask then fails with
+  DatabaseError until the database answers, as it would after a later outage.
 """
 
 from __future__ import annotations
@@ -32,7 +43,15 @@ from typing import Any
 from celery import Task
 from celery import signals as celery_signals
 
-from celery_pglock import _server, config, context, db, exceptions
+from celery_pglock import (
+    _metrics_server,
+    _server,
+    config,
+    context,
+    db,
+    exceptions,
+    metrics,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +61,8 @@ _SHUTDOWN_SIGNALS = {
 }
 _connected = False
 _connect_guard = threading.Lock()
+#: What start_metrics() did, for report_lock_database() to log once logging is set up.
+_metrics_outcome: _metrics_server.Server | exceptions.ConfigurationError | None = None
 
 
 def connect() -> None:
@@ -52,6 +73,9 @@ def connect() -> None:
             return
         celery_signals.worker_init.connect(
             _check_worker_config, weak=False, dispatch_uid="celery_pglock.worker_init"
+        )
+        celery_signals.worker_ready.connect(
+            _report_at_ready, weak=False, dispatch_uid="celery_pglock.worker_ready"
         )
         celery_signals.task_postrun.connect(
             _after_task, weak=False, dispatch_uid="celery_pglock.task_postrun"
@@ -68,6 +92,9 @@ def disconnect() -> None:
     global _connected
     with _connect_guard:
         celery_signals.worker_init.disconnect(dispatch_uid="celery_pglock.worker_init")
+        celery_signals.worker_ready.disconnect(
+            dispatch_uid="celery_pglock.worker_ready"
+        )
         celery_signals.task_postrun.disconnect(
             dispatch_uid="celery_pglock.task_postrun"
         )
@@ -82,18 +109,93 @@ def check_app(app: Any) -> None:
     Raises:
         ConfigurationError: naming the setting (and environment variable) at fault.
     """
-    from celery_pglock.task import SingletonTask
-
-    if not any(isinstance(task, SingletonTask) for task in app.tasks.values()):
+    if not _singleton_tasks(app):
         return
     config.check_unknown_settings(app.conf)
-    url = config.database_url(app.conf)
-    db.check_url(url)
+    db.check_url(config.database_url(app.conf))
+    metrics.from_conf(app.conf)
+
+
+def report_lock_database(app: Any) -> None:
+    """Connect once to the lock database of ``app``; log the configuration or an ERROR.
+
+    Does nothing for an app without SingletonTasks. Never raises: see the module
+    docstring for why an unreachable database does not stop the worker.
+    """
+    tasks = _singleton_tasks(app)
+    if not tasks:
+        return
+    try:
+        url = db.mask_url(config.database_url(app.conf))
+        version = db.probe(app.conf)
+    except exceptions.PgLockError as error:
+        logger.error(
+            "celery-pglock: the lock database is unreachable at worker start: %s "
+            "SingletonTasks cannot take their locks, and fail with DatabaseError, until "
+            "it answers. Check that PostgreSQL runs and accepts connections from this "
+            "host, and the URL in app.conf.%s or %s.",
+            " ".join(str(error).split()),
+            config.DATABASE_URL_SETTING,
+            config.DATABASE_URL_ENV,
+            extra={"action": "lock_database_unreachable", "database": url},
+        )
+        _report_metrics()
+        return
+    settings = {
+        name: app.conf.get(name)
+        for name in config.KNOWN_SETTINGS
+        if name != config.DATABASE_URL_SETTING and app.conf.get(name) is not None
+    }
+    if "pglock_engine_options" in settings:  # may carry credentials: names only
+        settings["pglock_engine_options"] = sorted(settings["pglock_engine_options"])
+    described = ", ".join(f"{name}={value!r}" for name, value in settings.items())
     logger.info(
-        "celery-pglock: lock database %s",
-        db.mask_url(url),
-        extra={"action": "lock_config"},
+        "celery-pglock: lock database %s (PostgreSQL %s), %d SingletonTasks, settings %s",
+        url,
+        version,
+        len(tasks),
+        described or "default",
+        extra={"action": "lock_config", "database": url},
     )
+    _report_metrics()
+
+
+def start_metrics(app: Any) -> None:
+    """Serve /metrics when ``pglock_metrics_port`` is set (worker_init: before the fork).
+
+    The outcome is logged at worker_ready by :func:`report_lock_database`, once logging is
+    configured. A failure is not worth refusing to run the tasks for: it is reported, and
+    the worker goes on without metrics.
+    """
+    global _metrics_outcome
+    if not _singleton_tasks(app):
+        return
+    try:
+        _metrics_outcome = _metrics_server.serve(app.conf)
+    except exceptions.ConfigurationError as error:
+        _metrics_outcome = error
+
+
+def _report_metrics() -> None:
+    outcome = _metrics_outcome
+    if isinstance(outcome, exceptions.ConfigurationError):
+        logger.error(
+            "celery-pglock: %s", outcome, extra={"action": "lock_metrics_failed"}
+        )
+    elif outcome is not None:
+        logger.info(
+            "celery-pglock: serving /metrics on port %d (prometheus_client "
+            "multiprocess directory %s)",
+            outcome.port,
+            outcome.directory,
+            extra={"action": "lock_metrics_serving"},
+        )
+
+
+def _singleton_tasks(app: Any) -> list[Any]:
+    from celery_pglock.task import SingletonTask
+
+    return [task for task in app.tasks.values() if isinstance(task, SingletonTask)]
 
 
 def _check_worker_config(sender: Any = None, **_: Any) -> None:
@@ -106,6 +208,13 @@ def _check_worker_config(sender: Any = None, **_: Any) -> None:
     except exceptions.ConfigurationError as error:
         logger.critical("celery-pglock: %s", error)
         raise SystemExit(f"celery-pglock: {error}") from error
+    start_metrics(app)
+
+
+def _report_at_ready(sender: Any = None, **_: Any) -> None:
+    app = getattr(sender, "app", None)
+    if app is not None:
+        report_lock_database(app)
 
 
 def _after_task(task: Any = None, **_: Any) -> None:
@@ -157,3 +266,4 @@ def _release_everything(**_: Any) -> None:
         if lock.owned():
             _release_leftover(lock, "worker shutdown")
     db.dispose_all()
+    _metrics_server.stop()  # the main process's /metrics endpoint; no-op in children

@@ -340,7 +340,8 @@ def check_app(app: Any) -> None:
     """Worker start: refuse a lock database that no SingletonTask of ``app`` can use.
 
     Probes with a temporary engine (the worker's own engines are made after the fork).
-    An unreachable database is only logged: each process checks again at its first lock.
+    An unreachable database does not stop the worker: each process checks again at its
+    first lock.
 
     Raises:
         ConfigurationError: a standby, or a pooling mode that breaks the scope of some
@@ -357,13 +358,9 @@ def check_app(app: Any) -> None:
     url = config.database_url(app.conf)
     try:
         facts = probe(url, app.conf)
-    except exceptions.DatabaseError as error:
-        logger.warning(
-            "celery-pglock: could not check the lock database at worker start (%s); "
-            "each worker process checks it at its first lock",
-            error,
-            extra={"action": "lock_server_probe_failed"},
-        )
+    except exceptions.DatabaseError:
+        # Reported at worker_ready (logging is not set up yet in worker_init); each
+        # process probes again at its first lock.
         return
     for scope, names in scopes.items():
         message = facts.refusal(scope)

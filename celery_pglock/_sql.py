@@ -79,6 +79,18 @@ IS_LOCKED = (
     "AND classid = %s::oid AND objid = %s::oid AND objsubid = %s::smallint AND granted)"
 )
 
+#: Who holds a key: the granted holder's backend pid and application_name (celery-pglock
+#: sessions show ``<prefix> <host>:<pid> <key> <task name>`` there). Run only on the skip
+#: path. Params: classid, objid, objsubid as unsigned OIDs (see LockKey.pg_locks_ids).
+HOLDER = (
+    "SELECT l.pid, a.application_name FROM pg_locks l "
+    "LEFT JOIN pg_stat_activity a ON a.pid = l.pid "
+    "WHERE l.locktype = 'advisory' "
+    "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "AND l.classid = %s::oid AND l.objid = %s::oid AND l.objsubid = %s::smallint "
+    "AND l.granted LIMIT 1"
+)
+
 #: SQLSTATEs that mean "the lock was not granted in time", not "the database failed".
 LOCK_NOT_AVAILABLE = "55P03"
 QUERY_CANCELED = "57014"

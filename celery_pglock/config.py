@@ -29,10 +29,27 @@ DATABASE_URL_SETTING = "pglock_database_url"
 class OnBusy(str, enum.Enum):
     """What a SingletonTask does when its lock is already held."""
 
-    SKIP = "skip"  #: Do not run the body; the result state is SKIPPED.
+    SKIP = "skip"  #: Do not run the body; the run ends as lock_skip_result says.
     RAISE = "raise"  #: Raise LockBusy; the task fails.
     RETRY = "retry"  #: Re-queue with Celery's retry after lock_retry_delay seconds.
     WAIT = "wait"  #: Block at most lock_wait_timeout seconds, then raise LockBusy.
+
+
+class SkipResult(str, enum.Enum):
+    """How a run skipped by ``lock_on_busy='skip'`` ends for its caller and for monitors.
+
+    See docs/guide/skipped-results.md for the effect on chains, groups and chords.
+    """
+
+    #: FAILURE with ``LockSkipped`` (listed in the task's ``throws``): ready at once,
+    #: ``get()`` raises it, a task-failed event, chains and chords end. The default.
+    FAILURE = "failure"
+    #: SUCCESS with a skip record (a dict) as the value: ready at once, ``get()`` returns
+    #: it, a task-succeeded event; link callbacks and the rest of a chain do not run.
+    SUCCESS = "success"
+    #: The state SKIPPED (not a Celery ready state: ``get()`` waits until its timeout, no
+    #: terminal event). What celery-pglock did before 0.2.
+    SKIPPED = "skipped"
 
 
 class LockScope(str, enum.Enum):
@@ -51,6 +68,8 @@ APP_SETTINGS = {
     "lock_scope": "pglock_scope",
     "lock_retry_delay": "pglock_retry_delay",
     "lock_wait_timeout": "pglock_wait_timeout",
+    "lock_skip_result": "pglock_skip_result",
+    "lock_shadow": "pglock_shadow",
 }
 #: Options that only make sense per task.
 TASK_ONLY_OPTIONS = ("lock_args", "lock_key", "lock_id", "lock_name")
@@ -62,7 +81,9 @@ DATABASE_SETTINGS = (
     "pglock_application_name",
     "pglock_server_keepalives",
 )
-KNOWN_SETTINGS = (*APP_SETTINGS.values(), *DATABASE_SETTINGS)
+#: Settings read by the metrics layer (metrics.py), validated by metrics.from_conf().
+METRICS_SETTINGS = ("pglock_metrics", "pglock_metrics_port", "pglock_metrics_address")
+KNOWN_SETTINGS = (*APP_SETTINGS.values(), *DATABASE_SETTINGS, *METRICS_SETTINGS)
 
 #: Per-task option names of the Redis-based peers, refused on a SingletonTask. Left in
 #: place after a migration they would do nothing, and a task keyed per tenant through them
@@ -100,6 +121,10 @@ class LockConfig:
     wait_timeout: float = (
         DEFAULT_WAIT_TIMEOUT  #: Seconds a WAIT may block (server-side).
     )
+    #: How a skipped run ends (on_busy=skip only).
+    skip_result: SkipResult = SkipResult.FAILURE
+    #: Shadow mode: try the lock and report every outcome, but always run the body.
+    shadow: bool = False
     lock_args: tuple[str, ...] = ()  #: Parameter names whose values form the key.
     lock_key: Callable[..., object] | None = None  #: Custom key-material function.
     fixed_key: keys.LockKey | None = None  #: The key when it never varies per call.
@@ -223,6 +248,22 @@ def resolve(
         task_name, *option("lock_wait_timeout", DEFAULT_WAIT_TIMEOUT)
     )
 
+    skip_result = _choice(
+        task_name, *option("lock_skip_result", SkipResult.FAILURE), SkipResult
+    )
+    source, shadow = option("lock_shadow", False)
+    if not isinstance(shadow, bool):
+        raise _fail(task_name, source, shadow, "True or False")
+    if shadow and scope is LockScope.TRANSACTION:
+        raise _fail(
+            task_name,
+            source,
+            shadow,
+            "False with lock_scope='transaction' (a shadowed run that finds the lock "
+            "busy has no lock transaction to lend its body; shadow with "
+            "lock_scope='session', then switch)",
+        )
+
     given = [
         name for name in ("lock_args", "lock_key", "lock_id") if name in attributes
     ]
@@ -255,6 +296,8 @@ def resolve(
         scope=scope,
         retry_delay=retry_delay,
         wait_timeout=wait_timeout,
+        skip_result=skip_result,
+        shadow=shadow,
         lock_args=lock_args,
         lock_key=lock_key,
         fixed_key=fixed_key,

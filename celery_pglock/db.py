@@ -55,6 +55,8 @@ CLIENT_KEEPALIVES: dict[str, Any] = {
     "keepalives_count": 3,
 }
 SUPPORTED_DRIVERS = ("psycopg2",)
+#: Seconds the start-up probe (:func:`probe`) may spend connecting.
+PROBE_CONNECT_TIMEOUT = 10
 
 _engines: dict[str, sa.Engine] = {}
 _labels: weakref.WeakKeyDictionary[sa.Engine, dict[str, str]] = (
@@ -169,6 +171,29 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
     """
     conf = conf or {}
     parsed = check_url(url)
+    options = _engine_options(conf)
+    engine = sa.create_engine(parsed, **options)
+    _labels[engine] = {
+        "application_name_prefix": str(
+            conf.get("pglock_application_name") or DEFAULT_APPLICATION_NAME
+        ),
+        "masked_url": mask_url(parsed),
+    }
+    event.listen(engine, "checkin", _unlock_leftovers)
+    _drop_options_if_refused(engine, options)
+    return engine
+
+
+def _drop_options_if_refused(engine: sa.Engine, options: Mapping[str, Any]) -> None:
+    """Let ``engine`` connect without our keepalive ``options`` where a pooler refuses them."""
+    if options["connect_args"].get("options") == SERVER_KEEPALIVE_OPTIONS:
+        from celery_pglock import _server  # imports this module
+
+        _server.install_options_fallback(engine, mask_url(engine.url))
+
+
+def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
+    """``sqlalchemy.create_engine`` keywords for a lock engine of ``conf``."""
     prefix = str(conf.get("pglock_application_name") or DEFAULT_APPLICATION_NAME)
     connect_args: dict[str, Any] = {
         **CLIENT_KEEPALIVES,
@@ -190,17 +215,45 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
         # connects. (A custom poolclass, e.g. NullPool, may not take these arguments.)
         options.update(pool_size=10, max_overflow=20)
     options.update(extra)
-    engine = sa.create_engine(parsed, **options)
-    _labels[engine] = {
-        "application_name_prefix": prefix,
-        "masked_url": mask_url(parsed),
-    }
-    event.listen(engine, "checkin", _unlock_leftovers)
-    if connect_args.get("options") == SERVER_KEEPALIVE_OPTIONS:
-        from celery_pglock import _server  # imports this module
+    return options
 
-        _server.install_options_fallback(engine, _labels[engine]["masked_url"])
-    return engine
+
+def probe(conf: Mapping[str, Any]) -> str:
+    """Connect once to the lock database of ``conf`` and return its ``server_version``.
+
+    The connection is made as lock connections are (same connect arguments, so a
+    PgBouncer setup is probed as it is used), but on a throwaway engine without a pool:
+    a worker's main process runs this before or between forks, and must leave no socket
+    behind for its children to inherit. libpq waits for a silent host as long as the
+    kernel lets it, so the probe bounds its connect to :data:`PROBE_CONNECT_TIMEOUT`
+    seconds unless ``pglock_engine_options`` sets ``connect_timeout``.
+
+    Raises:
+        ConfigurationError: no database URL, or an invalid one.
+        DatabaseError: the connection or the query failed (masked URL in the message).
+    """
+    parsed = check_url(config.database_url(conf))
+    options = _engine_options(conf)
+    for pool_only in ("pool_size", "max_overflow", "pool_recycle", "pool_timeout"):
+        options.pop(pool_only, None)
+    options["poolclass"] = sa.NullPool
+    options["connect_args"].setdefault("connect_timeout", PROBE_CONNECT_TIMEOUT)
+    engine = sa.create_engine(parsed, **options)
+    _drop_options_if_refused(engine, options)
+    try:
+        # raw_connection(): the driver's own error text, without SQLAlchemy's wrapping.
+        with wrap_db_errors("connect to the lock database", engine):
+            connection: Any = engine.raw_connection()
+            try:
+                with connection.cursor() as cursor:
+                    cursor.execute("SHOW server_version")
+                    (version,) = cursor.fetchone()
+            finally:
+                connection.close()
+    finally:
+        engine.dispose()
+    # Distribution builds append their own text: "15.14 (Ubuntu 15.14-1.pgdg22.04+1)".
+    return str(version).split()[0]
 
 
 def engine_info(engine: sa.Engine) -> dict[str, str]:
@@ -289,6 +342,22 @@ def is_disconnect(exc: BaseException | None) -> bool:
     # No SQLSTATE: the socket died. 08xxx: connection exceptions. 57P0x: the server is
     # shutting down or terminated this backend (admin shutdown, crash, restart).
     return code is None or code.startswith(("08", "57P0"))
+
+
+def is_connect_failure(exc: BaseException | None) -> bool:
+    """True if ``exc`` is a failure to open a new connection (refused, unknown host,
+    authentication): there was no pooled session, so there is no dead one to replace.
+
+    psycopg2 attaches the cursor to every error a statement raises; an OperationalError
+    without one comes from connecting.
+    """
+    import psycopg2  # the only supported driver; imported here to keep import cheap
+
+    original = getattr(exc, "orig", exc)
+    return (
+        isinstance(original, psycopg2.OperationalError)
+        and getattr(original, "cursor", None) is None
+    )
 
 
 def sqlstate(exc: BaseException) -> str | None:

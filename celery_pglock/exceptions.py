@@ -10,6 +10,8 @@ This module is a leaf: it imports nothing from the package, to avoid import loop
     ├── DatabaseError            any SQLAlchemy/driver failure; the original is __cause__
     └── LockError                .key and .name on every instance
         ├── LockBusy             busy lock, or a bounded wait that timed out
+        │   └── LockSkipped      a run skipped because its lock was held (a result,
+        │                        not an error: listed in the task's ``throws``)
         ├── LockNotOwnedError    release of a lock this connection does not hold
         └── LockLostError             the lock ended before the protected work did
 
@@ -20,7 +22,10 @@ with an exception class that could not be rebuilt).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 
 class PgLockError(Exception):
@@ -80,6 +85,42 @@ def _rebuild_lock_error(
 
 class LockBusy(LockError):  # noqa: N818 - the public name users asked for
     """The lock is held by another holder."""
+
+
+class LockSkipped(LockBusy):
+    """The run did not execute its body because another run held its lock.
+
+    This is how a skipped run ends by default (``lock_skip_result='failure'``): the
+    result is FAILURE with this exception, which SingletonTask lists in the task's
+    ``throws``, so Celery logs it at INFO without a traceback and error trackers such as
+    Sentry ignore it. ``details`` is plain data (it survives JSON result backends, which
+    rebuild an exception from its ``args`` only): ``reason``, ``task``, ``lock``, ``key``,
+    ``policy`` and, when PostgreSQL could say, ``holder`` (``host:pid`` of the holding
+    worker process), ``holder_pid`` (its backend pid) and ``holder_task`` (its task name).
+    Never argument values.
+    """
+
+    def __init__(
+        self, message: str | None = None, details: Mapping[str, Any] | None = None
+    ) -> None:
+        info = dict(details or {})
+        super().__init__(message, key=info.get("key"), name=info.get("lock"))
+        #: The skip as plain data (see the class docstring).
+        self.details = info
+        self.args = (self.message, info)
+
+    @property
+    def holder(self) -> str | None:
+        """``host:pid`` of the worker process that held the lock, if known."""
+        value = self.details.get("holder")
+        return None if value is None else str(value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.message, self.details))
+
+    def __repr__(self) -> str:
+        # Celery logs and sends repr(exc) in the task-failed event: keep it one sentence.
+        return f"{type(self).__name__}({self.message!r})"
 
 
 class LockNotOwnedError(LockError):

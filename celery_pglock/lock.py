@@ -135,7 +135,9 @@ class AdvisoryLock:
         try:
             granted = self._do_acquire(timeout_ms)
         except exceptions.DatabaseError as error:
-            if not db.is_disconnect(error.__cause__):
+            # A failed connect had no pooled session to lose: nothing to replace.
+            cause = error.__cause__
+            if not db.is_disconnect(cause) or db.is_connect_failure(cause):
                 raise
             # The pooled session was already dead (server restart, failover, idle
             # timeout, cut network), so it held nothing. Its idle siblings are likely

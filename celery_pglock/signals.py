@@ -15,7 +15,9 @@ Per signal, in addition:
 - :data:`lock_acquired` - the body is about to run under the lock.
 - :data:`lock_skipped` - the body did not run because the lock was held. ``action`` is the
   ``lock_on_busy`` policy applied (``"skip"``, ``"raise"``, ``"retry"`` or ``"wait"``, the
-  last meaning a bounded wait timed out).
+  last meaning a bounded wait timed out); ``holder`` is ``host:pid`` of the worker process
+  holding the lock (None if unknown); ``shadow`` is True in shadow mode, where the body
+  runs anyway (a would-be skip).
 - :data:`lock_completed` - the body returned; ``held_seconds``, ``state`` = ``"SUCCESS"``.
 - :data:`lock_failed` - the body raised; ``held_seconds``, ``state`` (``"FAILURE"``,
   ``"RETRY"``, ``"IGNORED"`` or ``"REJECTED"``) and ``exception``.
@@ -25,6 +27,9 @@ Per signal, in addition:
 
 A skipped run is not a success: exporters should count ``lock_skipped`` on its own, and
 repeated skips usually mean the work is slower than its schedule.
+
+These signals, the log records and the metrics (:mod:`celery_pglock.metrics`) are all fed
+from one place, ``celery_pglock._outcomes``, one event per outcome.
 
 Receivers run synchronously on the task's hot path, so keep them cheap. Like all Celery
 signals, an exception in a receiver is logged and swallowed; it never affects the task.

@@ -14,8 +14,13 @@ Where things happen, and why there (each line is a bug in an existing library):
   and PostgreSQL frees the lock.
 - ``self.retry()`` publishes the retry message only after the attempt has released its
   lock, so the retry never meets its own predecessor's lock (docs/guide/retries.md).
-- A skipped run never runs its body and is not a success: its state is SKIPPED and
-  ``Ignore`` keeps Celery from storing SUCCESS or running chain callbacks.
+- A skipped run never runs its body and ends at once for its caller, as
+  ``lock_skip_result`` says: by default FAILURE with ``LockSkipped`` (listed in the
+  task's ``throws``: logged at INFO without a traceback, ignored by error trackers), so
+  ``get()`` returns, monitors get a terminal event and chains and chords end. See
+  docs/guide/skipped-results.md for the alternatives and their effect on canvases.
+- Outcomes are reported (signals, log, metrics) by ``_outcomes.py``; this module only
+  decides them.
 """
 
 from __future__ import annotations
@@ -29,15 +34,16 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from celery_pglock import (
     _binding,
+    _holder,
     _hooks,
+    _outcomes,
     config,
     context,
-    db,
     exceptions,
     keys,
-    signals,
+    metrics,
 )
-from celery_pglock.config import LockScope, OnBusy
+from celery_pglock.config import LockScope, OnBusy, SkipResult
 from celery_pglock.lock import AdvisoryLock
 
 if TYPE_CHECKING:
@@ -46,8 +52,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: The result state of a run that did not execute because its lock was held.
+#: The result state of a skipped run under ``lock_skip_result='skipped'``.
 SKIPPED = "SKIPPED"
+#: The key marking a skip record (the result value under ``lock_skip_result='success'``).
+SKIP_MARKER = "celery_pglock"
 
 
 class SingletonTask(celery.Task):  # type: ignore[type-arg]
@@ -79,6 +87,12 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     #: Longest lock_on_busy='wait' wait, enforced server-side (default 10). App:
     #: pglock_wait_timeout.
     lock_wait_timeout: ClassVar[float | None] = None
+    #: How a skipped run ends: failure (default), success or skipped. App:
+    #: pglock_skip_result. See docs/guide/skipped-results.md.
+    lock_skip_result: ClassVar[SkipResult | str | None] = None
+    #: Shadow mode: try the lock and report every outcome, but always run the body.
+    #: App: pglock_shadow.
+    lock_shadow: ClassVar[bool | None] = None
 
     _pglock: ClassVar[_binding.Guard | None] = None
 
@@ -86,8 +100,13 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     def on_bound(cls, app: celery.Celery) -> None:
         """Validate and freeze the lock options when Celery binds the task to ``app``."""
         super().on_bound(app)
+        if exceptions.LockSkipped not in cls.throws:
+            # An expected outcome, not an error: Celery logs it at INFO without a
+            # traceback, and error trackers (Sentry's Celery integration) skip it.
+            cls.throws = (*cls.throws, exceptions.LockSkipped)
         if cls.name:  # an abstract base has no name and no real run() yet
             cls._pglock = cls._build_guard(app)
+            metrics.configure(app.conf)
         _hooks.connect()
 
     @classmethod
@@ -146,14 +165,18 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 label=options.task_name,
             )
             granted = lock.acquire(
-                timeout=options.wait_timeout if options.on_busy is OnBusy.WAIT else None
+                timeout=options.wait_timeout
+                if options.on_busy is OnBusy.WAIT and not options.shadow
+                else None
             )
             if not granted:
-                self._on_busy(lock, task_id, direct=direct)
+                if options.shadow:
+                    return self._run_shadowed(execution, lock, task_id, args, kwargs)
+                return self._on_busy(lock, task_id, direct=direct)
             execution.lock = lock
             context.hold(lock)
             try:
-                self._report_acquired(lock, task_id)
+                _outcomes.acquired(self, task_id, lock)
                 # In a worker (and in apply()) Celery's tracer has already pushed this
                 # request and task, so Task.__call__ would only push copies (~35 us per
                 # task); a plain task gets the same shortcut from the tracer itself.
@@ -217,12 +240,13 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
 
     # -- outcomes -----------------------------------------------------------------------
 
-    def _on_busy(
-        self, lock: AdvisoryLock, task_id: str | None, *, direct: bool
-    ) -> None:
-        """Apply lock_on_busy to a run whose lock is held. Always raises."""
+    def _on_busy(self, lock: AdvisoryLock, task_id: str | None, *, direct: bool) -> Any:
+        """Apply lock_on_busy to a run whose lock is held.
+
+        Raises (LockSkipped, LockBusy, Retry or Ignore), except under
+        ``lock_skip_result='success'``, where it returns the skip record as the value.
+        """
         options = self._guard().config
-        key = lock.key
         request = self.request
         # A direct call has no message to skip or re-queue: whatever the policy, it raises.
         action = (
@@ -230,78 +254,125 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             if direct and options.on_busy is not OnBusy.WAIT
             else options.on_busy
         )
-        if signals.lock_skipped.receivers:
-            signals.lock_skipped.send(
-                sender=self,
-                task_id=task_id,
-                task_name=self.name,
-                key=key,
-                wait_seconds=lock.wait_seconds,
-                action=action.value,
+        skip_result = options.skip_result if action is OnBusy.SKIP else None
+        message, details = self._busy_report(lock, task_id, action)
+        redelivered = skip_result in (SkipResult.FAILURE, SkipResult.SUCCESS) and bool(
+            (request.delivery_info or {}).get("redelivered")
+        )
+        if redelivered:
+            # Most often this very message, redelivered (a broker visibility timeout)
+            # while its first delivery still runs and holds the lock: storing a skip
+            # under its id would end its caller's wait with the wrong outcome.
+            message += (
+                " The message was a redelivery, so no result was stored: its first "
+                "delivery may still be running."
             )
-        waited = (
-            f" after waiting {options.wait_timeout:g}s" if action is OnBusy.WAIT else ""
+            skip_result = None
+        _outcomes.skipped(
+            self,
+            task_id,
+            lock,
+            action=action.value,
+            message=message,
+            details=details,
+            # Celery's task line carries the message, except for a direct call (no
+            # tracer) and a SKIPPED state (Celery only says "ignored").
+            celery_logs=not direct
+            and not redelivered
+            and skip_result is not SkipResult.SKIPPED,
         )
-        message = f"Lock {key.name!r} (key {key}) is held by another run{waited}; {self.name}[{task_id}] did not run."
-        logger.info(
-            "%s Policy: %s. Database: %s.",
-            message,
-            action.value,
-            db.engine_info(lock.engine)["masked_url"],
-            extra={
-                **self._log_extra("lock_skipped", lock, task_id),
-                "on_busy": action.value,
-            },
-        )
-        busy = exceptions.LockBusy(message, key=str(key), name=key.name)
+        key = lock.key
         if direct:
-            raise busy
-        if action is OnBusy.SKIP:
+            raise exceptions.LockBusy(message, key=str(key), name=key.name)
+        if redelivered:
+            raise Ignore(message)
+        if skip_result is SkipResult.FAILURE:
+            raise exceptions.LockSkipped(message, details)
+        if skip_result is SkipResult.SUCCESS:
+            # Not a real success: the next link of a chain and link callbacks must not
+            # run with a skip record as their argument. A chord still counts the part.
+            request.callbacks = None
+            request.chain = None
+            return {SKIP_MARKER: "skipped", **details}
+        if skip_result is SkipResult.SKIPPED:
             if task_id is not None and not (
                 self.ignore_result or request.ignore_result
             ):
-                self.update_state(
-                    task_id=task_id,
-                    state=SKIPPED,
-                    meta={
-                        "reason": "lock_busy",
-                        "lock": key.name,
-                        "key": str(key),
-                        "task": self.name,
-                    },
-                )
+                self.update_state(task_id=task_id, state=SKIPPED, meta=details)
             raise Ignore(message)
+        busy = exceptions.LockBusy(message, key=str(key), name=key.name)
         if action is OnBusy.RETRY:
             if request.is_eager and self.max_retries is None:
                 raise busy  # eager retries run inline without the countdown: never spin
             raise self.retry(countdown=options.retry_delay, exc=busy)
         raise busy
 
-    def _report_acquired(self, lock: AdvisoryLock, task_id: str | None) -> None:
-        if signals.lock_acquired.receivers:
-            signals.lock_acquired.send(
-                sender=self, task_id=task_id, task_name=self.name, key=lock.key,
-                wait_seconds=lock.wait_seconds,
-            )  # fmt: skip
-        # Skip building the message and its extras on the hot path unless DEBUG is on.
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "Acquired lock %s (key %s) for %s[%s] on %s",
-                lock.key.name, lock.key, self.name, task_id, db.engine_info(lock.engine)["masked_url"],
-                extra=self._log_extra("lock_acquired", lock, task_id),
-            )  # fmt: skip
+    def _busy_report(
+        self, lock: AdvisoryLock, task_id: str | None, action: OnBusy
+    ) -> tuple[str, dict[str, Any]]:
+        """The sentence and the plain-data record of a busy run, naming its holder.
 
-    def _log_extra(
-        self, action: str, lock: AdvisoryLock, task_id: str | None
-    ) -> dict[str, Any]:
-        return {
-            "action": action,
-            "lock_key": str(lock.key),
-            "lock_name": lock.key.name,
-            "lock_namespace": self._guard().config.namespace,
-            "task_id": task_id,
-            "database": db.engine_info(lock.engine)["masked_url"],
+        Costs one more round trip (the holder lookup), on the busy path only. Carries
+        names and numbers only, never argument values.
+        """
+        options = self._guard().config
+        key = lock.key
+        holder = _holder.find(lock.engine, key)
+        details: dict[str, Any] = {
+            "reason": "lock_busy",
+            "task": self.name,
+            "lock": key.name,
+            "key": str(key),
+            "policy": action.value,
+            "holder": None,
+            "holder_pid": None,
+            "holder_task": None,
         }
+        if holder is None:
+            by = "another session"
+        else:
+            details.update(holder.as_details())
+            if holder.process is None:
+                by = f"PostgreSQL backend {holder.backend_pid} (not a celery-pglock session)"
+            else:
+                running = f"{holder.task}, " if holder.task else ""
+                by = f"{holder.process} ({running}backend {holder.backend_pid})"
+        waited = (
+            f" after waiting {options.wait_timeout:g}s"
+            if action is OnBusy.WAIT and not options.shadow
+            else ""
+        )
+        message = (
+            f"Lock {key.name!r} (key {key}) is held by {by}{waited}; "
+            f"{self.name}[{task_id}] did not run."
+        )
+        return message, details
+
+    def _run_shadowed(
+        self,
+        execution: context.Execution,
+        lock: AdvisoryLock,
+        task_id: str | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Shadow mode, lock busy: report the would-be outcome, then run the body unlocked."""
+        action = self._guard().config.on_busy
+        message, details = self._busy_report(lock, task_id, action)
+        _outcomes.skipped(
+            self,
+            task_id,
+            lock,
+            action=action.value,
+            message=message,
+            details=details,
+            celery_logs=False,
+            shadow=True,
+        )
+        # current_lock() answers with the lock that was tried: owned() is False.
+        execution.lock = lock
+        body = super().__call__ if execution.task_id is None else self.run
+        return body(*args, **kwargs)
 
     def _finish(
         self,
@@ -319,7 +390,6 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         release_error: exceptions.PgLockError | None = None
         if lock.owned():
             release_error = self._release(lock, task_id, commit=exc is None)
-        held = (lock.released_at or 0.0) - (lock.acquired_at or 0.0)
         # A session-scope release failure leaves the run's outcome as it was (the body's
         # work is done and the session is closed); lock_release_failed reports it. In
         # transaction scope it means the work was not committed under the lock: a failure.
@@ -327,22 +397,14 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             release_error is not None and lock.scope is LockScope.TRANSACTION
         )
         state = _state_of(exc) if failed else states.SUCCESS
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "Lock %s (key %s) of %s[%s]: %s after %.3fs held, on %s",
-                lock.key.name, lock.key, self.name, task_id, state, held,
-                db.engine_info(lock.engine)["masked_url"],
-                extra={**self._log_extra("lock_failed" if failed else "lock_completed", lock, task_id), "state": state},
-            )  # fmt: skip
-        common = {
-            "sender": self, "task_id": task_id, "task_name": self.name, "key": lock.key,
-            "wait_seconds": lock.wait_seconds, "held_seconds": held, "state": state,
-        }  # fmt: skip
-        if not failed:
-            if signals.lock_completed.receivers:
-                signals.lock_completed.send(**common)
-        elif signals.lock_failed.receivers:
-            signals.lock_failed.send(exception=exc or release_error, **common)
+        _outcomes.released(
+            self,
+            task_id,
+            lock,
+            state=state,
+            failed=failed,
+            exception=exc or release_error,
+        )
         if failed and exc is None and release_error is not None:
             # Transaction scope: the body's work was not committed under the lock, so
             # the run must not succeed.
@@ -356,19 +418,25 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         try:
             lock.release(commit=commit)
         except exceptions.PgLockError as error:
-            logger.error(
-                "Releasing lock %s (key %s) of %s[%s] failed: %s. The connection was closed, "
-                "so PostgreSQL no longer holds the lock. Database: %s.",
-                lock.key.name, lock.key, self.name, task_id, error, db.engine_info(lock.engine)["masked_url"],
-                extra=self._log_extra("lock_release_failed", lock, task_id),
-            )  # fmt: skip
-            if signals.lock_release_failed.receivers:
-                signals.lock_release_failed.send(
-                    sender=self, task_id=task_id, task_name=self.name, key=lock.key,
-                    wait_seconds=lock.wait_seconds, exception=error,
-                )  # fmt: skip
+            _outcomes.release_failed(self, task_id, lock, error)
             return error
         return None
+
+
+def skip_info(outcome: object) -> dict[str, Any] | None:
+    """The skip record if ``outcome`` is a skipped run's result, else None.
+
+    ``outcome`` is what ``AsyncResult.get(propagate=False)`` or ``.result`` gives: a
+    ``LockSkipped`` (``lock_skip_result='failure'``), a skip record dict (``'success'``,
+    and the meta of a ``'skipped'`` state), or anything else (not a skip).
+    """
+    if isinstance(outcome, exceptions.LockSkipped):
+        return dict(outcome.details)
+    if isinstance(outcome, dict) and (
+        outcome.get(SKIP_MARKER) == "skipped" or outcome.get("reason") == "lock_busy"
+    ):
+        return {k: v for k, v in outcome.items() if k != SKIP_MARKER}
+    return None
 
 
 def _state_of(exc: BaseException | None) -> str:

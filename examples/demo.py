@@ -2,9 +2,10 @@
 
 Run it with ``bash scripts/demo.sh`` (or ``python examples/demo.py --help``). It:
 
-1. uses the PostgreSQL named by CELERY_PGLOCK_DATABASE_URL and the broker named by
-   CELERY_PGLOCK_BROKER_URL, or starts an embedded PostgreSQL 18 and Redis for the ones
-   not set (``celery_pglock.testing``);
+1. uses the PostgreSQL named by CELERY_PGLOCK_TEST_DATABASE_URL and the broker named by
+   CELERY_PGLOCK_TEST_BROKER_URL, or starts an embedded PostgreSQL 18 and Redis for the
+   ones not set (``celery_pglock.testing.start_services``, the bootstrap the test suite
+   uses too);
 2. starts two ``celery worker`` processes (prefork, two children each) of
    ``examples.demo_app``;
 3. sends 3 tenants x 20 duplicate ``build_tenant_export`` tasks at once, whose bodies
@@ -38,29 +39,19 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import sqlalchemy as sa
 
-from celery_pglock import SKIPPED, db
-from celery_pglock.testing import (
-    EmbeddedPostgres,
-    EmbeddedRedis,
-    ServiceError,
-    WorkerProcess,
-    wait_for_broker,
-    wait_for_postgres,
-)
+from celery_pglock import LockSkipped, config
+from celery_pglock.testing import ServiceError, WorkerProcess, start_services
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from types import FrameType, ModuleType
 
     from celery import Celery
     from celery.result import AsyncResult
 
 ROOT = Path(__file__).resolve().parent.parent
-DATABASE_URL_ENV = "CELERY_PGLOCK_DATABASE_URL"
-BROKER_URL_ENV = "CELERY_PGLOCK_BROKER_URL"
-#: States in which a task has ended. SKIPPED is not one of Celery's ready states, so
-#: ``AsyncResult.get()`` would block on a skipped task until its timeout: poll instead.
-ENDED = ("SUCCESS", SKIPPED, "FAILURE")
+#: How a task can end: it ran, it was skipped (FAILURE with LockSkipped, the default
+#: lock_skip_result), or it failed.
+ENDED = ("SUCCESS", "SKIPPED", "FAILURE")
 #: Seconds a configured service may take to answer (a container may still be starting).
 CONNECT_TIMEOUT = 20.0
 #: The design article's monitoring query, limited to this database.
@@ -122,11 +113,17 @@ def main(argv: list[str] | None = None) -> int:
 def _demo(
     args: argparse.Namespace, cleanup: contextlib.ExitStack, deadline: float
 ) -> int:
-    database_url, broker_url = _services(cleanup)
+    services = start_services(timeout=CONNECT_TIMEOUT)
+    cleanup.callback(services.stop)
+    print("\n".join(services.describe()))
+    database_url = services.database_url
     run = uuid.uuid4().hex[:8]
     worker_env = {
-        DATABASE_URL_ENV: database_url,
-        BROKER_URL_ENV: broker_url,
+        # The variables Celery and celery-pglock read by themselves: demo_app configures
+        # neither its broker nor its lock database in code.
+        "CELERY_BROKER_URL": services.broker_url,
+        "CELERY_RESULT_BACKEND": services.result_backend_url,
+        config.DATABASE_URL_ENV: database_url,
         "PGLOCK_DEMO_RUN": run,
         "PYTHONPATH": os.pathsep.join(
             filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
@@ -207,7 +204,7 @@ def _demo(
             [
                 len(results[tenant]),
                 app.recorder.count(run, f"tenant-{tenant}"),
-                outcome[SKIPPED],
+                outcome["SKIPPED"],
                 outcome["FAILURE"],
                 overlaps[f"tenant-{tenant}"],
             ]
@@ -243,55 +240,6 @@ def _demo(
         "prevents concurrent runs, not repeated ones."
     )
     return 0
-
-
-def _services(cleanup: contextlib.ExitStack) -> tuple[str, str]:
-    """The database and broker URLs: configured ones if set, else embedded servers."""
-    database_url = os.environ.get(DATABASE_URL_ENV, "")
-    if database_url:
-        _check(DATABASE_URL_ENV, database_url, wait_for_postgres)
-        postgres_origin = f"from {DATABASE_URL_ENV}"
-    else:
-        postgres = EmbeddedPostgres()
-        cleanup.callback(postgres.cleanup)
-        postgres.start(timeout=60)
-        database_url = postgres.url()
-        postgres_origin = "embedded"
-    broker_url = os.environ.get(BROKER_URL_ENV, "")
-    if broker_url:
-        _check(BROKER_URL_ENV, broker_url, wait_for_broker)
-        broker_origin = f"from {BROKER_URL_ENV}"
-    else:
-        redis = EmbeddedRedis()
-        cleanup.callback(redis.stop)
-        redis.start(timeout=30)
-        broker_url = redis.url()
-        broker_origin = "embedded Redis"
-    version = _server_version(database_url)
-    print(f"PostgreSQL: {version} ({postgres_origin}) at {db.mask_url(database_url)}")
-    print(f"Broker:     {db.mask_url(broker_url)} ({broker_origin})")
-    return database_url, broker_url
-
-
-def _check(variable: str, url: str, wait: Callable[[str, float], None]) -> None:
-    try:
-        wait(url, CONNECT_TIMEOUT)
-    except ServiceError as exc:
-        raise ServiceError(
-            f"{variable} is set but does not answer: {exc} Start that service, fix "
-            f"the URL, or unset {variable} to let the demo start an embedded one."
-        ) from exc
-
-
-def _server_version(database_url: str) -> str:
-    engine = sa.create_engine(database_url, poolclass=sa.NullPool)
-    try:
-        with engine.connect() as connection:
-            version = connection.execute(sa.text("SHOW server_version")).scalar_one()
-    finally:
-        engine.dispose()
-    # Distribution builds append their own text: "15.14 (Ubuntu 15.14-1.pgdg22.04+1)".
-    return str(version).split()[0]
 
 
 def _show_locks(
@@ -349,6 +297,8 @@ def _wait_until_ended(
         still = []
         for result in waiting:
             state = result.state
+            if state == "FAILURE" and isinstance(result.result, LockSkipped):
+                state = "SKIPPED"
             states[result.id] = state
             if state not in ENDED:
                 still.append(result)

@@ -4,10 +4,11 @@ Its body holds the tenant's lock for a moment and records when it started and en
 (PostgreSQL's clock, through :class:`celery_pglock.testing.OverlapRecorder`), so the demo
 can prove afterwards that no two runs of one tenant overlapped, across processes.
 
-Configured by the environment that demo.py gives its workers: CELERY_PGLOCK_DATABASE_URL,
-CELERY_PGLOCK_BROKER_URL, CELERY_PGLOCK_RESULT_BACKEND (default: the broker) and
-PGLOCK_DEMO_RUN, a fresh id per demo run. The run id names the queue and the lock
-namespace, so demos sharing a broker or database never see each other's tasks or locks.
+Configured by the environment that demo.py gives its workers, through the variables that
+Celery and celery-pglock read by themselves: CELERY_BROKER_URL, CELERY_RESULT_BACKEND and
+CELERY_PGLOCK_DATABASE_URL; and PGLOCK_DEMO_RUN, a fresh id per demo run. The run id
+names the queue and the lock namespace, so demos sharing a broker or database never see
+each other's tasks or locks.
 """
 
 from __future__ import annotations
@@ -17,22 +18,19 @@ import time
 
 from celery import Celery
 
-from celery_pglock import SingletonTask
+from celery_pglock import SingletonTask, config
 from celery_pglock.testing import OverlapRecorder
 
 #: Where the recorded intervals go (in the lock database).
 INTERVALS_TABLE = "pglock_demo_intervals"
 
-DATABASE_URL = os.environ["CELERY_PGLOCK_DATABASE_URL"]
-BROKER_URL = os.environ.get("CELERY_PGLOCK_BROKER_URL", "redis://localhost:6379/0")
+#: The recorder writes to the lock database; celery-pglock finds it in the same variable.
+DATABASE_URL = os.environ[config.DATABASE_URL_ENV]
 RUN = os.environ.get("PGLOCK_DEMO_RUN", "manual")
 QUEUE = f"pglock-demo-{RUN}"
 
-app = Celery(
-    "demo",
-    broker=BROKER_URL,
-    backend=os.environ.get("CELERY_PGLOCK_RESULT_BACKEND") or BROKER_URL,
-)
+# No broker or backend here: Celery reads CELERY_BROKER_URL and CELERY_RESULT_BACKEND.
+app = Celery("demo")
 app.conf.update(
     pglock_namespace=f"demo-{RUN}",
     task_default_queue=QUEUE,

@@ -7,7 +7,7 @@ releases it too, so the lock cannot leak.
 
 The beat schedule sends the task every 10 s. Run two beats (two replicas of a deployment,
 say) and every tick is sent twice, yet the two runs never overlap. A copy that starts
-while the other holds the lock ends ``SKIPPED`` without touching a row; a copy that
+while the other holds the lock is skipped (``LockSkipped``) without touching a row; a copy that
 starts after the other committed finds no pending row and settles 0. The lock keeps the
 work from running twice at once; the ``pending -> processed`` transition is what keeps a
 row from being settled twice. From the repository root::
@@ -20,8 +20,8 @@ row from being settled twice. From the repository root::
     celery -A examples.settlement beat -s /tmp/beat-b.db    # and a second beat
 
 (Each beat needs its own schedule file, ``-s``.) Per tick, the worker log shows one run
-that settled the pending rows, and a second one that was skipped ("... is held by
-another run ...") or settled 0, depending on how close together the two beats sent.
+that settled the pending rows, and a second one that was skipped ("raised expected:
+LockSkipped(... is held by <host>:<pid> ...)") or settled 0, depending on how close together the two beats sent.
 
 Environment: CELERY_PGLOCK_DATABASE_URL names the lock database, which is also where the
 tables live (transaction scope works on the lock's own connection, so they must share a

@@ -23,7 +23,7 @@ From the repository root::
     python -c "from examples.tenant_export import build_tenant_export as t; [t.delay(7) for _ in range(5)]; t.delay(8)"
 
 Tenant 8 runs beside tenant 7, but no two runs of tenant 7 overlap: a duplicate that
-starts while one runs is SKIPPED, and one that starts later rewrites the same object and
+starts while one runs is skipped (``LockSkipped``), and one that starts later rewrites the same object and
 records nothing new (its result says ``"recorded": false``). Environment: CELERY_PGLOCK_DATABASE_URL (the lock database, and where
 ``tenant_exports`` lives), CELERY_PGLOCK_BROKER_URL (default redis://localhost:6379/0),
 CELERY_PGLOCK_RESULT_BACKEND (default: the broker), EXPORT_DIR (default

@@ -5,21 +5,16 @@
 #   bash scripts/docs.sh            # build
 #   bash scripts/docs.sh serve      # live preview on http://127.0.0.1:8000
 #
-# Installs the `docs` extra into .venv (created if missing) only when mkdocs is not there
-# yet, so a second run needs no package index.
+# Installs the `docs` extra into the virtualenv once (scripts/_venv.sh), so a second run
+# needs no package index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-python=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$python" -m venv .venv
-fi
-if ! .venv/bin/python -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null; then
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[docs]'
-fi
+. scripts/_venv.sh
+install_once docs
 
 if [ "${1:-build}" = serve ]; then
-  exec .venv/bin/mkdocs serve
+  exec "$venv/bin/mkdocs" serve
 fi
 export NO_MKDOCS_2_WARNING=1  # the theme advertises its successor on every build
-exec .venv/bin/mkdocs build --strict --clean
+exec "$venv/bin/mkdocs" build --strict --clean

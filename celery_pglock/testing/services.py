@@ -1,10 +1,15 @@
-"""The services a test session needs: PostgreSQL, a Celery broker and a result backend.
+"""The one service bootstrap: PostgreSQL, a Celery broker and a result backend.
 
-Configured servers win: ``CELERY_PGLOCK_TEST_DATABASE_URL`` and
-``CELERY_PGLOCK_TEST_BROKER_URL`` name them (CI's health-checked containers, a developer's
-docker compose). Whatever is not configured is started here, privately: an
+The test suite, the demo and the benchmarks all start their services here. Configured
+servers win: ``CELERY_PGLOCK_TEST_DATABASE_URL``, ``CELERY_PGLOCK_TEST_BROKER_URL`` and
+``CELERY_PGLOCK_TEST_RESULT_BACKEND`` name them (CI's health-checked containers, a
+developer's docker compose). Whatever is not configured is started here, privately: an
 :class:`EmbeddedPostgres` and an :class:`EmbeddedRedis`. So the whole suite runs on a
 bare machine, and CI never silently skips a tier.
+
+Why ``TEST`` names and not the library's own ``CELERY_PGLOCK_DATABASE_URL``: what these
+services get is disposable (tests create tables, kill sessions, restart servers), and a
+developer's shell may well hold the URL of a real lock database.
 
 Hazard: a configured URL that does not answer is an error, not a reason to fall back to
 an embedded server; falling back would test something other than what was asked for.
@@ -60,6 +65,23 @@ class Services:
             RESULT_BACKEND_ENV: self.result_backend_url,
             config.DATABASE_URL_ENV: self.database_url,
         }
+
+    def describe(self) -> list[str]:
+        """Two lines for humans: where PostgreSQL and the broker are, and whose they are.
+
+        URLs are shown with their passwords masked.
+        """
+        postgres = (
+            "embedded" if "postgres" in self.started else f"from {DATABASE_URL_ENV}"
+        )
+        broker = (
+            "embedded Redis" if "redis" in self.started else f"from {BROKER_URL_ENV}"
+        )
+        return [
+            f"PostgreSQL: {self.postgres_version} ({postgres}) at "
+            f"{db.mask_url(self.database_url)}",
+            f"Broker:     {db.mask_url(self.broker_url)} ({broker})",
+        ]
 
     def stop(self) -> None:
         """Stop what :func:`start_services` started; configured services are left alone."""

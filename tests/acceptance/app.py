@@ -49,6 +49,10 @@ app.conf.update(
     result_expires=3600,
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
+    # PGLOCK_TEST_METRICS_PORT: a worker serving /metrics (tests/acceptance/test_metrics.py).
+    pglock_metrics_port=int(os.environ["PGLOCK_TEST_METRICS_PORT"])
+    if os.environ.get("PGLOCK_TEST_METRICS_PORT")
+    else None,
 )
 
 recorder = OverlapRecorder(database_url)
@@ -205,3 +209,27 @@ def soft_limited(self, run: str, gate: str) -> str:
     with recorder.record(run, "soft_limited", self.request.id) as row_id:
         wait_gate(gate, row_id)
     return "finished"
+
+
+@app.task(
+    base=SingletonTask, bind=True, lock_args=("run", "key"), lock_skip_result="success"
+)
+def protected_success(
+    self, run: str, key: str, hold: float = 0.0, gate: str | None = None
+) -> str:
+    """Skip when busy, ending as SUCCESS with a skip record."""
+    return _body(self, run, key, hold, gate)
+
+
+@app.task(bind=True, lock_args=("run", "key"), base=SingletonTask, lock_shadow=True)
+def shadowed(
+    self, run: str, key: str, hold: float = 0.0, gate: str | None = None
+) -> str:
+    """Shadow mode: the lock is tried and reported, the body always runs."""
+    return _body(self, run, key, hold, gate)
+
+
+@app.task
+def collect(results: list[object]) -> int:
+    """A chord callback: how many header results it received."""
+    return len(results)

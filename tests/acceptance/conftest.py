@@ -60,10 +60,11 @@ def start_workers(
 
     def start(count: int = 2, **options: Any) -> list[WorkerProcess]:
         options.setdefault("concurrency", 2)
+        env = {**acceptance_env, **options.pop("env", {})}
         workers = [
             WorkerProcess(
                 "tests.acceptance.app",
-                env=acceptance_env,
+                env=env,
                 log_path=log_dir / f"worker-{len(started) + index}.log",
                 **options,
             )
@@ -99,6 +100,18 @@ def wait_until(predicate: Callable[[], Any], *, timeout: float, what: str) -> An
 
 def states(results) -> list[str]:
     return [result.state for result in results]
+
+
+def skipped(result) -> bool:
+    """Did this run end as a skip (the default lock_skip_result='failure')?"""
+    from celery_pglock import LockSkipped
+
+    return result.state == "FAILURE" and isinstance(result.result, LockSkipped)
+
+
+def outcomes(results) -> list[str]:
+    """Each run's outcome: SUCCESS, "skipped", or its state (FAILURE, PENDING, ...)."""
+    return ["skipped" if skipped(result) else result.state for result in results]
 
 
 @pytest.fixture

@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import sqlalchemy as sa
 
-from celery_pglock import SKIPPED
+from celery_pglock import config
+from celery_pglock.testing import BROKER_URL_ENV, DATABASE_URL_ENV
 from tests.conftest import REPO_ROOT
 
-from .conftest import states, wait_until
+from .conftest import outcomes, wait_until
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.timeout(60)
 
-ENDED = ("SUCCESS", SKIPPED, "FAILURE")
+ENDED = ("SUCCESS", "skipped", "FAILURE")
 #: The demo's table rows: label, sent, ran, skipped, failed, overlaps.
 TENANT_ROW = re.compile(r"^\s*tenant (\d+)" + r"\s+(\d+)" * 5 + r"\s*$", re.M)
 TOTAL_ROW = re.compile(r"^\s*total" + r"\s+(\d+)" * 5 + r"\s*$", re.M)
@@ -99,26 +100,28 @@ def _run_module(module: str, *args: str, env: dict[str, str]) -> None:
 
 
 def _wait_ended(results: list[Any], timeout: float = 30) -> list[str]:
-    # SKIPPED is not a Celery ready state: .get() would block on it, so poll the states.
+    # Each run's outcome: SUCCESS, "skipped" (FAILURE with LockSkipped) or FAILURE.
     wait_until(
-        lambda: all(state in ENDED for state in states(results)),
+        lambda: all(result.ready() for result in results),
         timeout=timeout,
         what="every task to end",
     )
-    return states(results)
+    return outcomes(results)
 
 
 def test_demo_reports_no_overlaps(services: Services) -> None:
     """examples/demo.py exits 0; its table shows 60 sent, no overlap, ran + skipped = sent.
 
-    The URL carries a password (ignored by trust authentication) that must never be
-    printed.
+    The demo takes its services from the bootstrap's variables, like the test suite; the
+    URL carries a password (ignored by trust authentication) that must never be printed.
+    A developer's CELERY_PGLOCK_DATABASE_URL (a real lock database, say) is not touched.
     """
     url = sa.make_url(services.database_url).set(password=DEMO_PASSWORD)
     env = {
         **os.environ,
-        "CELERY_PGLOCK_DATABASE_URL": url.render_as_string(hide_password=False),
-        "CELERY_PGLOCK_BROKER_URL": services.broker_url,
+        DATABASE_URL_ENV: url.render_as_string(hide_password=False),
+        BROKER_URL_ENV: services.broker_url,
+        config.DATABASE_URL_ENV: "postgresql+psycopg2://app@127.0.0.1:1/production",
     }
     demo = subprocess.Popen(
         [sys.executable, "examples/demo.py", "--timeout", "45"],
@@ -185,7 +188,7 @@ def test_settlement_settles_every_row_exactly_once(
             for result, state in zip(results, outcome, strict=True)
             if state == "SUCCESS"
         ]
-        assert len(results) == len(ran) + outcome.count(SKIPPED), outcome
+        assert len(results) == len(ran) + outcome.count("skipped"), outcome
         assert ran
         assert 300 == sum(result.result for result in ran)
 
@@ -220,10 +223,10 @@ def test_settlement_settles_every_row_exactly_once(
             blocked = [
                 settlement.daily_settlement.apply_async(queue=queue) for _ in range(3)
             ]
-            assert [SKIPPED] * 3 == _wait_ended(blocked)
+            assert ["skipped"] * 3 == _wait_ended(blocked)
         finally:
             holder.execute(sa.text("SELECT pg_advisory_unlock(42, 1001)"))
-        assert "42,1001" == blocked[0].info["key"]
+        assert "42,1001" == blocked[0].result.key
 
 
 def test_tenant_export_writes_one_file_and_one_row_per_tenant(
@@ -252,7 +255,7 @@ def test_tenant_export_writes_one_file_and_one_row_per_tenant(
     sends = [busy, other, *[busy] * 6]
     results = [task.apply_async((tenant,), queue=queue) for tenant in sends]
     outcome = _wait_ended(results)
-    assert len(results) == outcome.count("SUCCESS") + outcome.count(SKIPPED), outcome
+    assert len(results) == outcome.count("SUCCESS") + outcome.count("skipped"), outcome
     done = [
         (tenant, result.result)
         for tenant, result, state in zip(sends, results, outcome, strict=True)

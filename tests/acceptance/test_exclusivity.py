@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from celery_pglock import SKIPPED
+from celery_pglock import db
 
-from .conftest import states, wait_until
+from .conftest import outcomes, skipped, wait_until
 
 BURST = 40
 
@@ -32,17 +32,22 @@ def test_burst_of_duplicates_runs_exactly_once(acceptance, workers, recorder, ru
     )
     duplicates = [acceptance.protected.delay(run, "k") for _ in range(BURST - 1)]
     wait_until(
-        lambda: all(state == SKIPPED for state in states(duplicates)),
+        lambda: all(skipped(result) for result in duplicates),
         timeout=60,
-        what="every duplicate to be SKIPPED",
+        what="every duplicate to be skipped",
     )
     acceptance.open_gate(gate)
     assert "k" == first.get(timeout=30)
     assert 1 == recorder.count(run, "k")
     assert [] == recorder.overlaps(run)
-    skipped = duplicates[0].info
-    assert "lock_busy" == skipped["reason"]
-    assert "tests.acceptance.app.protected" == skipped["task"]
+    skip = duplicates[0].result.details
+    assert "lock_busy" == skip["reason"]
+    assert "tests.acceptance.app.protected" == skip["task"]
+    # The holder is named by the host:pid of the pool child that ran the first body.
+    host = db.process_tag().rsplit(":", 1)[0]
+    assert f"{host}:{recorder.intervals(run)[0].pid}" == skip["holder"]
+    # application_name is at most 63 bytes: a long task name keeps its tail.
+    assert skip["holder_task"].endswith(".acceptance.app.protected")
 
 
 def test_random_bursts_never_overlap_and_account_for_every_message(
@@ -57,13 +62,13 @@ def test_random_bursts_never_overlap_and_account_for_every_message(
         for _ in range(150)
     ]
     wait_until(
-        lambda: all(state in ("SUCCESS", SKIPPED) for state in states(results)),
+        lambda: all(o in ("SUCCESS", "skipped") for o in outcomes(results)),
         timeout=120,
         what="every run to end",
     )
-    outcome = states(results)
-    ran, skipped = outcome.count("SUCCESS"), outcome.count(SKIPPED)
-    assert len(results) == ran + skipped
+    outcome = outcomes(results)
+    ran, skips = outcome.count("SUCCESS"), outcome.count("skipped")
+    assert len(results) == ran + skips
     assert ran == recorder.count(run)
     assert [] == recorder.overlaps(run)
     for key in ("k0", "k1", "k2"):
@@ -147,9 +152,9 @@ def test_send_task_by_name_is_locked_too(acceptance, workers, recorder, run):
         name, args=(run,), kwargs={"key": "k"}
     )  # keyword form, same key
     wait_until(
-        lambda: second.state == SKIPPED,
+        lambda: skipped(second),
         timeout=30,
-        what="the by-name duplicate to be SKIPPED",
+        what="the by-name duplicate to be skipped",
     )
     acceptance.open_gate(gate)
     assert "k" == first.get(timeout=30)

@@ -16,9 +16,9 @@ import pytest
 import sqlalchemy as sa
 from celery import chain
 
-from celery_pglock import SKIPPED, AdvisoryLock, db
+from celery_pglock import AdvisoryLock, LockSkipped, db
 
-from .conftest import wait_until
+from .conftest import outcomes, skipped, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +77,8 @@ def test_sigkill_of_the_pool_child_frees_the_lock(acceptance, workers, recorder,
     holder_pid = recorder.intervals(run)[0].pid
     assert holder_pid in workers[0].child_pids()
     duplicate = acceptance.protected.delay(run, "k")
-    wait_until(
-        lambda: duplicate.state == SKIPPED,
-        timeout=30,
-        what="the duplicate to be SKIPPED",
-    )
+    with pytest.raises(LockSkipped):
+        duplicate.get(timeout=30)
     holder = psutil.Process(holder_pid)
     os.kill(holder_pid, signal.SIGKILL)
     holder.wait(timeout=10)
@@ -95,25 +92,25 @@ def test_sigkill_of_the_pool_child_frees_the_lock(acceptance, workers, recorder,
     assert [] == recorder.overlaps(run)
 
 
-def test_a_skipped_link_stops_its_chain(acceptance, workers, recorder, run):
-    """A SKIPPED task is not a success: the rest of its chain does not run."""
+def test_a_skipped_link_ends_its_chain(acceptance, workers, recorder, run):
+    """A skipped link is not a success: the rest of its chain does not run, and the
+    chain's result ends at once with LockSkipped instead of staying PENDING."""
     gate = f"{run}-gate"
     holder = acceptance.protected.delay(run, "k", gate=gate)
     wait_until(
         lambda: recorder.count(run, "k") == 1, timeout=30, what="the holder to start"
     )
-    skipped = chain(acceptance.protected.si(run, "k"), acceptance.after.s(run)).delay()
-    wait_until(
-        lambda: skipped.parent.state == SKIPPED,
-        timeout=30,
-        what="the chain's first link to be SKIPPED",
-    )
+    skipped_chain = chain(
+        acceptance.protected.si(run, "k"), acceptance.after.s(run)
+    ).delay()
+    with pytest.raises(LockSkipped):
+        skipped_chain.get(timeout=30)  # the last link's result: FAILURE, not PENDING
+    assert skipped_chain.ready()
     acceptance.open_gate(gate)
     holder.get(timeout=30)
     ran = chain(acceptance.protected.si(run, "k"), acceptance.after.s(run)).delay()
     assert "k" == ran.get(timeout=30)
     assert 1 == recorder.count(run, "after")  # only the chain whose first link ran
-    assert "PENDING" == skipped.state
 
 
 def test_transaction_scope_commits_or_rolls_back_in_the_worker(
@@ -141,7 +138,7 @@ def test_threads_pool_is_exclusive_too(acceptance, threads_worker, recorder, run
         for _ in range(40)
     ]
     wait_until(
-        lambda: all(result.state in ("SUCCESS", SKIPPED) for result in results),
+        lambda: all(o in ("SUCCESS", "skipped") for o in outcomes(results)),
         timeout=60,
         what="every run to end",
     )
@@ -245,15 +242,15 @@ def test_threads_pool_same_task_id_duplicate_keeps_the_holder_locked(
         (run, "k"), task_id=task_id, queue=threads_worker
     )
     wait_until(
-        lambda: same_id.state == SKIPPED,
+        lambda: skipped(same_id),
         timeout=30,
-        what="the same-id duplicate to be SKIPPED",
+        what="the same-id duplicate to be skipped",
     )
     other = acceptance.protected.apply_async((run, "k"), queue=threads_worker)
     wait_until(
-        lambda: other.state == SKIPPED,
+        lambda: skipped(other),
         timeout=30,
-        what="a later duplicate to be SKIPPED too",
+        what="a later duplicate to be skipped too",
     )
     acceptance.open_gate(gate)
     wait_until(
@@ -273,7 +270,7 @@ def test_threads_pool_retry_attempts_never_overlap(
         for _ in range(3)
     ]
     wait_until(
-        lambda: all(r.state in ("SUCCESS", SKIPPED) for r in results),
+        lambda: all(o in ("SUCCESS", "skipped") for o in outcomes(results)),
         timeout=60,
         what="every attempt to end",
     )
@@ -289,7 +286,7 @@ def test_solo_pool_is_exclusive(acceptance, start_workers, recorder, run):
         for _ in range(30)
     ]
     wait_until(
-        lambda: all(r.state in ("SUCCESS", SKIPPED) for r in results),
+        lambda: all(o in ("SUCCESS", "skipped") for o in outcomes(results)),
         timeout=60,
         what="every run to end",
     )

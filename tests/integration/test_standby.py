@@ -7,13 +7,11 @@ replica (pg_basebackup -R of a private primary); the others, that the library re
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
 from celery_pglock import AdvisoryLock, ConfigurationError, _server, db, keys
-from celery_pglock.testing import EmbeddedPostgres, _root, _support
-from celery_pglock.testing.postgres import SUPERUSER, bin_dir
+from celery_pglock.testing import EmbeddedPostgres, _support
+from celery_pglock.testing.postgres import SUPERUSER
 
 
 @pytest.fixture(scope="module")
@@ -23,19 +21,12 @@ def replica():
     standby = None
     try:
         target = primary.data_dir.parent / "standby-data"
-        user = _root.system_user() if _root.is_root() else None
-        subprocess.run(
-            [
-                str(bin_dir() / "pg_basebackup"),
-                *("-h", _support.HOST, "-p", str(primary.port), "-U", SUPERUSER),
-                *("-D", str(target), "-R", "-X", "stream", "--no-sync"),
-            ],
-            env=_support.clean_env(),
-            cwd=primary.data_dir.parent,
-            check=True,
-            capture_output=True,
+        # As the server's own user (root: the unprivileged one), like initdb.
+        primary._run(
+            "pg_basebackup",
+            *("-h", _support.HOST, "-p", str(primary.port), "-U", SUPERUSER),
+            *("-D", str(target), "-R", "-X", "stream", "--no-sync"),
             timeout=120,
-            **_root.run_as(user),
         )
         standby = EmbeddedPostgres(data_dir=target).start()
         yield primary, standby

@@ -6,6 +6,7 @@ in tests/acceptance; these tests pin down the API and outcome semantics quickly.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -21,10 +22,12 @@ from celery_pglock import (
     DatabaseError,
     LockBusy,
     LockKeyError,
+    LockSkipped,
     PgLockError,
     SingletonTask,
     current_lock,
     signals,
+    skip_info,
 )
 from celery_pglock import db as db_module
 
@@ -118,8 +121,10 @@ def current_engine(app):
     return db_module.engine_for(app.conf)
 
 
-def test_skip_stores_skipped_state_and_never_runs_the_body(app, events):
-    """A busy run is SKIPPED in the result backend (not SUCCESS) and its body never runs."""
+def test_skip_ends_as_failure_with_lock_skipped_naming_the_holder(app, events, caplog):
+    """Default lock_skip_result='failure': the busy run is ready at once, FAILURE with
+    LockSkipped (an expected exception: in throws), naming the holder's host:pid; the
+    body never runs."""
     ran = []
 
     def report(tenant_id):
@@ -128,20 +133,123 @@ def test_skip_stores_skipped_state_and_never_runs_the_body(app, events):
     task = define(app, report, lock_args=("tenant_id",))
     holder = hold(task, 3)
     try:
-        result = task.apply(args=(3,))
+        with caplog.at_level(logging.INFO):
+            result = task.apply(args=(3,))
     finally:
         holder.release()
     assert [] == ran
+    assert "FAILURE" == result.state
+    assert LockSkipped in task.throws
+    assert result.ready()  # stored and ready for a real caller: tests/acceptance
+    with pytest.raises(LockSkipped) as raised:
+        result.get(timeout=5)
+    skip = raised.value
+    assert isinstance(skip, LockBusy)  # `except LockBusy` catches skips too
+    assert str(holder.key) == skip.key
+    assert db_module.process_tag() == skip.holder  # this process holds it
+    details = skip_info(skip)
+    assert {
+        "reason": "lock_busy",
+        "task": "it.report",
+        "lock": "it.report",
+        "key": str(holder.key),
+        "policy": "skip",
+        "holder": db_module.process_tag(),
+        "holder_task": "it.report",
+    } == {k: v for k, v in details.items() if k != "holder_pid"}
+    assert isinstance(details["holder_pid"], int)
+    assert db_module.process_tag() in str(skip)
+    assert [("lock_skipped", "skip")] == [(name, kw["action"]) for name, kw in events]
+    assert db_module.process_tag() == events[0][1]["holder"]
+    # One line at INFO per skip: Celery's expected-failure line, carrying our message.
+    lines = [r for r in caplog.records if r.levelno >= logging.INFO]
+    assert 1 == len(lines), [r.getMessage() for r in lines]
+    assert "raised expected" in lines[0].getMessage()
+    assert db_module.process_tag() in lines[0].getMessage()
+    assert app.conf.pglock_database_url not in lines[0].getMessage()
+
+
+def test_skip_result_success_returns_a_skip_record_and_runs_no_callback(app, events):
+    """lock_skip_result='success': SUCCESS with a skip record as the value; link
+    callbacks do not run."""
+    task = define(app, ran, lock_skip_result="success")
+    holder = hold(task)
+    try:
+        result = task.apply(link=task.si())
+    finally:
+        holder.release()
+    assert "SUCCESS" == result.state
+    record = result.get(timeout=5)
+    assert "skipped" == record["celery_pglock"]
+    assert "lock_busy" == skip_info(record)["reason"]
+    assert str(holder.key) == record["key"]
+    assert None is skip_info("ran")
+    assert [("lock_skipped", "skip")] == [(name, kw["action"]) for name, kw in events]
+
+
+def test_skip_result_skipped_keeps_the_old_skipped_state(app, events):
+    """lock_skip_result='skipped': the state SKIPPED with the skip record as meta."""
+    task = define(app, ran, lock_skip_result="skipped", lock_args=())
+    holder = hold(task)
+    try:
+        result = task.apply()
+    finally:
+        holder.release()
     assert "IGNORED" == result.state  # what Celery's tracer reports for Ignore
     stored = AsyncResult(result.id, app=app)
     assert SKIPPED == stored.state
-    assert {
-        "reason": "lock_busy",
-        "lock": "it.report",
-        "key": str(holder.key),
-        "task": "it.report",
-    } == stored.info
-    assert [("lock_skipped", "skip")] == [(name, kw["action"]) for name, kw in events]
+    assert not stored.ready()
+    assert "lock_busy" == stored.info["reason"]
+    assert str(holder.key) == stored.info["key"]
+
+
+def test_skip_by_a_session_that_is_not_ours_names_its_backend_pid(app, database_url):
+    """A lock held by some other program: the skip names its backend pid only."""
+    task = define(app, ran)
+    key = task.lock_key_for()
+    other = sa.create_engine(database_url, poolclass=sa.pool.NullPool)
+    with other.connect() as connection:
+        connection.exec_driver_sql("SET application_name = 'psql'")
+        connection.exec_driver_sql("SELECT pg_advisory_lock(%s)", key.ids)
+        backend = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        result = task.apply()
+        connection.exec_driver_sql("SELECT pg_advisory_unlock_all()")
+    other.dispose()
+    skip = result.result
+    assert isinstance(skip, LockSkipped)
+    assert None is skip.holder
+    assert backend == skip.details["holder_pid"]
+    assert f"backend {backend} (not a celery-pglock session)" in str(skip)
+
+
+def test_shadow_mode_reports_the_would_be_skip_and_runs_the_body(app, events):
+    """lock_shadow=True: the busy run is reported as skipped, and its body runs anyway."""
+    seen = []
+
+    def shadowed(tenant_id):
+        seen.append(current_lock().owned())
+        return tenant_id
+
+    task = define(app, shadowed, lock_args=("tenant_id",), lock_shadow=True)
+    holder = hold(task, 1)
+    try:
+        assert 1 == task.apply(args=(1,)).get()
+    finally:
+        holder.release()
+    assert 2 == task.apply(args=(2,)).get()
+    assert [False, True] == seen
+    names = [(name, kw.get("shadow")) for name, kw in events]
+    assert [
+        ("lock_skipped", True),
+        ("lock_acquired", None),
+        ("lock_completed", None),
+    ] == names
+
+
+def test_shadow_mode_refuses_transaction_scope(app):
+    """A shadowed busy run would have no lock transaction for its body: refused at bind."""
+    with pytest.raises(ConfigurationError, match="lock_shadow=True is invalid"):
+        define(app, ran, lock_shadow=True, lock_scope="transaction")
 
 
 def test_different_arguments_do_not_contend(app):
@@ -461,9 +569,9 @@ def test_same_task_id_duplicate_does_not_release_the_holder(app):
     first.start()
     try:
         assert inside.wait(10)
-        assert "IGNORED" == task.apply(args=("d",), task_id="same-id").state
+        assert "FAILURE" == task.apply(args=("d",), task_id="same-id").state
         assert is_held(task, "d")
-        assert "IGNORED" == task.apply(args=("d",)).state
+        assert "FAILURE" == task.apply(args=("d",)).state
     finally:
         go.set()
         first.join(10)
@@ -558,3 +666,24 @@ def test_a_body_calling_its_own_task_directly_is_a_direct_call(app):
         SKIPPED != AsyncResult(result.id, app=app).state
     )  # nothing stored against the outer id
     assert not is_held(walk_task, "root")
+
+
+def test_a_failing_metrics_sink_never_fails_a_task(app):
+    """A Metrics implementation that raises is logged, and the run's outcome stands."""
+
+    class Broken:
+        def __getattr__(self, name):
+            def fail(*args, **kwargs):
+                raise RuntimeError("sink down")
+
+            return fail
+
+    from celery_pglock import metrics
+
+    task = define(app, ran)
+    metrics.install(Broken())
+    try:
+        assert "ran" == task.apply().get()
+    finally:
+        metrics.install(metrics.NullMetrics())
+    assert not is_held(task)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import stat
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil  # type: ignore[import-untyped, unused-ignore]  # no stubs
@@ -20,13 +24,30 @@ from celery_pglock.testing import (
     EmbeddedRedis,
     OverlapRecorder,
     ServiceError,
+    _root,
     start_services,
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Iterator
 
 TRIVIAL_APP = "tests.acceptance.trivial_app"
+only_as_root = pytest.mark.skipif(
+    not _root.is_root(), reason="tests the root path (run as root in CI)"
+)
+
+
+@pytest.fixture
+def reachable_tmp() -> Iterator[Path]:
+    """A temporary directory the embedded server can use even when we are root.
+
+    pytest's tmp_path lives under /tmp/pytest-of-<user>, which pytest keeps at mode
+    0700: as root, the server's unprivileged user could not enter it (by design).
+    """
+    path = Path(tempfile.mkdtemp(prefix="celery-pglock-test-"))
+    path.chmod(0o711)  # created here: others may traverse it, not list it
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def server_version(url: str) -> str:
@@ -108,9 +129,9 @@ def test_embedded_postgres_context_manager_stops_and_deletes_everything():
     assert not root.exists()
 
 
-def test_embedded_postgres_start_failure_shows_the_log(tmp_path):
+def test_embedded_postgres_start_failure_shows_the_log(reachable_tmp):
     """A server that cannot start raises ServiceError carrying its log tail."""
-    data_dir = tmp_path / "data"
+    data_dir = reachable_tmp / "data"
     with EmbeddedPostgres(data_dir=data_dir) as server:
         server.stop()
     (data_dir / "postgresql.auto.conf").write_text("max_connections = 'lots'\n")
@@ -123,6 +144,70 @@ def test_embedded_postgres_start_failure_shows_the_log(tmp_path):
     finally:
         broken.cleanup()
     assert data_dir.exists()  # a caller's data directory is never deleted
+
+
+@only_as_root
+def test_embedded_postgres_as_root_runs_unprivileged_from_the_binary_cache(
+    private_postgres,
+):
+    """As root, the server runs as an existing unprivileged user from the cached copy."""
+    user = _root.server_user()
+    pid = int((private_postgres.data_dir / "postmaster.pid").read_text().split()[0])
+    postmaster = psutil.Process(pid)
+    assert user.pw_uid == postmaster.uids().real
+    cache = _root.cache_dir().resolve()
+    assert cache in Path(postmaster.exe()).resolve().parents
+    assert 0 == stat.S_IMODE(cache.stat().st_mode) & 0o022
+
+
+def test_embedded_postgres_that_fails_to_start_in_with_leaves_nothing(
+    monkeypatch, reachable_tmp
+):
+    """A start that fails in ``with EmbeddedPostgres()`` still deletes its directory."""
+    temporary = reachable_tmp / "tmp"
+    temporary.mkdir(mode=0o711)
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    data_dir = reachable_tmp / "data"
+    data_dir.mkdir()
+    (data_dir / "PG_VERSION").write_text("not a data directory\n")
+    with pytest.raises(ServiceError), EmbeddedPostgres(data_dir=data_dir):
+        pass
+    assert [] == list(temporary.iterdir())
+    assert data_dir.exists()  # a caller's data directory is never deleted
+
+
+@only_as_root
+def test_embedded_postgres_as_root_refuses_an_unreachable_data_dir(tmp_path):
+    """A data_dir the server's user cannot enter is an error, never a chmod."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    private.chmod(0o700)
+    server = EmbeddedPostgres(data_dir=private / "data")
+    try:
+        with pytest.raises(ServiceError, match="cannot enter") as caught:
+            server.start(timeout=20)
+    finally:
+        server.cleanup()
+    assert str(private) in str(caught.value)
+    assert 0o700 == stat.S_IMODE(private.stat().st_mode)
+
+
+@only_as_root
+def test_embedded_postgres_as_root_refuses_a_cache_others_can_write(
+    monkeypatch, reachable_tmp
+):
+    """Root starts programs from the cache, so a cache others can write is refused."""
+    shared = reachable_tmp / "cache"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv(_root.CACHE_DIR_ENV, str(shared))
+    server = EmbeddedPostgres()
+    try:
+        with pytest.raises(ServiceError, match="writable by no one else"):
+            server.start(timeout=20)
+    finally:
+        server.cleanup()
+    assert [] == list(shared.iterdir())
 
 
 # -- EmbeddedRedis --------------------------------------------------------------------------

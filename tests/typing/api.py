@@ -14,10 +14,14 @@ from celery_pglock import (
     LockBusy,
     LockKey,
     LockScope,
+    LockSkipped,
     OnBusy,
     SingletonTask,
+    SkipResult,
     current_lock,
+    metrics,
     signals,
+    skip_info,
 )
 from celery_pglock.db import create_engine
 
@@ -61,3 +65,27 @@ def standalone() -> None:
             pass
     except LockBusy as busy:
         print(busy.key, busy.name)
+
+
+class Reports(SingletonTask):
+    lock_skip_result = SkipResult.SUCCESS
+    lock_shadow = True
+
+
+def caller() -> None:
+    try:
+        build_tenant_export.delay(7).get(timeout=10)
+    except LockSkipped as skip:
+        print(skip.holder, skip.details["key"], skip_info(skip))
+
+
+class CountingMetrics:
+    def acquired(self, task: str, wait_seconds: float) -> None: ...
+    def skipped(self, task: str, policy: str, wait_seconds: float) -> None: ...
+    def released(self, task: str, state: str, held_seconds: float) -> None: ...
+    def release_failed(self, task: str) -> None: ...
+    def lost(self, task: str) -> None: ...
+
+
+sink: metrics.Metrics = CountingMetrics()
+app.conf.pglock_metrics = sink

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import pickle
+import re
 
 import pytest
 from celery import Celery
@@ -12,9 +14,13 @@ from celery_pglock import (
     LockBusy,
     LockNotOwnedError,
     LockScope,
+    LockSkipped,
     OnBusy,
     SingletonTask,
+    SkipResult,
+    _holder,
     db,
+    metrics,
 )
 from celery_pglock import config as config_module
 
@@ -88,6 +94,11 @@ def test_task_option_beats_app_setting_beats_default(app):
         ({"lock_retry_delay": -1}, ["lock_retry_delay=-1"]),
         ({"lock_key": "tenant_id"}, ["lock_key='tenant_id'", "callable"]),
         ({"lock_namespace": ""}, ["lock_namespace"]),
+        (
+            {"lock_skip_result": "ignore"},
+            ["lock_skip_result='ignore'", "'failure', 'success', 'skipped'"],
+        ),
+        ({"lock_shadow": "yes"}, ["lock_shadow='yes'", "True or False"]),
         (
             {"lock_arg": ("tenant_id",)},
             ["unknown option 'lock_arg'", "did you mean 'lock_args'"],
@@ -367,3 +378,82 @@ def test_namespaced_settings_are_read_and_typos_refused():
             register(typo)
     finally:
         del sys.modules[settings.__name__]
+
+
+def test_skip_result_and_shadow_resolve_from_app_settings(app):
+    """pglock_skip_result / pglock_shadow are app-wide defaults; failure/off by default."""
+    defaults = register(app).lock_config
+    assert (SkipResult.FAILURE, False) == (defaults.skip_result, defaults.shadow)
+    app.conf.pglock_skip_result = "success"
+    app.conf.pglock_shadow = True
+
+    def other(tenant_id):
+        return tenant_id
+
+    options = register(app, other).lock_config
+    assert (SkipResult.SUCCESS, True) == (options.skip_result, options.shadow)
+
+
+def test_lock_skipped_round_trips_like_a_json_result_backend():
+    """A JSON result backend rebuilds an exception as cls(*args): details survive."""
+    skip = LockSkipped("busy", {"key": "1", "lock": "t", "holder": "h:1"})
+    rebuilt = type(skip)(*json.loads(json.dumps(skip.args)))
+    copy = pickle.loads(pickle.dumps(skip))
+    for again in (rebuilt, copy):
+        assert ("busy", "1", "t", "h:1") == (
+            again.message,
+            again.key,
+            again.name,
+            again.holder,
+        )
+    assert "LockSkipped('busy')" == repr(skip)
+    assert isinstance(skip, LockBusy)
+
+
+@pytest.mark.parametrize(
+    ("settings", "fragment"),
+    [
+        ({"pglock_metrics_port": "9808"}, "pglock_metrics_port='9808'"),
+        ({"pglock_metrics_port": 70000}, "(1-65535)"),
+        ({"pglock_metrics_address": ""}, "pglock_metrics_address=''"),
+        ({"pglock_metrics": "statsd"}, "pglock_metrics='statsd'"),
+        (
+            {"pglock_metrics": metrics.NullMetrics(), "pglock_metrics_port": 9808},
+            "cannot be combined",
+        ),
+    ],
+)
+def test_bad_metrics_settings_fail_at_registration(app, settings, fragment):
+    """Metrics settings are validated when a SingletonTask is bound."""
+    app.conf.update(settings)
+    with pytest.raises(ConfigurationError, match=re.escape(fragment)):
+        register(app)
+
+
+def test_a_custom_metrics_sink_is_installed(app):
+    """pglock_metrics may be any object implementing the Metrics protocol."""
+    sink = metrics.NullMetrics()
+    app.conf.pglock_metrics = sink
+    try:
+        register(app)
+        assert sink is metrics.current()
+    finally:
+        metrics.install(metrics.NullMetrics())
+
+
+@pytest.mark.parametrize(
+    ("application_name", "expected"),
+    [
+        (
+            "pglock web-1:4242 -4311986427365126397 billing.settle",
+            ("web-1:4242", "billing.settle"),
+        ),
+        ("pglock web-1:4242 42,1001 ~ng.settle", ("web-1:4242", "~ng.settle")),
+        ("pglock web-1:4242 idle", ("web-1:4242", None)),
+        ("psql", (None, None)),
+        (None, (None, None)),
+    ],
+)
+def test_holder_is_read_from_application_name(application_name, expected):
+    """The holder's host:pid and task name come from its application_name."""
+    assert expected == _holder.parse_application_name(application_name)

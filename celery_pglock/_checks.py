@@ -1,0 +1,226 @@
+"""``pglock check``: what must hold for locks to mean anything, each with its fix.
+
+Configuration, connectivity, server version, standby, role privileges, a connection pooler
+in the way (see ``_server.py``) and ``max_connections`` against the lock sessions the
+workers will open. Each check yields a :class:`Finding`; any FAIL makes the command exit 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING
+
+import click
+
+from celery_pglock import _server, _sql_admin, config, db, exceptions
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+
+    from celery_pglock.cli import Target
+
+
+@dataclasses.dataclass
+class Finding:
+    status: str  # OK, WARN or FAIL
+    name: str
+    detail: str
+    fix: str | None = None
+
+
+def run_checks(
+    target: Target, *, processes: int | None = None, scope: str | None = None
+) -> list[Finding]:
+    """Every check, in order; stops after the first one the rest depend on."""
+    findings: list[Finding] = []
+    setting = f"app.conf.{config.DATABASE_URL_SETTING} (or ${config.DATABASE_URL_ENV})"
+    scopes = {scope} if scope else set()
+    try:
+        if target.app is not None:
+            config.check_unknown_settings(target.app.conf)
+            for task in target.singleton_tasks():
+                scopes.add(task.lock_config.scope.value)
+        url = target.require_url()
+        parsed = db.check_url(url)
+    except (exceptions.ConfigurationError, click.UsageError) as error:
+        return [
+            Finding(
+                "FAIL",
+                "configuration",
+                str(error).strip(),
+                "set the lock database URL and options as the message says",
+            )
+        ]
+    scopes = scopes or {"session"}
+    tasks = len(target.singleton_tasks())
+    findings.append(
+        Finding(
+            "OK",
+            "configuration",
+            f"{db.mask_url(parsed)}"
+            + (
+                f"; {tasks} SingletonTask(s), scope {', '.join(sorted(scopes))}"
+                if target.app is not None
+                else ""
+            ),
+        )
+    )
+
+    engine = target.engine()
+    try:
+        try:
+            with engine.connect() as connection:
+                facts = connection.exec_driver_sql(_sql_admin.SERVER_FACTS).one()
+        except Exception as exc:
+            text = (
+                str(getattr(exc, "orig", exc)).strip().splitlines()[0]
+                if str(exc)
+                else type(exc).__name__
+            )
+            name = "connectivity"
+            fix = f"check host, port, database and credentials in {setting}, and that the server accepts this host"
+            if "startup parameter" in text and "options" in text:
+                # The library drops its own keepalive options where they are refused.
+                fix = "a pooler (PgBouncer) refuses the options startup parameter set in pglock_engine_options['connect_args']: remove it, or connect to PostgreSQL directly"
+            elif _statement_pooling(engine):
+                name = "pooler"
+                text = "statement pooling: multi-statement transactions are refused, and both lock scopes need them"
+                fix = "use a URL that reaches PostgreSQL directly, or a pool in session mode (transaction mode for lock_scope='transaction' only)"
+            findings.append(
+                Finding(
+                    "FAIL",
+                    name,
+                    f"{'cannot connect to ' if name == 'connectivity' else ''}"
+                    f"{db.mask_url(parsed)}: {text}",
+                    fix,
+                )
+            )
+            return findings
+        (
+            version_num,
+            version,
+            standby,
+            max_connections,
+            reserved,
+            in_use,
+            _server_port,  # unused: _server.probe tells a proxy by the client port
+            role,
+            try_ok,
+            xact_ok,
+        ) = facts
+        findings.append(
+            Finding("OK", "connectivity", f"PostgreSQL {version} as {role}")
+        )
+        findings.append(
+            Finding("OK", "server", f"version {version}")
+            if version_num >= 110000
+            else Finding(
+                "WARN",
+                "server",
+                f"version {version}: the SQL key function needs PostgreSQL >= 11",
+                "upgrade PostgreSQL to use `pglock sql`",
+            )
+        )
+        findings.append(
+            Finding(
+                "FAIL",
+                "standby",
+                "the server is a standby (pg_is_in_recovery() is true): advisory locks are not replicated, so a lock taken here excludes nobody on the primary",
+                f"point {setting} at the primary",
+            )
+            if standby
+            else Finding("OK", "standby", "a primary (not in recovery)")
+        )
+        findings.append(
+            Finding(
+                "OK",
+                "privileges",
+                "may call pg_try_advisory_lock and pg_try_advisory_xact_lock",
+            )
+            if try_ok and xact_ok
+            else Finding(
+                "FAIL",
+                "privileges",
+                f"role {role} may not execute the advisory lock functions",
+                f"GRANT EXECUTE ON FUNCTION pg_try_advisory_lock(bigint), pg_try_advisory_xact_lock(bigint), pg_advisory_unlock(bigint) TO {role}",
+            )
+        )
+        findings.append(_pooler_finding(engine, scopes))
+        findings.append(
+            _capacity_finding(target, processes, max_connections, reserved, in_use)
+        )
+    finally:
+        engine.dispose()
+    return findings
+
+
+def _statement_pooling(engine: sa.Engine) -> bool:
+    """Is a statement pooler the reason SQLAlchemy could not connect? (Its first
+    connection opens a transaction, which statement pooling answers by closing it; the
+    probe's autocommit connections get through.)"""
+    try:
+        return _server.probe(engine).pooling is _server.Pooling.STATEMENT
+    except exceptions.PgLockError:
+        return False
+
+
+def _pooler_finding(engine: sa.Engine, scopes: set[str]) -> Finding:
+    try:
+        facts = _server.probe(engine)
+    except exceptions.PgLockError as exc:
+        return Finding("WARN", "pooler", f"could not probe for a pooler: {exc}".strip())
+    direct = "or a URL that reaches PostgreSQL directly (or through session pooling)"
+    if facts.pooling is _server.Pooling.STATEMENT:
+        return Finding(
+            "FAIL",
+            "pooler",
+            f"statement pooling ({facts.evidence}): multi-statement transactions are refused, and both lock scopes need them",
+            f"use a URL that reaches PostgreSQL directly, or a pool in session (or, with lock_scope='transaction', transaction) mode; {direct}",
+        )
+    if facts.pooling is _server.Pooling.TRANSACTION:
+        if "session" in scopes:
+            return Finding(
+                "FAIL",
+                "pooler",
+                f"transaction pooling ({facts.evidence}); session-scope locks would be shared with other clients",
+                f"set lock_scope='transaction' (app.conf.pglock_scope), {direct}",
+            )
+        return Finding(
+            "OK",
+            "pooler",
+            f"transaction pooling ({facts.evidence}): fine for lock_scope='transaction' only",
+        )
+    if facts.proxied:
+        return Finding(
+            "OK",
+            "pooler",
+            "a proxy in session mode: the server sees another client port than ours, "
+            f"and {facts.evidence}",
+        )
+    return Finding("OK", "pooler", f"no pooler or proxy detected ({facts.evidence})")
+
+
+def _capacity_finding(
+    target: Target,
+    processes: int | None,
+    max_connections: int,
+    reserved: int,
+    in_use: int,
+) -> Finding:
+    if processes is None:
+        configured = (
+            target.app.conf.get("worker_concurrency")
+            if target.app is not None
+            else None
+        )
+        processes = int(configured or os.cpu_count() or 1)
+    available = max_connections - reserved - in_use
+    # One lock session per worker process/thread that runs a locked task at once.
+    detail = f"{processes} lock session(s) needed at most; max_connections={max_connections}, {reserved} reserved, {in_use} in use, {available} free"
+    fix = "raise max_connections, lower worker concurrency, or pool lock sessions through PgBouncer in session mode"
+    if processes > available:
+        return Finding("FAIL", "capacity", detail, fix)
+    if processes > 0.8 * available:
+        return Finding("WARN", "capacity", detail + " (over 80% of what is free)", fix)
+    return Finding("OK", "capacity", detail)

@@ -1,0 +1,212 @@
+"""Outcome reporting: each lock outcome, once, to signals, the log and metrics.
+
+``task.py`` decides what happens to a run (Celery semantics); it then calls one function
+here per outcome - :func:`acquired`, :func:`skipped`, :func:`released`,
+:func:`release_failed` - and this module fans it out: the public signals (only when
+someone listens), one log record (only when its level is enabled) and the process's
+metrics sink (``metrics.current()``). The hot path (acquired + released) builds no dict
+and formats no string unless a receiver or DEBUG logging asks for it.
+
+Logging rule: celery-pglock logs at INFO or above only what Celery does not already log.
+A skip that ends as FAILURE or SUCCESS is logged by Celery's own task line, whose text is
+our message (lock, key, holder); a run's end is Celery's "succeeded"/"raised" line. So those
+records are DEBUG here, and an operator sees one line per skip. The database URL is never
+repeated per task: the worker logs it once at start (``_hooks.check_app``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from celery_pglock import metrics, signals
+
+if TYPE_CHECKING:
+    from celery_pglock.lock import AdvisoryLock
+
+logger = logging.getLogger(__name__)
+
+
+def acquired(task: Any, task_id: str | None, lock: AdvisoryLock) -> None:
+    """The run got its lock and its body is about to run."""
+    wait = lock.wait_seconds or 0.0
+    try:
+        metrics.current().acquired(task.name, wait)
+    except Exception as exc:
+        _metrics_failed(exc)
+    if signals.lock_acquired.receivers:
+        signals.lock_acquired.send(
+            sender=task,
+            task_id=task_id,
+            task_name=task.name,
+            key=lock.key,
+            wait_seconds=wait,
+        )
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(
+            "Acquired lock %s (key %s) for %s[%s] in %.3fs",
+            lock.key.name,
+            lock.key,
+            task.name,
+            task_id,
+            wait,
+            extra=_extra("lock_acquired", lock, task_id),
+        )
+
+
+def skipped(
+    task: Any,
+    task_id: str | None,
+    lock: AdvisoryLock,
+    *,
+    action: str,
+    message: str,
+    details: dict[str, Any],
+    celery_logs: bool,
+    shadow: bool = False,
+) -> None:
+    """The run did not get its lock; ``action`` is the lock_on_busy policy applied.
+
+    Args:
+        message: The sentence naming lock, key and holder (it is also the message of the
+            exception or record the run ends with).
+        details: The skip as plain data (``LockSkipped.details``).
+        celery_logs: Celery's own task log line will carry ``message``, so ours is DEBUG.
+        shadow: Shadow mode: the body runs anyway; this is a would-be skip.
+    """
+    wait = lock.wait_seconds or 0.0
+    try:
+        metrics.current().skipped(task.name, action, wait)
+    except Exception as exc:
+        _metrics_failed(exc)
+    if signals.lock_skipped.receivers:
+        signals.lock_skipped.send(
+            sender=task,
+            task_id=task_id,
+            task_name=task.name,
+            key=lock.key,
+            wait_seconds=wait,
+            action=action,
+            holder=details.get("holder"),
+            shadow=shadow,
+        )
+    level = logging.DEBUG if celery_logs else logging.INFO
+    if logger.isEnabledFor(level):
+        logger.log(
+            level,
+            "%s Policy: %s%s.",
+            message,
+            action,
+            " (shadow mode: the body runs anyway)" if shadow else "",
+            extra={
+                **_extra("lock_skipped", lock, task_id),
+                "on_busy": action,
+                "holder": details.get("holder"),
+                "holder_pid": details.get("holder_pid"),
+                "shadow": shadow,
+            },
+        )
+
+
+def released(
+    task: Any,
+    task_id: str | None,
+    lock: AdvisoryLock,
+    *,
+    state: str,
+    failed: bool,
+    exception: BaseException | None,
+) -> None:
+    """The run ended (its lock released, or its release already reported as failed)."""
+    held = (lock.released_at or 0.0) - (lock.acquired_at or 0.0)
+    try:
+        metrics.current().released(task.name, state, held)
+    except Exception as exc:
+        _metrics_failed(exc)
+    if not failed:
+        if signals.lock_completed.receivers:
+            signals.lock_completed.send(**_payload(task, task_id, lock, held, state))
+    elif signals.lock_failed.receivers:
+        signals.lock_failed.send(
+            exception=exception, **_payload(task, task_id, lock, held, state)
+        )
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(
+            "Lock %s (key %s) of %s[%s]: %s after %.3fs held",
+            lock.key.name,
+            lock.key,
+            task.name,
+            task_id,
+            state,
+            held,
+            extra={
+                **_extra("lock_failed" if failed else "lock_completed", lock, task_id),
+                "state": state,
+            },
+        )
+
+
+def release_failed(
+    task: Any, task_id: str | None, lock: AdvisoryLock, error: BaseException
+) -> None:
+    """Releasing failed; the lock's connection was closed, so PostgreSQL freed it."""
+    try:
+        metrics.current().release_failed(task.name)
+    except Exception as exc:
+        _metrics_failed(exc)
+    logger.error(
+        "Releasing lock %s (key %s) of %s[%s] failed: %s. The connection was closed, "
+        "so PostgreSQL no longer holds the lock.",
+        lock.key.name,
+        lock.key,
+        task.name,
+        task_id,
+        error,
+        extra=_extra("lock_release_failed", lock, task_id),
+    )
+    if signals.lock_release_failed.receivers:
+        signals.lock_release_failed.send(
+            sender=task,
+            task_id=task_id,
+            task_name=task.name,
+            key=lock.key,
+            wait_seconds=lock.wait_seconds,
+            exception=error,
+        )
+
+
+def _metrics_failed(exc: Exception) -> None:
+    # A metrics sink must never fail a task: log (once per process) and go on.
+    global _metrics_warned
+    if not _metrics_warned:
+        _metrics_warned = True
+        logger.error(
+            "celery-pglock: the metrics sink failed; tasks go on, counts may be lost",
+            exc_info=exc,
+        )
+
+
+_metrics_warned = False
+
+
+def _payload(
+    task: Any, task_id: str | None, lock: AdvisoryLock, held: float, state: str
+) -> dict[str, Any]:
+    return {
+        "sender": task,
+        "task_id": task_id,
+        "task_name": task.name,
+        "key": lock.key,
+        "wait_seconds": lock.wait_seconds,
+        "held_seconds": held,
+        "state": state,
+    }
+
+
+def _extra(action: str, lock: AdvisoryLock, task_id: str | None) -> dict[str, Any]:
+    return {
+        "action": action,
+        "lock_key": str(lock.key),
+        "lock_name": lock.key.name,
+        "task_id": task_id,
+    }

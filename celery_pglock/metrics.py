@@ -1,0 +1,273 @@
+"""Lock metrics: a Metrics protocol, a no-op default and a Prometheus adapter (extra).
+
+Every outcome reaches the process's one :class:`Metrics` sink through ``_outcomes.py``.
+The default, :class:`NullMetrics`, costs one no-op method call per outcome.
+``app.conf.pglock_metrics_port = 9808`` installs :class:`PrometheusMetrics` and serves
+``/metrics`` from the worker's main process (``pip install celery-pglock[prometheus]``;
+the serving, and the prefork hazard it handles, are in ``_metrics_server.py``).
+
+Labels are task names, policies and states only: never argument values (unbounded, and
+often personal data).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Protocol
+
+from celery_pglock import exceptions
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+#: Seconds buckets for the time a run spent asking for its lock (a try is ~0.1-1 ms).
+WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30)
+#: Seconds buckets for how long a lock was held (a task body's run time).
+HELD_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600)
+DEFAULT_ADDRESS = "0.0.0.0"  # noqa: S104 - an exporter is scraped from other hosts
+
+
+class Metrics(Protocol):
+    """Where lock outcomes are counted. Labels never carry argument values."""
+
+    def acquired(self, task: str, wait_seconds: float) -> None:
+        """A run took its lock after ``wait_seconds``."""
+
+    def skipped(self, task: str, policy: str, wait_seconds: float) -> None:
+        """A run did not get its lock; ``policy`` is the lock_on_busy action applied."""
+
+    def released(self, task: str, state: str, held_seconds: float) -> None:
+        """A run released its lock; ``state`` is the run's Celery state."""
+
+    def release_failed(self, task: str) -> None:
+        """Releasing a lock went wrong (the connection was closed instead)."""
+
+    def lost(self, task: str) -> None:
+        """A held lock was lost while its body ran (reserved for lock-loss detection)."""
+
+
+class NullMetrics:
+    """The default sink: counts nothing."""
+
+    def acquired(self, task: str, wait_seconds: float) -> None:
+        pass
+
+    def skipped(self, task: str, policy: str, wait_seconds: float) -> None:
+        pass
+
+    def released(self, task: str, state: str, held_seconds: float) -> None:
+        pass
+
+    def release_failed(self, task: str) -> None:
+        pass
+
+    def lost(self, task: str) -> None:
+        pass
+
+
+class PrometheusMetrics:
+    """Prometheus counters and histograms (``celery_pglock_*``) in ``registry``.
+
+    The collectors are created on first use, in the process that counts (a pool child,
+    after the fork), and registered in ``registry`` (prometheus_client's default
+    ``REGISTRY`` unless given). In multiprocess mode the registry does not matter: values
+    go to ``PROMETHEUS_MULTIPROC_DIR`` and a MultiProcessCollector serves them.
+    """
+
+    def __init__(self, registry: Any = None) -> None:
+        _require_prometheus()
+        self._registry = registry
+        self._collectors: dict[str, Any] | None = None
+        self._children: dict[tuple[str, ...], Any] = {}
+        self._guard = threading.Lock()
+
+    def collectors(self) -> dict[str, Any]:
+        """The collectors by short name, created on first call."""
+        collectors = self._collectors
+        if collectors is None:
+            with self._guard:
+                if self._collectors is None:
+                    self._collectors = _create_collectors(self._registry)
+                collectors = self._collectors
+        return collectors
+
+    def _child(self, name: str, *labels: str) -> Any:
+        # labels() costs a few microseconds per call: keep each labelled child (the
+        # label sets are task names x policies/states, so this stays small).
+        key = (name, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.collectors()[name].labels(*labels)
+        return child
+
+    def acquired(self, task: str, wait_seconds: float) -> None:
+        self._child("acquired", task).inc()
+        self._child("wait", task).observe(wait_seconds)
+
+    def skipped(self, task: str, policy: str, wait_seconds: float) -> None:
+        self._child("skipped", task, policy).inc()
+        self._child("wait", task).observe(wait_seconds)
+
+    def released(self, task: str, state: str, held_seconds: float) -> None:
+        self._child("released", task, state).inc()
+        self._child("held", task).observe(held_seconds)
+
+    def release_failed(self, task: str) -> None:
+        self._child("release_failed", task).inc()
+
+    def lost(self, task: str) -> None:
+        self._child("lost", task).inc()
+
+
+def _create_collectors(registry: Any) -> dict[str, Any]:
+    import prometheus_client as prom
+
+    kwargs: dict[str, Any] = {} if registry is None else {"registry": registry}
+    return {
+        "acquired": prom.Counter(
+            "celery_pglock_acquired",
+            "Runs that took their lock.",
+            ["task"],
+            **kwargs,
+        ),
+        "skipped": prom.Counter(
+            "celery_pglock_skipped",
+            "Runs that did not get their lock (policy: the lock_on_busy action applied).",
+            ["task", "policy"],
+            **kwargs,
+        ),
+        "released": prom.Counter(
+            "celery_pglock_released",
+            "Locks released, by the run's Celery state.",
+            ["task", "state"],
+            **kwargs,
+        ),
+        "release_failed": prom.Counter(
+            "celery_pglock_release_failed",
+            "Releases that failed; the lock connection was closed instead.",
+            ["task"],
+            **kwargs,
+        ),
+        "lost": prom.Counter(
+            "celery_pglock_lost",
+            "Locks lost while their body ran.",
+            ["task"],
+            **kwargs,
+        ),
+        "wait": prom.Histogram(
+            "celery_pglock_wait_seconds",
+            "Time a run spent asking for its lock.",
+            ["task"],
+            buckets=WAIT_BUCKETS,
+            **kwargs,
+        ),
+        "held": prom.Histogram(
+            "celery_pglock_held_seconds",
+            "Time a lock was held.",
+            ["task"],
+            buckets=HELD_BUCKETS,
+            **kwargs,
+        ),
+    }
+
+
+# -- the process's sink -----------------------------------------------------------------
+
+_sink: Metrics = NullMetrics()
+
+
+def current() -> Metrics:
+    """The sink outcomes are counted in (NullMetrics unless configured)."""
+    return _sink
+
+
+def install(metrics: Metrics) -> None:
+    """Make ``metrics`` the sink of this process (e.g. a custom Metrics implementation)."""
+    global _sink
+    _sink = metrics
+
+
+def configure(conf: Mapping[str, Any]) -> None:
+    """Install the sink the app settings ask for (called when a SingletonTask is bound).
+
+    ``pglock_metrics``: None (default; NullMetrics unless ``pglock_metrics_port`` is set),
+    ``"prometheus"``, or an object implementing :class:`Metrics`.
+
+    A process without prometheus_client (a web app sharing the workers' settings, say)
+    keeps NullMetrics: only a worker needs the extra, and its start refuses to go on
+    without it (``_hooks.check_app`` calls :func:`from_conf`).
+
+    Raises:
+        ConfigurationError: a bad value.
+    """
+    wanted = from_conf(conf, require=False)
+    if wanted is None:
+        return
+    if isinstance(wanted, str):
+        if not isinstance(_sink, PrometheusMetrics) and _has_prometheus():
+            install(PrometheusMetrics())
+        return
+    install(wanted)
+
+
+def from_conf(conf: Mapping[str, Any], *, require: bool = True) -> Metrics | str | None:
+    """Validate the metrics settings: ``"prometheus"``, a Metrics object, or None.
+
+    Args:
+        require: ``"prometheus"`` needs prometheus_client to be installed.
+    """
+    value = conf.get("pglock_metrics")
+    port = conf.get("pglock_metrics_port")
+    address = conf.get("pglock_metrics_address")
+    if port is not None and (
+        isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
+    ):
+        raise exceptions.ConfigurationError(
+            f"pglock_metrics_port={port!r} is invalid; expected a TCP port number "
+            "(1-65535), such as 9808, or None to serve no /metrics."
+        )
+    if address is not None and (not isinstance(address, str) or not address):
+        raise exceptions.ConfigurationError(
+            f"pglock_metrics_address={address!r} is invalid; expected an address to bind "
+            f"/metrics to, such as {DEFAULT_ADDRESS!r} or '127.0.0.1'."
+        )
+    if value is None:
+        if port is None:
+            return None
+        value = "prometheus"
+    if value == "prometheus":
+        if require:
+            _require_prometheus()
+        return "prometheus"
+    if isinstance(value, str) or not all(
+        callable(getattr(value, name, None))
+        for name in ("acquired", "skipped", "released", "release_failed", "lost")
+    ):
+        raise exceptions.ConfigurationError(
+            f"pglock_metrics={value!r} is invalid; expected None, 'prometheus' or an "
+            "object implementing celery_pglock.metrics.Metrics."
+        )
+    if port is not None:
+        raise exceptions.ConfigurationError(
+            "pglock_metrics_port serves Prometheus metrics; it cannot be combined with "
+            f"a custom pglock_metrics={value!r}. Unset one of them."
+        )
+    return value  # type: ignore[no-any-return]
+
+
+def _has_prometheus() -> bool:
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _require_prometheus() -> None:
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise exceptions.ConfigurationError(
+            "Prometheus metrics (pglock_metrics_port or pglock_metrics='prometheus') "
+            "need prometheus_client: pip install 'celery-pglock[prometheus]'."
+        ) from None

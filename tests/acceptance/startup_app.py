@@ -1,0 +1,34 @@
+"""A Celery app for the worker start-up tests: one SingletonTask, configured like a user's.
+
+The broker and result backend come from the test services' variables; the lock database
+only from CELERY_PGLOCK_DATABASE_URL, the variable celery-pglock reads by itself, so a test
+can point a worker at an unreachable database. PGLOCK_TEST_QUEUE keeps the tests' tasks
+to their own worker.
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+from celery_pglock import SingletonTask
+from celery_pglock.testing import BROKER_URL_ENV, RESULT_BACKEND_ENV
+
+broker_url = os.environ[BROKER_URL_ENV]
+app = Celery(
+    "startup_app",
+    broker=broker_url,
+    backend=os.environ.get(RESULT_BACKEND_ENV) or broker_url,
+)
+app.conf.update(
+    task_default_queue=os.environ.get("PGLOCK_TEST_QUEUE", "pglock-startup"),
+    pglock_namespace="startup",
+    broker_connection_retry_on_startup=True,
+)
+
+
+@app.task(base=SingletonTask, name="startup.noop")
+def noop() -> str:
+    """Do nothing under the lock."""
+    return "ran"

@@ -1,0 +1,28 @@
+"""A Celery app for the CLI tests: loaded by ``celery-pglock --app`` and ``celery -A``."""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+from celery_pglock import SingletonTask
+
+app = Celery("cli", broker="memory://", set_as_current=False)
+app.conf.pglock_database_url = os.environ.get("CELERY_PGLOCK_TEST_DATABASE_URL")
+app.conf.pglock_namespace = os.environ.get("PGLOCK_CLI_NAMESPACE", "cli")
+
+
+@app.task(base=SingletonTask, lock_args=("tenant_id", "spec"))
+def export(tenant_id, spec=None, fmt="csv"):
+    return tenant_id
+
+
+@app.task(base=SingletonTask)
+def settle():
+    return "settled"
+
+
+@app.task(base=SingletonTask, lock_id=(42, 1001))
+def pinned():
+    return "pinned"

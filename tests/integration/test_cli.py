@@ -1,0 +1,297 @@
+"""The pglock command against real PostgreSQL (and a real PgBouncer, marker pgbouncer).
+
+The command runs in-process through click's runner, as ``celery-pglock`` would; one test
+runs it as ``celery -A ... pglock`` in a subprocess to prove the entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import uuid
+
+import pytest
+from click.testing import CliRunner
+
+from celery_pglock import AdvisoryLock, cli, db
+from celery_pglock.testing import EmbeddedPostgres, _support
+
+APP = "tests.integration.cli_app:app"
+
+
+@pytest.fixture
+def cli_app(database_url, monkeypatch):
+    monkeypatch.setenv("CELERY_PGLOCK_TEST_DATABASE_URL", database_url)
+    from tests.integration import cli_app
+
+    cli_app.app.conf.pglock_database_url = database_url
+    return cli_app
+
+
+def run(*args, expect=0):
+    result = CliRunner().invoke(cli.standalone_command, list(args))
+    assert expect == result.exit_code, result.output + repr(result.exception)
+    return result.output
+
+
+@pytest.fixture
+def schema(database_url):
+    """A schema of this test's own for the installed SQL; dropped afterwards."""
+    name = f"pglock_cli_{uuid.uuid4().hex[:8]}"
+    connection = _support.connect(database_url, application_name="cli test schema")
+    with connection.cursor() as cursor:
+        cursor.execute(f'CREATE SCHEMA "{name}"')
+    yield name
+    with connection.cursor() as cursor:
+        cursor.execute(f'DROP SCHEMA "{name}" CASCADE')
+    connection.close()
+
+
+MATERIALS = [
+    ((7,), {}),
+    (("7",), {}),
+    ((7, {"b": [1, True, None], "a": "x", "é": "ü", "Z": 'q"uote\\'}), {}),
+    ((), {"tenant_id": "line\nbreak\ttab\x01", "spec": {"nested": {"k": [2, 3]}}}),
+    ((-(2**40),), {"spec": ["a", "b"], "fmt": "pdf"}),
+]
+
+
+@pytest.mark.parametrize(("args", "kwargs"), MATERIALS)
+def test_key_agrees_with_the_worker_and_the_sql_function(
+    cli_app, database_url, schema, args, kwargs
+):
+    """`pglock key` prints the key SingletonTask.lock_key_for computes, and the installed
+    celery_pglock_key() computes the same bigint in PostgreSQL."""
+    expected = cli_app.export.lock_key_for(*args, **kwargs)
+    forms = json.loads(
+        run(
+            "--app",
+            APP,
+            "key",
+            cli_app.export.name,
+            "--args",
+            json.dumps(list(args)),
+            "--kwargs",
+            json.dumps(kwargs),
+            "--json",
+        )
+    )
+    assert str(expected) == forms["key"]
+    assert list(expected.pg_locks_ids) == list(forms["pg_locks"].values())
+    run("--database-url", database_url, "sql", "--apply", "--schema", schema)
+    connection = _support.connect(database_url, application_name="cli test")
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(f'SET search_path TO "{schema}", public')
+            cursor.execute(forms["key_sql"])
+            (in_sql,) = cursor.fetchone()
+    finally:
+        connection.close()
+    assert expected.ids == (in_sql,)
+
+
+def test_key_of_fixed_and_explicit_keys(cli_app):
+    """A task without lock_args and a lock_id task: same forms, from the same code."""
+    settle = json.loads(run("--app", APP, "key", cli_app.settle.name, "--json"))
+    assert str(cli_app.settle.lock_key_for()) == settle["key"]
+    pinned = json.loads(run("--app", APP, "key", cli_app.pinned.name, "--json"))
+    assert "42,1001" == pinned["key"]
+    assert None is pinned["key_sql"]
+    assert "classid=42 objid=1001 objsubid=2" in run(
+        "--app", APP, "key", cli_app.pinned.name
+    )
+
+
+def test_key_refuses_unknown_tasks_and_bad_json(cli_app):
+    assert "is not a SingletonTask" in run("--app", APP, "key", "nope", expect=2)
+    assert "must be JSON" in run(
+        "--app", APP, "key", cli_app.export.name, "--args", "[7", expect=2
+    )
+
+
+def test_locks_names_holders_waiters_and_foreign_locks(cli_app, database_url):
+    """`pglock locks` shows a held lock by task, host:pid and backend pid, who waits for
+    it, and a lock some other program took, labelled as such; nothing once released."""
+    engine = db.engine_for(cli_app.app.conf)
+    key = cli_app.settle.lock_key_for()
+    lock = AdvisoryLock(engine=engine, key=key, label=cli_app.settle.name)
+    assert lock.acquire()
+    foreign = _support.connect(database_url, application_name="psql")
+    waiter = _support.connect(database_url, application_name="cli test waiter")
+    foreign_key = uuid.uuid4().int % 2**62
+    waiting = threading.Thread(target=_wait_for, args=(waiter, key.ids[0]))
+    try:
+        with foreign.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_lock(%s)", (foreign_key,))
+        waiting.start()
+        assert _support.wait_until(
+            lambda: bool((_entry(cli_app, str(key)) or {}).get("waiters")), timeout=10
+        )
+        entry = _entry(cli_app, str(key))
+        assert db.process_tag() == entry["holder"]
+        assert cli_app.settle.name == entry["task"]
+        assert cli_app.settle.name == entry["lock_name"]  # a fixed key: known by name
+        assert entry["celery_pglock"]
+        assert entry["held_seconds"] >= 0
+        assert ["cli test waiter"] == [w["application_name"] for w in entry["waiters"]]
+        other = _entry(cli_app, str(foreign_key))
+        assert not other["celery_pglock"]
+        assert "psql" == other["application_name"]
+        table = run("--app", APP, "locks")
+        assert "(not celery-pglock)" in table
+        assert db.process_tag() in table
+    finally:
+        lock.release()
+        waiting.join(10)
+        foreign.close()
+        waiter.close()
+    assert None is _entry(cli_app, str(key))
+
+
+def _wait_for(connection, key_id):
+    with connection.cursor() as cursor:
+        cursor.execute("SET lock_timeout = '20s'")
+        cursor.execute("SELECT pg_advisory_lock(%s)", (key_id,))
+        cursor.execute("SELECT pg_advisory_unlock(%s)", (key_id,))
+
+
+def _entry(cli_app, key):
+    entries = json.loads(run("--app", APP, "locks", "--json"))
+    found = [entry for entry in entries if entry["key"] == key]
+    return found[0] if found else None
+
+
+def test_check_passes_on_a_direct_primary(cli_app, database_url):
+    output = run("--database-url", database_url, "check")
+    assert "FAIL" not in output
+    assert "pooler        no pooler or proxy detected" in output
+
+
+def test_check_fails_with_a_fix_on_a_wrong_url():
+    url = f"postgresql+psycopg2://postgres:s3cret@127.0.0.1:{_support.free_port()}/x"
+    output = run("--database-url", url, "check", expect=1)
+    assert "FAIL  connectivity" in output
+    assert "fix: check host, port" in output
+    assert "s3cret" not in output
+
+
+def test_check_fails_with_a_fix_on_too_few_connections(database_url):
+    output = run(
+        "--database-url", database_url, "check", "--processes", "100000", expect=1
+    )
+    assert "FAIL  capacity" in output
+    assert "raise max_connections" in output
+
+
+def test_check_fails_on_a_standby(private_postgres):
+    """A streaming standby of a private PostgreSQL: refused, with the primary named as fix."""
+    standby_dir = private_postgres._root / "standby"
+    private_postgres._run(
+        "pg_basebackup",
+        "-D",
+        str(standby_dir),
+        "-R",
+        "-X",
+        "stream",
+        "-h",
+        "127.0.0.1",
+        "-p",
+        str(private_postgres.port),
+        "-U",
+        "postgres",
+        timeout=60,
+    )
+    standby = EmbeddedPostgres(data_dir=standby_dir)
+    try:
+        standby.start(timeout=60)
+        output = run("--database-url", standby.url(), "check", expect=1)
+    finally:
+        standby.cleanup()
+    assert "FAIL  standby" in output
+    assert "at the primary" in output
+
+
+def test_celery_subcommand_uses_the_projects_app(cli_app, database_url):
+    """`celery -A proj pglock key ...` is registered through celery.commands."""
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            APP,
+            "pglock",
+            "key",
+            cli_app.settle.name,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "CELERY_PGLOCK_TEST_DATABASE_URL": database_url},
+    )
+    assert 0 == completed.returncode, completed.stderr
+    assert str(cli_app.settle.lock_key_for()) == json.loads(completed.stdout)["key"]
+
+
+@pytest.mark.pgbouncer
+@pytest.mark.parametrize(
+    ("pool_mode", "ignore", "status", "fragment"),
+    [
+        ("transaction", "", "FAIL  pooler", "lock_scope='transaction'"),
+        ("transaction", "options", "FAIL  pooler", "lock_scope='transaction'"),
+        ("statement", "options", "FAIL  pooler", "statement pooling"),
+        ("statement", "", "FAIL  pooler", "statement pooling"),
+        ("session", "options", "OK    pooler", "a proxy in session mode"),
+        ("session", "", "OK    pooler", "a proxy in session mode"),
+    ],
+)
+def test_check_through_pgbouncer(
+    pgbouncer_factory, pool_mode, ignore, status, fragment
+):
+    """A real PgBouncer: transaction and statement pooling are refused for session-scope
+    locks with the fix named; session pooling is accepted. The default keepalive
+    options, which PgBouncer refuses unless told to ignore them, are no obstacle."""
+    settings = {"ignore_startup_parameters": ignore} if ignore else {}
+    bouncer = pgbouncer_factory(pool_mode, **settings)
+    output = run(
+        "--database-url",
+        bouncer.url(),
+        "check",
+        expect=0 if status.startswith("OK") else 1,
+    )
+    assert status in output, output
+    assert fragment in output, output
+
+
+def test_python_dash_m_runs_the_standalone_command(database_url):
+    """`python -m celery_pglock` is the standalone command, exit status included."""
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "celery_pglock",
+            "--database-url",
+            database_url,
+            "check",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert 0 == ok.returncode, ok.stdout + ok.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "celery_pglock", "check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={k: v for k, v in os.environ.items() if k != "CELERY_PGLOCK_DATABASE_URL"},
+    )
+    assert 1 == bad.returncode
+    assert "CELERY_PGLOCK_DATABASE_URL" in bad.stdout

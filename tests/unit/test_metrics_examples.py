@@ -1,0 +1,97 @@
+"""The shipped dashboard and alert rules only use metrics the library exports. No I/O."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import prometheus_client
+import pytest
+
+from celery_pglock import ConfigurationError, _metrics_server, metrics
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+METRIC = re.compile(r"\bcelery_pglock_[a-z_]+")
+
+
+def exported_names() -> set[str]:
+    registry = prometheus_client.CollectorRegistry()
+    sink = metrics.PrometheusMetrics(registry=registry)
+    sink.acquired("t", 0.1)
+    sink.skipped("t", "skip", 0.1)
+    sink.released("t", "SUCCESS", 1.0)
+    sink.release_failed("t")
+    sink.lost("t")
+    return {sample.name for family in registry.collect() for sample in family.samples}
+
+
+@pytest.mark.parametrize("name", ["grafana-dashboard.json", "prometheus-alerts.yml"])
+def test_examples_use_exported_metrics(name):
+    text = (EXAMPLES / name).read_text()
+    used = set(METRIC.findall(text)) - {"celery_pglock_locks"}
+    assert used
+    assert set() == used - exported_names()
+
+
+def test_dashboard_is_valid_json_with_a_task_variable():
+    dashboard = json.loads((EXAMPLES / "grafana-dashboard.json").read_text())
+    assert "task" in [v["name"] for v in dashboard["templating"]["list"]]
+    assert all(panel["targets"] for panel in dashboard["panels"])
+
+
+def test_prometheus_labels_never_carry_more_than_names():
+    """Labels are task, policy, state: nothing per call."""
+    registry = prometheus_client.CollectorRegistry()
+    metrics.PrometheusMetrics(registry=registry).skipped("t", "skip", 0.0)
+    labels = {
+        key
+        for family in registry.collect()
+        for sample in family.samples
+        for key in sample.labels
+    }
+    assert {"task", "policy", "le"} >= labels
+
+
+def test_a_taken_port_is_reported_and_changes_nothing(monkeypatch, tmp_path):
+    """serve() on a port in use raises ConfigurationError naming the setting, and leaves
+    no multiprocess directory or environment variable behind (children keep counting in
+    memory; tasks are unaffected)."""
+    import socket
+
+    monkeypatch.delenv(_metrics_server.MULTIPROC_ENV, raising=False)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigurationError, match=f"pglock_metrics_port={port}"):
+            _metrics_server.serve(
+                {"pglock_metrics_port": port, "pglock_metrics_address": "127.0.0.1"}
+            )
+    assert _metrics_server.MULTIPROC_ENV not in os.environ
+    assert [] == list(tmp_path.iterdir())
+
+
+def test_without_prometheus_client_only_the_worker_refuses(monkeypatch):
+    """A process without the extra registers tasks (NullMetrics); a worker start names
+    the extra to install."""
+    from celery import Celery
+
+    from celery_pglock import SingletonTask, _hooks
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import fails
+    app = Celery("unit", broker="memory://", set_as_current=False)
+    app.conf.pglock_database_url = "postgresql+psycopg2://u@db.invalid/app"
+    app.conf.pglock_metrics_port = 9808
+
+    @app.task(base=SingletonTask, name="unit.no_prometheus", shared=False)
+    def no_prometheus():
+        return 1
+
+    app.finalize(auto=True)
+    assert isinstance(metrics.current(), metrics.NullMetrics)
+    with pytest.raises(ConfigurationError, match=r"celery-pglock\[prometheus\]"):
+        _hooks.check_app(app)
