@@ -144,6 +144,7 @@ def probe(
     conf: Mapping[str, Any] | None = None,
     *,
     timeout: float = PROBE_TIMEOUT,
+    action: str = "probe the lock database",
 ) -> ServerFacts:
     """Probe the lock database: version, standby or not, pooling mode in between.
 
@@ -153,21 +154,22 @@ def probe(
             is made with ``db.create_engine(url, conf)`` and disposed).
         conf: App configuration for a URL target (application_name, engine options).
         timeout: Seconds the whole probe may take.
+        action: What failed, for the DatabaseError message ("Could not <action> ...").
 
     Raises:
         ConfigurationError: an invalid URL.
         DatabaseError: the database could not be reached or did not answer in time.
     """
     if isinstance(target, sa.Engine):
-        return _bounded(target, timeout)
+        return _bounded(target, timeout, action)
     engine = db.create_engine(target, conf)
     try:
-        return _bounded(engine, timeout)
+        return _bounded(engine, timeout, action)
     finally:
         engine.dispose()
 
 
-def _bounded(engine: sa.Engine, timeout: float) -> ServerFacts:
+def _bounded(engine: sa.Engine, timeout: float, action: str) -> ServerFacts:
     """Run the probe in a thread so that a stuck connect or queue wait cannot hold us."""
     masked = db.engine_info(engine)["masked_url"]
     opened: list[Any] = []
@@ -187,13 +189,14 @@ def _bounded(engine: sa.Engine, timeout: float) -> ServerFacts:
             with contextlib.suppress(Exception):
                 connection.cancel()  # the thread then fails and closes them
         raise exceptions.DatabaseError(
-            f"Could not probe the lock database {masked}: no answer within {timeout:g} s."
+            f"Could not {action} on {masked}: the server probe had no answer within "
+            f"{timeout:g} s."
         )
     result = outcome[0]
     if isinstance(result, BaseException):
         if isinstance(result, exceptions.PgLockError):
             raise result
-        with db.wrap_db_errors("probe the lock database", engine):
+        with db.wrap_db_errors(action, engine):
             raise result
     return result
 
@@ -293,10 +296,13 @@ _refusals: weakref.WeakKeyDictionary[sa.Engine, dict[LockScope, str | None]] = (
 _probing = threading.Lock()
 
 
-def facts_for(engine: sa.Engine) -> ServerFacts:
+def facts_for(
+    engine: sa.Engine, action: str = "probe the lock database"
+) -> ServerFacts:
     """The facts of ``engine``'s server: probed at the first call, then cached.
 
-    A failed probe is not cached: the next call probes again.
+    A failed probe is not cached: the next call probes again. ``action`` words its
+    DatabaseError (see :func:`probe`).
     """
     facts = _facts.get(engine)
     if facts is not None:
@@ -304,7 +310,7 @@ def facts_for(engine: sa.Engine) -> ServerFacts:
     with _probing:
         facts = _facts.get(engine)
         if facts is None:
-            facts = probe(engine)
+            facts = probe(engine, action=action)
             _refusals[engine] = {scope: facts.refusal(scope) for scope in LockScope}
             _facts[engine] = facts
             logger.debug(
@@ -316,11 +322,12 @@ def facts_for(engine: sa.Engine) -> ServerFacts:
         return facts
 
 
-def check(engine: sa.Engine, scope: LockScope) -> None:
+def check(engine: sa.Engine, scope: LockScope, lock_name: str = "") -> None:
     """Refuse locks of ``scope`` on ``engine`` if its server cannot honour them.
 
     The first call per engine probes (see :func:`facts_for`); later ones are a dict
-    lookup, so this may sit on the per-task path.
+    lookup, so this may sit on the per-task path. ``lock_name`` names the lock in the
+    DatabaseError of a failed probe, as a failed acquire would.
 
     Raises:
         ConfigurationError: a standby, or a pooling mode that breaks this scope; the
@@ -329,7 +336,7 @@ def check(engine: sa.Engine, scope: LockScope) -> None:
     """
     refusals = _refusals.get(engine)
     if refusals is None:
-        facts_for(engine)
+        facts_for(engine, f"acquire lock {lock_name!r}")
         refusals = _refusals[engine]
     message = refusals[scope]
     if message is not None:

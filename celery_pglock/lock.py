@@ -130,7 +130,7 @@ class AdvisoryLock:
             timeout_ms = max(1, math.ceil(timeout * 1000))
         # A standby or a multiplexing pooler: refused. Probes once per engine, then
         # costs a dict lookup.
-        _server.check(self.engine, self.scope)
+        _server.check(self.engine, self.scope, self.key.name)
         asked_at = time.monotonic()
         try:
             granted = self._do_acquire(timeout_ms)

@@ -16,9 +16,7 @@ import uuid
 
 import pytest
 
-from celery_pglock import SKIPPED
-
-from .conftest import states, wait_until
+from .conftest import outcomes, wait_until
 
 pytestmark = pytest.mark.pgbouncer
 
@@ -67,12 +65,12 @@ def test_no_overlap_through_pgbouncer(
         for _ in range(SENT)
     ]
     wait_until(
-        lambda: all(state in ("SUCCESS", SKIPPED) for state in states(results)),
+        lambda: all(o in ("SUCCESS", "skipped") for o in outcomes(results)),
         timeout=120,
         what="every run to end",
     )
-    outcome = states(results)
-    assert SENT == outcome.count("SUCCESS") + outcome.count(SKIPPED)
+    outcome = outcomes(results)
+    assert SENT == outcome.count("SUCCESS") + outcome.count("skipped")
     assert outcome.count("SUCCESS") == pooler_app.recorder.count(run)
     assert [] == pooler_app.recorder.overlaps(run)
     for key in ("k0", "k1", "k2"):
