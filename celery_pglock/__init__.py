@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from celery_pglock import metrics, signals
-from celery_pglock.config import LockConfig, LockScope, OnBusy, SkipResult
+from celery_pglock.config import LockConfig, LockScope, OnBusy, OnError, SkipResult
 from celery_pglock.context import current_lock
 from celery_pglock.exceptions import (
     ConfigurationError,
@@ -40,6 +40,7 @@ __all__ = [
     "LockScope",
     "LockSkipped",
     "OnBusy",
+    "OnError",
     "PgLockError",
     "SingletonTask",
     "SkipResult",

@@ -8,9 +8,10 @@ global, and the receivers work for any app). None of these is the normal release
   unexpected exit path), it is released. The lock is found on the tracer's request, i.e.
   per execution and per thread, never by task id: two executions can share an id (a
   redelivery, an explicit task_id, a retry attempt) and must not release each other's
-  lock. Releasing is idempotent. It also publishes a retry that ``self.retry()``
-  deferred: this is the first moment after both the release and Celery's store of the
-  attempt's RETRY state.
+  lock. Releasing is idempotent. It is also where a run that published a retry
+  releases its lock: the first moment after Celery stored the attempt's RETRY state.
+  Last, it cuts the request <-> execution link, so that the request (and the call's
+  arguments) is freed now rather than at the next garbage collection.
 - ``task_revoked`` needs no hook: a task revoked before it starts holds nothing, and
   ``terminate=True`` kills the prefork child, whose session end frees the lock. (The
   signal fires in the worker's main process, and can fire twice, celery#3805.)
@@ -36,11 +37,11 @@ global, and the receivers work for any app). None of these is the normal release
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any
 
-from celery import Task
 from celery import signals as celery_signals
 
 from celery_pglock import (
@@ -218,33 +219,25 @@ def _report_at_ready(sender: Any = None, **_: Any) -> None:
 
 
 def _after_task(task: Any = None, **_: Any) -> None:
-    execution = getattr(getattr(task, "request", None), "_pglock_execution", None)
+    request: Any = getattr(task, "request", None)
+    execution = getattr(request, "_pglock_execution", None)
     if execution is None:
         return
+    # Break the request <-> execution cycle now: it would keep the request, and with it
+    # the call's arguments, alive until the next garbage collection.
+    request._pglock_execution = None
+    execution.request = None
     lock = execution.lock
+    if execution.release_at_postrun and lock is not None:
+        # The run published a retry; Celery has now stored its RETRY state.
+        execution.release_at_postrun = False
+        # A release failure is reported as lock_release_failed; a signal receiver
+        # cannot fail the task any more.
+        with contextlib.suppress(exceptions.PgLockError):
+            task.finish(execution, lock, execution.ended_with)
+        return
     if lock is not None and lock.owned():
         _release_leftover(lock, f"task_postrun of {execution.task_id}")
-    deferred, execution.deferred_retry = execution.deferred_retry, None
-    if deferred is not None:
-        _publish_retry(task, execution.task_id, deferred)
-
-
-def _publish_retry(task: Any, task_id: str | None, deferred: dict[str, Any]) -> None:
-    """Publish the retry a SingletonTask body asked for, now that its lock is released.
-
-    This runs after Celery stored the attempt's RETRY state, so the retry attempt's own
-    outcome cannot be overwritten by it. Celery's retry() raises Reject when the broker
-    refuses the message; here that can only be logged (signal receivers cannot fail a
-    task), and the task's state stays RETRY.
-    """
-    try:
-        Task.retry(task, throw=False, **deferred)
-    except Exception:
-        logger.exception(
-            "The retry of %s[%s] could not be published; the retry is lost",
-            getattr(task, "name", "?"), task_id,
-            extra={"action": "lock_retry_publish_failed", "task_id": task_id},
-        )  # fmt: skip
 
 
 def _release_leftover(lock: Any, where: str) -> None:

@@ -2,7 +2,7 @@
 
 ``task.py`` decides what happens to a run (Celery semantics); it then calls one function
 here per outcome - :func:`acquired`, :func:`skipped`, :func:`released`,
-:func:`release_failed` - and this module fans it out: the public signals (only when
+:func:`release_failed`, :func:`database_error` - and this module fans it out: the public signals (only when
 someone listens), one log record (only when its level is enabled) and the process's
 metrics sink (``metrics.current()``). The hot path (acquired + released) builds no dict
 and formats no string unless a receiver or DEBUG logging asks for it.
@@ -173,6 +173,23 @@ def release_failed(
             wait_seconds=lock.wait_seconds,
             exception=error,
         )
+
+
+def database_error(
+    task: Any, task_id: str | None, error: BaseException, countdown: float
+) -> None:
+    """The lock database failed at acquire; the run is re-queued (lock_on_error)."""
+    logger.warning(
+        "%s[%s] could not take its lock: %s. The lock database looks unavailable; the "
+        "run is re-queued in %.0fs (retry %d of %d), and its body has not run.",
+        task.name,
+        task_id,
+        error,
+        countdown,
+        task.request.retries + 1,
+        task.lock_config.error_retries,
+        extra={"action": "lock_database_error", "task_id": task_id},
+    )
 
 
 def _metrics_failed(exc: Exception) -> None:

@@ -35,6 +35,18 @@ class OnBusy(str, enum.Enum):
     WAIT = "wait"  #: Block at most lock_wait_timeout seconds, then raise LockBusy.
 
 
+class OnError(str, enum.Enum):
+    """What a SingletonTask does when the lock database fails at acquire.
+
+    The body never runs without its lock, whatever the choice.
+    """
+
+    #: Outages are transient: re-queue with Celery's retry, backing off (bounded by
+    #: lock_error_retries), then fail with DatabaseError. The default.
+    RETRY = "retry"
+    RAISE = "raise"  #: Fail at once with DatabaseError.
+
+
 class SkipResult(str, enum.Enum):
     """How a run skipped by ``lock_on_busy='skip'`` ends for its caller and for monitors.
 
@@ -70,6 +82,9 @@ APP_SETTINGS = {
     "lock_wait_timeout": "pglock_wait_timeout",
     "lock_skip_result": "pglock_skip_result",
     "lock_shadow": "pglock_shadow",
+    "lock_on_error": "pglock_on_error",
+    "lock_error_retries": "pglock_error_retries",
+    "lock_error_backoff": "pglock_error_backoff",
 }
 #: Options that only make sense per task.
 TASK_ONLY_OPTIONS = ("lock_args", "lock_key", "lock_id", "lock_name")
@@ -106,6 +121,10 @@ _NO_EXPIRY = (
 DEFAULT_NAMESPACE = "default"
 DEFAULT_RETRY_DELAY = 30.0
 DEFAULT_WAIT_TIMEOUT = 10.0
+DEFAULT_ERROR_RETRIES = 5
+DEFAULT_ERROR_BACKOFF = 2.0
+#: The longest countdown of a lock_on_error='retry' re-run, whatever the backoff.
+MAX_ERROR_COUNTDOWN = 300.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,6 +144,12 @@ class LockConfig:
     skip_result: SkipResult = SkipResult.FAILURE
     #: Shadow mode: try the lock and report every outcome, but always run the body.
     shadow: bool = False
+    #: What to do when the lock database fails at acquire.
+    on_error: OnError = OnError.RETRY
+    #: How many times a run is re-queued for database errors before it fails.
+    error_retries: int = DEFAULT_ERROR_RETRIES
+    #: Seconds before the first such re-run; doubled each time, at most 300 s.
+    error_backoff: float = DEFAULT_ERROR_BACKOFF
     lock_args: tuple[str, ...] = ()  #: Parameter names whose values form the key.
     lock_key: Callable[..., object] | None = None  #: Custom key-material function.
     fixed_key: keys.LockKey | None = None  #: The key when it never varies per call.
@@ -264,6 +289,18 @@ def resolve(
             "lock_scope='session', then switch)",
         )
 
+    on_error = _choice(task_name, *option("lock_on_error", OnError.RETRY), OnError)
+    source, error_retries = option("lock_error_retries", DEFAULT_ERROR_RETRIES)
+    if (
+        isinstance(error_retries, bool)
+        or not isinstance(error_retries, int)
+        or error_retries < 0
+    ):
+        raise _fail(task_name, source, error_retries, "a whole number >= 0")
+    error_backoff = _seconds(
+        task_name, *option("lock_error_backoff", DEFAULT_ERROR_BACKOFF)
+    )
+
     given = [
         name for name in ("lock_args", "lock_key", "lock_id") if name in attributes
     ]
@@ -298,6 +335,9 @@ def resolve(
         wait_timeout=wait_timeout,
         skip_result=skip_result,
         shadow=shadow,
+        on_error=on_error,
+        error_retries=error_retries,
+        error_backoff=error_backoff,
         lock_args=lock_args,
         lock_key=lock_key,
         fixed_key=fixed_key,

@@ -25,15 +25,17 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(eq=False)
 class Execution:
-    """One run of a SingletonTask: its lock once granted, and a retry to send after release."""
+    """One run of a SingletonTask: its lock once granted, and how it ends."""
 
     task_id: str | None
     #: The Celery request this execution runs for (identity only: nested-call detection).
     request: Any = None
     lock: AdvisoryLock | None = None
-    #: Keyword arguments of a ``self.retry(throw=False)`` call made while the lock was
-    #: held: published only after the release, so the retry cannot find its own lock.
-    deferred_retry: dict[str, Any] | None = None
+    #: The body published a retry (self.retry()): the lock is released by the
+    #: task_postrun hook, after Celery has stored RETRY, not when the body ends.
+    release_at_postrun: bool = False
+    #: With release_at_postrun: the exception the body ended with (None: it returned).
+    ended_with: BaseException | None = None
 
 
 _current: contextvars.ContextVar[Execution | None] = contextvars.ContextVar(

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import socket
 import threading
 import weakref
@@ -28,7 +27,7 @@ from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 
-from celery_pglock import _sql, config, exceptions
+from celery_pglock import _redact, _sql, config, exceptions
 
 logger = logging.getLogger(__name__)
 
@@ -66,25 +65,15 @@ _engines_pid = os.getpid()
 _engines_lock = threading.Lock()
 
 
-#: Query parameters of a database URL whose values never reach a log line.
-_SECRET_QUERY = re.compile(r"pass|secret|token|key|dsn|credential", re.IGNORECASE)
-
-
 def mask_url(url: str | sa.URL) -> str:
     """Render a database URL with every secret replaced by ``***``: safe to log.
 
-    Masks the password in the userinfo and the value of any query parameter that may
-    carry one (``?password=``, ``?sslpassword=``, ``?dsn=...``, tokens, keys).
+    Masks the password, every query value that is not a known-harmless libpq option
+    (``?password=``, ``?sslpassword=``, ``?dsn=...``, ``?options=...``), and any part a
+    malformed URL makes ambiguous (an unescaped ``@`` in the password). See
+    :mod:`celery_pglock._redact`.
     """
-    try:
-        parsed = make_url(url)
-        secret = {name: "***" for name in parsed.query if _SECRET_QUERY.search(name)}
-        if secret:
-            parsed = parsed.update_query_dict(secret)
-        # "***" is percent-encoded in a query string; show it as in the userinfo.
-        return parsed.render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
-    except Exception:  # a malformed URL must still never be logged raw
-        return "<unparseable database URL>"
+    return _redact.mask_url(url)
 
 
 _process_tag: tuple[int, str] = (0, "")
@@ -124,10 +113,19 @@ def check_url(url: str) -> sa.URL:
     """
     try:
         parsed = make_url(url)
-    except sa_exc.ArgumentError:
+    except (sa_exc.ArgumentError, ValueError):  # ValueError: a non-numeric port
         raise exceptions.ConfigurationError(
             f"{config.DATABASE_URL_SETTING} is not a valid database URL: {mask_url(url)!r}."
         ) from None
+    if _redact.ambiguous_userinfo(url):
+        # SQLAlchemy and libpq split at the first "@", so the rest of the password
+        # would be taken for the host: a wrong host, and a password in its errors.
+        raise exceptions.ConfigurationError(
+            f"{config.DATABASE_URL_SETTING} has more than one '@', so its user name and "
+            "password cannot be told from the host: percent-encode every '@' but the "
+            "one before the host as %40 (p@ss -> p%40ss); got "
+            f"{mask_url(url)!r}."
+        )
     if parsed.drivername in ("postgresql", "postgres"):
         # No driver named: SQLAlchemy 2.1 would pick psycopg 3; we run on psycopg2.
         parsed = parsed.set(drivername="postgresql+psycopg2")
@@ -204,7 +202,8 @@ def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
     extra = conf.get("pglock_engine_options") or {}
     if not isinstance(extra, Mapping):
         raise exceptions.ConfigurationError(
-            f"pglock_engine_options must be a dict of sqlalchemy.create_engine options, got {extra!r}."
+            "pglock_engine_options must be a dict of sqlalchemy.create_engine options, "
+            f"got a {type(extra).__name__}."  # never its text: it may hold a DSN
         )
     extra = dict(extra)
     connect_args.update(extra.pop("connect_args", {}))
@@ -318,6 +317,11 @@ def wrap_db_errors(action: str, engine: sa.Engine | None = None) -> Iterator[Non
         raise
     except (sa_exc.SQLAlchemyError, OSError, _driver_error()) as exc:
         where = f" on {engine_info(engine)['masked_url']}" if engine is not None else ""
+        # libpq echoes connection options (a host name holding half a password, a DSN
+        # fragment) in its messages; scrub the whole chain, which tracebacks print.
+        _redact.scrub_exception(
+            exc, _redact.secrets_of(engine.url) if engine is not None else ()
+        )
         raise exceptions.DatabaseError(
             f"Could not {action}{where}: {exc}".strip()
         ) from exc
@@ -357,6 +361,19 @@ def is_connect_failure(exc: BaseException | None) -> bool:
     return (
         isinstance(original, psycopg2.OperationalError)
         and getattr(original, "cursor", None) is None
+    )
+
+
+def is_transient(exc: BaseException | None) -> bool:
+    """True if ``exc`` says the database is unavailable for now, not that we are wrong:
+    a failed connect, a dead session, or insufficient resources (SQLSTATE 53xxx, such as
+    ``too_many_connections``)."""
+    if exc is None:
+        return False
+    return (
+        is_connect_failure(exc)
+        or is_disconnect(exc)
+        or (sqlstate(exc) or "").startswith("53")
     )
 
 

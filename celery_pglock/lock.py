@@ -80,7 +80,9 @@ class AdvisoryLock:
             db.engine_info(engine)["application_name_prefix"],
             db.process_tag(),
         )
-        self._holding_name = _application_name(prefix, tag, key, label or key.name)
+        # str(key): the ids only. The LockKey itself would pin its key text (the
+        # argument values, possibly megabytes) in the cache below.
+        self._holding_name = _application_name(prefix, tag, str(key), label or key.name)
         self._idle_name = _application_name(prefix, tag, "idle")
         self._pooled: Any = None  # the pool's proxied DBAPI connection while held
         self._connection: sa.Connection | None = None  # transaction scope only

@@ -26,7 +26,7 @@ Where things happen, and why there (each line is a bug in an existing library):
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import celery
 from celery import states
@@ -39,11 +39,12 @@ from celery_pglock import (
     _outcomes,
     config,
     context,
+    db,
     exceptions,
     keys,
     metrics,
 )
-from celery_pglock.config import LockScope, OnBusy, SkipResult
+from celery_pglock.config import LockScope, OnBusy, OnError, SkipResult
 from celery_pglock.lock import AdvisoryLock
 
 if TYPE_CHECKING:
@@ -93,6 +94,15 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     #: Shadow mode: try the lock and report every outcome, but always run the body.
     #: App: pglock_shadow.
     lock_shadow: ClassVar[bool | None] = None
+    #: When the lock database fails at acquire: retry (default; transient errors only)
+    #: or raise. App: pglock_on_error. The body never runs without its lock.
+    lock_on_error: ClassVar[OnError | str | None] = None
+    #: Re-queues for database errors before the run fails (default 5). App:
+    #: pglock_error_retries.
+    lock_error_retries: ClassVar[int | None] = None
+    #: Seconds before the first re-queue, doubled each time up to 300 (default 2). App:
+    #: pglock_error_backoff.
+    lock_error_backoff: ClassVar[float | None] = None
 
     _pglock: ClassVar[_binding.Guard | None] = None
 
@@ -164,11 +174,17 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 scope=options.scope,
                 label=options.task_name,
             )
-            granted = lock.acquire(
-                timeout=options.wait_timeout
-                if options.on_busy is OnBusy.WAIT and not options.shadow
-                else None
-            )
+            # A retry's run may find its predecessor still unwinding (it keeps its lock
+            # until Celery stored RETRY, see retry()): it waits for it, bounded.
+            waits = options.on_busy is OnBusy.WAIT or (request.retries and not direct)
+            try:
+                granted = lock.acquire(
+                    timeout=options.wait_timeout
+                    if waits and not options.shadow
+                    else None
+                )
+            except exceptions.DatabaseError as error:
+                return self._on_database_error(error, direct=direct)
             if not granted:
                 if options.shadow:
                     return self._run_shadowed(execution, lock, task_id, args, kwargs)
@@ -184,9 +200,9 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 body = super().__call__ if direct else self.run
                 retval = body(*args, **kwargs)
             except BaseException as exc:
-                self._finish(execution, lock, exc)
+                self._end(execution, lock, exc)
                 raise
-            self._finish(execution, lock, None)
+            self._end(execution, lock, None)
             return retval
         finally:
             context.end(token)
@@ -202,12 +218,16 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         max_retries: int | None = None,
         **options: Any,
     ) -> Any:
-        """Celery's retry, publishing the retry message only once the lock is released.
+        """Celery's retry, with this run's lock kept until Celery has stored RETRY.
 
-        The task_postrun hook publishes it, after the attempt has unwound, released its
-        lock and had its RETRY state stored. When Celery would not publish (a direct
-        call, no retries left) or the run is eager, this is Celery's retry unchanged and
-        the lock is kept. Why, and what it means for callers: docs/guide/retries.md.
+        The retry message is published at once, as Celery does, so a worker killed
+        after ``self.retry()`` loses no retry. This run then keeps its lock until the
+        task_postrun hook, after Celery has stored the attempt's RETRY state, and the
+        retry's run waits (up to ``lock_wait_timeout``) for it rather than being
+        skipped by its own predecessor. When Celery would not publish (a direct call,
+        no retries left) or the run is eager, the lock is released as usual, once the
+        body has handled the exception. Why, and what it means for callers:
+        docs/guide/retries.md.
         """
         retry_options = {
             "args": args, "kwargs": kwargs, "exc": exc, "eta": eta,
@@ -216,21 +236,38 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         execution = context.current_execution()
         lock = execution.lock if execution is not None else None
         if (
-            execution is None
-            or lock is None
-            or not lock.owned()
-            or execution.task_id is None  # a direct (or recursive) call: Celery decides
-            or self.request.is_eager
-            or not self._retry_publishes(max_retries)
+            execution is not None
+            and lock is not None
+            and lock.owned()
+            and execution.task_id is not None  # not a direct (or recursive) call
+            and not self.request.is_eager
+            and self._retry_publishes(max_retries)
         ):
-            return super().retry(throw=throw, **retry_options)
-        execution.deferred_retry = retry_options
-        retry = Retry(
-            exc=exc if isinstance(exc, Exception) else None, when=eta or countdown
+            execution.release_at_postrun = True
+        return super().retry(throw=throw, **retry_options)
+
+    def _on_database_error(
+        self, error: exceptions.DatabaseError, *, direct: bool
+    ) -> NoReturn:
+        """The lock database failed at acquire: re-queue with backoff, or fail. Never
+        runs the body without its lock."""
+        options = self._guard().config
+        request = self.request
+        if (
+            direct
+            or request.is_eager
+            or options.on_error is OnError.RAISE
+            or not db.is_transient(error.__cause__)
+            or request.retries >= options.error_retries
+        ):
+            raise error
+        countdown = min(
+            options.error_backoff * 2**request.retries, config.MAX_ERROR_COUNTDOWN
         )
-        if throw:
-            raise retry
-        return retry
+        _outcomes.database_error(self, request.id, error, countdown)
+        raise self.retry(
+            countdown=countdown, exc=error, max_retries=options.error_retries
+        )
 
     def _retry_publishes(self, max_retries: int | None) -> bool:
         """Are retries left, so that Celery's retry() will publish? (Its own check; the
@@ -374,7 +411,24 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         body = super().__call__ if execution.task_id is None else self.run
         return body(*args, **kwargs)
 
-    def _finish(
+    def _end(
+        self,
+        execution: context.Execution,
+        lock: AdvisoryLock,
+        exc: BaseException | None,
+    ) -> None:
+        """The body has ended: finish now, or at task_postrun if it published a retry.
+
+        A run that published a retry keeps its lock until Celery has stored its RETRY
+        state, so the retry's own outcome can never be overwritten by it; the
+        task_postrun hook then calls :meth:`finish`.
+        """
+        if execution.release_at_postrun:
+            execution.ended_with = exc
+            return
+        self.finish(execution, lock, exc)
+
+    def finish(
         self,
         execution: context.Execution,
         lock: AdvisoryLock,
@@ -382,9 +436,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     ) -> None:
         """Release ``lock`` (if still held) and report the outcome of the run.
 
-        A retry deferred by self.retry() is not published here but by the task_postrun
-        hook: after this release, and after Celery has stored the attempt's RETRY state,
-        so a fast retry attempt's own outcome (SUCCESS, SKIPPED) is never overwritten.
+        Internal: called when the body ends, or by the task_postrun hook (see _end).
         """
         task_id = execution.task_id
         release_error: exceptions.PgLockError | None = None

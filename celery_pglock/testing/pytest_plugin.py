@@ -297,16 +297,21 @@ def pglock_worker(
 
 @pytest.fixture
 def pglock_final_states() -> FinalStates:
-    """Wait until results have ended and return their states, SKIPPED included.
-
-    ``AsyncResult.get()`` would block on a SKIPPED run: SKIPPED is not one of Celery's
-    ready states.
+    """Wait until results have ended and return their outcomes: a skipped run is
+    ``"SKIPPED"`` whatever ``lock_skip_result`` stored (a FAILURE with LockSkipped, a
+    SUCCESS skip record, or the SKIPPED state), anything else its Celery state.
     """
     from celery import states
 
     import celery_pglock
 
     ended = {*states.READY_STATES, celery_pglock.SKIPPED}
+
+    def outcome(result: celery.result.AsyncResult[Any]) -> str:
+        state = result.state
+        if state in states.READY_STATES and celery_pglock.skip_info(result.result):
+            return celery_pglock.SKIPPED
+        return state
 
     def wait(
         results: Iterable[celery.result.AsyncResult[Any]], *, timeout: float = 30.0
@@ -315,7 +320,7 @@ def pglock_final_states() -> FinalStates:
         pending = list(results)
         deadline = time.monotonic() + timeout
         while True:
-            current: list[str] = [result.state for result in pending]
+            current: list[str] = [outcome(result) for result in pending]
             if all(state in ended for state in current):
                 return current
             if time.monotonic() >= deadline:

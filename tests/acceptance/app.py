@@ -11,6 +11,7 @@ run to stay inside its lock: the test opens the gate when it has checked what it
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 from celery import Celery
@@ -201,6 +202,17 @@ def retry_later(self, run: str) -> str:
             time.sleep(0.5)
             return "first"
     return "second"
+
+
+@app.task(base=SingletonTask, bind=True, lock_args=("run",), max_retries=3)
+def retries_then_dies(self, run: str) -> int:
+    """self.retry(throw=False), then the pool child is SIGKILLed while it still holds the
+    lock: the retry must run anyway (it was published by self.retry())."""
+    with recorder.record(run, "retries_then_dies", self.request.id):
+        if self.request.retries == 0:
+            self.retry(countdown=0, throw=False)
+            os.kill(os.getpid(), signal.SIGKILL)
+    return self.request.retries
 
 
 @app.task(base=SingletonTask, bind=True, lock_args=("run",), soft_time_limit=1)

@@ -2,7 +2,7 @@
 
 The broker and result backend come from the test services' variables; the lock database
 only from CELERY_PGLOCK_DATABASE_URL, the variable celery-pglock reads by itself, so a test
-can point a worker at an unreachable database. PGLOCK_TEST_QUEUE keeps the tests' tasks
+can point a worker at an unreachable database (or one it stops and starts again). PGLOCK_TEST_QUEUE keeps the tests' tasks
 to their own worker.
 """
 
@@ -25,6 +25,9 @@ app.conf.update(
     task_default_queue=os.environ.get("PGLOCK_TEST_QUEUE", "pglock-startup"),
     pglock_namespace="startup",
     broker_connection_retry_on_startup=True,
+    # lock_on_error: what a test asks for (the default, retry, when unset)
+    pglock_on_error=os.environ.get("PGLOCK_TEST_ON_ERROR") or None,
+    pglock_error_backoff=float(os.environ.get("PGLOCK_TEST_ERROR_BACKOFF") or 2),
 )
 
 

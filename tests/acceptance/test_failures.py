@@ -199,6 +199,23 @@ def test_retry_without_throw_is_published_after_the_release(
     assert [] == recorder.overlaps(run)
 
 
+def test_worker_killed_after_self_retry_loses_no_retry(
+    acceptance, workers, recorder, run
+):
+    """The pool child dies right after self.retry(), lock still held: the retry message was
+    published by self.retry() itself, the dead session freed the lock, and the retry runs."""
+    acceptance.retries_then_dies.delay(run)
+    wait_until(
+        lambda: recorder.count(run) == 2 and len(recorder.unfinished(run)) == 1,
+        timeout=30,
+        what="the retry to run after the kill",
+    )
+    killed, retried = recorder.intervals(run)
+    assert killed.task_id == retried.task_id
+    assert killed.ended_at is None  # SIGKILLed inside its body
+    assert retried.ended_at is not None
+
+
 def test_soft_time_limit_unwinds_and_releases(acceptance, workers, recorder, run):
     """SoftTimeLimitExceeded is an exception in the body: the finally releases the lock."""
     result = acceptance.soft_limited.delay(run, gate=f"{run}-never")

@@ -52,7 +52,11 @@ def test_unreachable_lock_database_is_an_error_at_start_and_no_reconnect(
         APP,
         pool="solo",
         concurrency=1,
-        env={config.DATABASE_URL_ENV: url, "PGLOCK_TEST_QUEUE": queue},
+        env={
+            config.DATABASE_URL_ENV: url,
+            "PGLOCK_TEST_QUEUE": queue,
+            "PGLOCK_TEST_ON_ERROR": "raise",
+        },
     )
     log = worker.log_text()
     errors = [
@@ -74,6 +78,39 @@ def test_unreachable_lock_database_is_an_error_at_start_and_no_reconnect(
     assert "Could not acquire lock" in log
     assert "reconnecting" not in log
     assert PASSWORD not in log
+
+
+def test_database_outage_defers_the_run_until_the_database_is_back(
+    worker_factory, private_postgres
+):
+    """lock_on_error='retry' (the default): a run that cannot reach the lock database is
+    re-queued with backoff, not failed, and runs (locked) once PostgreSQL is back."""
+    queue = _queue()
+    worker = worker_factory(
+        APP,
+        pool="solo",
+        concurrency=1,
+        env={
+            config.DATABASE_URL_ENV: private_postgres.url(),
+            "PGLOCK_TEST_QUEUE": queue,
+            "PGLOCK_TEST_ERROR_BACKOFF": "0.5",
+        },
+    )
+    from tests.acceptance import startup_app
+
+    private_postgres.stop()
+    result = startup_app.noop.apply_async(queue=queue)
+    wait_until(
+        lambda: "could not take its lock" in worker.log_text(),
+        timeout=30,
+        what="the run to meet the outage",
+    )
+    assert result.state in ("PENDING", "RETRY")  # re-queued, never FAILURE
+    private_postgres.start()
+    assert "ran" == result.get(timeout=60)
+    log = worker.log_text()
+    assert "re-queued in" in log
+    assert "its body has not run" in log
 
 
 def _queue() -> str:

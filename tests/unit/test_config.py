@@ -100,6 +100,13 @@ def test_task_option_beats_app_setting_beats_default(app):
         ),
         ({"lock_shadow": "yes"}, ["lock_shadow='yes'", "True or False"]),
         (
+            {"lock_on_error": "ignore"},
+            ["lock_on_error='ignore'", "'retry', 'raise'"],
+        ),
+        ({"lock_error_retries": -1}, ["lock_error_retries=-1", "whole number"]),
+        ({"lock_error_retries": True}, ["lock_error_retries=True", "whole number"]),
+        ({"lock_error_backoff": 0}, ["lock_error_backoff=0", "positive number"]),
+        (
             {"lock_arg": ("tenant_id",)},
             ["unknown option 'lock_arg'", "did you mean 'lock_args'"],
         ),
