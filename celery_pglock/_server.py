@@ -188,10 +188,14 @@ def _bounded(engine: sa.Engine, timeout: float, action: str) -> ServerFacts:
         for connection in list(opened):
             with contextlib.suppress(Exception):
                 connection.cancel()  # the thread then fails and closes them
+        import psycopg2  # the only supported driver
+
+        # Caused by a driver OperationalError, as an expired connect_timeout would be, so
+        # that db.is_transient() (lock_on_error='retry') treats it as an outage.
         raise exceptions.DatabaseError(
             f"Could not {action} on {masked}: the server probe had no answer within "
             f"{timeout:g} s."
-        )
+        ) from psycopg2.OperationalError("the server probe timed out")
     result = outcome[0]
     if isinstance(result, BaseException):
         if isinstance(result, exceptions.PgLockError):

@@ -54,8 +54,11 @@ def test_no_overlap_through_pgbouncer(
         "PGLOCK_TEST_SCOPE": scope,
         "PGLOCK_TEST_QUEUE": QUEUE,
     }
-    for _ in range(2):
-        worker_factory(APP, env=env, concurrency=2, timeout=90)
+    workers = [
+        worker_factory(APP, env=env, concurrency=2, timeout=90) for _ in range(2)
+    ]
+    # The start-up report connected through PgBouncer with the default options.
+    assert "unreachable" not in workers[0].log_text()
     run = uuid.uuid4().hex[:12]
     rng = random.Random(run)  # noqa: S311 - reproducible test data, not crypto
     results = [

@@ -218,9 +218,12 @@ def test_probe_is_bounded_in_time(pgbouncer_factory):
             cursor.execute("BEGIN")
             cursor.execute("SELECT 1")  # the only server connection is now ours
         started = time.monotonic()
-        with pytest.raises(DatabaseError, match=r"probe had no answer within 1 s"):
+        with pytest.raises(
+            DatabaseError, match=r"probe had no answer within 1 s"
+        ) as late:
             _server.probe(bouncer.url(), timeout=1.0)
         assert time.monotonic() - started < 3.0
+        assert db.is_transient(late.value.__cause__)  # lock_on_error retries it
     finally:
         holder.close()
 
