@@ -44,7 +44,6 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-from sqlalchemy import event
 
 from celery_pglock import config, db, exceptions
 from celery_pglock.config import LockScope
@@ -58,12 +57,6 @@ logger = logging.getLogger(__name__)
 PROBE_TIMEOUT = 10.0
 #: Alternating A/B queries before concluding "no multiplexing" (see the module docstring).
 PROBE_ROUNDS = 3
-#: PgBouncer's answers when it refuses the ``options`` startup parameter (before 1.20:
-#: any ``options``; from 1.20: settings it does not track, such as tcp_keepalives_*).
-OPTIONS_REJECTED = (
-    "unsupported startup parameter: options",
-    "unsupported options startup parameter",
-)
 
 _FIRST_QUERY = (
     "SELECT pg_backend_pid(), current_setting('server_version'), "
@@ -379,51 +372,3 @@ def check_app(app: Any) -> None:
             raise exceptions.ConfigurationError(
                 f"{message} (tasks with lock_scope={scope.value!r}: {', '.join(names)})"
             )
-
-
-# -- the options startup parameter ------------------------------------------------------
-
-
-class OptionsFallback:
-    """``do_connect`` hook: when a pooler refuses our keepalive ``options``, drop them.
-
-    Only the library's own :data:`db.SERVER_KEEPALIVE_OPTIONS` are dropped, never
-    options the user set. After the first refusal the engine connects without them
-    straight away, and says so once at INFO.
-    """
-
-    def __init__(self, masked_url: str) -> None:
-        self.masked_url = masked_url
-        self.dropped = False
-
-    def __call__(
-        self, dialect: Any, record: Any, cargs: list[Any], cparams: dict[str, Any]
-    ) -> Any:
-        if cparams.get("options") != db.SERVER_KEEPALIVE_OPTIONS:
-            return None
-        if self.dropped:
-            del cparams["options"]
-            return None
-        import psycopg2  # the only supported driver
-
-        try:
-            return dialect.connect(*cargs, **cparams)
-        except psycopg2.OperationalError as exc:
-            if not any(text in str(exc) for text in OPTIONS_REJECTED):
-                raise
-        self.dropped = True
-        del cparams["options"]
-        logger.info(
-            "celery-pglock: %s refused the server keepalive settings sent as the options "
-            "startup parameter (PgBouncer does); connecting without them. Set "
-            "tcp_keepalives_* on the PostgreSQL server and the pooler's tcp_keep* "
-            "settings instead, or pglock_server_keepalives = False to skip this try.",
-            self.masked_url,
-            extra={"action": "lock_options_dropped"},
-        )
-        return dialect.connect(*cargs, **cparams)
-
-
-def install_options_fallback(engine: sa.Engine, masked_url: str) -> None:
-    """Add :class:`OptionsFallback` to a lock engine (db.create_engine calls this)."""
-    event.listen(engine, "do_connect", OptionsFallback(masked_url))

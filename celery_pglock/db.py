@@ -165,7 +165,7 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
     ``app.conf.pglock_engine_options`` (a dict) is passed to ``sqlalchemy.create_engine``
     and wins over our defaults; ``pglock_server_keepalives = False`` drops the server-side
     keepalive startup options. A pooler that refuses them (PgBouncer) gets a second
-    connect without them (see ``_server.OptionsFallback``).
+    connect without them (see ``_options``).
     """
     conf = conf or {}
     parsed = check_url(url)
@@ -185,9 +185,9 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
 def _drop_options_if_refused(engine: sa.Engine, options: Mapping[str, Any]) -> None:
     """Let ``engine`` connect without our keepalive ``options`` where a pooler refuses them."""
     if options["connect_args"].get("options") == SERVER_KEEPALIVE_OPTIONS:
-        from celery_pglock import _server  # imports this module
+        from celery_pglock import _options  # imports this module
 
-        _server.install_options_fallback(engine, mask_url(engine.url))
+        _options.install_fallback(engine, mask_url(engine.url))
 
 
 def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:

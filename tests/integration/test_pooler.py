@@ -172,7 +172,7 @@ def test_default_options_work_through_pgbouncer(
     (one INFO line), and kept on a direct connection."""
     bouncer = pgbouncer_factory("session")
     engine = engines(bouncer.url())
-    caplog.set_level(logging.INFO, logger="celery_pglock._server")
+    caplog.set_level(logging.INFO, logger="celery_pglock._options")
     locks = [
         AdvisoryLock(engine=engine, key=make_key(f"{namespace}-{index}"))
         for index in range(2)
