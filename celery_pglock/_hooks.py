@@ -20,7 +20,9 @@ global, and the receivers work for any app). None of these is the normal release
 - ``worker_init``: a missing or invalid database URL, or an unknown ``pglock_*`` setting,
   stops the worker at start with a message naming the setting and the environment
   variable, instead of failing every locked task later. (It exits: Celery logs and
-  swallows ordinary exceptions raised by signal receivers.) It also starts the
+  swallows ordinary exceptions raised by signal receivers.) So does a lock database that
+  is a standby, or a pooler that breaks a task's lock scope (``_server.check_app``;
+  an unreachable database is left to ``worker_ready``). It also starts the
   /metrics endpoint when ``pglock_metrics_port`` is set: in the main process, before the
   pool forks, so children inherit its multiprocess directory. Worker shutdown stops it.
 - ``worker_ready``: connects once to the lock database and logs the lock configuration
@@ -42,7 +44,15 @@ from typing import Any
 
 from celery import signals as celery_signals
 
-from celery_pglock import _metrics_server, config, context, db, exceptions, metrics
+from celery_pglock import (
+    _metrics_server,
+    _server,
+    config,
+    context,
+    db,
+    exceptions,
+    metrics,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +205,7 @@ def _check_worker_config(sender: Any = None, **_: Any) -> None:
         return
     try:
         check_app(app)
+        _server.check_app(app)  # standby, pooling mode against the tasks' scopes
     except exceptions.ConfigurationError as error:
         logger.critical("celery-pglock: %s", error)
         raise SystemExit(f"celery-pglock: {error}") from error

@@ -164,7 +164,8 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
 
     ``app.conf.pglock_engine_options`` (a dict) is passed to ``sqlalchemy.create_engine``
     and wins over our defaults; ``pglock_server_keepalives = False`` drops the server-side
-    keepalive startup options (PgBouncer refuses unknown startup parameters).
+    keepalive startup options. A pooler that refuses them (PgBouncer) gets a second
+    connect without them (see ``_options``).
     """
     conf = conf or {}
     parsed = check_url(url)
@@ -177,7 +178,16 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
         "masked_url": mask_url(parsed),
     }
     event.listen(engine, "checkin", _unlock_leftovers)
+    _drop_options_if_refused(engine, options)
     return engine
+
+
+def _drop_options_if_refused(engine: sa.Engine, options: Mapping[str, Any]) -> None:
+    """Let ``engine`` connect without our keepalive ``options`` where a pooler refuses them."""
+    if options["connect_args"].get("options") == SERVER_KEEPALIVE_OPTIONS:
+        from celery_pglock import _options  # imports this module
+
+        _options.install_fallback(engine, mask_url(engine.url))
 
 
 def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
@@ -228,6 +238,7 @@ def probe(conf: Mapping[str, Any]) -> str:
     options["poolclass"] = sa.NullPool
     options["connect_args"].setdefault("connect_timeout", PROBE_CONNECT_TIMEOUT)
     engine = sa.create_engine(parsed, **options)
+    _drop_options_if_refused(engine, options)
     try:
         # raw_connection(): the driver's own error text, without SQLAlchemy's wrapping.
         with wrap_db_errors("connect to the lock database", engine):

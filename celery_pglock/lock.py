@@ -33,7 +33,7 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _sql, db, exceptions
+from celery_pglock import _server, _sql, db, exceptions
 from celery_pglock.config import LockScope
 
 if TYPE_CHECKING:
@@ -108,7 +108,9 @@ class AdvisoryLock:
 
         Raises:
             PgLockError: this object already holds the lock.
-            ConfigurationError: ``timeout`` is not a positive finite number.
+            ConfigurationError: ``timeout`` is not a positive finite number; or the
+                lock database is a standby, or a pooler between us and it breaks this
+                scope (checked at the first acquire on an engine).
             DatabaseError: the database failed (the lock is then not held).
         """
         if self.owned():
@@ -128,6 +130,9 @@ class AdvisoryLock:
                 )
             # lock_timeout = 0 would mean "wait forever": never round a small bound to 0.
             timeout_ms = max(1, math.ceil(timeout * 1000))
+        # A standby or a multiplexing pooler: refused. Probes once per engine, then
+        # costs a dict lookup.
+        _server.check(self.engine, self.scope, self.key.name)
         asked_at = time.monotonic()
         try:
             granted = self._do_acquire(timeout_ms)
