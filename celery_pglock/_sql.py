@@ -38,6 +38,12 @@ UNLOCK_SESSION = {
     for arity, key in _KEY.items()
 }
 
+#: Release a session lock on the process's shared session while other locks of the
+#: process still hold it (its label stays). Params: key ids. Returns unlocked.
+UNLOCK_SESSION_KEEP_NAME = {
+    arity: f"SELECT pg_advisory_unlock({key})" for arity, key in _KEY.items()
+}
+
 #: Try to take a transaction lock inside the caller's open transaction; the label is
 #: transaction-local too, so COMMIT/ROLLBACK undo both. Params: key ids, application_name.
 TRY_LOCK_TRANSACTION = {
