@@ -18,9 +18,9 @@ from celery_pglock import (
     LockLostError,
     LockNotOwnedError,
     LockScope,
+    _session,
     keys,
 )
-from celery_pglock import _session
 from celery_pglock import db as db_module
 
 from ..unit.test_keys import VECTORS
@@ -196,7 +196,9 @@ def test_checkin_safety_net_unlocks_a_forgotten_lock(lock_engine, namespace):
 
 def test_closing_the_process_session_reports_its_holds_lost(database_url, namespace):
     """per_process: a hold whose session ended is lost, and its release says so."""
-    engine = db_module.create_engine(database_url, {"pglock_session_mode": "per_process"})
+    engine = db_module.create_engine(
+        database_url, {"pglock_session_mode": "per_process"}
+    )
     try:
         lock = AdvisoryLock(engine=engine, key=make_key(namespace))
         assert lock.acquire()
