@@ -29,6 +29,7 @@ process.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -62,9 +63,12 @@ class Hold:
         "transaction",
     )
 
-    def __init__(self, session: LockSession, ids: tuple[int, ...], idle_name: str):
+    def __init__(
+        self, session: LockSession, ids: tuple[int, ...], idle_name: str = ""
+    ) -> None:
         self.session = session
         self.ids = ids
+        #: PerLockSessions: the application_name its connection shows once released.
         self.idle_name = idle_name
         self.pid = os.getpid()
         #: The psycopg2 connection the lock lives on.
@@ -90,12 +94,14 @@ class LockSession:
         self,
         key: LockKey,
         *,
-        holding_name: str,
-        idle_name: str,
+        label: str,
         timeout_ms: int | None,
         transaction: bool,
     ) -> Hold | None:
-        """Take ``key``; the hold, or None when another session (or task) holds it."""
+        """Take ``key``; the hold, or None when another session (or task) holds it.
+
+        ``label`` (a task name) goes into the session's application_name.
+        """
         raise NotImplementedError
 
     def release(self, hold: Hold, key: LockKey, *, commit: bool) -> None:
@@ -119,11 +125,14 @@ class PerLockSessions(LockSession):
         self,
         key: LockKey,
         *,
-        holding_name: str,
-        idle_name: str,
+        label: str,
         timeout_ms: int | None,
         transaction: bool,
     ) -> Hold | None:
+        prefix = db.engine_info(self.engine)["application_name_prefix"]
+        tag = db.process_tag()
+        holding_name = _application_name(prefix, tag, key, label)
+        idle_name = _application_name(prefix, tag, "idle")
         if transaction:
             return self._acquire_transaction(key, holding_name, idle_name, timeout_ms)
         return self._acquire_session(key, holding_name, idle_name, timeout_ms)
@@ -319,6 +328,9 @@ class ProcessSession(LockSession):
         self._connection: Any = None
         self._cursor: Any = None
         self._generation = 0
+        self._prefix = db.engine_info(engine)["application_name_prefix"]
+        self._names: dict[str, str] = {}  # task label -> application_name
+        self._shown: str | None = None  # the application_name the session shows
         #: key ids -> the hold of the task of this process holding it.
         self._owners: dict[tuple[int, ...], Hold] = {}
 
@@ -328,36 +340,46 @@ class ProcessSession(LockSession):
         self,
         key: LockKey,
         *,
-        holding_name: str,
-        idle_name: str,
+        label: str,
         timeout_ms: int | None,
         transaction: bool,
     ) -> Hold | None:
         if transaction or timeout_ms is not None:
             return self.waits.acquire(
-                key,
-                holding_name=holding_name,
-                idle_name=idle_name,
-                timeout_ms=timeout_ms,
-                transaction=transaction,
+                key, label=label, timeout_ms=timeout_ms, transaction=transaction
             )
         ids = key.ids
         with self._mutex:
             if ids in self._owners:
                 return None  # held by another task of this process: no round trip
             cursor = self._cursor if self._cursor is not None else self._connect(key)
+            name = self._names.get(label)
+            if name is None:
+                name = self._names[label] = db.application_name(
+                    self._prefix, db.process_tag(), label
+                )
             try:
-                cursor.execute(_sql.TRY_LOCK_SESSION[len(ids)], (*ids, holding_name))
-                row = cursor.fetchone()
+                if name == self._shown:
+                    # The session already shows this task: no relabel (relabelling
+                    # costs the server about as much as the lock statements).
+                    cursor.execute(_sql.TRY_LOCK_SESSION_BARE[len(ids)], ids)
+                    row = cursor.fetchone()
+                    granted = row is not None and row[0] is True
+                else:
+                    cursor.execute(_sql.TRY_LOCK_SESSION[len(ids)], (*ids, name))
+                    row = cursor.fetchone()
+                    granted = row is not None and row[0] is not None
+                    if granted:
+                        self._shown = name
             except BaseException as exc:
                 self._close(f"acquiring lock {key.name!r} failed: {exc!r}")
                 if isinstance(exc, Exception):
                     with db.wrap_db_errors(f"acquire lock {key.name!r}", self.engine):
                         raise
                 raise
-            if row is None or row[0] is None:
+            if not granted:
                 return None
-            hold = Hold(self, ids, idle_name)
+            hold = Hold(self, ids)
             hold.connection, hold.generation = self._connection, self._generation
             self._owners[ids] = hold
             return hold
@@ -377,12 +399,7 @@ class ProcessSession(LockSession):
             del self._owners[ids]
             # The session shows the idle label only once it holds nothing.
             try:
-                if self._owners:
-                    self._cursor.execute(_sql.UNLOCK_SESSION_KEEP_NAME[len(ids)], ids)
-                else:
-                    self._cursor.execute(
-                        _sql.UNLOCK_SESSION[len(ids)], (*ids, hold.idle_name)
-                    )
+                self._cursor.execute(_sql.UNLOCK_SESSION_KEEP_NAME[len(ids)], ids)
                 row = self._cursor.fetchone()
             except BaseException as exc:
                 self._close(f"releasing lock {key.name!r} failed: {exc!r}")
@@ -443,6 +460,7 @@ class ProcessSession(LockSession):
             with db.wrap_db_errors(f"acquire lock {key.name!r}", self.engine):
                 raise
         self._pooled, self._connection, self._cursor = pooled, dbapi, cursor
+        self._shown = None
         return cursor
 
     def _close(self, cause: str) -> list[Hold]:
@@ -472,6 +490,12 @@ def _foreign(hold: Hold, key: LockKey) -> exceptions.LockNotOwnedError:
 
 
 # -- statements shared by both strategies -------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)
+def _application_name(prefix: str, *parts: object) -> str:
+    # Per-lock hot path (per_lock mode, transaction scope): the same names recur.
+    return db.application_name(prefix, *parts)
 
 
 def try_lock(cursor: Any, statement: str, key: LockKey, holding_name: str) -> bool:

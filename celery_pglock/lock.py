@@ -30,7 +30,6 @@ PostgreSQL's per-session re-entrancy harmless here.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
@@ -49,12 +48,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@functools.lru_cache(maxsize=4096)
-def _application_name(prefix: str, *parts: object) -> str:
-    # Per-task hot path: the same few names are built over and over.
-    return db.application_name(prefix, *parts)
-
-
 class AdvisoryLock:
     """One advisory lock of ``engine``'s database.
 
@@ -65,9 +58,9 @@ class AdvisoryLock:
             (``per_process``, the default) or on a pooled connection of its own.
         key: The advisory key.
         scope: ``LockScope.SESSION`` (default) or ``LockScope.TRANSACTION``.
-        label: Shown in ``pg_stat_activity.application_name`` while the lock is held,
-            after the application_name prefix and ``host:pid``; defaults to the key and
-            lock name.
+        label: Shown in ``pg_stat_activity.application_name`` of the lock's session,
+            after the application_name prefix and ``host:pid`` (per-lock connections
+            also show the key); defaults to the lock name.
     """
 
     def __init__(
@@ -81,12 +74,7 @@ class AdvisoryLock:
         self.engine = engine
         self.key = key
         self.scope = LockScope(scope)
-        prefix, tag = (
-            db.engine_info(engine)["application_name_prefix"],
-            db.process_tag(),
-        )
-        self._holding_name = _application_name(prefix, tag, key, label or key.name)
-        self._idle_name = _application_name(prefix, tag, "idle")
+        self._label = label or key.name
         self._session = _session.for_lock(
             engine, transaction=self.scope is LockScope.TRANSACTION
         )
@@ -249,8 +237,7 @@ class AdvisoryLock:
     def _do_acquire(self, timeout_ms: int | None) -> bool:
         hold = self._session.acquire(
             self.key,
-            holding_name=self._holding_name,
-            idle_name=self._idle_name,
+            label=self._label,
             timeout_ms=timeout_ms,
             transaction=self.scope is LockScope.TRANSACTION,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -75,8 +76,12 @@ def test_session_lock_excludes_a_second_holder_until_released(lock_engine, names
     second.release()
 
 
-def test_holder_is_visible_in_pg_locks_with_application_name(lock_engine, namespace):
-    """The article's incident query shows who holds the key: application_name has key and label."""
+def test_holder_is_visible_in_pg_locks_with_application_name(
+    lock_engine, namespace, session_mode
+):
+    """The article's incident query shows who holds the key: application_name names the
+    host:pid and the label (a per-lock connection also shows the key; the process's
+    shared session is not relabelled per key, pg_locks has the key)."""
     key = make_key(namespace)
     with AdvisoryLock(engine=lock_engine, key=key, label="billing.daily_settlement"):
         rows = pg_locks_rows(lock_engine, key)
@@ -84,19 +89,32 @@ def test_holder_is_visible_in_pg_locks_with_application_name(lock_engine, namesp
         name, granted = rows[0]
         assert granted
         assert name.startswith("pglock ")
-        assert str(key) in name
+        assert f":{os.getpid()} " in name
+        if session_mode == "per_lock":
+            assert str(key) in name
         assert name.endswith("billing.daily_settlement")
     assert [] == pg_locks_rows(lock_engine, key)
 
 
-def test_idle_connection_is_relabelled_after_release(single_engine, namespace):
-    """After release the lock's session no longer claims to hold anything."""
+def test_idle_connection_is_relabelled_after_release(
+    single_engine, namespace, session_mode
+):
+    """After release the lock's session no longer claims to hold anything: a pooled
+    connection says idle; the process's session holds no advisory lock (it keeps the
+    task's name: relabelling at every release would double the server's CPU per task)."""
     with AdvisoryLock(engine=single_engine, key=make_key(namespace)) as lock:
         dbapi = lock._hold.connection  # pooled (per_lock) or the process's session
     with dbapi.cursor() as cursor:
-        cursor.execute("SHOW application_name")
-        (name,) = cursor.fetchone()
-    assert name.endswith(" idle")
+        cursor.execute(
+            "SELECT current_setting('application_name'), (SELECT count(*) FROM pg_locks "
+            "WHERE locktype = 'advisory' AND pid = pg_backend_pid())"
+        )
+        name, held = cursor.fetchone()
+    assert 0 == held
+    if session_mode == "per_lock":
+        assert name.endswith(" idle")
+    else:
+        assert name.endswith(" it.lock")
 
 
 def test_two_int_key_uses_the_two_int_key_space(lock_engine, namespace):
