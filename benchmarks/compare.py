@@ -318,16 +318,17 @@ class Bench:
 
     def comparison(self) -> dict[tuple[str, str], list[Sample]]:
         samples: dict[tuple[str, str], list[Sample]] = {}
-        kinds = list(dict.fromkeys(c.worker for c in CONTENDERS.values()))
+        chosen = {n: c for n, c in CONTENDERS.items() if n in self.args.contenders}
+        kinds = list(dict.fromkeys(c.worker for c in chosen.values()))
         for repetition in range(self.args.repetitions):
             order = kinds[repetition % len(kinds) :] + kinds[: repetition % len(kinds)]
             for kind in order:
                 worker, record_dir = self.worker(kind)
                 try:
-                    for name, contender in CONTENDERS.items():
+                    for name, contender in chosen.items():
                         if contender.worker != kind:
                             continue
-                        for workload in WORKLOADS:
+                        for workload in self.args.workloads:
                             if name == PLAIN and workload in ("one hot key", "per-tenant mix"):
                                 continue  # no key: the same as distinct keys
                             sample = self.drain(
@@ -578,9 +579,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md")
     parser.add_argument("--no-docs", action="store_true", help="do not write the docs page")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--contenders", type=lambda text: text.split(","), default=list(CONTENDERS),
+        help="comma-separated subset of: " + ", ".join(CONTENDERS),
+    )
+    parser.add_argument(
+        "--workloads", type=lambda text: text.split(","), default=list(WORKLOADS),
+        help="comma-separated subset of: " + ", ".join(WORKLOADS),
+    )
+    parser.add_argument("--no-threads", action="store_true", help="skip the threads-64 run")
     args = parser.parse_args(argv)
-    if args.repetitions < 1 or args.messages < 100 or args.flat < 100:
-        parser.error("--repetitions ≥ 1, --messages ≥ 100 and --flat ≥ 100")
+    if args.repetitions < 1 or args.messages < 100 or not 0 <= args.flat:
+        parser.error("--repetitions ≥ 1, --messages ≥ 100, --flat ≥ 0 (0: skip)")
+    unknown = set(args.contenders) - set(CONTENDERS) | set(args.workloads) - set(WORKLOADS)
+    if unknown:
+        parser.error(f"unknown contenders/workloads: {', '.join(sorted(unknown))}")
     started = time.monotonic()
     command = "benchmarks/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
     with start_services() as services:
@@ -588,11 +601,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             print(f"comparison: {args.messages} messages × {args.repetitions} repetitions, prefork concurrency {args.concurrency}", flush=True)
             rows = summarise(bench.comparison())
-            print("threads worker, concurrency 64", flush=True)
-            connections, threads = bench.threads64()
-            print(f"  lock connections at most {connections} with {threads.ran} bodies at once", flush=True)
-            print(f"memory-flat run: {args.flat:,} skips then {args.flat:,} runs", flush=True)
-            flat = bench.flat()
+            connections, threads = 999, Sample(queued=0, dropped=0)
+            if not args.no_threads:
+                print("threads worker, concurrency 64", flush=True)
+                connections, threads = bench.threads64()
+                print(f"  lock connections at most {connections} with {threads.ran} bodies at once", flush=True)
+            flat: dict[str, float] = {}
+            if args.flat:
+                print(f"memory-flat run: {args.flat:,} skips then {args.flat:,} runs", flush=True)
+                flat = bench.flat()
         finally:
             bench.close()
     checks = verdicts(rows, connections, flat, args)
