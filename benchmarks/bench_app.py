@@ -172,7 +172,8 @@ def _warm_up() -> None:
         from celery_pglock import AdvisoryLock, db, keys
 
         lock = AdvisoryLock(
-            engine=db.engine_for(app.conf), key=keys.make_key("bench-warm", str(os.getpid()))
+            engine=db.engine_for(app.conf),
+            key=keys.make_key("bench-warm", str(os.getpid())),
         )
         if lock.acquire():
             lock.release()

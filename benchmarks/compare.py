@@ -52,6 +52,7 @@ import bench_app  # noqa: E402 - configured by the environment set above
 MiB = 1024 * 1024
 TENANTS = 50
 SLOW_BODY = 0.002
+TIMES = "\N{MULTIPLICATION SIGN}"  # the table is Markdown for people
 BEGIN, END = "<!-- benchmark:begin -->", "<!-- benchmark:end -->"
 
 
@@ -329,13 +330,23 @@ class Bench:
                         if contender.worker != kind:
                             continue
                         for workload in self.args.workloads:
-                            if name == PLAIN and workload in ("one hot key", "per-tenant mix"):
+                            if name == PLAIN and workload in (
+                                "one hot key",
+                                "per-tenant mix",
+                            ):
                                 continue  # no key: the same as distinct keys
                             sample = self.drain(
-                                worker, record_dir, contender, workload, self.args.messages
+                                worker,
+                                record_dir,
+                                contender,
+                                workload,
+                                self.args.messages,
                             )
                             samples.setdefault((name, workload), []).append(sample)
-                            print(f"  rep {repetition + 1} {name:<26} {workload:<16} {describe(sample)}", flush=True)
+                            print(
+                                f"  rep {repetition + 1} {name:<26} {workload:<16} {describe(sample)}",
+                                flush=True,
+                            )
                     rss_now = rss(worker)
                     for (name, _), runs in samples.items():
                         if CONTENDERS[name].worker == kind:
@@ -415,7 +426,9 @@ class Bench:
                 queue, destination=[worker.hostname], reply=True, timeout=10
             )
             for phase in ("skip", "run"):
-                held = self.hot_key_held(contender, "one hot key" if phase == "skip" else "")
+                held = self.hot_key_held(
+                    contender, "one hot key" if phase == "skip" else ""
+                )
                 with held, self.app.producer_or_acquire() as producer:
                     done_before = len(records(record_dir))
                     deadline = time.monotonic() + max(120.0, count / 50)
@@ -424,15 +437,26 @@ class Bench:
                             key = "hot" if phase == "skip" else f"{self.run_id}-f{i}"
                             task.apply_async((key, 0.0), queue=queue, producer=producer)
                         # Keep the queue short: wait until all but a chunk is consumed.
-                        while len(records(record_dir)) - done_before < min(start + chunk, count) - chunk:
+                        while (
+                            len(records(record_dir)) - done_before
+                            < min(start + chunk, count) - chunk
+                        ):
                             if time.monotonic() > deadline:
-                                raise BenchError(f"flat run too slow; log {worker.log_path}")
+                                raise BenchError(
+                                    f"flat run too slow; log {worker.log_path}"
+                                )
                             time.sleep(0.1)
-                        if phase == "skip" and "warm" not in marks and start + chunk >= count // 10:
+                        if (
+                            phase == "skip"
+                            and "warm" not in marks
+                            and start + chunk >= count // 10
+                        ):
                             marks["warm"] = rss(worker)
                     while len(records(record_dir)) - done_before < count:
                         if time.monotonic() > deadline:
-                            raise BenchError(f"flat run too slow; log {worker.log_path}")
+                            raise BenchError(
+                                f"flat run too slow; log {worker.log_path}"
+                            )
                         time.sleep(0.1)
                     marks[f"after {phase}"] = rss(worker)
             outcomes = [record[2] for record in records(record_dir)]
@@ -465,7 +489,9 @@ def median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def summarise(samples: dict[tuple[str, str], list[Sample]]) -> dict[tuple[str, str], dict[str, Any]]:
+def summarise(
+    samples: dict[tuple[str, str], list[Sample]],
+) -> dict[tuple[str, str], dict[str, Any]]:
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for (name, workload), runs in samples.items():
         rows[name, workload] = {
@@ -479,10 +505,17 @@ def summarise(samples: dict[tuple[str, str], list[Sample]]) -> dict[tuple[str, s
             "dropped": sum(s.dropped for s in runs),
             "repetitions": len(runs),
         }
-    for (name, workload), row in rows.items():
-        base = rows.get((PLAIN, "slow body 2 ms" if workload.startswith("slow") else "distinct keys"))
+    for (_name, workload), row in rows.items():
+        base = rows.get(
+            (
+                PLAIN,
+                "slow body 2 ms" if workload.startswith("slow") else "distinct keys",
+            )
+        )
         row["ratio"] = (
-            row["rate"] / base["rate"] if base and row["rate"] and base["rate"] else None
+            row["rate"] / base["rate"]
+            if base and row["rate"] and base["rate"]
+            else None
         )
         row["cpu_over_plain"] = (
             row["worker_us"] - base["worker_us"]
@@ -498,7 +531,7 @@ def fmt(value: float | None, pattern: str) -> str:
 
 def table(rows: dict[tuple[str, str], dict[str, Any]]) -> str:
     lines = [
-        "| workload | contender | msgs/s | × plain | worker CPU µs/msg | PostgreSQL CPU µs/msg | RSS MiB | lock conns | ran / skipped / dropped at publish |",
+        f"| workload | contender | msgs/s | {TIMES} plain | worker CPU µs/msg | PostgreSQL CPU µs/msg | RSS MiB | lock conns | ran / skipped / dropped at publish |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for workload in WORKLOADS:
@@ -515,43 +548,63 @@ def table(rows: dict[tuple[str, str], dict[str, Any]]) -> str:
 
 
 def verdicts(
-    rows: dict[tuple[str, str], dict[str, Any]], connections: int, flat: dict[str, float], args: argparse.Namespace
+    rows: dict[tuple[str, str], dict[str, Any]],
+    connections: int,
+    flat: dict[str, float],
+    args: argparse.Namespace,
 ) -> list[tuple[str, str, bool]]:
     distinct = rows.get((SESSION, "distinct keys"), {})
     hot = rows.get((SESSION, "one hot key"), {})
-    peers = [rows.get((name, "distinct keys"), {}).get("ratio") for name in CONTENDERS if CONTENDERS[name].locks_at_publish]
+    peers = [
+        rows.get((name, "distinct keys"), {}).get("ratio")
+        for name in CONTENDERS
+        if CONTENDERS[name].locks_at_publish
+    ]
     ratio = distinct.get("ratio")
     growth = flat.get("after run", 0.0) - flat.get("warm", 0.0)
-    checks = [
-        ("distinct keys ≥ 0.95× plain", f"{fmt(ratio, '.3f')}×", ratio is not None and ratio >= 0.95),
+    return [
+        (
+            f"distinct keys ≥ 0.95{TIMES} plain",
+            f"{fmt(ratio, '.3f')}{TIMES}",
+            ratio is not None and ratio >= 0.95,
+        ),
         (
             "distinct keys above both peers",
-            f"{fmt(ratio, '.3f')}× vs " + " / ".join(f"{fmt(p, '.3f')}×" for p in peers),
+            f"{fmt(ratio, '.3f')}{TIMES} vs "
+            + " / ".join(f"{fmt(p, '.3f')}{TIMES}" for p in peers),
             ratio is not None and all(p is not None and ratio > p for p in peers),
         ),
         (
             "full contention ≥ distinct keys (msgs/s)",
             f"{fmt(hot.get('rate'), ',.0f')} vs {fmt(distinct.get('rate'), ',.0f')}",
-            bool(hot.get("rate") and distinct.get("rate") and hot["rate"] >= distinct["rate"]),
+            bool(
+                hot.get("rate")
+                and distinct.get("rate")
+                and hot["rate"] >= distinct["rate"]
+            ),
         ),
         (
             "worker CPU overhead ≤ 80 µs per locked task",
             f"{fmt(distinct.get('cpu_over_plain'), '+.0f')} µs",
-            distinct.get("cpu_over_plain") is not None and distinct["cpu_over_plain"] <= 80,
+            distinct.get("cpu_over_plain") is not None
+            and distinct["cpu_over_plain"] <= 80,
         ),
         (
             "PostgreSQL CPU ≤ 60 µs per task",
             f"{fmt(distinct.get('pg_us'), '.0f')} µs",
             distinct.get("pg_us") is not None and distinct["pg_us"] <= 60,
         ),
-        ("lock connections ≤ 2, threads worker at concurrency 64", str(connections), connections <= 2),
+        (
+            "lock connections ≤ 2, threads worker at concurrency 64",
+            str(connections),
+            connections <= 2,
+        ),
         (
             f"memory flat: {int(flat.get('skipped', 0)):,} skipped + {int(flat.get('ran', 0)):,} run, growth ≤ 10 MiB",
             f"{fmt(flat.get('warm'), '.1f')} → {fmt(flat.get('after skip'), '.1f')} → {fmt(flat.get('after run'), '.1f')} MiB ({growth:+.1f})",
             bool(flat) and growth <= 10.0,
         ),
     ]
-    return checks
 
 
 def write_docs(path: Path, text: str) -> None:
@@ -575,40 +628,66 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=2000, help="messages per drain")
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=2, help="prefork children")
-    parser.add_argument("--flat", type=int, default=100_000, help="memory-flat run: N skips, then N runs")
+    parser.add_argument(
+        "--flat",
+        type=int,
+        default=100_000,
+        help="memory-flat run: N skips, then N runs",
+    )
     parser.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md")
-    parser.add_argument("--no-docs", action="store_true", help="do not write the docs page")
+    parser.add_argument(
+        "--no-docs", action="store_true", help="do not write the docs page"
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument(
-        "--contenders", type=lambda text: text.split(","), default=list(CONTENDERS),
+        "--contenders",
+        type=lambda text: text.split(","),
+        default=list(CONTENDERS),
         help="comma-separated subset of: " + ", ".join(CONTENDERS),
     )
     parser.add_argument(
-        "--workloads", type=lambda text: text.split(","), default=list(WORKLOADS),
+        "--workloads",
+        type=lambda text: text.split(","),
+        default=list(WORKLOADS),
         help="comma-separated subset of: " + ", ".join(WORKLOADS),
     )
-    parser.add_argument("--no-threads", action="store_true", help="skip the threads-64 run")
+    parser.add_argument(
+        "--no-threads", action="store_true", help="skip the threads-64 run"
+    )
     args = parser.parse_args(argv)
-    if args.repetitions < 1 or args.messages < 100 or not 0 <= args.flat:
+    if args.repetitions < 1 or args.messages < 100 or not args.flat >= 0:
         parser.error("--repetitions ≥ 1, --messages ≥ 100, --flat ≥ 0 (0: skip)")
-    unknown = set(args.contenders) - set(CONTENDERS) | set(args.workloads) - set(WORKLOADS)
+    unknown = set(args.contenders) - set(CONTENDERS) | set(args.workloads) - set(
+        WORKLOADS
+    )
     if unknown:
         parser.error(f"unknown contenders/workloads: {', '.join(sorted(unknown))}")
     started = time.monotonic()
-    command = "benchmarks/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "benchmarks/compare.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
     with start_services() as services:
         bench = Bench(services, args)
         try:
-            print(f"comparison: {args.messages} messages × {args.repetitions} repetitions, prefork concurrency {args.concurrency}", flush=True)
+            print(
+                f"comparison: {args.messages} messages {TIMES} {args.repetitions} repetitions, prefork concurrency {args.concurrency}",
+                flush=True,
+            )
             rows = summarise(bench.comparison())
             connections, threads = 999, Sample(queued=0, dropped=0)
             if not args.no_threads:
                 print("threads worker, concurrency 64", flush=True)
                 connections, threads = bench.threads64()
-                print(f"  lock connections at most {connections} with {threads.ran} bodies at once", flush=True)
+                print(
+                    f"  lock connections at most {connections} with {threads.ran} bodies at once",
+                    flush=True,
+                )
             flat: dict[str, float] = {}
             if args.flat:
-                print(f"memory-flat run: {args.flat:,} skips then {args.flat:,} runs", flush=True)
+                print(
+                    f"memory-flat run: {args.flat:,} skips then {args.flat:,} runs",
+                    flush=True,
+                )
                 flat = bench.flat()
         finally:
             bench.close()
@@ -620,7 +699,10 @@ def main(argv: list[str] | None = None) -> int:
             "",
             "| target (issue 7) | measured | verdict |",
             "|---|---|---|",
-            *(f"| {name} | {value} | {'PASS' if ok else 'FAIL'} |" for name, value, ok in checks),
+            *(
+                f"| {name} | {value} | {'PASS' if ok else 'FAIL'} |"
+                for name, value, ok in checks
+            ),
             "",
             f"`{command.strip()}` — {elapsed / 60:.0f} min on {os.cpu_count()} CPUs, "
             f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end; "
@@ -636,8 +718,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nwritten to {args.docs}")
     if args.json:
         args.json.write_text(
-            json.dumps({"rows": {f"{k[0]} | {k[1]}": v for k, v in rows.items()}, "flat": flat,
-                        "connections": connections, "checks": checks}, indent=2)
+            json.dumps(
+                {
+                    "rows": {f"{k[0]} | {k[1]}": v for k, v in rows.items()},
+                    "flat": flat,
+                    "connections": connections,
+                    "checks": checks,
+                },
+                indent=2,
+            )
         )
     return 0 if all(ok for _, _, ok in checks) else 1
 

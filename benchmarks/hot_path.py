@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("BENCH_CONTENDER", "pglock")  # bench_app: only our tasks
-import bench_app  # noqa: E402 - configured by the environment set above
+import bench_app
 
 from celery_pglock import config
 from celery_pglock.testing import DATABASE_URL_ENV as TEST_DATABASE_URL_ENV
