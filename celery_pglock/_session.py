@@ -355,6 +355,8 @@ class ProcessSession(LockSession):
             cursor = self._cursor if self._cursor is not None else self._connect(key)
             name = self._names.get(label)
             if name is None:
+                if len(self._names) >= 1024:  # labels are task names: few; stay bounded
+                    self._names.clear()
                 name = self._names[label] = db.application_name(
                     self._prefix, db.process_tag(), label
                 )
@@ -397,7 +399,6 @@ class ProcessSession(LockSession):
                     name=key.name,
                 )
             del self._owners[ids]
-            # The session shows the idle label only once it holds nothing.
             try:
                 self._cursor.execute(_sql.UNLOCK_SESSION_KEEP_NAME[len(ids)], ids)
                 row = self._cursor.fetchone()

@@ -281,3 +281,26 @@ def test_memoised_scalar_keys_keep_types_apart(app):
         assert (
             expected == task.lock_key_for(value) == task.lock_key_for(tenant_id=value)
         )
+
+
+def test_session_mode_defaults_to_per_process_and_is_validated():
+    """pglock_session_mode: per_process unless set; a bad value names the setting."""
+    assert config_module.SessionMode.PER_PROCESS == config_module.session_mode({})
+    assert config_module.SessionMode.PER_LOCK == config_module.session_mode(
+        {"pglock_session_mode": "per_lock"}
+    )
+    config_module.check_unknown_settings({"pglock_session_mode": "per_lock"})
+    with pytest.raises(ConfigurationError) as caught:
+        config_module.session_mode({"pglock_session_mode": "shared"})
+    assert "pglock_session_mode='shared'" in str(caught.value)
+    assert "'per_process', 'per_lock'" in str(caught.value)
+
+
+def test_bad_session_mode_stops_the_engine_too():
+    """The engine (what a worker builds at its first task) refuses it as well."""
+    from celery_pglock import db
+
+    with pytest.raises(ConfigurationError, match="pglock_session_mode"):
+        db.create_engine(
+            "postgresql+psycopg2://u@127.0.0.1/db", {"pglock_session_mode": "shared"}
+        )
