@@ -41,6 +41,8 @@ NAMESPACE_ENV = "BENCH_NAMESPACE"
 RECORD_DIR_ENV = "BENCH_RECORD_DIR"
 POOL_ENV = "BENCH_POOL"
 SESSION_MODE_ENV = "BENCH_SESSION_MODE"
+#: Run each prefork child under cProfile and dump its stats there when it exits.
+PROFILE_DIR_ENV = "BENCH_PROFILE_DIR"
 
 #: (start ns, end ns, outcome) per task; time.monotonic_ns is system-wide on Linux.
 RECORD = struct.Struct("<qqq")
@@ -187,8 +189,26 @@ def _warm_up() -> None:
             marker.write("warm\n")
 
 
+_profiler: Any = None
+
+
 def _on_child_init(**_: Any) -> None:
+    global _profiler
     _warm_up()
+    if os.environ.get(PROFILE_DIR_ENV):
+        import cProfile
+
+        # CPU time, not wall: waiting for PostgreSQL or the broker is not cost.
+        _profiler = cProfile.Profile(time.process_time)
+        _profiler.enable()
+
+
+def _on_child_shutdown(**_: Any) -> None:
+    if _profiler is not None:
+        _profiler.disable()
+        _profiler.dump_stats(
+            os.path.join(os.environ[PROFILE_DIR_ENV], f"{os.getpid()}.prof")
+        )
 
 
 def _on_worker_ready(**_: Any) -> None:
@@ -201,6 +221,7 @@ if _record_dir:
     signals.task_postrun.connect(_on_postrun, weak=False)
     signals.worker_process_init.connect(_on_child_init, weak=False)
     signals.worker_ready.connect(_on_worker_ready, weak=False)
+    signals.worker_process_shutdown.connect(_on_child_shutdown, weak=False)
     _quiet_task_logs()
     signals.after_setup_logger.connect(_quiet_task_logs, weak=False)
     signals.after_setup_task_logger.connect(_quiet_task_logs, weak=False)

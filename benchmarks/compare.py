@@ -82,6 +82,7 @@ class Sample:
     skipped: int = 0
     rate: float | None = None  #: messages handled per second
     worker_us: float | None = None  #: worker CPU per handled message
+    worker_sys_us: float | None = None  #: the kernel's share of it
     pg_us: float | None = None  #: lock-session backends' CPU per handled message
     connections: int = 0
     rss: float | None = None  #: MiB, largest task process, after the worker's drains
@@ -118,13 +119,14 @@ class Probe:
                 found.append(backend)
         return found
 
-    def cpu(self, worker: WorkerProcess) -> tuple[float, float | None]:
-        """(worker CPU seconds, lock backends' CPU seconds or None if unreadable)."""
-        total = 0.0
+    def cpu(self, worker: WorkerProcess) -> tuple[float, float, float | None]:
+        """(worker CPU s, of which system s, lock backends' CPU s or None if unreadable)."""
+        total = system = 0.0
         for pid in (worker.pid, *worker.child_pids()):
             with contextlib.suppress(psutil.Error):
                 times = psutil.Process(pid).cpu_times()
                 total += times.user + times.system
+                system += times.system
         server: float | None = 0.0
         for backend in self.lock_backends(worker):
             try:
@@ -133,7 +135,7 @@ class Probe:
                 server = None
                 break
             server = (server or 0.0) + times.user + times.system
-        return total, server
+        return total, system, server
 
     def close(self) -> None:
         self.connection.close()
@@ -185,7 +187,12 @@ class Bench:
         self.tmp = Path(tempfile.mkdtemp(prefix="pglock-bench-"))
 
     def worker(
-        self, kind: str, *, pool: str = "prefork", concurrency: int | None = None
+        self,
+        kind: str,
+        *,
+        pool: str = "prefork",
+        concurrency: int | None = None,
+        profile_dir: Path | None = None,
     ) -> tuple[WorkerProcess, Path]:
         concurrency = concurrency or self.args.concurrency
         record_dir = Path(tempfile.mkdtemp(dir=self.tmp, prefix=f"{kind}-"))
@@ -204,6 +211,7 @@ class Bench:
                 bench_app.NAMESPACE_ENV: self.namespace,
                 bench_app.RECORD_DIR_ENV: str(record_dir),
                 bench_app.POOL_ENV: pool,
+                bench_app.PROFILE_DIR_ENV: str(profile_dir or ""),
             },
         )
         worker.start(timeout=90)
@@ -274,7 +282,7 @@ class Bench:
         try:
             with self.hot_key_held(contender, workload):
                 queued, dropped = self.publish(contender, workload, count, queue)
-                cpu0, pg0 = self.probe.cpu(worker)
+                cpu0, sys0, pg0 = self.probe.cpu(worker)
                 self.app.control.add_consumer(
                     queue, destination=[worker.hostname], reply=True, timeout=10
                 )
@@ -285,7 +293,7 @@ class Bench:
                             f"{contender.task} {workload}: drain incomplete; log {worker.log_path}"
                         )
                     time.sleep(0.05)
-                cpu1, pg1 = self.probe.cpu(worker)
+                cpu1, sys1, pg1 = self.probe.cpu(worker)
                 connections = len(self.probe.lock_backends(worker))
         finally:
             self.app.control.cancel_consumer(
@@ -302,6 +310,7 @@ class Bench:
             span = (max(r[1] for r in mine) - min(r[0] for r in mine)) / 1e9
             sample.rate = queued / span if span > 0 else None
             sample.worker_us = (cpu1 - cpu0) * 1e6 / queued
+            sample.worker_sys_us = (sys1 - sys0) * 1e6 / queued
             if pg0 is not None and pg1 is not None:
                 sample.pg_us = (pg1 - pg0) * 1e6 / queued
         return sample
@@ -373,7 +382,7 @@ class Bench:
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         try:
-            # 20 ms bodies, distinct keys: up to 64 locks held at once.
+            # 100 ms bodies, distinct keys: up to 64 locks held at once.
             queue_sample = self.drain_threads(worker, record_dir)
         finally:
             stop.set()
@@ -390,7 +399,7 @@ class Bench:
         try:
             with self.app.producer_or_acquire() as producer:
                 for i in range(count):
-                    task.apply_async((f"th-{i}", 0.02), queue=queue, producer=producer)
+                    task.apply_async((f"th-{i}", 0.1), queue=queue, producer=producer)
             self.app.control.add_consumer(
                 queue, destination=[worker.hostname], reply=True, timeout=10
             )
@@ -470,6 +479,43 @@ class Bench:
             worker.stop(timeout=30)
         return marks
 
+    def profile(self) -> str:
+        """One untimed distinct-keys drain per contender, pool children under cProfile."""
+        import pstats
+
+        out = []
+        for name in ("plain", SESSION):
+            contender = CONTENDERS[name]
+            directory = Path(tempfile.mkdtemp(dir=self.tmp, prefix="profile-"))
+            worker, record_dir = self.worker(contender.worker, profile_dir=directory)
+            try:
+                self.drain(
+                    worker, record_dir, contender, "distinct keys", self.args.messages
+                )
+            finally:
+                worker.stop(timeout=30)
+            stats: Any = pstats.Stats(*map(str, directory.glob("*.prof")))
+            rows = sorted(
+                (
+                    (
+                        own,
+                        cum,
+                        f"{where[0].split('site-packages/')[-1]}:{where[1]}({where[2]})",
+                    )
+                    for where, (_, _, own, cum, _) in stats.stats.items()
+                ),
+                reverse=True,
+            )[:20]
+            per = self.args.messages
+            out.append(
+                f"{name}: own / cumulative CPU µs per message (cProfile inflates small calls)"
+            )
+            out.extend(
+                f"  {own * 1e6 / per:7.1f} {cum * 1e6 / per:8.1f}  {where}"
+                for own, cum, where in rows
+            )
+        return "\n".join(out)
+
     def close(self) -> None:
         self.probe.close()
         self.redis.close()
@@ -480,7 +526,11 @@ class Bench:
 
 def describe(sample: Sample) -> str:
     rate = f"{sample.rate:7.0f}/s" if sample.rate else "     n/a"
-    cpu = f"{sample.worker_us:6.0f} us" if sample.worker_us else "     n/a"
+    cpu = (
+        f"{sample.worker_us:6.0f} us (sys {sample.worker_sys_us or 0:4.0f})"
+        if sample.worker_us
+        else "     n/a"
+    )
     return f"{rate} wk {cpu} ran {sample.ran} skip {sample.skipped} dropped {sample.dropped}"
 
 
@@ -654,6 +704,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-threads", action="store_true", help="skip the threads-64 run"
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="first profile one drain of plain and of SingletonTask in the pool children",
+    )
     args = parser.parse_args(argv)
     if args.repetitions < 1 or args.messages < 100 or not args.flat >= 0:
         parser.error("--repetitions ≥ 1, --messages ≥ 100, --flat ≥ 0 (0: skip)")
@@ -669,6 +724,8 @@ def main(argv: list[str] | None = None) -> int:
     with start_services() as services:
         bench = Bench(services, args)
         try:
+            if args.profile:
+                print(bench.profile(), flush=True)
             print(
                 f"comparison: {args.messages} messages {TIMES} {args.repetitions} repetitions, prefork concurrency {args.concurrency}",
                 flush=True,
