@@ -1,6 +1,6 @@
 """One lock session per worker process: connections, exclusion inside the process.
 
-A threads-pool worker at concurrency 64 carries all of its session-scope locks on one
+A threads-pool (and a gevent-pool) worker at concurrency 64 carries all of its session-scope locks on one
 PostgreSQL session (the default ``pglock_session_mode='per_process'``), counted here in
 ``pg_stat_activity``; the tasks of that process exclude each other per key in front of
 PostgreSQL (whose session locks are re-entrant within one session), proven with the
@@ -27,12 +27,12 @@ LOCK_SESSIONS_SQL = (
 )
 
 
-@pytest.fixture(scope="module")
-def threads64(acceptance, start_workers):
-    """A threads-pool worker with 64 threads and the default session mode."""
-    queue = f"{acceptance.app.conf.task_default_queue}-threads64"
+@pytest.fixture(scope="module", params=["threads", "gevent"])
+def threads64(request, acceptance, start_workers):
+    """A threads (or gevent) pool worker at concurrency 64, default session mode."""
+    queue = f"{acceptance.app.conf.task_default_queue}-{request.param}64"
     (worker,) = start_workers(
-        1, pool="threads", concurrency=CONCURRENCY, queues=[queue]
+        1, pool=request.param, concurrency=CONCURRENCY, queues=[queue]
     )
     return worker, queue
 
