@@ -35,7 +35,7 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-from celery_pglock import _session, _sql, db, exceptions
+from celery_pglock import _hold, _session, _sql, db, exceptions
 from celery_pglock.config import LockScope
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class AdvisoryLock:
         self._session = _session.for_lock(
             engine, transaction=self.scope is LockScope.TRANSACTION
         )
-        self._hold: _session.Hold | None = None
+        self._hold: _hold.Hold | None = None
         #: time.monotonic() when the lock was granted, or None.
         self.acquired_at: float | None = None
         #: time.monotonic() when the lock was released, or None.
