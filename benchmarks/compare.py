@@ -70,7 +70,22 @@ CONTENDERS = {
     "celery-once 3.0.1": Contender("once", bench_app.ONCE, True),
     "celery-singleton 0.3.1": Contender("singleton", bench_app.SINGLETON, True),
 }
-WORKLOADS = ("distinct keys", "one hot key", "per-tenant mix", "slow body 2 ms")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    keys: str  #: "distinct", "hot" (held by another session throughout) or "tenants"
+    body: float = 0.0  #: seconds each body sleeps
+
+
+WORKLOADS = {
+    "distinct keys": Workload("distinct"),
+    "one hot key": Workload("hot"),
+    "per-tenant mix": Workload("tenants"),
+    "slow body 2 ms": Workload("distinct", SLOW_BODY),
+}
+#: The threads-64 run: bodies long enough for 64 locks to be held at once.
+THREADS = Workload("distinct", 0.1)
 SESSION, PLAIN = "SingletonTask session", "plain"
 
 
@@ -78,6 +93,7 @@ SESSION, PLAIN = "SingletonTask session", "plain"
 class Sample:
     queued: int
     dropped: int  #: refused at publish (peers)
+    peak: int = 0  #: most bodies running at the same instant
     ran: int = 0
     skipped: int = 0
     rate: float | None = None  #: messages handled per second
@@ -224,22 +240,24 @@ class Bench:
         return worker, record_dir
 
     def publish(
-        self, contender: Contender, workload: str, count: int, queue: str
+        self, contender: Contender, workload: Workload, count: int, queue: str
     ) -> tuple[int, int]:
         """Publish ``count`` messages; (queued, dropped at publish)."""
         task = self.app.tasks[contender.task]
-        rng = random.Random(f"{self.run_id}-{workload}")  # noqa: S311 - test data
-        body = SLOW_BODY if workload == "slow body 2 ms" else 0.0
+        rng = random.Random(self.run_id)  # noqa: S311 - test data
         queued = dropped = 0
         with self.app.producer_or_acquire() as producer:
             for i in range(count):
                 key = {
-                    "one hot key": "hot",
-                    "per-tenant mix": f"t{rng.randrange(TENANTS)}",
-                }.get(workload, f"{self.run_id}-{i}")
+                    "hot": "hot",
+                    "tenants": f"t{rng.randrange(TENANTS)}",
+                }.get(workload.keys, f"{self.run_id}-{uuid.uuid4().hex[:8]}-{i}")
                 task_id = str(uuid.uuid4())
                 result = task.apply_async(
-                    (key, body), queue=queue, task_id=task_id, producer=producer
+                    (key, workload.body),
+                    queue=queue,
+                    task_id=task_id,
+                    producer=producer,
                 )
                 if result is None or result.id != task_id:
                     dropped += 1  # the peers' publish-time lock refused it
@@ -248,9 +266,9 @@ class Bench:
         return queued, dropped
 
     @contextlib.contextmanager
-    def hot_key_held(self, contender: Contender, workload: str) -> Any:
+    def hot_key_held(self, contender: Contender, workload: Workload) -> Any:
         """One hot key: another session holds it, so every message is a skip."""
-        if workload != "one hot key" or contender.worker != "pglock":
+        if workload.keys != "hot" or contender.worker != "pglock":
             yield
             return
         from celery_pglock import AdvisoryLock, db
@@ -274,7 +292,7 @@ class Bench:
         worker: WorkerProcess,
         record_dir: Path,
         contender: Contender,
-        workload: str,
+        workload: Workload,
         count: int,
     ) -> Sample:
         queue = f"bench-{self.run_id}-{uuid.uuid4().hex[:6]}"
@@ -306,6 +324,10 @@ class Bench:
         sample = Sample(queued=queued, dropped=dropped, connections=connections)
         sample.ran = sum(1 for record in mine if record[2] == bench_app.RAN)
         sample.skipped = queued - sample.ran
+        running = 0
+        for _, step in sorted([(r[0], 1) for r in mine] + [(r[1], -1) for r in mine]):
+            running += step
+            sample.peak = max(sample.peak, running)
         if queued >= 100:
             span = (max(r[1] for r in mine) - min(r[0] for r in mine)) / 1e9
             sample.rate = queued / span if span > 0 else None
@@ -348,7 +370,7 @@ class Bench:
                                 worker,
                                 record_dir,
                                 contender,
-                                workload,
+                                WORKLOADS[workload],
                                 self.args.messages,
                             )
                             samples.setdefault((name, workload), []).append(sample)
@@ -367,6 +389,7 @@ class Bench:
     def threads64(self) -> tuple[int, Sample]:
         """Lock connections of a threads worker at concurrency 64, sampled during a drain."""
         worker, record_dir = self.worker("pglock", pool="threads", concurrency=64)
+        probe = Probe(self.services)  # its own connection: used from the sampler thread
         peak = 0
         stop = threading.Event()
 
@@ -375,51 +398,20 @@ class Bench:
             deadline = time.monotonic() + 300
             while not stop.is_set() and time.monotonic() < deadline:
                 with contextlib.suppress(Exception):
-                    peak = max(peak, len(self.probe_threads.lock_backends(worker)))
+                    peak = max(peak, len(probe.lock_backends(worker)))
                 time.sleep(0.02)
 
-        self.probe_threads = Probe(self.services)
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         try:
-            # 100 ms bodies, distinct keys: up to 64 locks held at once.
-            queue_sample = self.drain_threads(worker, record_dir)
+            count = max(640, self.args.messages // 2)
+            result = self.drain(worker, record_dir, CONTENDERS[SESSION], THREADS, count)
         finally:
             stop.set()
             sampler.join(timeout=10)
-            self.probe_threads.close()
+            probe.close()
             worker.stop(timeout=30)
-        return peak, queue_sample
-
-    def drain_threads(self, worker: WorkerProcess, record_dir: Path) -> Sample:
-        task = self.app.tasks[bench_app.SESSION]
-        queue = f"bench-{self.run_id}-threads"
-        count = max(640, self.args.messages // 2)
-        before = len(records(record_dir))
-        try:
-            with self.app.producer_or_acquire() as producer:
-                for i in range(count):
-                    task.apply_async((f"th-{i}", 0.1), queue=queue, producer=producer)
-            self.app.control.add_consumer(
-                queue, destination=[worker.hostname], reply=True, timeout=10
-            )
-            deadline = time.monotonic() + 120
-            while len(records(record_dir)) - before < count:
-                if time.monotonic() > deadline:
-                    raise BenchError(f"threads drain incomplete; log {worker.log_path}")
-                time.sleep(0.05)
-        finally:
-            self.app.control.cancel_consumer(
-                queue, destination=[worker.hostname], reply=True, timeout=10
-            )
-            self.forget(queue)
-        mine = sorted(records(record_dir), key=lambda r: r[1])[-count:]
-        edges = sorted([(r[0], 1) for r in mine] + [(r[1], -1) for r in mine])
-        running = most = 0
-        for _, step in edges:
-            running += step
-            most = max(most, running)
-        return Sample(queued=count, dropped=0, ran=most)
+        return peak, result
 
     def flat(self) -> dict[str, float]:
         """Skip N messages, then run N; RSS of the task processes along the way."""
@@ -436,7 +428,8 @@ class Bench:
             )
             for phase in ("skip", "run"):
                 held = self.hot_key_held(
-                    contender, "one hot key" if phase == "skip" else ""
+                    contender,
+                    WORKLOADS["one hot key" if phase == "skip" else "distinct keys"],
                 )
                 with held, self.app.producer_or_acquire() as producer:
                     done_before = len(records(record_dir))
@@ -490,7 +483,11 @@ class Bench:
             worker, record_dir = self.worker(contender.worker, profile_dir=directory)
             try:
                 self.drain(
-                    worker, record_dir, contender, "distinct keys", self.args.messages
+                    worker,
+                    record_dir,
+                    contender,
+                    WORKLOADS["distinct keys"],
+                    self.args.messages,
                 )
             finally:
                 worker.stop(timeout=30)
@@ -736,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("threads worker, concurrency 64", flush=True)
                 connections, threads = bench.threads64()
                 print(
-                    f"  lock connections at most {connections} with {threads.ran} bodies at once",
+                    f"  lock connections at most {connections} with {threads.peak} bodies at once",
                     flush=True,
                 )
             flat: dict[str, float] = {}
@@ -765,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
             f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end; "
             f"PostgreSQL {services.postgres_version}, Redis broker. Medians over "
             f"{args.repetitions} repetitions of {args.messages:,} messages; ratios to plain "
-            f"with the same body; threads worker: {threads.ran} bodies at once.",
+            f"with the same body; threads worker: {threads.peak} bodies at once.",
         ]
     )
     print()
