@@ -4,7 +4,9 @@
 in a worker carrying only its own library (a plain worker never imports celery_pglock,
 a celery-once worker never imports celery-singleton):
 
-- ``plain``: ``bench.plain(key, body)``, a plain Celery task: the baseline.
+- ``plain``: ``bench.plain(key, body)``, a plain Celery task: the baseline; and
+  ``bench.plain_round_trip``, the same plus one blocking ``SELECT 1`` (psycopg2, no
+  celery_pglock): what one round trip to PostgreSQL costs a worker.
 - ``pglock``: ``bench.session`` and ``bench.transaction``, SingletonTask with
   ``lock_args=("key",)`` in session and transaction scope.
 - ``once``: ``bench.once``, celery-once's ``QueueOnce`` keyed on ``key`` (graceful).
@@ -52,6 +54,7 @@ WARM_SUFFIX = ".warm"
 APPLICATION_NAME = "pglock-bench"
 
 PLAIN = "bench.plain"
+PLAIN_ROUND_TRIP = "bench.plain_round_trip"
 SESSION = "bench.session"
 TRANSACTION = "bench.transaction"
 ONCE = "bench.once"
@@ -83,6 +86,28 @@ def _body(body: float) -> None:
 
 @app.task(name=PLAIN)
 def plain(key: str, body: float = 0.0) -> None:
+    _body(body)
+
+
+_round_trip: dict[int, Any] = {}  # pid -> psycopg2 connection (never shared by a fork)
+
+
+@app.task(name=PLAIN_ROUND_TRIP)
+def plain_round_trip(key: str, body: float = 0.0) -> None:
+    """A plain task plus one blocking ``SELECT 1``: what one round trip costs a worker."""
+    import psycopg2
+
+    connection = _round_trip.get(os.getpid())
+    if connection is None:
+        url = str(os.environ.get(DATABASE_URL_ENV))
+        connection = psycopg2.connect(
+            url.replace("postgresql+psycopg2://", "postgresql://", 1)
+        )
+        connection.autocommit = True
+        _round_trip[os.getpid()] = connection
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+        cursor.fetchone()
     _body(body)
 
 
@@ -179,6 +204,8 @@ def _warm_up() -> None:
         )
         if lock.acquire():
             lock.release()
+    elif contender == "plain" and os.environ.get(DATABASE_URL_ENV):
+        plain_round_trip("warm")  # opens this process's connection
     elif contender == "once":
         app.tasks[ONCE].once_backend.redis.ping()
     elif contender == "singleton":

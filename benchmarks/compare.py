@@ -65,6 +65,7 @@ class Contender:
 
 CONTENDERS = {
     "plain": Contender("plain", bench_app.PLAIN),
+    "plain + 1 round trip": Contender("plain", bench_app.PLAIN_ROUND_TRIP),
     "SingletonTask session": Contender("pglock", bench_app.SESSION),
     "SingletonTask transaction": Contender("pglock", bench_app.TRANSACTION),
     "celery-once 3.0.1": Contender("once", bench_app.ONCE, True),
@@ -86,7 +87,7 @@ WORKLOADS = {
 }
 #: The threads-64 run: bodies long enough for 64 locks to be held at once.
 THREADS = Workload("distinct", 0.1)
-SESSION, PLAIN = "SingletonTask session", "plain"
+SESSION, PLAIN, ROUND_TRIP = "SingletonTask session", "plain", "plain + 1 round trip"
 
 
 @dataclasses.dataclass
@@ -361,7 +362,7 @@ class Bench:
                         if contender.worker != kind:
                             continue
                         for workload in self.args.workloads:
-                            if name == PLAIN and workload in (
+                            if name in (PLAIN, ROUND_TRIP) and workload in (
                                 "one hot key",
                                 "per-tenant mix",
                             ):
@@ -654,6 +655,19 @@ def verdicts(
     ]
 
 
+def round_trip_note(rows: dict[tuple[str, str], dict[str, Any]]) -> str:
+    """What one blocking round trip costs the worker, measured in the same run."""
+    plain = rows.get((PLAIN, "distinct keys"), {}).get("worker_us")
+    one = rows.get((ROUND_TRIP, "distinct keys"), {}).get("worker_us")
+    if plain is None or one is None:
+        return "(one round trip's cost: not measured in this run)"
+    return (
+        f"One blocking round trip to PostgreSQL (a plain task plus `SELECT 1`) costs the "
+        f"worker {one - plain:+,.0f} µs of CPU per message in this run; SingletonTask makes "
+        "two per task in session scope (acquire, then the release, whose reply it awaits)."
+    )
+
+
 def write_docs(path: Path, text: str) -> None:
     """Replace only the generated section of the docs page (create the page if missing)."""
     block = f"{BEGIN}\n{text}\n{END}"
@@ -750,6 +764,8 @@ def main(argv: list[str] | None = None) -> int:
     markdown = "\n".join(
         [
             table(rows),
+            "",
+            round_trip_note(rows),
             "",
             "| target (issue 7) | measured | verdict |",
             "|---|---|---|",
