@@ -60,6 +60,9 @@ TRANSACTION = "bench.transaction"
 ONCE = "bench.once"
 SINGLETON = "bench.singleton"
 
+#: A measurement only, never a library mode: SingletonTask with its release sent but its
+#: reply read only before the session's next statement (see _unawaited_release below).
+UNAWAITED = "pglock-unawaited"
 contender = os.environ.get(CONTENDER_ENV, "all")
 _broker_url = os.environ.get(BROKER_URL_ENV, "memory://")
 
@@ -111,7 +114,7 @@ def plain_round_trip(key: str, body: float = 0.0) -> None:
     _body(body)
 
 
-if contender in ("pglock", "all"):
+if contender in ("pglock", UNAWAITED, "all"):
     from celery_pglock import SingletonTask
 
     app.conf.update(
@@ -149,6 +152,100 @@ if contender in ("singleton", "all"):
     @app.task(name=SINGLETON, base=Singleton, unique_on=["key"])
     def singleton(key: str, body: float = 0.0) -> None:
         _body(body)
+
+
+# -- the unawaited release (measured, not offered) ---------------------------------------
+
+
+def _unawaited_release() -> None:
+    """Patch the process session to send its unlock without waiting for the reply.
+
+    What issue 7 asked to measure: the reply is read (and checked) before the session's
+    next statement instead of before the task returns. It is not offered by the library,
+    because it cannot keep the guarantee that a client who saw the result and re-sends is
+    never skipped by the finished run's lock (docs/design.md). psycopg2 can only send
+    without waiting on an asynchronous connection, so the session gets one here.
+    """
+    import select
+
+    import psycopg2
+    import psycopg2.extensions as ext
+
+    from celery_pglock import _hold, _process_session, _sql, db
+
+    session_class = _process_session.ProcessSession
+    waits_first = session_class.acquire
+
+    def wait(connection: Any, *, until_sent: bool = False) -> None:
+        while True:
+            state = connection.poll()
+            if state == ext.POLL_OK or (until_sent and state == ext.POLL_READ):
+                return
+            readable = [connection.fileno()] if state == ext.POLL_READ else []
+            writable = [connection.fileno()] if state == ext.POLL_WRITE else []
+            select.select(readable, writable, [], 10.0)
+
+    def connect(self: Any, key: Any) -> Any:
+        url = str(os.environ.get(DATABASE_URL_ENV))
+        name = db.application_name(self._prefix, db.process_tag(), "idle")
+        connection = psycopg2.connect(
+            url.replace("postgresql+psycopg2://", "postgresql://", 1),
+            application_name=name,
+            async_=1,
+        )
+        wait(connection)
+        self._connection, self._cursor = connection, connection.cursor()
+        self._pending = False
+        return self._cursor
+
+    def settle(self: Any) -> None:
+        if getattr(self, "_pending", False):
+            wait(self._connection)
+            row = self._cursor.fetchone()
+            self._pending = False
+            if not (row and row[0]):
+                logging.getLogger(__name__).error("an unawaited unlock found no lock")
+
+    def acquire(
+        self: Any, key: Any, *, label: str, timeout_ms: Any, transaction: bool
+    ) -> Any:
+        if transaction or timeout_ms is not None:
+            return waits_first(
+                self, key, label=label, timeout_ms=timeout_ms, transaction=transaction
+            )
+        ids = key.ids
+        with self._mutex:
+            if ids in self._owners:
+                return None
+            cursor = self._cursor if self._cursor is not None else connect(self, key)
+            settle(self)
+            cursor.execute(_sql.TRY_LOCK_SESSION_BARE[len(ids)], ids)
+            wait(self._connection)
+            row = cursor.fetchone()
+            if not (row and row[0] is True):
+                return None
+            hold = _hold.Hold(self, ids)
+            hold.connection = self._connection
+            self._owners[ids] = hold
+            return hold
+
+    def release(self: Any, hold: Any, key: Any, *, commit: bool) -> None:
+        if hold.session is not self:
+            return
+        with self._mutex:
+            del self._owners[hold.ids]
+            self._cursor.execute(_sql.UNLOCK_SESSION_KEEP_NAME[len(hold.ids)], hold.ids)
+            wait(
+                self._connection, until_sent=True
+            )  # on the wire; the reply is read later
+            self._pending = True
+
+    session_class.acquire = acquire  # type: ignore[method-assign]
+    session_class.release = release  # type: ignore[method-assign]
+
+
+if contender == UNAWAITED:
+    _unawaited_release()
 
 
 # -- measurement hooks -------------------------------------------------------------------
@@ -195,7 +292,7 @@ def _quiet_task_logs(**_: Any) -> None:
 
 def _warm_up() -> None:
     """Open what the first task would open (lock session, Redis), then say so."""
-    if contender == "pglock":
+    if contender in ("pglock", UNAWAITED):
         from celery_pglock import AdvisoryLock, db, keys
 
         lock = AdvisoryLock(

@@ -63,11 +63,14 @@ class Contender:
     locks_at_publish: bool = False  #: the peers lock when a message is published
 
 
+#: Not a library mode: the release's reply read later (unsafe; see bench_app).
+UNAWAITED_ROW = "SingletonTask session (release not awaited; measured only)"
 CONTENDERS = {
     "plain": Contender("plain", bench_app.PLAIN),
     "plain + 1 round trip": Contender("plain", bench_app.PLAIN_ROUND_TRIP),
     "SingletonTask session": Contender("pglock", bench_app.SESSION),
     "SingletonTask transaction": Contender("pglock", bench_app.TRANSACTION),
+    UNAWAITED_ROW: Contender(bench_app.UNAWAITED, bench_app.SESSION),
     "celery-once 3.0.1": Contender("once", bench_app.ONCE, True),
     "celery-singleton 0.3.1": Contender("singleton", bench_app.SINGLETON, True),
 }
@@ -269,7 +272,10 @@ class Bench:
     @contextlib.contextmanager
     def hot_key_held(self, contender: Contender, workload: Workload) -> Any:
         """One hot key: another session holds it, so every message is a skip."""
-        if workload.keys != "hot" or contender.worker != "pglock":
+        if workload.keys != "hot" or contender.worker not in (
+            "pglock",
+            bench_app.UNAWAITED,
+        ):
             yield
             return
         from celery_pglock import AdvisoryLock, db
@@ -778,7 +784,12 @@ def main(argv: list[str] | None = None) -> int:
             f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end; "
             f"PostgreSQL {services.postgres_version}, Redis broker. Medians over "
             f"{args.repetitions} repetitions of {args.messages:,} messages; ratios to plain "
-            f"with the same body; threads worker: {threads.peak} bodies at once.",
+            "with the same body"
+            + (
+                f"; threads worker: {threads.peak} bodies at once."
+                if not args.no_threads
+                else "."
+            ),
         ]
     )
     print()
