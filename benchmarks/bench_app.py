@@ -1,41 +1,32 @@
-"""The Celery app that ``benchmarks/run.py`` runs in real ``celery worker`` subprocesses.
+"""The Celery app the benchmark's workers run: one contender per worker.
 
-Tasks (all bodies trivial, so that what is measured is the per-task machinery):
+``BENCH_CONTENDER`` picks which tasks a worker registers, so that each contender runs
+in a worker carrying only its own library (a plain worker never imports celery_pglock,
+a celery-once worker never imports celery-singleton):
 
-- ``bench.plain(i)``: a plain Celery task, the baseline.
-- ``bench.locked_per_arg(i)``: SingletonTask, ``lock_args=("i",)``, session scope. Called
-  with distinct ``i``, so no two runs contend: pure lock overhead (the 0.95x target).
-- ``bench.locked_fixed()``: SingletonTask with one key for the task: every run contends;
-  the loser of a race is skipped (FAILURE with LockSkipped in Celery's trace).
-- ``bench.locked_xact(i)``: like ``locked_per_arg`` in transaction scope.
-- ``bench.plain_results(i)`` / ``bench.locked_results(i)``: the plain and per-argument
-  tasks with their results stored in the result backend.
-- ``bench.plain_ignore(i)``: a plain task that raises ``Ignore``: what Celery itself
-  charges for the way a SingletonTask skip ends.
+- ``plain``: ``bench.plain(key, body)``, a plain Celery task: the baseline; and
+  ``bench.plain_round_trip``, the same plus one blocking ``SELECT 1`` (psycopg2, no
+  celery_pglock): what one round trip to PostgreSQL costs a worker.
+- ``pglock``: ``bench.session`` and ``bench.transaction``, SingletonTask with
+  ``lock_args=("key",)`` in session and transaction scope.
+- ``once``: ``bench.once``, celery-once's ``QueueOnce`` keyed on ``key`` (graceful).
+- ``singleton``: ``bench.singleton``, celery-singleton's ``Singleton`` keyed on ``key``.
+- ``all`` (the benchmark process itself): everything, so it can publish through each
+  peer's ``apply_async`` (both peers lock when a message is *published*).
 
-Everything is configured from the environment (see the ``*_ENV`` names below), because
-run.py starts a fresh worker for every measurement. With ``BENCH_PLAIN_ONLY=1`` this
-module never imports celery_pglock, so the baseline is a worker of plain Celery: no
-SQLAlchemy in memory and none of celery_pglock's signal receivers on the task path.
+Every body sleeps ``body`` seconds (0: a trivial body) and returns. Results are ignored,
+so the result backend is not what is measured.
 
-Measurement hooks: ``task_prerun``/``task_postrun`` receivers write one fixed-size record
-per task (start, end, outcome) to a per-process file in ``BENCH_RECORD_DIR``; one
-``os.write`` of 24 bytes, a few microseconds, the same for every variant. The records are
-taken *outside* SingletonTask.__call__, so lock acquire and release are inside the
-measured interval. Each task process opens its lock connection(s) before its first task
-and then writes a ``<pid>.warm`` marker there, which run.py waits for, so connecting is
-not measured. ``BENCH_PROFILE_DIR`` runs each prefork pool child under cProfile and
-dumps its stats there at child shutdown.
-
-Hazard: the per-task INFO lines ("Received task", "Task ... succeeded") are silenced
-(``BENCH_TASK_LOGS=1`` keeps them). They cost more than the lock does, equally for every
-variant, and would only dilute the ratios.
+Measurement hooks: ``task_prerun``/``task_postrun`` write one 24-byte record per task
+(start, end, outcome) to a per-process file in ``BENCH_RECORD_DIR``; the same few
+microseconds for every contender, and outside ``SingletonTask.__call__``, so acquire and
+release are inside the measured interval. Each task process warms up (opens its lock
+session or Redis connection) and then writes ``<pid>.warm`` there before the benchmark
+publishes anything. Per-task INFO logs are silenced (they cost more than any lock).
 """
 
 from __future__ import annotations
 
-import contextlib
-import cProfile
 import logging
 import os
 import struct
@@ -44,122 +35,239 @@ import time
 from typing import Any
 
 from celery import Celery, signals
-from celery.exceptions import Ignore
 
+CONTENDER_ENV = "BENCH_CONTENDER"
 BROKER_URL_ENV = "BENCH_BROKER_URL"
-RESULT_BACKEND_ENV = "BENCH_RESULT_BACKEND"
 DATABASE_URL_ENV = "BENCH_DATABASE_URL"
 NAMESPACE_ENV = "BENCH_NAMESPACE"
-QUEUE_ENV = "BENCH_QUEUE"
 RECORD_DIR_ENV = "BENCH_RECORD_DIR"
-PROFILE_DIR_ENV = "BENCH_PROFILE_DIR"
-PLAIN_ONLY_ENV = "BENCH_PLAIN_ONLY"
-TASK_LOGS_ENV = "BENCH_TASK_LOGS"
-#: The worker's --pool, so that the warm-up runs in the process that runs the tasks.
 POOL_ENV = "BENCH_POOL"
-#: Pool connections each process opens before the first task (threads pool: one per
-#: thread), so that connecting is not part of the measurement.
-WARM_CONNECTIONS_ENV = "BENCH_WARM_CONNECTIONS"
+SESSION_MODE_ENV = "BENCH_SESSION_MODE"
+#: Run each prefork child under cProfile and dump its stats there when it exits.
+PROFILE_DIR_ENV = "BENCH_PROFILE_DIR"
 
-#: One record per task: start and end (time.monotonic_ns, system-wide on Linux) and the
-#: outcome code.
+#: (start ns, end ns, outcome) per task; time.monotonic_ns is system-wide on Linux.
 RECORD = struct.Struct("<qqq")
-OUTCOME_SUCCESS, OUTCOME_IGNORED, OUTCOME_OTHER = 0, 1, 2
-#: Suffix of the marker file each task process writes in BENCH_RECORD_DIR once warm.
+RAN, SKIPPED, OTHER = 0, 1, 2
 WARM_SUFFIX = ".warm"
-#: Application name prefix of the benchmark's lock sessions in pg_stat_activity.
+#: application_name prefix of the benchmark's lock sessions.
 APPLICATION_NAME = "pglock-bench"
 
 PLAIN = "bench.plain"
-PLAIN_RESULTS = "bench.plain_results"
-PLAIN_IGNORE = "bench.plain_ignore"
-LOCKED_PER_ARG = "bench.locked_per_arg"
-LOCKED_FIXED = "bench.locked_fixed"
-LOCKED_XACT = "bench.locked_xact"
-LOCKED_RESULTS = "bench.locked_results"
+PLAIN_ROUND_TRIP = "bench.plain_round_trip"
+SESSION = "bench.session"
+TRANSACTION = "bench.transaction"
+ONCE = "bench.once"
+SINGLETON = "bench.singleton"
 
+#: A measurement only, never a library mode: SingletonTask with its release sent but its
+#: reply read only before the session's next statement (see _unawaited_release below).
+UNAWAITED = "pglock-unawaited"
+contender = os.environ.get(CONTENDER_ENV, "all")
 _broker_url = os.environ.get(BROKER_URL_ENV, "memory://")
-_plain_only = os.environ.get(PLAIN_ONLY_ENV) == "1"
 
-app = Celery("bench", broker=_broker_url, backend=os.environ.get(RESULT_BACKEND_ENV))
+app = Celery("bench", broker=_broker_url)
 app.conf.update(
-    task_default_queue=os.environ.get(QUEUE_ENV, "pglock-bench"),
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
-    result_expires=600,  # a shared Redis must not keep the benchmark's results for a day
+    task_ignore_result=True,
+    result_backend=None,
+    # Peers lock in Redis, on the broker's server and database.
+    ONCE={
+        "backend": "celery_once.backends.Redis",
+        "settings": {"url": _broker_url, "default_timeout": 600},
+    },
+    singleton_backend_url=_broker_url,
+    singleton_key_prefix="bench-singleton-",
 )
-if not _plain_only:
+
+
+def _body(body: float) -> None:
+    if body:
+        time.sleep(body)
+
+
+@app.task(name=PLAIN)
+def plain(key: str, body: float = 0.0) -> None:
+    _body(body)
+
+
+_round_trip: dict[int, Any] = {}  # pid -> psycopg2 connection (never shared by a fork)
+
+
+@app.task(name=PLAIN_ROUND_TRIP)
+def plain_round_trip(key: str, body: float = 0.0) -> None:
+    """A plain task plus one blocking ``SELECT 1``: what one round trip costs a worker."""
+    import psycopg2
+
+    connection = _round_trip.get(os.getpid())
+    if connection is None:
+        url = str(os.environ.get(DATABASE_URL_ENV))
+        connection = psycopg2.connect(
+            url.replace("postgresql+psycopg2://", "postgresql://", 1)
+        )
+        connection.autocommit = True
+        _round_trip[os.getpid()] = connection
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+        cursor.fetchone()
+    _body(body)
+
+
+if contender in ("pglock", UNAWAITED, "all"):
+    from celery_pglock import SingletonTask
+
     app.conf.update(
         pglock_database_url=os.environ.get(DATABASE_URL_ENV),
         pglock_namespace=os.environ.get(NAMESPACE_ENV, "bench"),
         pglock_application_name=APPLICATION_NAME,
+        pglock_session_mode=os.environ.get(SESSION_MODE_ENV) or None,
     )
 
-
-@app.task(name=PLAIN, ignore_result=True)
-def plain(i: int) -> int:
-    return i
-
-
-@app.task(name=PLAIN_RESULTS, ignore_result=False)
-def plain_results(i: int) -> int:
-    return i
-
-
-@app.task(name=PLAIN_IGNORE, ignore_result=True)
-def plain_ignore(i: int) -> int:
-    # What Celery itself charges for a run that ends in Ignore (a SingletonTask skip).
-    raise Ignore(f"plain_ignore({i})")
-
-
-if not _plain_only:
-    from celery_pglock import SingletonTask
+    @app.task(name=SESSION, base=SingletonTask, lock_args=("key",))
+    def session(key: str, body: float = 0.0) -> None:
+        _body(body)
 
     @app.task(
-        name=LOCKED_PER_ARG, base=SingletonTask, lock_args=("i",), ignore_result=True
-    )
-    def locked_per_arg(i: int) -> int:
-        return i
-
-    @app.task(name=LOCKED_FIXED, base=SingletonTask, ignore_result=True)
-    def locked_fixed() -> int:
-        return 0
-
-    @app.task(
-        name=LOCKED_XACT,
+        name=TRANSACTION,
         base=SingletonTask,
-        lock_args=("i",),
+        lock_args=("key",),
         lock_scope="transaction",
-        ignore_result=True,
     )
-    def locked_xact(i: int) -> int:
-        return i
+    def transaction(key: str, body: float = 0.0) -> None:
+        _body(body)
 
-    @app.task(
-        name=LOCKED_RESULTS, base=SingletonTask, lock_args=("i",), ignore_result=False
-    )
-    def locked_results(i: int) -> int:
-        return i
+
+if contender in ("once", "all"):
+    from celery_once import QueueOnce
+
+    @app.task(name=ONCE, base=QueueOnce, once={"graceful": True, "keys": ["key"]})
+    def once(key: str, body: float = 0.0) -> None:
+        _body(body)
+
+
+if contender in ("singleton", "all"):
+    from celery_singleton import Singleton
+
+    @app.task(name=SINGLETON, base=Singleton, unique_on=["key"])
+    def singleton(key: str, body: float = 0.0) -> None:
+        _body(body)
+
+
+# -- the unawaited release (measured, not offered) ---------------------------------------
+
+
+def _unawaited_release() -> None:
+    """Patch the process session to send its unlock without waiting for the reply.
+
+    What issue 7 asked to measure: the reply is read (and checked) before the session's
+    next statement instead of before the task returns. It is not offered by the library,
+    because it cannot keep the guarantee that a client who saw the result and re-sends is
+    never skipped by the finished run's lock (docs/design.md). psycopg2 can only send
+    without waiting on an asynchronous connection, so the session gets one here.
+    """
+    import select
+
+    import psycopg2
+    import psycopg2.extensions as ext
+
+    from celery_pglock import _hold, _process_session, _sql, db
+
+    session_class = _process_session.ProcessSession
+    waits_first = session_class.acquire
+
+    def wait(connection: Any, *, until_sent: bool = False) -> None:
+        while True:
+            state = connection.poll()
+            if state == ext.POLL_OK or (until_sent and state == ext.POLL_READ):
+                return
+            readable = [connection.fileno()] if state == ext.POLL_READ else []
+            writable = [connection.fileno()] if state == ext.POLL_WRITE else []
+            select.select(readable, writable, [], 10.0)
+
+    def connect(self: Any, key: Any) -> Any:
+        url = str(os.environ.get(DATABASE_URL_ENV))
+        name = db.application_name(self._prefix, db.process_tag(), "idle")
+        connection = psycopg2.connect(
+            url.replace("postgresql+psycopg2://", "postgresql://", 1),
+            application_name=name,
+            async_=1,
+        )
+        wait(connection)
+        self._connection, self._cursor = connection, connection.cursor()
+        self._pending = False
+        return self._cursor
+
+    def settle(self: Any) -> None:
+        if getattr(self, "_pending", False):
+            wait(self._connection)
+            row = self._cursor.fetchone()
+            self._pending = False
+            if not (row and row[0]):
+                logging.getLogger(__name__).error("an unawaited unlock found no lock")
+
+    def acquire(
+        self: Any, key: Any, *, label: str, timeout_ms: Any, transaction: bool
+    ) -> Any:
+        if transaction or timeout_ms is not None:
+            return waits_first(
+                self, key, label=label, timeout_ms=timeout_ms, transaction=transaction
+            )
+        ids = key.ids
+        with self._mutex:
+            if ids in self._owners:
+                return None
+            cursor = self._cursor if self._cursor is not None else connect(self, key)
+            settle(self)
+            cursor.execute(_sql.TRY_LOCK_SESSION_BARE[len(ids)], ids)
+            wait(self._connection)
+            row = cursor.fetchone()
+            if not (row and row[0] is True):
+                return None
+            hold = _hold.Hold(self, ids)
+            hold.connection = self._connection
+            self._owners[ids] = hold
+            return hold
+
+    def release(self: Any, hold: Any, key: Any, *, commit: bool) -> None:
+        if hold.session is not self:
+            return
+        with self._mutex:
+            del self._owners[hold.ids]
+            self._cursor.execute(_sql.UNLOCK_SESSION_KEEP_NAME[len(hold.ids)], hold.ids)
+            wait(
+                self._connection, until_sent=True
+            )  # on the wire; the reply is read later
+            self._pending = True
+
+    session_class.acquire = acquire  # type: ignore[method-assign]
+    session_class.release = release  # type: ignore[method-assign]
+
+
+if contender == UNAWAITED:
+    _unawaited_release()
 
 
 # -- measurement hooks -------------------------------------------------------------------
 
 _record_dir = os.environ.get(RECORD_DIR_ENV)
 _starts: dict[str, int] = {}
-_fd: tuple[int, int] | None = None  # (pid, file descriptor), re-opened after fork
+_fd: tuple[int, int] | None = None  # (pid, descriptor): re-opened after a fork
 _fd_guard = threading.Lock()
 
 
 def _record_fd() -> int:
     global _fd
-    pid = os.getpid()
     current = _fd
-    if current is not None and current[0] == pid:
+    if current is not None and current[0] == os.getpid():
         return current[1]
     with _fd_guard:
-        if _fd is None or _fd[0] != pid:
-            path = os.path.join(str(_record_dir), f"{pid}.rec")
-            _fd = (pid, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
+        if _fd is None or _fd[0] != os.getpid():
+            path = os.path.join(str(_record_dir), f"{os.getpid()}.rec")
+            _fd = (
+                os.getpid(),
+                os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644),
+            )
         return _fd[1]
 
 
@@ -176,82 +284,74 @@ def _on_postrun(
 ) -> None:
     end = time.monotonic_ns()
     start = _starts.pop(task_id, end) if task_id is not None else end
-    # A skip: FAILURE with LockSkipped (the default lock_skip_result), IGNORED before.
-    # By name: this module must not import celery_pglock (see the module docstring).
-    skipped = state == "IGNORED" or type(retval).__name__ == "LockSkipped"
-    outcome = (
-        OUTCOME_SUCCESS
-        if state == "SUCCESS"
-        else OUTCOME_IGNORED
-        if skipped
-        else OUTCOME_OTHER
-    )
-    # O_APPEND + one write of 24 bytes: atomic, so threads of one process may share it.
+    # A SingletonTask skip ends in a non-SUCCESS state (FAILURE with LockSkipped by
+    # default; IGNORED for a skipped redelivery; SKIPPED under lock_skip_result='skipped').
+    outcome = RAN if state == "SUCCESS" else SKIPPED if state else OTHER
+    # O_APPEND and one 24-byte write: atomic, so the threads of a process may share it.
     os.write(_record_fd(), RECORD.pack(start, end, outcome))
 
 
-if _record_dir:
-    signals.task_prerun.connect(_on_prerun, weak=False)
-    signals.task_postrun.connect(_on_postrun, weak=False)
-
-
 def _quiet_task_logs(**_: Any) -> None:
-    # Celery decides per tracer (built in each pool child after logging is set up)
-    # whether to log every task at INFO; raise these loggers above INFO before that.
     for name in ("celery.app.trace", "celery.worker.strategy", "celery.worker.request"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-if os.environ.get(TASK_LOGS_ENV) != "1":
-    _quiet_task_logs()
-    signals.after_setup_logger.connect(_quiet_task_logs, weak=False)
-    signals.after_setup_task_logger.connect(_quiet_task_logs, weak=False)
+def _warm_up() -> None:
+    """Open what the first task would open (lock session, Redis), then say so."""
+    if contender in ("pglock", UNAWAITED):
+        from celery_pglock import AdvisoryLock, db, keys
 
-
-def _warm_up(connections: int) -> None:
-    """Open ``connections`` lock connections at once and pool them (no lock taken)."""
-    if _plain_only or connections < 1:
-        return
-    from celery_pglock import db
-
-    engine = db.engine_for(app.conf)
-    opened = [engine.raw_connection() for _ in range(connections)]
-    for connection in opened:
-        connection.close()
-
-
-def _mark_warm() -> None:
-    """Tell run.py that this task process is warm (it waits for one file per process)."""
+        lock = AdvisoryLock(
+            engine=db.engine_for(app.conf),
+            key=keys.make_key("bench-warm", str(os.getpid())),
+        )
+        if lock.acquire():
+            lock.release()
+    elif contender == "plain" and os.environ.get(DATABASE_URL_ENV):
+        plain_round_trip("warm")  # opens this process's connection
+    elif contender == "once":
+        app.tasks[ONCE].once_backend.redis.ping()
+    elif contender == "singleton":
+        app.tasks[SINGLETON].singleton_backend.redis.ping()
     if _record_dir:
         path = os.path.join(_record_dir, f"{os.getpid()}{WARM_SUFFIX}")
         with open(path, "w", encoding="ascii") as marker:
             marker.write("warm\n")
 
 
+_profiler: Any = None
+
+
 def _on_child_init(**_: Any) -> None:
-    _warm_up(int(os.environ.get(WARM_CONNECTIONS_ENV, "1")))
+    global _profiler
+    _warm_up()
     if os.environ.get(PROFILE_DIR_ENV):
+        import cProfile
+
+        # CPU time, not wall: waiting for PostgreSQL or the broker is not cost.
+        _profiler = cProfile.Profile(time.process_time)
         _profiler.enable()
-    _mark_warm()
-
-
-def _on_worker_ready(**_: Any) -> None:
-    # threads and solo pools run tasks in the main process: warm it up there.
-    if os.environ.get(POOL_ENV, "prefork") != "prefork":
-        _warm_up(int(os.environ.get(WARM_CONNECTIONS_ENV, "1")))
-        _mark_warm()
 
 
 def _on_child_shutdown(**_: Any) -> None:
-    directory = os.environ.get(PROFILE_DIR_ENV)
-    if not directory:
-        return
-    _profiler.disable()
-    with contextlib.suppress(OSError):
-        _profiler.dump_stats(os.path.join(directory, f"{os.getpid()}.prof"))
+    if _profiler is not None:
+        _profiler.disable()
+        _profiler.dump_stats(
+            os.path.join(os.environ[PROFILE_DIR_ENV], f"{os.getpid()}.prof")
+        )
 
 
-_profiler = cProfile.Profile()
-signals.worker_process_init.connect(_on_child_init, weak=False)
-signals.worker_ready.connect(_on_worker_ready, weak=False)
-signals.worker_process_shutdown.connect(_on_child_shutdown, weak=False)
+def _on_worker_ready(**_: Any) -> None:
+    if os.environ.get(POOL_ENV, "prefork") != "prefork":
+        _warm_up()  # threads and solo pools run tasks in the main process
+
+
+if _record_dir:
+    signals.task_prerun.connect(_on_prerun, weak=False)
+    signals.task_postrun.connect(_on_postrun, weak=False)
+    signals.worker_process_init.connect(_on_child_init, weak=False)
+    signals.worker_ready.connect(_on_worker_ready, weak=False)
+    signals.worker_process_shutdown.connect(_on_child_shutdown, weak=False)
+    _quiet_task_logs()
+    signals.after_setup_logger.connect(_quiet_task_logs, weak=False)
+    signals.after_setup_task_logger.connect(_quiet_task_logs, weak=False)

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/hot_path.py [--calls N] [--reps R] [--json out.json]
 
-run.py measures whole workers; this script takes the hot path apart without a broker
+compare.py measures whole workers; this script takes the hot path apart without a broker
 or a pool: it calls Celery's worker tracer (``build_tracer``, what a pool child runs per
 message) for the plain and the locked tasks of bench_app, then each piece of the locked
 path on its own: the key, the AdvisoryLock object, the pool checkout, the two SQL round
@@ -29,6 +29,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+os.environ.setdefault("BENCH_CONTENDER", "pglock")  # bench_app: only our tasks
 import bench_app
 
 from celery_pglock import config
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-LOCKED_CASE = "trace locked_per_arg"
+LOCKED_CASE = "trace session, distinct keys"
 
 
 @contextlib.contextmanager
@@ -80,18 +81,19 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
     app = bench_app.app
     app.finalize()
     plain = app.tasks[bench_app.PLAIN]
-    locked: Any = app.tasks[bench_app.LOCKED_PER_ARG]  # a SingletonTask
-    xact = app.tasks[bench_app.LOCKED_XACT]
+    locked: Any = app.tasks[bench_app.SESSION]  # a SingletonTask
+    xact = app.tasks[bench_app.TRANSACTION]
     options = locked.lock_config
     engine = db.engine_for(app.conf)
-    key = locked.lock_key_for(7)
+    key = locked.lock_key_for("7")
+    per_lock = db.engine_for({**app.conf, "pglock_session_mode": "per_lock"})
 
-    def tracer(task: Any) -> Callable[[], object]:
+    def tracer(task: Any, same_key: bool = False) -> Callable[[], object]:
         trace = build_tracer(task.name, task, app=app)
         # The request dict a pool child gets: the message headers plus what
         # celery.worker.request.Request adds; built once, outside the timing.
         template = {
-            **app.amqp.as_task_v2("template", task.name, args=(0,)).headers,
+            **app.amqp.as_task_v2("template", task.name, args=("0", 0.0)).headers,
             "properties": {"correlation_id": "template", "reply_to": None},
             "reply_to": None,
             "hostname": "bench@localhost",
@@ -107,7 +109,8 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
                 "root_id": task_id,
                 "correlation_id": task_id,
             }
-            return trace(task_id, [counter.next()], {}, request)
+            key = "7" if same_key else str(counter.next())
+            return trace(task_id, [key, 0.0], {}, request)
 
         return call
 
@@ -127,9 +130,9 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
         _hooks.connect()
         return None
 
-    def lock_cycle(scope: config.LockScope) -> Callable[[], object]:
+    def lock_cycle(scope: config.LockScope, on: Any = engine) -> Callable[[], object]:
         def call() -> object:
-            lock = AdvisoryLock(engine=engine, key=key, scope=scope, label="bench")
+            lock = AdvisoryLock(engine=on, key=key, scope=scope, label="bench")
             if not lock.acquire():
                 raise RuntimeError(f"{key} is held by another session; cannot measure.")
             lock.release()
@@ -159,36 +162,41 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
     def celery_call() -> object:
         # Task.__call__ (pushes a copy of the request) instead of calling run directly,
         # which is what the tracer does for a task without a custom __call__.
-        return plain(counter.next())
+        return plain(str(counter.next()))
 
     return [
         ("trace plain, no celery_pglock hooks (*)", trace_plain_bare),
         ("  (*) minus this: hooks off+on", hooks_toggle),
         ("trace plain, hooks connected", trace_plain),
         (LOCKED_CASE, tracer(locked)),
-        ("trace locked_xact", tracer(xact)),
-        ("  key: lock_key_for(i)", lambda: locked.lock_key_for(counter.next())),
+        ("trace session, one key (key cached)", tracer(locked, same_key=True)),
+        ("trace transaction, distinct keys", tracer(xact)),
+        ("  key: lock_key_for(i)", lambda: locked.lock_key_for(str(counter.next()))),
         (
             "  AdvisoryLock(...) constructor",
             lambda: AdvisoryLock(
                 engine=engine, key=key, scope=options.scope, label=options.task_name
             ),
         ),
-        ("  acquire+release, session", lock_cycle(config.LockScope.SESSION)),
+        ("  acquire+release, process session", lock_cycle(config.LockScope.SESSION)),
+        (
+            "  acquire+release, per_lock session",
+            lock_cycle(config.LockScope.SESSION, per_lock),
+        ),
         ("  acquire+release, transaction", lock_cycle(config.LockScope.TRANSACTION)),
         ("  pool checkout+checkin", lambda: engine.raw_connection().close()),
         (
-            "  SQL: TRY_LOCK + UNLOCK (as sent)",
+            "  SQL: as sent on the process session",
             statements(
-                (_sql.TRY_LOCK_SESSION[1], (*ids, holding)),
-                (_sql.UNLOCK_SESSION[1], (*ids, idle)),
+                (_sql.TRY_LOCK_SESSION_BARE[1], ids),
+                (_sql.UNLOCK_SESSION_KEEP_NAME[1], ids),
             ),
         ),
         (
-            "  SQL: same, no application_name",
+            "  SQL: as sent per_lock (relabel both)",
             statements(
-                ("SELECT pg_try_advisory_lock(%s::bigint)", ids),
-                ("SELECT pg_advisory_unlock(%s::bigint)", ids),
+                (_sql.TRY_LOCK_SESSION[1], (*ids, holding)),
+                (_sql.UNLOCK_SESSION[1], (*ids, idle)),
             ),
         ),
         (
@@ -196,7 +204,7 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
             statements(("SELECT 1", ()), ("SELECT 1", ())),
         ),
         ("  Task.__call__ vs run (celery)", celery_call),
-        ("  direct run() (for the above)", lambda: plain.run(counter.next())),
+        ("  direct run() (for the above)", lambda: plain.run(str(counter.next()))),
         ("  empty call (timer floor)", lambda: None),
     ]
 

@@ -3,8 +3,8 @@
 Read from ``pg_locks`` joined with ``pg_stat_activity`` on the skip path only (one extra
 round trip when a run is skipped, none on a run that gets its lock). The worker's
 ``host:pid`` and task name come from the holding session's ``application_name``, which
-celery-pglock sessions set to ``<prefix> <host>:<pid> <key> <task name>`` (see
-``db.application_name``); a session of some other program shows what it set, and only
+celery-pglock sessions set to ``<prefix> <host>:<pid> <task name>`` (a process's lock
+session) or ``<prefix> <host>:<pid> <key> <task name>`` (a per-lock connection); a session of some other program shows what it set, and only
 its backend pid is certain. The answer is a snapshot: the holder may have released since.
 
 Never raises: not knowing the holder must never change how a skip ends.
@@ -58,9 +58,12 @@ def parse_application_name(
 ) -> tuple[str | None, str | None]:
     """``(host:pid, task name)`` from a lock session's application_name, where present.
 
-    ``"pglock web-1:4242 -4311986427365126397 billing.settle"`` gives
+    ``"pglock web-1:4242 -4311986427365126397 billing.settle"`` (a per-lock connection)
+    and ``"pglock web-1:4242 billing.settle"`` (a process's lock session) both give
     ``("web-1:4242", "billing.settle")``; an idle session (``... web-1:4242 idle``) gives
-    ``("web-1:4242", None)``; anything else ``(None, None)``.
+    ``("web-1:4242", None)``; anything else ``(None, None)``. A process's lock session
+    shows the last task that took a lock on it: exact for a prefork child (one task at a
+    time), the latest of several for a threads or gevent worker.
     """
     if not application_name:
         return None, None
@@ -68,9 +71,11 @@ def parse_application_name(
     for index, word in enumerate(words):
         if _PROCESS_TAG.match(word):
             rest = words[index + 1 :]
-            if len(rest) >= 2 and _KEY.match(rest[0]):
-                return word, " ".join(rest[1:]) or None
-            return word, None
+            if rest and _KEY.match(rest[0]):  # a per-lock connection: the key first
+                rest = rest[1:]
+            if not rest or rest == ["idle"]:
+                return word, None
+            return word, " ".join(rest)
     return None, None
 
 

@@ -16,8 +16,10 @@ global, and the receivers work for any app). None of these is the normal release
   ``terminate=True`` kills the prefork child, whose session end frees the lock. (The
   signal fires in the worker's main process, and can fire twice, celery#3805.)
 - ``worker_process_shutdown`` / ``worker_shutdown``: anything still held is released and
-  every lock connection closed, so a stopping worker frees its locks before it exits.
-- ``worker_init``: a missing or invalid database URL, or an unknown ``pglock_*`` setting,
+  every lock connection (the process's lock session included) closed, so a stopping
+  worker frees its locks before it exits.
+- ``worker_init``: a missing or invalid database URL or ``pglock_session_mode``, or an
+  unknown ``pglock_*`` setting,
   stops the worker at start with a message naming the setting and the environment
   variable, instead of failing every locked task later. (It exits: Celery logs and
   swallows ordinary exceptions raised by signal receivers.) So does a lock database that
@@ -47,6 +49,7 @@ from celery import signals as celery_signals
 from celery_pglock import (
     _metrics_server,
     _server,
+    _session,
     config,
     context,
     db,
@@ -113,6 +116,7 @@ def check_app(app: Any) -> None:
     if not _singleton_tasks(app):
         return
     config.check_unknown_settings(app.conf)
+    config.session_mode(app.conf)
     db.check_url(config.database_url(app.conf))
     metrics.from_conf(app.conf)
 
@@ -258,5 +262,6 @@ def _release_everything(**_: Any) -> None:
     for lock in context.all_held():
         if lock.owned():
             _release_leftover(lock, "worker shutdown")
+    _session.close_all()
     db.dispose_all()
     _metrics_server.stop()  # the main process's /metrics endpoint; no-op in children

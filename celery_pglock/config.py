@@ -73,6 +73,19 @@ class LockScope(str, enum.Enum):
     TRANSACTION = "transaction"
 
 
+class SessionMode(str, enum.Enum):
+    """Which PostgreSQL session carries a process's session-scope locks."""
+
+    #: One long-lived session per worker process carries all of its session-scope
+    #: try-locks, with exclusion per key inside the process. The default for every pool.
+    PER_PROCESS = "per_process"
+    #: A pooled connection per held lock (transaction scope and bounded waits always
+    #: work this way, whatever the setting).
+    PER_LOCK = "per_lock"
+
+
+SESSION_MODE_SETTING = "pglock_session_mode"
+
 #: Task attribute -> app setting for the options that have an app-wide default.
 APP_SETTINGS = {
     "lock_namespace": "pglock_namespace",
@@ -95,6 +108,7 @@ DATABASE_SETTINGS = (
     "pglock_engine_options",
     "pglock_application_name",
     "pglock_server_keepalives",
+    SESSION_MODE_SETTING,
 )
 #: Settings read by the metrics layer (metrics.py), validated by metrics.from_conf().
 METRICS_SETTINGS = ("pglock_metrics", "pglock_metrics_port", "pglock_metrics_address")
@@ -420,6 +434,24 @@ def _lock_args(
     if len(set(names)) != len(names):
         raise _fail(task_name, "lock_args", value, "each parameter name at most once")
     return tuple(str(name) for name in names)
+
+
+def session_mode(conf: Mapping[str, Any]) -> SessionMode:
+    """``app.conf.pglock_session_mode`` (default ``per_process``), validated.
+
+    Raises:
+        ConfigurationError: not one of the modes.
+    """
+    value = conf.get(SESSION_MODE_SETTING)
+    if value is None:
+        return SessionMode.PER_PROCESS
+    try:
+        return SessionMode(value)
+    except ValueError:
+        allowed = ", ".join(repr(member.value) for member in SessionMode)
+        raise exceptions.ConfigurationError(
+            f"{SESSION_MODE_SETTING}={value!r} is invalid; expected one of {allowed}."
+        ) from None
 
 
 def database_url(conf: Mapping[str, Any]) -> str:

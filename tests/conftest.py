@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import psutil  # type: ignore[import-untyped, unused-ignore]  # no stubs
 import pytest
 
-from celery_pglock import config, db
+from celery_pglock import _session, config, db
 from celery_pglock.testing import (
     BROKER_URL_ENV,
     DATABASE_URL_ENV,
@@ -176,11 +176,18 @@ def namespace() -> str:
     return f"t-{uuid.uuid4().hex[:8]}"
 
 
+@pytest.fixture(params=[mode.value for mode in config.SessionMode])
+def session_mode(request: pytest.FixtureRequest) -> str:
+    """Both lock-session strategies: every test using this runs once per mode."""
+    return str(request.param)
+
+
 @pytest.fixture
-def lock_engine(database_url: str) -> Iterator[sa.Engine]:
-    """A lock engine (celery_pglock.db.create_engine) disposed after the test."""
-    engine = db.create_engine(database_url)
+def lock_engine(database_url: str, session_mode: str) -> Iterator[sa.Engine]:
+    """A lock engine (celery_pglock.db.create_engine) in each session mode, disposed after."""
+    engine = db.create_engine(database_url, {config.SESSION_MODE_SETTING: session_mode})
     yield engine
+    _session.close_for(engine)
     engine.dispose()
 
 

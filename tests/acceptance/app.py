@@ -45,6 +45,8 @@ app.conf.update(
     if os.environ.get("PGLOCK_TEST_NO_DB_URL")
     else database_url,
     pglock_namespace=os.environ.get(NAMESPACE_ENV, "acceptance"),
+    # PGLOCK_TEST_SESSION_MODE: run a worker in the other lock-session strategy.
+    pglock_session_mode=os.environ.get("PGLOCK_TEST_SESSION_MODE") or None,
     task_default_queue=os.environ.get(QUEUE_ENV, "pglock-acceptance"),
     worker_prefetch_multiplier=1,
     result_expires=3600,

@@ -58,13 +58,14 @@ def start_workers(
     started: list[WorkerProcess] = []
     log_dir = tmp_path_factory.mktemp("workers")
 
-    def start(count: int = 2, **options: Any) -> list[WorkerProcess]:
+    def start(
+        count: int = 2, *, env: dict[str, str] | None = None, **options: Any
+    ) -> list[WorkerProcess]:
         options.setdefault("concurrency", 2)
-        env = {**acceptance_env, **options.pop("env", {})}
         workers = [
             WorkerProcess(
                 "tests.acceptance.app",
-                env=env,
+                env={**acceptance_env, **(env or {})},
                 log_path=log_dir / f"worker-{len(started) + index}.log",
                 **options,
             )

@@ -27,10 +27,18 @@ def workers(start_workers):
     return start_workers(1, concurrency=2)
 
 
-@pytest.fixture(scope="module")
-def threads_worker(acceptance, start_workers):
-    queue = f"{acceptance.app.conf.task_default_queue}-threads"
-    start_workers(1, pool="threads", concurrency=4, queues=[queue])
+@pytest.fixture(scope="module", params=["per_process", "per_lock"])
+def threads_worker(request, acceptance, start_workers):
+    """A threads-pool worker in each lock-session mode (its own queue per mode)."""
+    mode = request.param
+    queue = f"{acceptance.app.conf.task_default_queue}-threads-{mode}"
+    start_workers(
+        1,
+        pool="threads",
+        concurrency=4,
+        queues=[queue],
+        env={"PGLOCK_TEST_SESSION_MODE": mode},
+    )
     return queue
 
 
@@ -130,7 +138,8 @@ def test_transaction_scope_commits_or_rolls_back_in_the_worker(
 
 
 def test_threads_pool_is_exclusive_too(acceptance, threads_worker, recorder, run):
-    """--pool threads: tasks in one process use separate sessions, so they exclude each other."""
+    """--pool threads: tasks of one process exclude each other, on the shared session
+    (in-process exclusion per key) and on sessions of their own (PostgreSQL)."""
     results = [
         acceptance.protected.apply_async(
             (run, "k"), {"hold": 0.02}, queue=threads_worker

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,7 @@ from celery_pglock import (
     LockLostError,
     LockNotOwnedError,
     LockScope,
+    _session,
     keys,
 )
 from celery_pglock import db as db_module
@@ -26,12 +28,17 @@ from ..unit.test_keys import VECTORS
 
 
 @pytest.fixture
-def single_engine(database_url):
+def single_engine(database_url, session_mode):
     """A lock engine whose pool holds exactly one connection, to inspect it after use."""
     engine = db_module.create_engine(
-        database_url, {"pglock_engine_options": {"pool_size": 1, "max_overflow": 0}}
+        database_url,
+        {
+            "pglock_engine_options": {"pool_size": 1, "max_overflow": 0},
+            "pglock_session_mode": session_mode,
+        },
     )
     yield engine
+    _session.close_for(engine)
     engine.dispose()
 
 
@@ -69,8 +76,12 @@ def test_session_lock_excludes_a_second_holder_until_released(lock_engine, names
     second.release()
 
 
-def test_holder_is_visible_in_pg_locks_with_application_name(lock_engine, namespace):
-    """The article's incident query shows who holds the key: application_name has key and label."""
+def test_holder_is_visible_in_pg_locks_with_application_name(
+    lock_engine, namespace, session_mode
+):
+    """The article's incident query shows who holds the key: application_name names the
+    host:pid and the label (a per-lock connection also shows the key; the process's
+    shared session is not relabelled per key, pg_locks has the key)."""
     key = make_key(namespace)
     with AdvisoryLock(engine=lock_engine, key=key, label="billing.daily_settlement"):
         rows = pg_locks_rows(lock_engine, key)
@@ -78,18 +89,32 @@ def test_holder_is_visible_in_pg_locks_with_application_name(lock_engine, namesp
         name, granted = rows[0]
         assert granted
         assert name.startswith("pglock ")
-        assert str(key) in name
+        assert f":{os.getpid()} " in name
+        if session_mode == "per_lock":
+            assert str(key) in name
         assert name.endswith("billing.daily_settlement")
     assert [] == pg_locks_rows(lock_engine, key)
 
 
-def test_idle_connection_is_relabelled_after_release(single_engine, namespace):
-    """After release the pooled session no longer claims to hold anything."""
-    with AdvisoryLock(engine=single_engine, key=make_key(namespace)):
-        pass
-    with single_engine.connect() as connection:
-        name = connection.exec_driver_sql("SHOW application_name").scalar()
-    assert name.endswith(" idle")
+def test_idle_connection_is_relabelled_after_release(
+    single_engine, namespace, session_mode
+):
+    """After release the lock's session no longer claims to hold anything: a pooled
+    connection says idle; the process's session holds no advisory lock (it keeps the
+    task's name: relabelling at every release would double the server's CPU per task)."""
+    with AdvisoryLock(engine=single_engine, key=make_key(namespace)) as lock:
+        dbapi = lock._hold.connection  # pooled (per_lock) or the process's session
+    with dbapi.cursor() as cursor:
+        cursor.execute(
+            "SELECT current_setting('application_name'), (SELECT count(*) FROM pg_locks "
+            "WHERE locktype = 'advisory' AND pid = pg_backend_pid())"
+        )
+        name, held = cursor.fetchone()
+    assert 0 == held
+    if session_mode == "per_lock":
+        assert name.endswith(" idle")
+    else:
+        assert name.endswith(" it.lock")
 
 
 def test_two_int_key_uses_the_two_int_key_space(lock_engine, namespace):
@@ -146,27 +171,66 @@ def test_release_without_holding_raises(lock_engine, namespace):
         lock.release()
 
 
-def test_unlock_that_returns_false_closes_the_connection(single_engine, namespace):
-    """If PostgreSQL says the key was not held, the session is closed, not pooled."""
-    lock = AdvisoryLock(engine=single_engine, key=make_key(namespace))
+def test_unlock_that_returns_false_closes_the_connection(
+    lock_engine, namespace, session_mode
+):
+    """If PostgreSQL says the key was not held: a pinned connection is closed, not
+    pooled; the process's shared session is kept (closing it would free every other
+    task's lock), and the release is reported either way."""
+    lock = AdvisoryLock(engine=lock_engine, key=make_key(namespace))
+    other = AdvisoryLock(engine=lock_engine, key=make_key(namespace, {"k": 2}))
     assert lock.acquire()
-    dbapi = lock._pooled.dbapi_connection
+    assert other.acquire()
+    dbapi = lock._hold.connection
     with dbapi.cursor() as cursor:  # someone unlocked behind our back
         cursor.execute("SELECT pg_advisory_unlock(%s)", lock.key.ids)
-    with pytest.raises(LockNotOwnedError, match="connection was closed"):
+    with pytest.raises(LockNotOwnedError, match="no longer held"):
         lock.release()
-    assert dbapi.closed
-    with single_engine.connect() as connection:  # the pool reconnects transparently
+    if session_mode == "per_lock":
+        assert dbapi.closed
+    else:
+        assert not dbapi.closed
+        assert other.locked()  # the other task's lock survived on the shared session
+    other.release()
+    with lock_engine.connect() as connection:  # the pool reconnects transparently
         assert 1 == connection.exec_driver_sql("SELECT 1").scalar()
+    assert lock.acquire()
+    lock.release()
 
 
 def test_checkin_safety_net_unlocks_a_forgotten_lock(lock_engine, namespace):
     """A connection returned to the pool while holding a lock is unlocked on check-in."""
-    lock = AdvisoryLock(engine=lock_engine, key=make_key(namespace))
-    assert lock.acquire()
-    lock._pooled.close()  # a buggy path returns the connection without releasing
-    lock._pooled = None
+    lock = AdvisoryLock(
+        engine=lock_engine, key=make_key(namespace), scope=LockScope.SESSION
+    )
+    hold = lock.acquire() and lock._hold
+    if hold.pooled is not None:  # per_lock: a buggy path returns the connection
+        hold.pooled.close()
+    else:  # per_process: the session is closed (shutdown) with the lock still held
+        _session.process_session(lock_engine).close()
+    lock._hold = None
     assert not lock.locked()
+
+
+def test_closing_the_process_session_reports_its_holds_lost(database_url, namespace):
+    """per_process: a hold whose session ended is lost, and its release says so."""
+    engine = db_module.create_engine(
+        database_url, {"pglock_session_mode": "per_process"}
+    )
+    try:
+        lock = AdvisoryLock(engine=engine, key=make_key(namespace))
+        assert lock.acquire()
+        session = _session.process_session(engine)
+        assert [lock._hold] == session.holds()
+        session.lose("terminated by a test")
+        assert not lock.locked()
+        with pytest.raises(LockNotOwnedError, match="terminated by a test"):
+            lock.release()
+        assert lock.acquire()  # the next acquire opens a new session
+        lock.release()
+    finally:
+        _session.close_for(engine)
+        engine.dispose()
 
 
 def test_transaction_scope_commits_work_with_the_lock(lock_engine, namespace):
@@ -304,16 +368,15 @@ def test_vectors_are_importable():
 def test_dead_pooled_connection_is_replaced_transparently(
     single_engine, lock_engine, namespace
 ):
-    """A pooled session killed while idle (restart, idle timeout) costs no failed task."""
+    """A lock session killed while idle (restart, idle timeout) costs no failed task."""
     key = make_key(namespace)
-    with AdvisoryLock(engine=single_engine, key=key):
-        pass
-    with single_engine.connect() as connection:
-        idle_pid = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+    with AdvisoryLock(engine=single_engine, key=key) as lock:
+        idle_pid = lock._hold.connection.get_backend_pid()
     with lock_engine.connect() as connection:
         assert connection.exec_driver_sql(
             "SELECT pg_terminate_backend(%s)", (idle_pid,)
         ).scalar()
     lock = AdvisoryLock(engine=single_engine, key=key)
     assert lock.acquire()
+    assert idle_pid != lock._hold.connection.get_backend_pid()
     lock.release()

@@ -7,7 +7,14 @@ import os
 import pytest
 from celery import signals as celery_signals
 
-from celery_pglock import AdvisoryLock, DatabaseError, context, keys
+from celery_pglock import (
+    AdvisoryLock,
+    DatabaseError,
+    LockNotOwnedError,
+    _session,
+    context,
+    keys,
+)
 from celery_pglock import _hooks as hooks
 from celery_pglock import db as db_module
 
@@ -94,7 +101,7 @@ def test_worker_shutdown_releases_everything(database_url, namespace):
 def test_lock_sessions_carry_server_side_keepalives(lock_engine, namespace):
     """The server notices a vanished worker host in about a minute, not two hours."""
     with AdvisoryLock(engine=lock_engine, key=make_key(namespace)) as lock:
-        cursor = lock._pooled.dbapi_connection.cursor()
+        cursor = lock._hold.connection.cursor()
         cursor.execute(
             "SELECT current_setting('tcp_keepalives_idle'), current_setting('tcp_keepalives_count')"
         )
@@ -102,29 +109,37 @@ def test_lock_sessions_carry_server_side_keepalives(lock_engine, namespace):
         cursor.close()
 
 
-def test_postgres_restart_loses_locks_and_the_next_acquire_reconnects(private_postgres):
+def test_postgres_restart_loses_locks_and_the_next_acquire_reconnects(
+    private_postgres, session_mode
+):
     """A restart drops every advisory lock (they are not WAL-logged); nothing is left hanging.
 
-    The holder learns it at release (DatabaseError, connection closed), and the next
-    acquire replaces the dead pooled session without failing.
+    The holder learns it at release (per_lock: DatabaseError, connection closed;
+    per_process: the next acquire found the shared session dead and replaced it, so the
+    holder's release says its session ended), and the next acquire replaces the dead
+    session without failing.
     """
-    engine = db_module.create_engine(private_postgres.url())
+    engine = db_module.create_engine(
+        private_postgres.url(), {"pglock_session_mode": session_mode}
+    )
     try:
         key = keys.make_key("restart", "it.restart")
         holder = AdvisoryLock(engine=engine, key=key)
         assert holder.acquire()
         private_postgres.crash()
         private_postgres.restart()
-        other = AdvisoryLock(engine=engine, key=key)
-        assert (
-            other.acquire()
-        )  # the lock vanished with the old server; reconnect is transparent
+        # per_lock: the lock vanished with the old server. per_process: this process
+        # still counts the key as its own (so another key shows the reconnect).
+        other_key = key if session_mode == "per_lock" else keys.make_key("restart", "b")
+        other = AdvisoryLock(engine=engine, key=other_key)
+        assert other.acquire()  # reconnecting is transparent
         other.release()
-        with pytest.raises(DatabaseError) as caught:
+        expected = DatabaseError if session_mode == "per_lock" else LockNotOwnedError
+        with pytest.raises(expected):
             holder.release()
         assert not holder.owned()
-        assert isinstance(caught.value, DatabaseError), caught.value
     finally:
+        _session.close_for(engine)
         engine.dispose()
 
 

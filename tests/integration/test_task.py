@@ -33,12 +33,13 @@ from celery_pglock import db as db_module
 
 
 @pytest.fixture
-def app(database_url, broker_url, result_backend_url, namespace):
+def app(database_url, broker_url, result_backend_url, namespace, session_mode):
     app = Celery(
         "it", broker=broker_url, backend=result_backend_url, set_as_current=False
     )
     app.conf.pglock_database_url = database_url
     app.conf.pglock_namespace = namespace
+    app.conf.pglock_session_mode = session_mode
     yield app
     app.close()
 
@@ -629,7 +630,7 @@ def test_release_failure_is_reported_and_the_run_keeps_its_outcome(app, events):
     def lose_it():
         lock = current_lock()
         with (
-            lock._pooled.dbapi_connection.cursor() as cursor
+            lock._hold.connection.cursor() as cursor
         ):  # someone unlocks behind our back
             cursor.execute("SELECT pg_advisory_unlock(%s)", lock.key.ids)
         return "done"

@@ -456,7 +456,9 @@ def test_a_custom_metrics_sink_is_installed(app):
             ("web-1:4242", "billing.settle"),
         ),
         ("pglock web-1:4242 42,1001 ~ng.settle", ("web-1:4242", "~ng.settle")),
+        ("pglock web-1:4242 billing.settle", ("web-1:4242", "billing.settle")),
         ("pglock web-1:4242 idle", ("web-1:4242", None)),
+        ("pglock web-1:4242", ("web-1:4242", None)),
         ("psql", (None, None)),
         (None, (None, None)),
     ],
@@ -464,3 +466,26 @@ def test_a_custom_metrics_sink_is_installed(app):
 def test_holder_is_read_from_application_name(application_name, expected):
     """The holder's host:pid and task name come from its application_name."""
     assert expected == _holder.parse_application_name(application_name)
+
+
+def test_session_mode_defaults_to_per_process_and_is_validated():
+    """pglock_session_mode: per_process unless set; a bad value names the setting."""
+    assert config_module.SessionMode.PER_PROCESS == config_module.session_mode({})
+    assert config_module.SessionMode.PER_LOCK == config_module.session_mode(
+        {"pglock_session_mode": "per_lock"}
+    )
+    config_module.check_unknown_settings({"pglock_session_mode": "per_lock"})
+    with pytest.raises(ConfigurationError) as caught:
+        config_module.session_mode({"pglock_session_mode": "shared"})
+    assert "pglock_session_mode='shared'" in str(caught.value)
+    assert "'per_process', 'per_lock'" in str(caught.value)
+
+
+def test_bad_session_mode_stops_the_engine_too():
+    """The engine (what a worker builds at its first task) refuses it as well."""
+    from celery_pglock import db
+
+    with pytest.raises(ConfigurationError, match="pglock_session_mode"):
+        db.create_engine(
+            "postgresql+psycopg2://u@127.0.0.1/db", {"pglock_session_mode": "shared"}
+        )

@@ -1,0 +1,91 @@
+"""What a lock-session strategy hands out (a Hold) and the interface strategies implement.
+
+See :mod:`celery_pglock._session` for the two strategies and which one a lock gets.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from celery_pglock import exceptions
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+
+    from celery_pglock.keys import LockKey
+
+
+class Hold:
+    """One granted lock: the session it lives on, for its release."""
+
+    __slots__ = (
+        "connection",
+        "generation",
+        "idle_name",
+        "ids",
+        "lent",
+        "lost",
+        "pid",
+        "pooled",
+        "sa_connection",
+        "session",
+        "transaction",
+    )
+
+    def __init__(
+        self, session: LockSession, ids: tuple[int, ...], idle_name: str = ""
+    ) -> None:
+        self.session = session
+        self.ids = ids
+        #: PerLockSessions: the application_name its connection shows once released.
+        self.idle_name = idle_name
+        self.pid = os.getpid()
+        #: The psycopg2 connection the lock lives on.
+        self.connection: Any = None
+        #: PerLockSessions: the pool's proxied connection, pinned until release.
+        self.pooled: Any = None
+        #: Transaction scope: the SQLAlchemy connection and transaction lent to the body.
+        self.sa_connection: sa.Connection | None = None
+        self.transaction: sa.RootTransaction | None = None
+        self.lent = False
+        #: ProcessSession: the session generation the lock was granted on.
+        self.generation = 0
+        #: Why the lock was lost before its release (its session ended), or None.
+        self.lost: str | None = None
+
+
+class LockSession:
+    """Where locks of one engine live: take one, and give it back."""
+
+    engine: sa.Engine
+
+    def acquire(
+        self,
+        key: LockKey,
+        *,
+        label: str,
+        timeout_ms: int | None,
+        transaction: bool,
+    ) -> Hold | None:
+        """Take ``key``; the hold, or None when another session (or task) holds it.
+
+        ``label`` (a task name) goes into the session's application_name.
+        """
+        raise NotImplementedError
+
+    def release(self, hold: Hold, key: LockKey, *, commit: bool) -> None:
+        """Give ``hold`` back; raises LockNotOwnedError/LockLostError/DatabaseError."""
+        raise NotImplementedError
+
+    def after_disconnect(self) -> None:
+        """An acquire found its session dead: forget the connections that may be too."""
+
+
+def foreign(hold: Hold, key: LockKey) -> exceptions.LockNotOwnedError:
+    return exceptions.LockNotOwnedError(
+        f"Lock {key.name!r} (key {key}) belongs to process {hold.pid}, not to this one "
+        f"({os.getpid()}, a fork?); its session was left untouched.",
+        key=str(key),
+        name=key.name,
+    )

@@ -1,0 +1,256 @@
+"""PerLockSessions: a pooled connection pinned per held lock, and the lock statements.
+
+Transaction scope always works this way (the body borrows the connection), so do bounded
+waits (a blocking ``pg_advisory_lock`` on the process's shared session would stall every
+task of the process), and so does every lock in ``pglock_session_mode='per_lock'``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import TYPE_CHECKING, Any
+
+from celery_pglock import _hold, _sql, db, exceptions
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+
+    from celery_pglock.keys import LockKey
+
+
+class PerLockSessions(_hold.LockSession):
+    """A pooled connection per held lock, pinned from acquire to release."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+
+    def acquire(
+        self,
+        key: LockKey,
+        *,
+        label: str,
+        timeout_ms: int | None,
+        transaction: bool,
+    ) -> _hold.Hold | None:
+        prefix = db.engine_info(self.engine)["application_name_prefix"]
+        tag = db.process_tag()
+        # str(key): the ids only. The LockKey itself would pin its key text (the
+        # argument values, possibly megabytes) in the cache below.
+        holding_name = _application_name(prefix, tag, str(key), label)
+        idle_name = _application_name(prefix, tag, "idle")
+        if transaction:
+            return self._acquire_transaction(key, holding_name, idle_name, timeout_ms)
+        return self._acquire_session(key, holding_name, idle_name, timeout_ms)
+
+    def release(self, hold: _hold.Hold, key: LockKey, *, commit: bool) -> None:
+        if hold.pid != os.getpid():
+            raise _hold.foreign(hold, key)
+        if hold.sa_connection is not None:
+            self._release_transaction(hold, key, commit)
+        else:
+            self._release_session(hold, key)
+
+    def after_disconnect(self) -> None:
+        # Idle siblings of a dead pooled session are likely dead too (server restart):
+        # drop them (close=False: no goodbye on dead sockets) instead of failing one
+        # task per corpse.
+        self.engine.dispose(close=False)
+
+    def _acquire_session(
+        self, key: LockKey, holding_name: str, idle_name: str, timeout_ms: int | None
+    ) -> _hold.Hold | None:
+        arity = len(key.ids)
+        try:
+            pooled = self.engine.raw_connection()
+        except Exception:
+            with db.wrap_db_errors(f"acquire lock {key.name!r}", self.engine):
+                raise
+        discard = False
+        try:
+            dbapi: Any = (
+                pooled.dbapi_connection
+            )  # psycopg2, typed loosely by SQLAlchemy
+            dbapi.autocommit = True
+            with dbapi.cursor() as cursor:
+                if timeout_ms is None:
+                    granted = try_lock(
+                        cursor, _sql.TRY_LOCK_SESSION[arity], key, holding_name
+                    )
+                else:
+                    granted, discard = wait_lock(
+                        cursor,
+                        _sql.WAIT_LOCK_SESSION[arity],
+                        key,
+                        holding_name,
+                        timeout_ms,
+                    )
+        except BaseException as exc:
+            # Unknown state (e.g. interrupted mid-statement): closing is the only safe release.
+            pooled.invalidate()
+            pooled.close()
+            if isinstance(exc, Exception):
+                with db.wrap_db_errors(f"acquire lock {key.name!r}", self.engine):
+                    raise
+            raise
+        if not granted:
+            if discard:
+                pooled.invalidate()
+            pooled.close()
+            return None
+        db.held_keys(pooled.info)[key.ids] += 1
+        pooled.info[db.IDLE_NAME] = idle_name
+        hold = _hold.Hold(self, key.ids, idle_name)
+        hold.pooled, hold.connection = pooled, dbapi
+        return hold
+
+    def _release_session(self, hold: _hold.Hold, key: LockKey) -> None:
+        pooled = hold.pooled
+        arity = len(key.ids)
+        held = db.held_keys(pooled.info)
+        try:
+            with hold.connection.cursor() as cursor:
+                cursor.execute(_sql.UNLOCK_SESSION[arity], (*key.ids, hold.idle_name))
+                row = cursor.fetchone()
+            unlocked = bool(row and row[0])
+        except BaseException as exc:
+            held.clear()
+            pooled.invalidate()  # the session's end frees whatever it held
+            pooled.close()
+            if isinstance(exc, Exception):
+                with db.wrap_db_errors(f"release lock {key.name!r}", self.engine):
+                    raise
+            raise
+        held[key.ids] -= 1
+        if held[key.ids] <= 0:
+            del held[key.ids]
+        if not unlocked:
+            held.clear()
+            pooled.invalidate()
+            pooled.close()
+            raise exceptions.LockNotOwnedError(
+                f"PostgreSQL says the session no longer held lock {key.name!r} (key {key}) "
+                "at release; the connection was closed instead of being pooled.",
+                key=str(key),
+                name=key.name,
+            )
+        pooled.close()
+
+    def _acquire_transaction(
+        self, key: LockKey, holding_name: str, idle_name: str, timeout_ms: int | None
+    ) -> _hold.Hold | None:
+        arity = len(key.ids)
+        with db.wrap_db_errors(f"acquire lock {key.name!r}", self.engine):
+            connection = self.engine.connect()
+        try:
+            pooled = connection.connection
+            dbapi: Any = (
+                pooled.dbapi_connection
+            )  # psycopg2, typed loosely by SQLAlchemy
+            dbapi.autocommit = False
+            transaction = connection.begin()
+            with dbapi.cursor() as cursor:
+                if timeout_ms is None:
+                    granted = try_lock(
+                        cursor, _sql.TRY_LOCK_TRANSACTION[arity], key, holding_name
+                    )
+                else:
+                    granted, _ = wait_lock(
+                        cursor,
+                        _sql.WAIT_LOCK_TRANSACTION[arity],
+                        key,
+                        holding_name,
+                        timeout_ms,
+                    )
+            if not granted:
+                transaction.rollback()
+                connection.close()
+                return None
+        except BaseException as exc:
+            connection.invalidate()
+            connection.close()
+            if isinstance(exc, Exception):
+                with db.wrap_db_errors(f"acquire lock {key.name!r}", self.engine):
+                    raise
+            raise
+        hold = _hold.Hold(self, key.ids, idle_name)
+        hold.pooled, hold.connection = pooled, dbapi
+        hold.sa_connection, hold.transaction = connection, transaction
+        return hold
+
+    def _release_transaction(
+        self, hold: _hold.Hold, key: LockKey, commit: bool
+    ) -> None:
+        connection, transaction = hold.sa_connection, hold.transaction
+        if connection is None or transaction is None:  # a session-scope hold
+            raise exceptions.LockNotOwnedError(
+                f"Lock {key.name!r} has no open transaction.",
+                key=str(key),
+                name=key.name,
+            )
+        try:
+            if not transaction.is_active:
+                raise exceptions.LockLostError(
+                    f"The transaction of lock {key.name!r} (key {key}) was ended before "
+                    "release (committed or rolled back by the task?), so the lock ended early.",
+                    key=str(key),
+                    name=key.name,
+                )
+            with db.wrap_db_errors(
+                f"{'commit' if commit else 'roll back'} lock {key.name!r}", self.engine
+            ):
+                if commit:
+                    transaction.commit()
+                else:
+                    transaction.rollback()
+                if hold.lent:
+                    # The body had this connection: wipe what it may have left on the
+                    # session (SET search_path, its own advisory locks, temp tables)
+                    # before pooling it. Not needed (one round trip saved) otherwise.
+                    hold.connection.autocommit = True
+                    with hold.connection.cursor() as cursor:
+                        cursor.execute(_sql.DISCARD_ALL)
+        except BaseException:
+            connection.invalidate()
+            raise
+        finally:
+            connection.close()
+
+
+@functools.lru_cache(maxsize=4096)
+def _application_name(prefix: str, *parts: object) -> str:
+    # Per-lock hot path (per_lock mode, transaction scope): the same names recur.
+    return db.application_name(prefix, *parts)
+
+
+def try_lock(cursor: Any, statement: str, key: LockKey, holding_name: str) -> bool:
+    """Try once (one round trip); True if granted."""
+    cursor.execute(statement, (*key.ids, holding_name))
+    row = cursor.fetchone()
+    return row is not None and row[0] is not None
+
+
+def wait_lock(
+    cursor: Any, statement: str, key: LockKey, holding_name: str, timeout_ms: int
+) -> tuple[bool, bool]:
+    """Run a bounded blocking lock statement: (granted, the session must be discarded)."""
+    try:
+        cursor.execute(statement, (str(timeout_ms), holding_name, *key.ids))
+    except Exception as exc:
+        code = db.sqlstate(exc)
+        if code not in (_sql.LOCK_NOT_AVAILABLE, _sql.QUERY_CANCELED):
+            raise
+        if not cursor.connection.autocommit:
+            # Transaction scope: the rollback ends the transaction and the wait.
+            cursor.connection.rollback()
+            return False, False
+        if code == _sql.QUERY_CANCELED:
+            # A cancel (statement_timeout, pg_cancel_backend) may land after the session
+            # lock was granted, and a session lock outlives the aborted transaction: this
+            # session cannot be trusted. The caller closes it.
+            return False, True
+        # lock_timeout fired inside pg_advisory_lock: nothing was granted. psycopg2's
+        # rollback() is a no-op in autocommit mode, so end the aborted BEGIN by hand.
+        cursor.execute(_sql.ROLLBACK)
+        return False, False
+    return True, False

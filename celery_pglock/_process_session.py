@@ -1,0 +1,195 @@
+"""ProcessSession: one connection per process carrying all its session-scope try-locks.
+
+Opened on first use and kept for the life of the process (a prefork child: no pool
+checkout per task; a threads/gevent worker: one connection, not one per in-flight task).
+PostgreSQL session locks are re-entrant *within* a session, so exclusion between the
+tasks of one process is done here, per key, under the mutex that also serialises every
+statement on the connection (a psycopg2 connection runs one statement at a time; its
+cursors are not thread-safe). A key already held in the process is refused without a
+round trip. Transaction scope and bounded waits go to a PerLockSessions of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+from celery_pglock import _hold, _per_lock, _sql, db, exceptions
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+
+    from celery_pglock.keys import LockKey
+
+logger = logging.getLogger(__name__)
+
+
+class ProcessSession(_hold.LockSession):
+    """One connection per process carrying every session-scope try-lock of the process.
+
+    Thread-safe: one mutex serialises the exclusion table and every statement on the
+    connection. Bounded waits go to ``waits`` (a connection of their own).
+    """
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+        self.pid = os.getpid()
+        self.waits = _per_lock.PerLockSessions(engine)
+        self._mutex = threading.Lock()
+        self._pooled: Any = None  # the detached pool proxy owning the connection
+        self._connection: Any = None
+        self._cursor: Any = None
+        self._generation = 0
+        self._prefix = db.engine_info(engine)["application_name_prefix"]
+        self._names: dict[str, str] = {}  # task label -> application_name
+        self._shown: str | None = None  # the application_name the session shows
+        #: key ids -> the hold of the task of this process holding it.
+        self._owners: dict[tuple[int, ...], _hold.Hold] = {}
+
+    # -- LockSession ----------------------------------------------------------------------
+
+    def acquire(
+        self,
+        key: LockKey,
+        *,
+        label: str,
+        timeout_ms: int | None,
+        transaction: bool,
+    ) -> _hold.Hold | None:
+        if transaction or timeout_ms is not None:
+            return self.waits.acquire(
+                key, label=label, timeout_ms=timeout_ms, transaction=transaction
+            )
+        ids = key.ids
+        with self._mutex:
+            if ids in self._owners:
+                return None  # held by another task of this process: no round trip
+            cursor = self._cursor if self._cursor is not None else self._connect(key)
+            name = self._names.get(label)
+            if name is None:
+                if len(self._names) >= 1024:  # labels are task names: few; stay bounded
+                    self._names.clear()
+                name = self._names[label] = db.application_name(
+                    self._prefix, db.process_tag(), label
+                )
+            try:
+                if name == self._shown:
+                    # The session already shows this task: no relabel (relabelling
+                    # costs the server about as much as the lock statements).
+                    cursor.execute(_sql.TRY_LOCK_SESSION_BARE[len(ids)], ids)
+                    row = cursor.fetchone()
+                    granted = row is not None and row[0] is True
+                else:
+                    cursor.execute(_sql.TRY_LOCK_SESSION[len(ids)], (*ids, name))
+                    row = cursor.fetchone()
+                    granted = row is not None and row[0] is not None
+                    if granted:
+                        self._shown = name
+            except BaseException as exc:
+                self._close(f"acquiring lock {key.name!r} failed: {exc!r}")
+                if isinstance(exc, Exception):
+                    with db.wrap_db_errors(f"acquire lock {key.name!r}", self.engine):
+                        raise
+                raise
+            if not granted:
+                return None
+            hold = _hold.Hold(self, ids)
+            hold.connection, hold.generation = self._connection, self._generation
+            self._owners[ids] = hold
+            return hold
+
+    def release(self, hold: _hold.Hold, key: LockKey, *, commit: bool) -> None:
+        if hold.pid != os.getpid():
+            raise _hold.foreign(hold, key)
+        ids = hold.ids
+        with self._mutex:
+            if self._owners.get(ids) is not hold:
+                raise exceptions.LockNotOwnedError(
+                    f"The process's lock session ended while lock {key.name!r} (key {key}) was "
+                    f"held ({hold.lost or 'closed'}), so PostgreSQL had already freed the lock.",
+                    key=str(key),
+                    name=key.name,
+                )
+            del self._owners[ids]
+            try:
+                self._cursor.execute(_sql.UNLOCK_SESSION_KEEP_NAME[len(ids)], ids)
+                row = self._cursor.fetchone()
+            except BaseException as exc:
+                self._close(f"releasing lock {key.name!r} failed: {exc!r}")
+                if isinstance(exc, Exception):
+                    with db.wrap_db_errors(f"release lock {key.name!r}", self.engine):
+                        raise
+                raise
+        if not (row and row[0]):
+            # Someone unlocked our key behind our back (pg_advisory_unlock_all on this
+            # session is ours only). The other keys of the session are unaffected, so the
+            # session is kept: closing it would free every other task's lock mid-body.
+            raise exceptions.LockNotOwnedError(
+                f"PostgreSQL says the process's lock session no longer held lock {key.name!r} "
+                f"(key {key}) at release.",
+                key=str(key),
+                name=key.name,
+            )
+
+    # -- for lock-loss detection and shutdown ---------------------------------------------
+
+    def holds(self) -> list[_hold.Hold]:
+        """The locks held on this session right now."""
+        with self._mutex:
+            return list(self._owners.values())
+
+    def lose(self, cause: str) -> list[_hold.Hold]:
+        """Close the session (which frees all its locks) and mark its holds lost."""
+        with self._mutex:
+            return self._close(cause)
+
+    def close(self) -> None:
+        """Close the connection; any lock still held is freed by PostgreSQL and lost."""
+        lost = self.lose("the process's lock session was closed")
+        if lost:
+            logger.warning(
+                "The lock session was closed still holding %d lock(s); PostgreSQL freed them",
+                len(lost),
+                extra={"action": "lock_checkin_unlock_all"},
+            )
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _connect(self, key: LockKey) -> Any:
+        if self.pid != os.getpid():
+            raise exceptions.PgLockError(
+                "A lock session was used in a process it does not belong to (a fork)."
+            )
+        try:
+            # Detached: the connection belongs to this process session, not to the pool,
+            # so no pool reset or check-in ever touches it, and the pool's size does not
+            # count it.
+            pooled = self.engine.raw_connection()
+            pooled.detach()
+            dbapi: Any = pooled.dbapi_connection
+            dbapi.autocommit = True
+            cursor = dbapi.cursor()
+        except Exception:
+            with db.wrap_db_errors(f"acquire lock {key.name!r}", self.engine):
+                raise
+        self._pooled, self._connection, self._cursor = pooled, dbapi, cursor
+        self._shown = None
+        return cursor
+
+    def _close(self, cause: str) -> list[_hold.Hold]:
+        """Under the mutex: end the session; every hold on it is lost."""
+        connection, self._connection = self._connection, None
+        self._pooled = self._cursor = None
+        self._generation += 1
+        lost = list(self._owners.values())
+        self._owners.clear()
+        for hold in lost:
+            hold.lost = cause
+        if connection is not None and self.pid == os.getpid():
+            try:
+                connection.close()  # ends the session: the release PostgreSQL always honours
+            except Exception:  # a dead socket may complain; it is gone either way
+                logger.debug("Closing the lock session failed", exc_info=True)
+        return lost

@@ -1,0 +1,110 @@
+"""Which PostgreSQL session carries a lock: the strategies, per engine and per process.
+
+Two strategies implement :class:`~celery_pglock._hold.LockSession`; :func:`for_lock`
+picks one for each :class:`~celery_pglock.lock.AdvisoryLock`, which never sees the
+difference (and ``SingletonTask`` never sees either):
+
+- ``ProcessSession`` (:mod:`~celery_pglock._process_session`), for session-scope try-locks
+  in ``pglock_session_mode='per_process'``, the default for every pool: one long-lived
+  connection per process and engine, with exclusion per key inside the process.
+- ``PerLockSessions`` (:mod:`~celery_pglock._per_lock`), for transaction scope and bounded
+  waits always, and for everything in ``pglock_session_mode='per_lock'``: a pooled
+  connection pinned from acquire to release.
+
+Fork safety: a child forgets its parent's sessions (keeping them referenced, so no
+finaliser of the child ever writes to the parent's socket) and opens its own on first
+use; a hold records its process and is refused at release anywhere else. Lock-loss
+detection (issue 8) watches :func:`sessions`: one ``ProcessSession`` per process and
+engine (``holds()``, and ``lose(cause)`` to close it and mark its holds lost).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+from celery_pglock import _hold, _per_lock, _process_session, config, db
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+
+_per_lock_sessions: weakref.WeakKeyDictionary[sa.Engine, _per_lock.PerLockSessions] = (
+    weakref.WeakKeyDictionary()
+)
+_process: dict[sa.Engine, _process_session.ProcessSession] = {}
+_process_pid = os.getpid()
+_registry_guard = threading.Lock()
+#: A forked child's copies of its parent's sessions: kept referenced, never used or
+#: closed, so no finaliser of the child ever writes to the parent's socket.
+_inherited: list[_process_session.ProcessSession] = []
+
+
+def for_lock(engine: sa.Engine, *, transaction: bool) -> _hold.LockSession:
+    """The strategy a lock of ``engine`` uses (a cheap lookup: once per lock)."""
+    if _process_pid == os.getpid():
+        session = _process.get(engine)
+        if session is not None and not transaction:
+            return session
+    if transaction or (
+        db.engine_info(engine)["session_mode"] == config.SessionMode.PER_LOCK.value
+    ):
+        per_lock = _per_lock_sessions.get(engine)
+        if per_lock is None:
+            per_lock = _per_lock_sessions[engine] = _per_lock.PerLockSessions(engine)
+        return per_lock
+    return process_session(engine)
+
+
+def process_session(engine: sa.Engine) -> _process_session.ProcessSession:
+    """This process's session for ``engine`` (created on first use, not at import)."""
+    with _registry_guard:
+        _forget_after_fork()
+        session = _process.get(engine)
+        if session is None:
+            session = _process[engine] = _process_session.ProcessSession(engine)
+        return session
+
+
+def sessions() -> list[_process_session.ProcessSession]:
+    """This process's lock sessions (for lock-loss detection and shutdown)."""
+    with _registry_guard:
+        _forget_after_fork()
+        return list(_process.values())
+
+
+def close_all() -> None:
+    """Close this process's lock sessions (worker shutdown, tests)."""
+    for session in sessions():
+        session.close()
+    with _registry_guard:
+        _process.clear()
+
+
+def close_for(engine: sa.Engine) -> None:
+    """Close this process's session of ``engine``, if any (before disposing of it).
+
+    Not tied to ``engine.dispose()``: the per-lock reconnect path disposes of the pool
+    when a pooled session is found dead, and that must not end the locks of every
+    other task of the process.
+    """
+    with _registry_guard:
+        _forget_after_fork()
+        session = _process.pop(engine, None)
+    if session is not None:
+        session.close()
+
+
+def _forget_after_fork() -> None:
+    global _process_pid
+    if _process_pid == os.getpid():
+        return
+    _inherited.extend(_process.values())
+    _process.clear()
+    _per_lock_sessions.clear()
+    _process_pid = os.getpid()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)

@@ -1,0 +1,121 @@
+"""The per-process lock session: fork safety, and what one session carries.
+
+Fork safety is tested in a separate Python process (so that forking never copies pytest):
+it takes a lock on its shared session, forks, and the child tries everything a forked
+copy of a task's frames might do (release the inherited lock, drop it, take locks of its
+own) before exiting by each of return, raise, ``sys.exit`` and ``os._exit``. The parent's
+lock must stay held on the parent's session, which must still work afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from celery_pglock import AdvisoryLock, _session, keys
+from celery_pglock import db as db_module
+
+FORK_SCRIPT = textwrap.dedent(
+    """
+    import gc, json, os, sys
+    from celery_pglock import AdvisoryLock, LockNotOwnedError, keys, db, _session
+
+    database_url, namespace, how = sys.argv[1:4]
+    engine = db.create_engine(database_url, {"pglock_session_mode": "per_process"})
+    lock = AdvisoryLock(engine=engine, key=keys.make_key(namespace, "it.fork"))
+    assert lock.acquire()
+    parent_backend = lock._hold.connection.get_backend_pid()
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(read_end)
+        report = {}
+        try:
+            lock.release()
+        except LockNotOwnedError as error:
+            report["release"] = "refused: " + str(error)
+        own = AdvisoryLock(engine=db.create_engine(database_url), key=keys.make_key(namespace, "it.child"))
+        report["child_acquired"] = own.acquire()
+        report["child_backend"] = own._hold.connection.get_backend_pid()
+        own.release()
+        os.write(write_end, json.dumps(report).encode())
+        os.close(write_end)
+        del lock, own
+        gc.collect()
+        if how == "os._exit":
+            os._exit(0)
+        if how == "sys.exit":
+            sys.exit(3)
+        if how == "raise":
+            raise RuntimeError("the child fails")
+        # "return": fall off the end of the script, running every finaliser
+    else:
+        os.close(write_end)
+        _, status = os.waitpid(child, 0)
+        with os.fdopen(read_end) as pipe:
+            report = json.loads(pipe.read() or "{}")
+        report["parent_backend"] = parent_backend
+        report["parent_still_owned"] = lock.owned()
+        # The parent's session still answers, and still holds its lock.
+        with lock._hold.connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted"
+            )
+            report["parent_locks_on_session"] = cursor.fetchone()[0]
+        lock.release()
+        report["parent_released"] = True
+        print(json.dumps(report), flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["return", "raise", "sys.exit", "os._exit"])
+def test_a_forked_child_never_touches_the_parents_lock_session(
+    database_url, namespace, how
+):
+    completed = subprocess.run(
+        [sys.executable, "-c", FORK_SCRIPT, database_url, namespace, how],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert 0 == completed.returncode, completed.stderr
+    report = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert report["release"].startswith("refused: "), report
+    assert "belongs to process" in report["release"]
+    assert report["child_acquired"]
+    assert report["child_backend"] != report["parent_backend"]  # a session of its own
+    assert report["parent_still_owned"]
+    assert 1 == report["parent_locks_on_session"]  # the child left it alone
+    assert report["parent_released"]
+
+
+def test_one_session_carries_many_locks_and_excludes_each_key_once(
+    database_url, namespace
+):
+    """per_process: locks of one process share one backend; a key is held once."""
+    engine = db_module.create_engine(
+        database_url, {"pglock_session_mode": "per_process"}
+    )
+    try:
+        locks = [
+            AdvisoryLock(engine=engine, key=keys.make_key(namespace, "it.many", i))
+            for i in range(5)
+        ]
+        assert all(lock.acquire() for lock in locks)
+        assert 1 == len({lock._hold.connection.get_backend_pid() for lock in locks})
+        twin = AdvisoryLock(engine=engine, key=locks[0].key)
+        assert not twin.acquire()  # re-entrant in PostgreSQL, refused in the process
+        for lock in locks:
+            lock.release()
+        assert twin.acquire()
+        twin.release()
+        assert [] == _session.process_session(engine).holds()
+    finally:
+        _session.close_for(engine)
+        engine.dispose()
