@@ -28,7 +28,8 @@ from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 
-from celery_pglock import _sql, config, exceptions
+# _forks first: its after-fork hook must run before ours (see _forks.py).
+from celery_pglock import _forks, _sql, config, exceptions
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,10 @@ PROBE_CONNECT_TIMEOUT = 10
 
 _engines: dict[str, sa.Engine] = {}
 _labels: weakref.WeakKeyDictionary[sa.Engine, dict[str, str]] = (
+    weakref.WeakKeyDictionary()
+)
+#: The connect_args each lock engine was made with (for the lock watcher's own session).
+_connect_args: weakref.WeakKeyDictionary[sa.Engine, dict[str, Any]] = (
     weakref.WeakKeyDictionary()
 )
 _engines_pid = os.getpid()
@@ -179,7 +184,20 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
         "masked_url": mask_url(parsed),
     }
     event.listen(engine, "checkin", _unlock_leftovers)
+    # Lock sessions: a forked child must never touch them (see _forks.py).
+    event.listen(engine, "connect", _adopt)
+    _connect_args[engine] = dict(options["connect_args"])
     return engine
+
+
+def _adopt(dbapi_connection: Any, record: Any) -> None:
+    _forks.adopt(dbapi_connection)
+
+
+def connect_params(engine: sa.Engine) -> dict[str, Any]:
+    """The psycopg2.connect() keywords of ``engine``'s connections (with secrets: never log)."""
+    _, params = engine.dialect.create_connect_args(engine.url)
+    return {**params, **_connect_args.get(engine, {})}
 
 
 def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
@@ -252,6 +270,7 @@ def engine_info(engine: sa.Engine) -> dict[str, str]:
         # An engine the caller made: label it and add the check-in net on first sight.
         if not event.contains(engine, "checkin", _unlock_leftovers):
             event.listen(engine, "checkin", _unlock_leftovers)
+            event.listen(engine, "connect", _adopt)
         labels = _labels[engine] = {
             "application_name_prefix": DEFAULT_APPLICATION_NAME,
             "masked_url": mask_url(engine.url),

@@ -30,10 +30,11 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _sql, db, exceptions
+from celery_pglock import _deadline, _sql, db, exceptions
 from celery_pglock.config import LockScope
 
 if TYPE_CHECKING:
@@ -93,6 +94,16 @@ class AdvisoryLock:
         self.released_at: float | None = None
         #: Seconds acquire() took, including any bounded wait.
         self.wait_seconds: float | None = None
+        # -- lock loss (see _watch.py and docs/operations/lock-loss.md) --
+        #: PostgreSQL backend pid of the session holding the lock, while held.
+        self.backend_pid: int | None = None
+        #: os.getpid() of the process that took the lock: the only one that may release
+        #: it (a forked child must never touch its parent's session, see _forks.py).
+        self.owner_pid: int | None = None
+        #: Why the lock was lost while held (None: not lost).
+        self.lost_cause: str | None = None
+        #: Longest a release may wait on the database before its socket is shut down.
+        self.release_timeout: float = 5.0
 
     # -- public verbs -------------------------------------------------------------------
 
@@ -150,6 +161,10 @@ class AdvisoryLock:
         if granted:
             self.acquired_at = asked_at + self.wait_seconds
             self.released_at = None
+            # Lock-loss watching: no round trip (libpq knows its backend pid).
+            self.backend_pid = self._pooled.dbapi_connection.get_backend_pid()
+            self.owner_pid = os.getpid()
+            self.lost_cause = None
         return granted
 
     def release(self, *, commit: bool = True) -> None:
@@ -173,6 +188,11 @@ class AdvisoryLock:
                 key=str(self.key),
                 name=self.key.name,
             )
+        if self.owner_pid != os.getpid():
+            # A forked child's copy: the lock is its parent's. Forget it without a
+            # word on the inherited session (see _forks.py).
+            self._pooled = self._connection = self._transaction = None
+            return
         try:
             if self.scope is LockScope.SESSION:
                 self._do_release_session()
@@ -184,6 +204,48 @@ class AdvisoryLock:
     def owned(self) -> bool:
         """True while this object holds the lock (no database round trip)."""
         return self._pooled is not None
+
+    @property
+    def lost(self) -> bool:
+        """True once the lock was found lost while held (see ``lost_cause``)."""
+        return self.lost_cause is not None
+
+    def ensure_held(self) -> None:
+        """Raise unless the lock is still held, as far as this process knows.
+
+        Call it before each side effect of a long body. No round trip: it reads what the
+        lock watcher last found (checks run every ``lock_watch_interval`` seconds), so it
+        narrows the window, it does not close it (fencing tokens do; see
+        docs/operations/lock-loss.md).
+
+        Raises:
+            LockLostError: the lock was lost (the message says why).
+            LockNotOwnedError: the lock is not held, or not by this process (a forked
+                child).
+        """
+        if self.lost_cause is not None:
+            raise self._lost_error()
+        if not self.owned() or self.owner_pid != os.getpid():
+            raise exceptions.LockNotOwnedError(
+                f"Lock {self.key.name!r} (key {self.key}) is not held by this process.",
+                key=str(self.key),
+                name=self.key.name,
+            )
+
+    def _mark_lost(self, cause: str) -> bool:
+        """Record that the lock was lost; True the first time (the watcher reports it)."""
+        if self.lost_cause is not None or not self.owned():
+            return False
+        self.lost_cause = cause
+        return True
+
+    def _lost_error(self) -> exceptions.LockLostError:
+        return exceptions.LockLostError(
+            f"Lock {self.key.name!r} (key {self.key}) was lost while its body ran: "
+            f"{self.lost_cause}.",
+            key=str(self.key),
+            name=self.key.name,
+        )
 
     def locked(self) -> bool:
         """True if any session in this database holds the key (one ``pg_locks`` query)."""
@@ -326,7 +388,11 @@ class AdvisoryLock:
         arity = len(self.key.ids)
         held = db.held_keys(pooled.info)
         try:
-            with pooled.dbapi_connection.cursor() as cursor:
+            # Bounded: on a cut or frozen link the socket is shut down (_deadline.py).
+            with (
+                _deadline.bounded(pooled.dbapi_connection, self.release_timeout),
+                pooled.dbapi_connection.cursor() as cursor,
+            ):
                 cursor.execute(
                     _sql.UNLOCK_SESSION[arity], (*self.key.ids, self._idle_name)
                 )
@@ -405,9 +471,15 @@ class AdvisoryLock:
                     key=str(self.key),
                     name=self.key.name,
                 )
-            with db.wrap_db_errors(
-                f"{'commit' if commit else 'roll back'} lock {self.key.name!r}",
-                self.engine,
+            with (
+                db.wrap_db_errors(
+                    f"{'commit' if commit else 'roll back'} lock {self.key.name!r}",
+                    self.engine,
+                ),
+                # Bounded: on a cut or frozen link the socket is shut down.
+                _deadline.bounded(
+                    connection.connection.dbapi_connection, self.release_timeout
+                ),
             ):
                 if commit:
                     transaction.commit()
