@@ -25,11 +25,18 @@ import weakref
 from typing import Any
 
 _connections: weakref.WeakSet[Any] = weakref.WeakSet()
+#: The parent's connections, neutered in this (child) process.
+_foreign: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def adopt(dbapi_connection: Any) -> None:
     """Remember a lock-database connection of this process (idempotent, cheap)."""
     _connections.add(dbapi_connection)
+
+
+def is_foreign(dbapi_connection: Any) -> bool:
+    """True for a connection inherited from the parent process: never use it."""
+    return dbapi_connection in _foreign
 
 
 def _neuter_in_child() -> None:
@@ -45,6 +52,7 @@ def _neuter_in_child() -> None:
                 fd = connection.fileno()
                 if fd >= 0:
                     os.dup2(null, fd)
+                _foreign.add(connection)
     finally:
         os.close(null)
 

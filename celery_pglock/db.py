@@ -295,8 +295,8 @@ def _unlock_leftovers(dbapi_connection: Any, record: Any) -> None:
     invalidated: closing the session is the one release PostgreSQL always honours.
     """
     held = record.info.get(HELD)
-    if not held or dbapi_connection is None:
-        return
+    if not held or dbapi_connection is None or _forks.is_foreign(dbapi_connection):
+        return  # (a forked child's copy of its parent's lock session: not ours to unlock)
     logger.warning(
         "A lock connection came back to the pool still holding advisory keys %s; unlocking them all",
         sorted(held),
