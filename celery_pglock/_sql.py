@@ -95,18 +95,21 @@ HOLDER = (
 LOCK_NOT_AVAILABLE = "55P03"
 QUERY_CANCELED = "57014"
 
-#: The lock watcher's one statement per check (see _watch.py), on its own session: the
-#: server's identity, and which of the held locks are no longer granted. Params: the
-#: holders' backend pids (int[]), then classid, objid (oid[]) and objsubid (int2[]) of
-#: each lock, as LockKey.pg_locks_ids gives them, and the pids again. Returns the
-#: postmaster start time, whether the server is a standby, the 1-based positions of the
-#: locks no longer granted to their session, and which of the pids still have a backend.
+#: The lock watcher's one statement per check (see _watch.py), on its own session: one row
+#: per held lock, in order, with the session the key is granted to now (NULL: nobody) and
+#: its application_name, whether the holder's own backend still exists, and the server's
+#: identity (postmaster start time; is it a standby?). Params: classid, objid (oid[]),
+#: objsubid (int2[]) of each lock, as LockKey.pg_locks_ids gives them, and each holder's
+#: backend pid (int[]). An exclusive advisory lock is granted to one session at most.
 CHECK_HELD = (
-    "SELECT pg_postmaster_start_time()::text, pg_is_in_recovery(), "
-    "ARRAY(SELECT w.i FROM unnest(%s::int[], %s::oid[], %s::oid[], %s::int2[]) "
-    "WITH ORDINALITY AS w(pid, classid, objid, objsubid, i) "
-    "WHERE NOT EXISTS (SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' "
-    "AND l.granted AND l.pid = w.pid AND l.classid = w.classid AND l.objid = w.objid "
-    "AND l.objsubid = w.objsubid)), "
-    "ARRAY(SELECT pid FROM pg_stat_activity WHERE pid = ANY(%s::int[]))"
+    "SELECT w.i, l.pid, a.application_name, "
+    "EXISTS (SELECT 1 FROM pg_stat_activity s WHERE s.pid = w.pid), "
+    "pg_postmaster_start_time()::text, pg_is_in_recovery() "
+    "FROM unnest(%s::oid[], %s::oid[], %s::int2[], %s::int[]) "
+    "WITH ORDINALITY AS w(classid, objid, objsubid, pid, i) "
+    "LEFT JOIN pg_locks l ON l.locktype = 'advisory' AND l.granted "
+    "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "AND l.classid = w.classid AND l.objid = w.objid AND l.objsubid = w.objsubid "
+    "LEFT JOIN pg_stat_activity a ON a.pid = l.pid "
+    "ORDER BY w.i"
 )

@@ -29,8 +29,9 @@ How (docs/operations/lock-loss.md has the full story and the deadline arithmetic
 
 The lock layer's side of the interface is small on purpose (the lock-session work may
 change how locks hold their sessions): ``lock.key.pg_locks_ids``, ``lock.backend_pid``,
-``lock.owner_pid``, ``lock.engine``, ``lock.acquired_at``, ``lock.owned()`` and
-``lock._mark_lost(cause)``.
+``lock.engine``, ``lock.acquired_at``, ``lock.owned()``, ``lock._mark_lost(cause)`` and,
+optionally, ``lock._holding_name`` (the application_name the lock's session shows while
+holding, used once to learn the real backend pid behind PgBouncer).
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ class _Entry:
     thread_id: int  #: threading.get_ident() of the body's thread.
     in_main: bool  #: The body runs in the main thread (prefork, solo).
     checked_at: float  #: time.monotonic() when the lock was last known held.
+    #: The holder's backend pid: lock.backend_pid, or the real one learnt at the first
+    #: check when libpq's is a pooler's (PgBouncer invents the pid it reports).
+    backend_pid: int | None = None
+    pid_confirmed: bool = False  #: backend_pid was seen holding the lock.
     server_start: str | None = None  #: pg_postmaster_start_time() at the first check.
     ended: bool = False  #: The body ended: never interrupt it any more.
     interrupted: bool = False
@@ -112,6 +117,7 @@ def watch(
         thread_id=threading.get_ident(),
         in_main=in_main,
         checked_at=lock.acquired_at or time.monotonic(),
+        backend_pid=lock.backend_pid,
     )
     global _idle
     with _cond:
@@ -291,47 +297,59 @@ class _Observer:
         global checks_run
         if self.connection is None:
             self._connect(deadline)
-        pids = [entry.lock.backend_pid or 0 for entry in entries]
         ids = [entry.lock.key.pg_locks_ids for entry in entries]
         cursor = self.connection.cursor()
         cursor.execute(
             _sql.CHECK_HELD,
             (
-                pids,
                 [classid for classid, _, _ in ids],
                 [objid for _, objid, _ in ids],
                 [objsubid for _, _, objsubid in ids],
-                pids,
+                [entry.backend_pid or 0 for entry in entries],
             ),
         )
         checks_run += 1
         _wait(self.connection, deadline)
-        start, standby, missing, alive = cursor.fetchone()
+        rows = cursor.fetchall()
         cursor.close()
+        start, standby = rows[0][4], rows[0][5]
         restarted = self.server_start is not None and start != self.server_start
         self.server_start = start
         losses: dict[int, str] = {}
-        for position, entry in enumerate(entries, start=1):
+        for entry, (_, holder, holder_name, alive, _, _) in zip(
+            entries, rows, strict=True
+        ):
             if entry.server_start is None:
                 entry.server_start = start
             if standby:
                 losses[id(entry)] = (
                     "the server is now a standby (pg_is_in_recovery()): a failover"
                 )
-            elif position not in missing:
                 continue
-            elif restarted or entry.server_start != start:
+            if holder is not None and holder == entry.backend_pid:
+                entry.pid_confirmed = True
+                continue
+            if (
+                holder is not None
+                and not entry.pid_confirmed
+                and holder_name == getattr(entry.lock, "_holding_name", None)
+            ):
+                # Through PgBouncer libpq's backend pid is the pooler's invention: the
+                # session showing this lock's own application_name is ours. Learnt once.
+                entry.backend_pid, entry.pid_confirmed = holder, True
+                continue
+            if restarted or entry.server_start != start:
                 losses[id(entry)] = (
                     "the server restarted (pg_postmaster_start_time() changed)"
                 )
-            elif entry.lock.backend_pid not in alive:
+            elif not alive:
                 losses[id(entry)] = (
-                    f"its session (backend {entry.lock.backend_pid}) ended: "
+                    f"its session (backend {entry.backend_pid}) ended: "
                     "terminated, timed out or disconnected"
                 )
             else:
                 losses[id(entry)] = (
-                    f"its session (backend {entry.lock.backend_pid}) no longer holds "
+                    f"its session (backend {entry.backend_pid}) no longer holds "
                     "it (unlocked, or its transaction ended)"
                 )
         return losses

@@ -417,3 +417,55 @@ def test_a_bounded_round_trip_is_cut_at_its_deadline(database_url):
         assert bound.fired
     finally:
         connection.close()
+
+
+@pytest.mark.pgbouncer
+def test_no_false_loss_through_pgbouncer_session_pooling(
+    database_url, broker_url, result_backend_url, namespace, lost_events
+):
+    """PgBouncer invents the backend pid libpq reports: the watcher learns the real one
+    (the session showing the lock's application_name) and reports no loss; a real
+    termination is still detected."""
+    from ._pgbouncer import pgbouncer
+
+    with pgbouncer(
+        database_url, pool_mode="session", ignore_startup_parameters="options"
+    ) as url:
+        app = make_app(
+            url,
+            broker_url,
+            result_backend_url,
+            namespace,
+            pglock_watch_interval=0.2,
+            pglock_server_keepalives=False,
+        )
+
+        @app.task(base=SingletonTask, shared=False)
+        def body(terminate):
+            lock = current_lock()
+            time.sleep(1.0)  # several checks
+            if not terminate:
+                return lock.lost
+            holder = _holder_pid(database_url, lock.key)
+            assert holder != lock.backend_pid  # libpq's pid is PgBouncer's
+            terminate_backend(database_url, holder)
+            wait_for(lambda: lock.lost, 5, "the loss to be detected")
+            return lock.lost
+
+        assert body.apply(args=(False,)).get() is False
+        assert lost_events == []
+        result = body.apply(args=(True,))
+        assert isinstance(result.result, LockLostError)
+        assert len(lost_events) == 1
+
+
+def _holder_pid(url: str, key) -> int:
+    with psycopg2.connect(_dsn(url)) as connection, connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "AND classid = %s::oid AND objid = %s::oid AND objsubid = %s::int2",
+            key.pg_locks_ids,
+        )
+        (pid,) = cursor.fetchone()
+    connection.close()
+    return pid
