@@ -131,6 +131,7 @@ def test_terminated_holder_is_signalled_within_the_interval_and_fails_the_run(
     assert task_name == loss.hold.name
     assert "ended" in cause
     detected_after = at.timestamp() - terminated_at
+    print(f"pg_terminate_backend: lock_lost after {detected_after:.2f}s")
     # interval + the watcher's tick (interval/4) + one query; loose on a busy machine
     assert detected_after < INTERVAL * 1.25 + 1.0, detected_after
     second = loss.hold.apply_async((run, gate), queue=queue)
@@ -203,3 +204,94 @@ def test_a_forked_child_leaves_the_parents_lock_alone(
     )
     assert recorder.overlaps(run) == []
     assert loss.lost_events(parent.id) == []
+
+
+CHECK_TIMEOUT = 2.0
+
+
+def test_frozen_link_is_unverifiable_the_body_ends_and_the_release_is_bounded(
+    loss, lock_server, acceptance_env, tmp_path, recorder, run
+):
+    """The link to the server freezes (TCP open, nothing forwarded: a stalled middlebox).
+    The holder's watcher cannot verify its lock and reports it lost before the
+    server's keepalive deadline; with lock_on_lost='terminate' the body ends, and the
+    release into the frozen link gives up after lock_check_timeout instead of blocking
+    (it blocked 25.6 s before). When the link thaws, the lock is freed."""
+    from ._proxy import FreezableProxy
+
+    proxy = FreezableProxy(("127.0.0.1", lock_server.port))
+    queue = f"pglock-loss-frozen-{uuid.uuid4().hex[:8]}"
+    url = lock_server.url().replace(f":{lock_server.port}/", f":{proxy.port}/")
+    worker = WorkerProcess(
+        "tests.acceptance.loss_app",
+        env={
+            **acceptance_env,
+            "PGLOCK_TEST_LOCK_DATABASE_URL": url,
+            "PGLOCK_TEST_CHECK_TIMEOUT": str(CHECK_TIMEOUT),
+        },
+        concurrency=1,
+        queues=[queue],
+        log_path=tmp_path / "frozen.log",
+    )
+    try:
+        worker.start(timeout=90)
+        result = loss.hold_terminate.apply_async((run, 60.0), queue=queue)
+        key = loss.hold_terminate.lock_key_for(run, 60.0)
+        wait_until(lambda: holder_pid(lock_server, key), timeout=30, what="the lock")
+        time.sleep(INTERVAL * 3)  # checked through the proxy at least once
+        proxy.freeze()
+        frozen_at = time.time()
+        with pytest.raises(LockLostError, match="unverifiable"):
+            result.get(timeout=30)
+        ended_after = time.time() - frozen_at
+        ((_, cause, _, at),) = loss.lost_events(result.id)
+        assert cause.startswith("unverifiable"), cause
+        detected_after = at.timestamp() - frozen_at
+        # Detection: interval + check timeout (+ the watcher's tick); the body then ends
+        # and its release into the frozen link is cut after the check timeout.
+        assert detected_after < INTERVAL * 1.25 + CHECK_TIMEOUT + 1.0, detected_after
+        assert ended_after < detected_after + CHECK_TIMEOUT + 2.0, ended_after
+        assert ended_after < 60  # well before the server's keepalives could free it
+        print(
+            f"frozen link: lock_lost after {detected_after:.2f}s, run ended after "
+            f"{ended_after:.2f}s (interval {INTERVAL}s, check timeout {CHECK_TIMEOUT}s)"
+        )
+        # A frozen link never tells the server: it still holds the lock...
+        assert holder_pid(lock_server, key) is not None
+        proxy.thaw()
+        # ...until the link thaws and the closed session reaches it.
+        wait_until(
+            lambda: holder_pid(lock_server, key) is None,
+            timeout=30,
+            what="the lock to be freed after the thaw",
+        )
+        # The worker lives on and locks through the thawed link.
+        again = loss.duplicate.apply_async((f"{run}-2",), queue=queue)
+        assert again.get(timeout=60) == "ran"
+    finally:
+        proxy.thaw()
+        worker.stop(timeout=20)
+        proxy.close()
+
+
+def test_postgres_restart_during_a_body_is_signalled(
+    loss, loss_workers, lock_server, recorder, run
+):
+    """A restart of the (private) server frees every lock at once; the holder's process
+    signals lock_lost (restart, or its session ended) and the run fails. Last in the
+    module: it restarts the server the other tests use."""
+    gate = f"gate-{run}"
+    first = loss.hold.apply_async((run, gate), queue=loss_workers["prefork"])
+    key = loss.hold.lock_key_for(run, gate)
+    wait_until(lambda: holder_pid(lock_server, key), timeout=30, what="the lock")
+    time.sleep(INTERVAL * 3)  # the watcher knows the server's start time
+    lock_server.restart()
+    restarted_at = time.time()
+    ((_, cause, _, at),) = wait_until(
+        lambda: loss.lost_events(first.id), timeout=30, what="lock_lost"
+    )
+    assert "restarted" in cause or "ended" in cause, cause
+    assert at.timestamp() - restarted_at < INTERVAL * 1.25 + 5.0 + 1.0
+    _open(gate)
+    with pytest.raises(LockLostError):
+        first.get(timeout=30)

@@ -285,6 +285,34 @@ def test_postgres_restart_during_a_body_is_detected(
     assert "restarted" in event["cause"] or "ended" in event["cause"], event["cause"]
 
 
+def test_server_idle_session_timeout_ending_the_holder_is_detected(
+    private_postgres, broker_url, result_backend_url, namespace, lost_events
+):
+    """idle_session_timeout ends a session-scope holder that sits idle while its body
+    runs: the watcher reports it (the watcher's own session is never idle that long)."""
+    url = private_postgres.url()
+    connection = psycopg2.connect(_dsn(url))
+    connection.autocommit = True
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER SYSTEM SET idle_session_timeout = '1s'")
+        cursor.execute("SELECT pg_reload_conf()")
+    connection.close()
+    app = make_app(
+        url, broker_url, result_backend_url, namespace, pglock_watch_interval=0.3
+    )
+
+    @app.task(base=SingletonTask, shared=False)
+    def body():
+        lock = current_lock()
+        wait_for(lambda: lock.lost, 10, "the idle timeout to be detected")
+        return "finished"
+
+    result = body.apply()
+    assert isinstance(result.result, LockLostError)
+    (event,) = lost_events
+    assert "ended" in event["cause"], event["cause"]
+
+
 def test_frozen_server_is_unverifiable_before_the_keepalive_deadline(
     private_postgres, broker_url, result_backend_url, namespace, lost_events
 ):
