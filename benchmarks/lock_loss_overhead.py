@@ -16,7 +16,7 @@ import os
 import time
 import timeit
 
-from celery_pglock import _deadline, _watch, config, db, keys
+from celery_pglock import _deadline, _observer, _watch, config, db, keys
 from celery_pglock.lock import AdvisoryLock
 
 CALLS = 100_000
@@ -51,7 +51,7 @@ def main() -> None:
     for name, call in cases.items():
         best = min(timeit.repeat(call, number=CALLS, repeat=5)) / CALLS
         print(f"{name:48} {best * 1e6:6.2f} us")
-    print(f"{'checks run by the watcher meanwhile':48} {_watch.checks_run:6d}")
+    print(f"{'checks run by the watcher meanwhile':48} {_observer.checks_run:6d}")
     connection.close()
     engine.dispose()
 

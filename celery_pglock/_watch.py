@@ -36,18 +36,16 @@ holding, used once to learn the real backend pid behind PgBouncer).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import logging
 import os
-import select
 import signal
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _forks, _outcomes, _sql, db, exceptions
+from celery_pglock import _observer, _outcomes, exceptions
 
 if TYPE_CHECKING:
     from celery_pglock.config import LockConfig
@@ -63,7 +61,7 @@ MIN_TICK = 0.05
 
 
 @dataclasses.dataclass(eq=False)
-class _Entry:
+class Entry:
     """One watched lock and what to do if it is lost."""
 
     lock: AdvisoryLock
@@ -84,15 +82,13 @@ class _Entry:
     interrupted: bool = False
 
 
-_entries: dict[int, _Entry] = {}
+_entries: dict[int, Entry] = {}
 _cond = threading.Condition(threading.Lock())
 _idle = False  #: The watcher waits for an entry (notify it on insert).
 _thread: tuple[int, threading.Thread] | None = None
-_observers: dict[int, _Observer] = {}
-#: Statements the watcher ran in this process (tests prove short tasks run none).
-checks_run = 0
+_observers: dict[int, _observer.Observer] = {}
 #: The main-thread body to interrupt when SIGNAL arrives.
-_target: _Entry | None = None
+_target: Entry | None = None
 _handler: tuple[int, Any] | None = None  #: (pid, previous handler) once installed.
 
 
@@ -107,7 +103,7 @@ def watch(
     terminate = options.on_lost.value == "terminate"
     if terminate and in_main:
         _install_handler()
-    entry = _Entry(
+    entry = Entry(
         lock=lock,
         task=task,
         task_id=task_id,
@@ -177,16 +173,16 @@ def _run() -> None:
         time.sleep(tick)
 
 
-def _check(due: list[_Entry]) -> None:
+def _check(due: list[Entry]) -> None:
     """Check the due locks, one query per lock database; handle every loss found."""
-    groups: dict[int, list[_Entry]] = {}
+    groups: dict[int, list[Entry]] = {}
     for entry in due:
         groups.setdefault(id(entry.lock.engine), []).append(entry)
     for entries in groups.values():
         engine = entries[0].lock.engine
         observer = _observers.get(id(engine))
         if observer is None:
-            observer = _observers[id(engine)] = _Observer(engine)
+            observer = _observers[id(engine)] = _observer.Observer(engine)
         started = time.monotonic()
         timeout = min(entry.timeout for entry in entries)
         losses = observer.check(entries, started + timeout)
@@ -198,7 +194,7 @@ def _check(due: list[_Entry]) -> None:
                 _lost(entry, cause)
 
 
-def _lost(entry: _Entry, cause: str) -> None:
+def _lost(entry: Entry, cause: str) -> None:
     with _cond:
         if entry.ended or _entries.get(id(entry.lock)) is not entry:
             return  # the body ended meanwhile (a release is not a loss)
@@ -240,7 +236,7 @@ def _on_signal(signum: int, frame: Any) -> None:
         previous(signum, frame)
 
 
-def _interrupt(entry: _Entry) -> None:
+def _interrupt(entry: Entry) -> None:
     """End the body of ``entry`` (call with _cond held, the body not ended)."""
     global _target
     entry.interrupted = True
@@ -255,152 +251,6 @@ def _interrupt(entry: _Entry) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(entry.thread_id), ctypes.py_object(exceptions.LockLostError)
     )
-
-
-# -- the watcher's own session --------------------------------------------------------------
-
-
-class _UnverifiableError(Exception):
-    pass
-
-
-class _Observer:
-    """The watcher's asynchronous session to one lock database."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.connection: Any = None
-        self.server_start: str | None = None
-
-    def check(self, entries: list[_Entry], deadline: float) -> dict[int, str]:
-        """{id(entry): cause} for each lock found lost; every entry if unverifiable."""
-        last_error: BaseException | None = None
-        while True:
-            try:
-                return self._check_once(entries, deadline)
-            except _UnverifiableError as timeout:
-                last_error = timeout
-            except Exception as error:  # a dead session: reconnect while time remains
-                last_error = error
-            self.close()
-            if time.monotonic() + 0.1 >= deadline:
-                break
-            time.sleep(0.1)
-        reason = " ".join(str(last_error).split()) or type(last_error).__name__
-        cause = (
-            "unverifiable: the lock database did not confirm it within "
-            f"{entries[0].timeout:g}s ({reason})"
-        )
-        return {id(entry): cause for entry in entries}
-
-    def _check_once(self, entries: list[_Entry], deadline: float) -> dict[int, str]:
-        global checks_run
-        if self.connection is None:
-            self._connect(deadline)
-        ids = [entry.lock.key.pg_locks_ids for entry in entries]
-        cursor = self.connection.cursor()
-        cursor.execute(
-            _sql.CHECK_HELD,
-            (
-                [classid for classid, _, _ in ids],
-                [objid for _, objid, _ in ids],
-                [objsubid for _, _, objsubid in ids],
-                [entry.backend_pid or 0 for entry in entries],
-            ),
-        )
-        checks_run += 1
-        _wait(self.connection, deadline)
-        rows = cursor.fetchall()
-        cursor.close()
-        start, standby = rows[0][4], rows[0][5]
-        restarted = self.server_start is not None and start != self.server_start
-        self.server_start = start
-        losses: dict[int, str] = {}
-        for entry, (_, holder, holder_name, alive, _, _) in zip(
-            entries, rows, strict=True
-        ):
-            if entry.server_start is None:
-                entry.server_start = start
-            if standby:
-                losses[id(entry)] = (
-                    "the server is now a standby (pg_is_in_recovery()): a failover"
-                )
-                continue
-            if holder is not None and holder == entry.backend_pid:
-                entry.pid_confirmed = True
-                continue
-            if (
-                holder is not None
-                and not entry.pid_confirmed
-                and holder_name == getattr(entry.lock, "_holding_name", None)
-            ):
-                # Through PgBouncer libpq's backend pid is the pooler's invention: the
-                # session showing this lock's own application_name is ours. Learnt once.
-                entry.backend_pid, entry.pid_confirmed = holder, True
-                continue
-            if restarted or entry.server_start != start:
-                losses[id(entry)] = (
-                    "the server restarted (pg_postmaster_start_time() changed)"
-                )
-            elif not alive:
-                losses[id(entry)] = (
-                    f"its session (backend {entry.backend_pid}) ended: "
-                    "terminated, timed out or disconnected"
-                )
-            else:
-                losses[id(entry)] = (
-                    f"its session (backend {entry.backend_pid}) no longer holds "
-                    "it (unlocked, or its transaction ended)"
-                )
-        return losses
-
-    def _connect(self, deadline: float) -> None:
-        import psycopg2  # the only supported driver; imported lazily
-
-        timeout = max(1, int(deadline - time.monotonic() + 0.999))
-        params = db.connect_params(self.engine)
-        params["application_name"] = db.application_name(
-            db.engine_info(self.engine)["application_name_prefix"],
-            db.process_tag(),
-            "watch",
-        )
-        params["connect_timeout"] = timeout
-        connection = psycopg2.connect(**params, async_=1)
-        _forks.adopt(connection)  # a forked child must not touch it either
-        self.connection = connection
-        _wait(connection, deadline)
-        cursor = connection.cursor()
-        # The server gives up too, so a slow check never lingers there.
-        cursor.execute(
-            "SELECT set_config('statement_timeout', %s, false)", (f"{timeout}s",)
-        )
-        _wait(connection, deadline)
-        cursor.close()
-
-    def close(self) -> None:
-        connection, self.connection = self.connection, None
-        if connection is not None:
-            with contextlib.suppress(Exception):  # it is dead already, most often
-                connection.close()
-
-
-def _wait(connection: Any, deadline: float) -> None:
-    """Drive an asynchronous psycopg2 connection until it is ready, or the deadline."""
-    import psycopg2.extensions as ext
-
-    while True:
-        state = connection.poll()
-        if state == ext.POLL_OK:
-            return
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise _UnverifiableError("no answer in time")
-        poller = select.poll()
-        poller.register(
-            connection.fileno(),
-            select.POLLIN if state == ext.POLL_READ else select.POLLOUT,
-        )
-        poller.poll(remaining * 1000)
 
 
 def _forget_in_child() -> None:

@@ -24,6 +24,7 @@ from celery_pglock import (
     ConfigurationError,
     LockLostError,
     SingletonTask,
+    _observer,
     _watch,
     current_lock,
     signals,
@@ -116,11 +117,11 @@ def test_short_tasks_run_no_check(
     def short():
         return 1
 
-    before = _watch.checks_run
+    before = _observer.checks_run
     for _ in range(50):
         assert short.apply().get() == 1
     time.sleep(1.5)  # past the default interval: nothing was due
-    assert _watch.checks_run == before
+    assert _observer.checks_run == before
 
 
 def test_interval_zero_turns_checks_off(
