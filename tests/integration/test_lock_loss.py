@@ -21,6 +21,7 @@ import pytest
 from celery import Celery
 
 from celery_pglock import (
+    AdvisoryLock,
     ConfigurationError,
     LockLostError,
     SingletonTask,
@@ -29,6 +30,7 @@ from celery_pglock import (
     current_lock,
     signals,
 )
+from celery_pglock import db as db_module
 
 
 def _dsn(url: str) -> str:
@@ -498,3 +500,25 @@ def _holder_pid(url: str, key) -> int:
         (pid,) = cursor.fetchone()
     connection.close()
     return pid
+
+
+def test_ensure_held_never_stops_a_shadowed_body(
+    database_url, broker_url, result_backend_url, namespace
+):
+    """Shadow mode runs the body even when the lock is busy; ensure_held() agrees."""
+    app = make_app(database_url, broker_url, result_backend_url, namespace)
+
+    @app.task(base=SingletonTask, shared=False, lock_shadow=True)
+    def shadowed():
+        lock = current_lock()
+        lock.ensure_held()
+        return lock.owned()
+
+    engine = db_module.create_engine(database_url)
+    holder = AdvisoryLock(engine=engine, key=shadowed.lock_key_for())
+    assert holder.acquire()
+    try:
+        assert shadowed.apply().get() is False  # ran, unlocked, without an error
+    finally:
+        holder.release()
+        engine.dispose()
