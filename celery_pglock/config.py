@@ -146,9 +146,11 @@ MAX_ERROR_COUNTDOWN = 300.0
 DEFAULT_WATCH_INTERVAL = 1.0
 #: Longest a lock check, or a release, may wait on the lock database.
 DEFAULT_CHECK_TIMEOUT = 5.0
-#: Seconds after which PostgreSQL frees the lock of a silent client, with the server
-#: keepalives of db.SERVER_KEEPALIVE_OPTIONS: idle 30 s, then 3 probes 10 s apart.
-SERVER_KEEPALIVE_DEADLINE = 30.0 + 10.0 * 3
+#: The soonest PostgreSQL may free the lock of a client cut off, with the server
+#: keepalives of db.SERVER_KEEPALIVE_OPTIONS (idle 30 s, then 3 probes 10 s apart): if the
+#: link breaks just before a scheduled probe, the 3 unanswered probes end the session
+#: 3 x 10 s later. (Just after an answered probe it takes 30 + 3 x 10 = 60 s.)
+SERVER_KEEPALIVE_DEADLINE = 10.0 * 3
 #: Room kept under that deadline for ending the body once a loss is detected.
 LOSS_MARGIN = 5.0
 
@@ -356,8 +358,8 @@ def resolve(
             f"Task {task_name!r}: {interval_source}={watch_interval!r} plus "
             f"{timeout_source}={check_timeout!r} is too long: a holder cut off from the "
             f"server would learn it after up to {watch_interval + check_timeout:g}s, "
-            f"but the server frees its lock after {SERVER_KEEPALIVE_DEADLINE:g}s "
-            "(keepalives). Expected lock_watch_interval + lock_check_timeout <= "
+            f"but the server may free its lock {SERVER_KEEPALIVE_DEADLINE:g}s after the "
+            "link breaks (keepalives). Expected lock_watch_interval + lock_check_timeout <= "
             f"{SERVER_KEEPALIVE_DEADLINE - LOSS_MARGIN:g}."
         )
 
