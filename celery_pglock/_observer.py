@@ -102,7 +102,7 @@ class Observer:
                 continue
             if restarted or entry.server_start != start:
                 losses[id(entry)] = (
-                    "the server restarted (pg_postmaster_start_time() changed)"
+                    "the server restarted or was replaced (pg_postmaster_start_time() changed)"
                 )
             elif not alive:
                 losses[id(entry)] = (
