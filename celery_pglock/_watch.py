@@ -58,6 +58,8 @@ logger = logging.getLogger(__name__)
 SIGNAL = signal.SIGUSR2
 #: The watcher wakes this often, at most (a fraction of the smallest interval).
 MIN_TICK = 0.05
+#: Longest a finished body waits for its loss to be reported (signal receivers run).
+REPORT_WAIT = 2.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,6 +82,8 @@ class Entry:
     server_start: str | None = None  #: pg_postmaster_start_time() at the first check.
     ended: bool = False  #: The body ended: never interrupt it any more.
     interrupted: bool = False
+    #: Set once the lock was found lost; set() once the loss has been reported.
+    reported: threading.Event | None = None
 
 
 _entries: dict[int, Entry] = {}
@@ -125,7 +129,11 @@ def watch(
 
 
 def unwatch(lock: AdvisoryLock) -> None:
-    """The body of ``lock``'s run has ended: stop watching, never interrupt it now."""
+    """The body of ``lock``'s run has ended: stop watching, never interrupt it now.
+
+    If the lock was found lost, wait (bounded) until the loss has been reported, so
+    ``lock_lost`` always comes before the run's own outcome.
+    """
     with _cond:
         entry = _entries.pop(id(lock), None)
         if entry is None:
@@ -137,6 +145,9 @@ def unwatch(lock: AdvisoryLock) -> None:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
                 ctypes.c_ulong(entry.thread_id), None
             )
+        reported = entry.reported
+    if reported is not None:
+        reported.wait(REPORT_WAIT)
 
 
 # -- the watcher thread -------------------------------------------------------------------
@@ -163,7 +174,11 @@ def _run() -> None:
                 _cond.wait()
             entries = list(_entries.values())
         now = time.monotonic()
-        due = [entry for entry in entries if now - entry.checked_at >= entry.interval]
+        due = [
+            entry
+            for entry in entries
+            if entry.reported is None and now - entry.checked_at >= entry.interval
+        ]
         if due:
             try:
                 _check(due)
@@ -198,15 +213,19 @@ def _lost(entry: Entry, cause: str) -> None:
     with _cond:
         if entry.ended or _entries.get(id(entry.lock)) is not entry:
             return  # the body ended meanwhile (a release is not a loss)
-        del _entries[id(entry.lock)]
         if not entry.lock._mark_lost(cause):
             return
+        # The entry stays registered (unchecked) until the body ends: unwatch() must
+        # still see it, to never interrupt an ended body and to wait for this report.
+        reported = entry.reported = threading.Event()
         if entry.terminate:
             _interrupt(entry)
     try:
         _outcomes.lost(entry.task, entry.task_id, entry.lock, cause)
     except Exception:
         logger.exception("celery-pglock: reporting a lost lock failed")
+    finally:
+        reported.set()
 
 
 # -- lock_on_lost='terminate' -------------------------------------------------------------
