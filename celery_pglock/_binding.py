@@ -23,6 +23,15 @@ if TYPE_CHECKING:
 _MISSING = inspect.Parameter.empty
 #: Exact types whose keys are memoised per task (hashable, and canonical() keeps them).
 _SCALARS = frozenset({int, str, bool, type(None)})
+#: Memo bounds. An entry holds its argument values and its LockKey (whose text repeats
+#: them), so entries are bounded in size as well as in number: only calls whose str
+#: arguments total at most MEMO_MAX_CHARS characters, and whose ints fit in 64 bits,
+#: are memoised. Worst case per task: MEMO_ENTRIES * (2 * 4 bytes * MEMO_MAX_CHARS +
+#: ~0.5 KiB) = about 10 MiB (4-byte characters); ASCII tenant ids: well under 2 MiB.
+#: Anything larger is keyed afresh on each call and freed with the run.
+MEMO_ENTRIES = 4096
+MEMO_MAX_CHARS = 256
+_MEMO_INT_MIN, _MEMO_INT_MAX = -(2**63), 2**64
 
 
 class KeyArgument:
@@ -80,7 +89,7 @@ class Guard:
             for name in options.lock_args
         ]
         self._engine: tuple[int, sa.Engine] | None = None
-        self._scalar_key = functools.lru_cache(maxsize=4096)(self._scalar_key)  # type: ignore[method-assign]
+        self._scalar_key = functools.lru_cache(maxsize=MEMO_ENTRIES)(self._scalar_key)  # type: ignore[method-assign]
 
     def engine(self) -> sa.Engine:
         cached = self._engine
@@ -102,7 +111,7 @@ class Guard:
             argument.value(options.task_name, args, kwargs)
             for argument in self.arguments
         )
-        if all(type(value) in _SCALARS for value in values):
+        if _memoisable(values):
             # The everyday case (a tenant id, a date string): memoise, keyed with each
             # value's exact type so that 7, "7", 7.0 and True stay distinct keys.
             return self._scalar_key(tuple((type(value), value) for value in values))
@@ -120,6 +129,21 @@ class Guard:
 
     def _scalar_key(self, typed_values: tuple[tuple[type, Any], ...]) -> keys.LockKey:
         return self._make_key(tuple(value for _, value in typed_values))
+
+
+def _memoisable(values: tuple[Any, ...]) -> bool:
+    """Small scalars only: see MEMO_MAX_CHARS (a 5 MB argument must not be pinned)."""
+    chars = 0
+    for value in values:
+        kind = type(value)
+        if kind is str:
+            chars += len(value)
+        elif kind is int:
+            if not _MEMO_INT_MIN <= value < _MEMO_INT_MAX:
+                return False
+        elif kind not in _SCALARS:
+            return False
+    return chars <= MEMO_MAX_CHARS
 
 
 def option_attributes(cls: type, reserved: set[str]) -> dict[str, Any]:

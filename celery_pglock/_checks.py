@@ -1,7 +1,7 @@
 """``pglock check``: what must hold for locks to mean anything, each with its fix.
 
 Configuration, connectivity, server version, standby, role privileges, a connection pooler
-in the way (see ``_pooler.py``) and ``max_connections`` against the lock sessions the
+in the way (see ``_server.py``) and ``max_connections`` against the lock sessions the
 workers will open. Each check yields a :class:`Finding`; any FAIL makes the command exit 1.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
-from celery_pglock import _pooler, _sql_admin, config, db, exceptions
+from celery_pglock import _server, _sql_admin, config, db, exceptions
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -81,8 +81,9 @@ def run_checks(
             name = "connectivity"
             fix = f"check host, port, database and credentials in {setting}, and that the server accepts this host"
             if "startup parameter" in text and "options" in text:
-                fix = "a pooler (PgBouncer) refuses the server keepalive startup options: set app.conf.pglock_server_keepalives = False, or connect to PostgreSQL directly"
-            elif _pooler.refuses_transactions(parsed):
+                # The library drops its own keepalive options where they are refused.
+                fix = "a pooler (PgBouncer) refuses the options startup parameter set in pglock_engine_options['connect_args']: remove it, or connect to PostgreSQL directly"
+            elif _statement_pooling(engine):
                 name = "pooler"
                 text = "statement pooling: multi-statement transactions are refused, and both lock scopes need them"
                 fix = "use a URL that reaches PostgreSQL directly, or a pool in session mode (transaction mode for lock_scope='transaction' only)"
@@ -103,7 +104,7 @@ def run_checks(
             max_connections,
             reserved,
             in_use,
-            server_port,
+            _server_port,  # unused: _server.probe tells a proxy by the client port
             role,
             try_ok,
             xact_ok,
@@ -145,9 +146,7 @@ def run_checks(
                 f"GRANT EXECUTE ON FUNCTION pg_try_advisory_lock(bigint), pg_try_advisory_xact_lock(bigint), pg_advisory_unlock(bigint) TO {role}",
             )
         )
-        findings.append(
-            _pooler_finding(engine, parsed.port or 5432, server_port, scopes)
-        )
+        findings.append(_pooler_finding(engine, scopes))
         findings.append(
             _capacity_finding(target, processes, max_connections, reserved, in_use)
         )
@@ -156,40 +155,50 @@ def run_checks(
     return findings
 
 
-def _pooler_finding(
-    engine: sa.Engine, url_port: int, server_port: int | None, scopes: set[str]
-) -> Finding:
-    def connect() -> Any:
-        # The pool's proxy, not its DBAPI connection: dropping the proxy closes it.
-        raw: Any = engine.raw_connection()
-        raw.dbapi_connection.autocommit = True
-        return raw
-
+def _statement_pooling(engine: sa.Engine) -> bool:
+    """Is a statement pooler the reason SQLAlchemy could not connect? (Its first
+    connection opens a transaction, which statement pooling answers by closing it; the
+    probe's autocommit connections get through.)"""
     try:
-        report = _pooler.detect(connect, url_port, server_port)
-    except Exception as exc:
+        return _server.probe(engine).pooling is _server.Pooling.STATEMENT
+    except exceptions.PgLockError:
+        return False
+
+
+def _pooler_finding(engine: sa.Engine, scopes: set[str]) -> Finding:
+    try:
+        facts = _server.probe(engine)
+    except exceptions.PgLockError as exc:
         return Finding("WARN", "pooler", f"could not probe for a pooler: {exc}".strip())
     direct = "or a URL that reaches PostgreSQL directly (or through session pooling)"
-    if report.mode is _pooler.PoolMode.STATEMENT:
+    if facts.pooling is _server.Pooling.STATEMENT:
         return Finding(
             "FAIL",
             "pooler",
-            f"statement pooling: {report.detail}",
+            f"statement pooling ({facts.evidence}): multi-statement transactions are refused, and both lock scopes need them",
             f"use a URL that reaches PostgreSQL directly, or a pool in session (or, with lock_scope='transaction', transaction) mode; {direct}",
         )
-    if report.mode is _pooler.PoolMode.TRANSACTION and "session" in scopes:
+    if facts.pooling is _server.Pooling.TRANSACTION:
+        if "session" in scopes:
+            return Finding(
+                "FAIL",
+                "pooler",
+                f"transaction pooling ({facts.evidence}); session-scope locks would be shared with other clients",
+                f"set lock_scope='transaction' (app.conf.pglock_scope), {direct}",
+            )
         return Finding(
-            "FAIL",
+            "OK",
             "pooler",
-            f"transaction pooling: {report.detail}; session-scope locks would be shared with other clients",
-            f"set lock_scope='transaction' (app.conf.pglock_scope), {direct}",
+            f"transaction pooling ({facts.evidence}): fine for lock_scope='transaction' only",
         )
-    status_detail = {
-        _pooler.PoolMode.TRANSACTION: "transaction pooling: fine for lock_scope='transaction' only",
-        _pooler.PoolMode.SESSION: f"a proxy in session mode: {report.detail}",
-        _pooler.PoolMode.DIRECT: report.detail,
-    }[report.mode]
-    return Finding("OK", "pooler", status_detail)
+    if facts.proxied:
+        return Finding(
+            "OK",
+            "pooler",
+            "a proxy in session mode: the server sees another client port than ours, "
+            f"and {facts.evidence}",
+        )
+    return Finding("OK", "pooler", f"no pooler or proxy detected ({facts.evidence})")
 
 
 def _capacity_finding(

@@ -10,6 +10,8 @@ global, and the receivers work for any app). None of these is the normal release
   redelivery, an explicit task_id, a retry attempt) and must not release each other's
   lock. Releasing is idempotent. It is also where a run that published a retry
   releases its lock: the first moment after Celery stored the attempt's RETRY state.
+  Last, it cuts the request <-> execution link, so that the request (and the call's
+  arguments) is freed now rather than at the next garbage collection.
 - ``task_revoked`` needs no hook: a task revoked before it starts holds nothing, and
   ``terminate=True`` kills the prefork child, whose session end frees the lock. (The
   signal fires in the worker's main process, and can fire twice, celery#3805.)
@@ -18,7 +20,9 @@ global, and the receivers work for any app). None of these is the normal release
 - ``worker_init``: a missing or invalid database URL, or an unknown ``pglock_*`` setting,
   stops the worker at start with a message naming the setting and the environment
   variable, instead of failing every locked task later. (It exits: Celery logs and
-  swallows ordinary exceptions raised by signal receivers.) It also starts the
+  swallows ordinary exceptions raised by signal receivers.) So does a lock database that
+  is a standby, or a pooler that breaks a task's lock scope (``_server.check_app``;
+  an unreachable database is left to ``worker_ready``). It also starts the
   /metrics endpoint when ``pglock_metrics_port`` is set: in the main process, before the
   pool forks, so children inherit its multiprocess directory. Worker shutdown stops it.
 - ``worker_ready``: connects once to the lock database and logs the lock configuration
@@ -40,7 +44,15 @@ from typing import Any
 
 from celery import signals as celery_signals
 
-from celery_pglock import _metrics_server, config, context, db, exceptions, metrics
+from celery_pglock import (
+    _metrics_server,
+    _server,
+    config,
+    context,
+    db,
+    exceptions,
+    metrics,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +205,7 @@ def _check_worker_config(sender: Any = None, **_: Any) -> None:
         return
     try:
         check_app(app)
+        _server.check_app(app)  # standby, pooling mode against the tasks' scopes
     except exceptions.ConfigurationError as error:
         logger.critical("celery-pglock: %s", error)
         raise SystemExit(f"celery-pglock: {error}") from error
@@ -206,9 +219,14 @@ def _report_at_ready(sender: Any = None, **_: Any) -> None:
 
 
 def _after_task(task: Any = None, **_: Any) -> None:
-    execution = getattr(getattr(task, "request", None), "_pglock_execution", None)
+    request: Any = getattr(task, "request", None)
+    execution = getattr(request, "_pglock_execution", None)
     if execution is None:
         return
+    # Break the request <-> execution cycle now: it would keep the request, and with it
+    # the call's arguments, alive until the next garbage collection.
+    request._pglock_execution = None
+    execution.request = None
     lock = execution.lock
     if execution.release_at_postrun and lock is not None:
         # The run published a retry; Celery has now stored its RETRY state.

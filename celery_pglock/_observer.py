@@ -13,7 +13,7 @@ import select
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _forks, _sql, db
+from celery_pglock import _forks, _options, _sql, db
 
 if TYPE_CHECKING:
     from celery_pglock._watch import Entry
@@ -33,6 +33,7 @@ class Observer:
         self.engine = engine
         self.connection: Any = None
         self.server_start: str | None = None
+        self.drop_options = False  #: The server (a pooler) refused our options.
 
     def check(self, entries: list[Entry], deadline: float) -> dict[int, str]:
         """{id(entry): cause} for each lock found lost; every entry if unverifiable."""
@@ -127,10 +128,24 @@ class Observer:
             "watch",
         )
         params["connect_timeout"] = timeout
+        if self.drop_options:
+            params.pop("options", None)
         connection = psycopg2.connect(**params, async_=1)
         _forks.adopt(connection)  # a forked child must not touch it either
         self.connection = connection
-        wait(connection, deadline)
+        try:
+            wait(connection, deadline)
+        except psycopg2.OperationalError as error:
+            # A pooler refusing the library's keepalive options (see _options.py): the
+            # lock sessions connect without them, and so does the watcher.
+            if params.get("options") != db.SERVER_KEEPALIVE_OPTIONS or not any(
+                text in str(error) for text in _options.OPTIONS_REJECTED
+            ):
+                raise
+            self.close()
+            self.drop_options = True
+            self._connect(deadline)
+            return
         cursor = connection.cursor()
         # The server gives up too, so a slow check never lingers there.
         cursor.execute(

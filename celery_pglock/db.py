@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import socket
 import threading
 import weakref
@@ -29,7 +28,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 
 # _forks first: its after-fork hook must run before ours (see _forks.py).
-from celery_pglock import _forks, _sql, config, exceptions
+from celery_pglock import _forks, _redact, _sql, config, exceptions
 
 logger = logging.getLogger(__name__)
 
@@ -71,25 +70,15 @@ _engines_pid = os.getpid()
 _engines_lock = threading.Lock()
 
 
-#: Query parameters of a database URL whose values never reach a log line.
-_SECRET_QUERY = re.compile(r"pass|secret|token|key|dsn|credential", re.IGNORECASE)
-
-
 def mask_url(url: str | sa.URL) -> str:
     """Render a database URL with every secret replaced by ``***``: safe to log.
 
-    Masks the password in the userinfo and the value of any query parameter that may
-    carry one (``?password=``, ``?sslpassword=``, ``?dsn=...``, tokens, keys).
+    Masks the password, every query value that is not a known-harmless libpq option
+    (``?password=``, ``?sslpassword=``, ``?dsn=...``, ``?options=...``), and any part a
+    malformed URL makes ambiguous (an unescaped ``@`` in the password). See
+    :mod:`celery_pglock._redact`.
     """
-    try:
-        parsed = make_url(url)
-        secret = {name: "***" for name in parsed.query if _SECRET_QUERY.search(name)}
-        if secret:
-            parsed = parsed.update_query_dict(secret)
-        # "***" is percent-encoded in a query string; show it as in the userinfo.
-        return parsed.render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
-    except Exception:  # a malformed URL must still never be logged raw
-        return "<unparseable database URL>"
+    return _redact.mask_url(url)
 
 
 _process_tag: tuple[int, str] = (0, "")
@@ -129,10 +118,19 @@ def check_url(url: str) -> sa.URL:
     """
     try:
         parsed = make_url(url)
-    except sa_exc.ArgumentError:
+    except (sa_exc.ArgumentError, ValueError):  # ValueError: a non-numeric port
         raise exceptions.ConfigurationError(
             f"{config.DATABASE_URL_SETTING} is not a valid database URL: {mask_url(url)!r}."
         ) from None
+    if _redact.ambiguous_userinfo(url):
+        # SQLAlchemy and libpq split at the first "@", so the rest of the password
+        # would be taken for the host: a wrong host, and a password in its errors.
+        raise exceptions.ConfigurationError(
+            f"{config.DATABASE_URL_SETTING} has more than one '@', so its user name and "
+            "password cannot be told from the host: percent-encode every '@' but the "
+            "one before the host as %40 (p@ss -> p%40ss); got "
+            f"{mask_url(url)!r}."
+        )
     if parsed.drivername in ("postgresql", "postgres"):
         # No driver named: SQLAlchemy 2.1 would pick psycopg 3; we run on psycopg2.
         parsed = parsed.set(drivername="postgresql+psycopg2")
@@ -171,7 +169,8 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
 
     ``app.conf.pglock_engine_options`` (a dict) is passed to ``sqlalchemy.create_engine``
     and wins over our defaults; ``pglock_server_keepalives = False`` drops the server-side
-    keepalive startup options (PgBouncer refuses unknown startup parameters).
+    keepalive startup options. A pooler that refuses them (PgBouncer) gets a second
+    connect without them (see ``_options``).
     """
     conf = conf or {}
     parsed = check_url(url)
@@ -184,6 +183,7 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
         "masked_url": mask_url(parsed),
     }
     event.listen(engine, "checkin", _unlock_leftovers)
+    _drop_options_if_refused(engine, options)
     # Lock sessions: a forked child must never touch them (see _forks.py).
     event.listen(engine, "connect", _adopt)
     _connect_args[engine] = dict(options["connect_args"])
@@ -200,6 +200,14 @@ def connect_params(engine: sa.Engine) -> dict[str, Any]:
     return {**params, **_connect_args.get(engine, {})}
 
 
+def _drop_options_if_refused(engine: sa.Engine, options: Mapping[str, Any]) -> None:
+    """Let ``engine`` connect without our keepalive ``options`` where a pooler refuses them."""
+    if options["connect_args"].get("options") == SERVER_KEEPALIVE_OPTIONS:
+        from celery_pglock import _options  # imports this module
+
+        _options.install_fallback(engine, mask_url(engine.url))
+
+
 def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
     """``sqlalchemy.create_engine`` keywords for a lock engine of ``conf``."""
     prefix = str(conf.get("pglock_application_name") or DEFAULT_APPLICATION_NAME)
@@ -212,7 +220,8 @@ def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
     extra = conf.get("pglock_engine_options") or {}
     if not isinstance(extra, Mapping):
         raise exceptions.ConfigurationError(
-            f"pglock_engine_options must be a dict of sqlalchemy.create_engine options, got {extra!r}."
+            "pglock_engine_options must be a dict of sqlalchemy.create_engine options, "
+            f"got a {type(extra).__name__}."  # never its text: it may hold a DSN
         )
     extra = dict(extra)
     connect_args.update(extra.pop("connect_args", {}))
@@ -247,6 +256,7 @@ def probe(conf: Mapping[str, Any]) -> str:
     options["poolclass"] = sa.NullPool
     options["connect_args"].setdefault("connect_timeout", PROBE_CONNECT_TIMEOUT)
     engine = sa.create_engine(parsed, **options)
+    _drop_options_if_refused(engine, options)
     try:
         # raw_connection(): the driver's own error text, without SQLAlchemy's wrapping.
         with wrap_db_errors("connect to the lock database", engine):
@@ -326,6 +336,11 @@ def wrap_db_errors(action: str, engine: sa.Engine | None = None) -> Iterator[Non
         raise
     except (sa_exc.SQLAlchemyError, OSError, _driver_error()) as exc:
         where = f" on {engine_info(engine)['masked_url']}" if engine is not None else ""
+        # libpq echoes connection options (a host name holding half a password, a DSN
+        # fragment) in its messages; scrub the whole chain, which tracebacks print.
+        _redact.scrub_exception(
+            exc, _redact.secrets_of(engine.url) if engine is not None else ()
+        )
         raise exceptions.DatabaseError(
             f"Could not {action}{where}: {exc}".strip()
         ) from exc

@@ -28,11 +28,12 @@ import enum
 import hashlib
 import json
 import math
+import re
 import uuid
 from collections.abc import Mapping
 from typing import TypeAlias
 
-from celery_pglock import exceptions
+from celery_pglock import _keystream, exceptions
 
 #: Bumped only with a migration note: a format change is a rolling-deploy hazard, since old
 #: and new workers would compute different keys for the same work and run it together.
@@ -58,8 +59,9 @@ class LockKey:
     name: str
     #: The advisory key: ``(bigint,)`` or the two-int form ``(namespace, resource)``.
     ids: tuple[int] | tuple[int, int]
-    #: The hashed key text, or None for an explicit ``lock_id``.
-    text: str | None = None
+    #: The hashed key text, or None for an explicit ``lock_id``. It holds the argument
+    #: values, so it is left out of ``repr()``: a logged LockKey shows no personal data.
+    text: str | None = dataclasses.field(default=None, repr=False)
 
     def __str__(self) -> str:
         return ",".join(str(i) for i in self.ids)
@@ -91,14 +93,29 @@ def key_text(namespace: str, name: str, material: Json) -> str:
 
 def key_from_text(text: str) -> int:
     """Hash a key text to a signed 64-bit advisory key (step 3 of the module docstring)."""
-    digest = hashlib.sha256(text.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big", signed=True)
+    if len(text) <= _keystream.CHUNK:
+        digest = hashlib.sha256(text.encode("utf-8")).digest()
+    else:
+        # A huge key text is encoded a slice at a time, so hashing never allocates a
+        # second copy of it (UTF-8 is self-synchronising per code point, so the
+        # concatenated slices encode to the same bytes).
+        hasher = hashlib.sha256()
+        for start in range(0, len(text), _keystream.CHUNK):
+            hasher.update(text[start : start + _keystream.CHUNK].encode("utf-8"))
+        digest = hasher.digest()
+    return _key_from_digest(digest)
 
 
 def make_key(
     namespace: str, name: str, material: object = None, *, where: str = "key"
 ) -> LockKey:
     """Build the ``LockKey`` for ``material`` under ``namespace`` and lock ``name``.
+
+    A key text longer than :data:`TEXT_MAX` characters is hashed as a stream, a slice at
+    a time, and never built: the key's ``text`` is then None (rebuild it with
+    ``key_text(namespace, name, canonical(material))`` if needed). So a 5 MB argument
+    costs no multi-megabyte copies, and a LockKey never holds megabytes of argument
+    values.
 
     Args:
         namespace: Separates applications that share one database.
@@ -109,8 +126,24 @@ def make_key(
     Raises:
         LockKeyError: ``material`` holds a value without a stable canonical form.
     """
-    text = key_text(namespace, name, canonical(material, where))
+    canonical_material = canonical(material, where)
+    if _keystream.longer_than(canonical_material, TEXT_MAX):
+        hasher = hashlib.sha256()
+        for piece in _keystream.encoded_pieces(
+            [KEY_FORMAT, namespace, name, canonical_material]
+        ):
+            hasher.update(piece)
+        return LockKey(name=name, ids=(_key_from_digest(hasher.digest()),))
+    text = key_text(namespace, name, canonical_material)
     return LockKey(name=name, ids=(key_from_text(text),), text=text)
+
+
+#: Longest key text kept in :attr:`LockKey.text` (characters); longer ones are streamed.
+TEXT_MAX = 64 * 1024
+
+
+def _key_from_digest(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "big", signed=True)
 
 
 def explicit_key(name: str, lock_id: object, *, where: str = "lock_id") -> LockKey:
@@ -159,50 +192,122 @@ def canonical(value: object, where: str = "value") -> Json:
     - ``int``/``str`` enum members count as their value; other enums, bytes, sets, NaN,
       infinities and arbitrary objects are refused, because their text form is either
       unstable (a ``repr`` with a memory address) or ambiguous.
+    - Nesting deeper than :data:`MAX_DEPTH` (or a container holding itself) and integers
+      of more than :data:`MAX_INT_DIGITS` digits are refused: bounded stack and time.
 
     Raises:
-        LockKeyError: naming ``where`` (e.g. ``tenant_id[2]``) and the offending type.
+        LockKeyError: naming ``where`` plus the path inside it (``[2]`` for a list
+            item, ``[key #0]`` for the value of a dict's first key) and the offending
+            type. Never the value itself, nor a dict key's text: both may be personal
+            data (an e-mail address as a dict key), and this message reaches the ERROR
+            log and the result backend.
     """
+    try:
+        return _canonical(value, 0)
+    except _Refusal as refusal:
+        raise exceptions.LockKeyError(refusal.message(where)) from None
+    except RecursionError:  # MAX_DEPTH fits any sane stack; this one was nearly full
+        raise exceptions.LockKeyError(
+            f"{where} is nested too deeply for this thread's stack; it cannot be part "
+            "of a lock key."
+        ) from None
+
+
+#: Deepest nesting of lists/dicts accepted in key material. Real keys are a few levels
+#: deep; the bound keeps canonical() far from Python's recursion limit, in any thread.
+MAX_DEPTH = 64
+#: Largest integer accepted, in decimal digits: below Python's default limit for
+#: int <-> str conversion (4300), which json.dumps would otherwise hit with a ValueError.
+MAX_INT_DIGITS = 4000
+_INT_LIMIT = 10**MAX_INT_DIGITS
+#: How a refused value is described: its kind, never its text.
+_DICT_KEY_NOTE = (
+    "dict keys are numbered in the dict's own order, from 0; their text is never shown"
+)
+
+
+class _Refusal(Exception):  # noqa: N818 - internal, never escapes canonical()
+    """Raised deep inside _canonical; each level adds its path segment on the way out,
+    so the success path never pays for building paths."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.segments: list[str] = []  # innermost first
+
+    def message(self, where: str) -> str:
+        segments = self.segments[::-1]
+        if len(segments) > 12:
+            segments = [
+                *segments[:6],
+                f"...({len(segments) - 10} more)...",
+                *segments[-4:],
+            ]
+        if "key #" in self.reason or any(s.startswith("[key #") for s in segments):
+            return f"{where}{''.join(segments)} ({_DICT_KEY_NOTE}) {self.reason}"
+        return f"{where}{''.join(segments)} {self.reason}"
+
+
+def _canonical(value: object, depth: int) -> Json:
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int):
+        if not -_INT_LIMIT < value < _INT_LIMIT:
+            raise _Refusal(
+                f"is an int of more than {MAX_INT_DIGITS} digits; it cannot be part of "
+                "a lock key."
+            )
         return int(value)
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise exceptions.LockKeyError(
-                f"{where} is a string that is not valid Unicode text ({exc.reason}); "
-                "it cannot be part of a lock key."
-            ) from None
+        # isascii() is O(1): the common case pays nothing for the surrogate check.
+        if not value.isascii() and _SURROGATE.search(value):
+            raise _Refusal(
+                "is a string that is not valid Unicode text (it holds a lone "
+                "surrogate); it cannot be part of a lock key."
+            )
         return str.__str__(value)
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise exceptions.LockKeyError(
-                f"{where}={value!r} is not a finite number; it cannot be part of a lock key."
+            raise _Refusal(
+                "is a float that is not finite (NaN or infinity); it cannot be part of "
+                "a lock key."
             )
         return float(value)
     if isinstance(value, (list, tuple)):
-        return [
-            canonical(item, f"{where}[{index}]") for index, item in enumerate(value)
-        ]
+        if depth >= MAX_DEPTH:
+            raise _too_deep()
+        items: list[Json] = []
+        for index, item in enumerate(value):
+            try:
+                items.append(_canonical(item, depth + 1))
+            except _Refusal as refusal:
+                refusal.segments.append(f"[{index}]")
+                raise
+        return items
     if isinstance(value, Mapping):
+        if depth >= MAX_DEPTH:
+            raise _too_deep()
         result: dict[str, Json] = {}
-        for item_key, item in value.items():
+        for position, (item_key, item) in enumerate(value.items()):
             if not isinstance(item_key, str):
-                raise exceptions.LockKeyError(
-                    f"{where} has a {type(item_key).__name__} key {item_key!r}; only "
-                    "string keys are allowed in lock key material, so that {1: x} and "
-                    "{'1': x} cannot silently collide."
+                raise _Refusal(
+                    f"has a key of type {type(item_key).__qualname__} as key #{position}; "
+                    "only str keys are allowed in lock key material, so that {1: x} "
+                    "and {'1': x} cannot silently collide."
                 )
-            result[str.__str__(item_key)] = canonical(item, f"{where}[{item_key!r}]")
+            try:
+                result[str.__str__(item_key)] = _canonical(item, depth + 1)
+            except _Refusal as refusal:
+                refusal.segments.append(f"[key #{position}]")
+                raise
         return result
     if isinstance(value, uuid.UUID):
         return str(value)
     if isinstance(value, decimal.Decimal):
         if not value.is_finite():
-            raise exceptions.LockKeyError(
-                f"{where}={value!r} is not a finite number; it cannot be part of a lock key."
+            raise _Refusal(
+                "is a Decimal that is not finite (NaN or infinity); it cannot be part "
+                "of a lock key."
             )
         return str(value)
     if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
@@ -212,8 +317,18 @@ def canonical(value: object, where: str = "value") -> Json:
         if isinstance(value, enum.Enum)
         else f"a {type(value).__qualname__}"
     )
-    raise exceptions.LockKeyError(
-        f"{where} is {kind}, which has no stable text form for a lock key. Pass plain "
+    raise _Refusal(
+        f"is {kind}, which has no stable text form for a lock key. Pass plain "
         "data (str, int, float, bool, None, lists, dicts with str keys, UUID, Decimal, "
         "date/time), or set lock_key to a function that returns such data."
     )
+
+
+def _too_deep() -> _Refusal:
+    return _Refusal(
+        f"is nested more than {MAX_DEPTH} levels deep (or holds itself); it cannot "
+        "be part of a lock key."
+    )
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")

@@ -34,7 +34,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _deadline, _sql, db, exceptions
+from celery_pglock import _deadline, _server, _sql, db, exceptions
 from celery_pglock.config import LockScope
 
 if TYPE_CHECKING:
@@ -81,7 +81,9 @@ class AdvisoryLock:
             db.engine_info(engine)["application_name_prefix"],
             db.process_tag(),
         )
-        self._holding_name = _application_name(prefix, tag, key, label or key.name)
+        # str(key): the ids only. The LockKey itself would pin its key text (the
+        # argument values, possibly megabytes) in the cache below.
+        self._holding_name = _application_name(prefix, tag, str(key), label or key.name)
         self._idle_name = _application_name(prefix, tag, "idle")
         self._pooled: Any = None  # the pool's proxied DBAPI connection while held
         self._connection: sa.Connection | None = None  # transaction scope only
@@ -119,7 +121,9 @@ class AdvisoryLock:
 
         Raises:
             PgLockError: this object already holds the lock.
-            ConfigurationError: ``timeout`` is not a positive finite number.
+            ConfigurationError: ``timeout`` is not a positive finite number; or the
+                lock database is a standby, or a pooler between us and it breaks this
+                scope (checked at the first acquire on an engine).
             DatabaseError: the database failed (the lock is then not held).
         """
         if self.owned():
@@ -139,6 +143,9 @@ class AdvisoryLock:
                 )
             # lock_timeout = 0 would mean "wait forever": never round a small bound to 0.
             timeout_ms = max(1, math.ceil(timeout * 1000))
+        # A standby or a multiplexing pooler: refused. Probes once per engine, then
+        # costs a dict lookup.
+        _server.check(self.engine, self.scope, self.key.name)
         asked_at = time.monotonic()
         try:
             granted = self._do_acquire(timeout_ms)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import time
 import uuid
 from pathlib import Path
@@ -34,8 +33,10 @@ from celery_pglock.testing import (
     Services,
     WorkerProcess,
     _support,
+    pgbouncer,
     start_services,
 )
+from celery_pglock.testing.pgbouncer import PgBouncer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping
@@ -116,7 +117,7 @@ def _deselect_pgbouncer_tests_without_pgbouncer(
     there with a warning in the summary; CI installs the Debian package and sets
     REQUIRE_PGBOUNCER_ENV=1, which turns a missing binary back into failures.
     """
-    if shutil.which("pgbouncer") or os.path.exists("/usr/sbin/pgbouncer"):
+    if pgbouncer.find_binary() is not None:
         return
     if os.environ.get(REQUIRE_PGBOUNCER_ENV) == "1":
         return  # the tests run, and fail naming the missing binary
@@ -245,6 +246,24 @@ def worker_factory(
             print(_support.with_log(f"worker {worker.hostname}", worker.log_path))
     if errors:
         raise errors[0]
+
+
+@pytest.fixture
+def pgbouncer_factory(database_url: str) -> Iterator[Callable[..., PgBouncer]]:
+    """Start PgBouncers in front of the test database: ``pgbouncer_factory("transaction")``.
+
+    Keyword arguments are more ``[pgbouncer]`` settings. All are stopped at teardown.
+    """
+    started: list[PgBouncer] = []
+
+    def start(pool_mode: str, **settings: str) -> PgBouncer:
+        bouncer = PgBouncer(database_url, pool_mode=pool_mode, settings=settings)
+        started.append(bouncer)
+        return bouncer.start()
+
+    yield start
+    for bouncer in reversed(started):
+        bouncer.stop()
 
 
 # -- leak check -------------------------------------------------------------------------

@@ -24,7 +24,9 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import config, db
+from sqlalchemy.engine import make_url
+
+from celery_pglock import _redact, config, db
 from celery_pglock.testing import _support
 from celery_pglock.testing._support import ServiceError
 from celery_pglock.testing.postgres import EmbeddedPostgres
@@ -253,6 +255,8 @@ def _check_configured(
     try:
         wait(url, timeout)
     except ServiceError as exc:
+        # A driver echoes connection options (a host holding half a password).
+        _redact.scrub_exception(exc, _url_secrets(url))
         raise ServiceError(
             f"{variable}={db.mask_url(url)} is set but not reachable: {exc} "
             f"Start that service, fix the URL, or unset {variable} to use an embedded one."
@@ -273,6 +277,13 @@ def _retry(probe: Callable[[], None], timeout: float, what: str) -> None:
             time.sleep(0.25)
         else:
             return
+
+
+def _url_secrets(url: str) -> list[str]:
+    try:
+        return _redact.secrets_of(make_url(url.removeprefix("db+")))
+    except Exception:  # unparseable: the generic scrub still masks URLs and pairs
+        return []
 
 
 def _scheme(url: str) -> str:

@@ -452,42 +452,43 @@ def test_a_bounded_round_trip_is_cut_at_its_deadline(database_url):
 
 @pytest.mark.pgbouncer
 def test_no_false_loss_through_pgbouncer_session_pooling(
-    database_url, broker_url, result_backend_url, namespace, lost_events
+    database_url,
+    broker_url,
+    result_backend_url,
+    namespace,
+    lost_events,
+    pgbouncer_factory,
 ):
-    """PgBouncer invents the backend pid libpq reports: the watcher learns the real one
-    (the session showing the lock's application_name) and reports no loss; a real
-    termination is still detected."""
-    from ._pgbouncer import pgbouncer
+    """PgBouncer invents the backend pid libpq reports, and refuses the default keepalive
+    startup options: the watcher connects without them, learns the real pid (the session
+    showing the lock's application_name) and reports no loss; a real termination is
+    still detected."""
+    url = pgbouncer_factory("session").url()
+    app = make_app(
+        url,
+        broker_url,
+        result_backend_url,
+        namespace,
+        pglock_watch_interval=0.2,
+    )
 
-    with pgbouncer(
-        database_url, pool_mode="session", ignore_startup_parameters="options"
-    ) as url:
-        app = make_app(
-            url,
-            broker_url,
-            result_backend_url,
-            namespace,
-            pglock_watch_interval=0.2,
-            pglock_server_keepalives=False,
-        )
-
-        @app.task(base=SingletonTask, shared=False)
-        def body(terminate):
-            lock = current_lock()
-            time.sleep(1.0)  # several checks
-            if not terminate:
-                return lock.lost
-            holder = _holder_pid(database_url, lock.key)
-            assert holder != lock.backend_pid  # libpq's pid is PgBouncer's
-            terminate_backend(database_url, holder)
-            wait_for(lambda: lock.lost, 5, "the loss to be detected")
+    @app.task(base=SingletonTask, shared=False)
+    def body(terminate):
+        lock = current_lock()
+        time.sleep(1.0)  # several checks
+        if not terminate:
             return lock.lost
+        holder = _holder_pid(database_url, lock.key)
+        assert holder != lock.backend_pid  # libpq's pid is PgBouncer's
+        terminate_backend(database_url, holder)
+        wait_for(lambda: lock.lost, 5, "the loss to be detected")
+        return lock.lost
 
-        assert body.apply(args=(False,)).get() is False
-        assert lost_events == []
-        result = body.apply(args=(True,))
-        assert isinstance(result.result, LockLostError)
-        assert len(lost_events) == 1
+    assert body.apply(args=(False,)).get() is False
+    assert lost_events == []
+    result = body.apply(args=(True,))
+    assert isinstance(result.result, LockLostError)
+    assert len(lost_events) == 1
 
 
 def _holder_pid(url: str, key) -> int:

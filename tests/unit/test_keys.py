@@ -128,12 +128,12 @@ class Plain(enum.Enum):
         (Plain.A, "enum member"),
         (b"bytes", "bytes"),
         ({1, 2}, "set"),
-        (float("nan"), "not a finite number"),
-        (float("inf"), "not a finite number"),
-        (decimal.Decimal("NaN"), "not a finite number"),
-        ({1: "int key"}, "int key 1"),
+        (float("nan"), "float that is not finite"),
+        (float("inf"), "float that is not finite"),
+        (decimal.Decimal("NaN"), "Decimal that is not finite"),
+        ({1: "int key"}, "key of type int as key #0"),
         ("\ud800", "not valid Unicode"),
-        ({"nested": [Opaque()]}, "['nested'][0]"),
+        ({"nested": [Opaque()]}, "[key #0][0]"),
     ],
 )
 def test_values_without_a_stable_text_form_are_refused(value, fragment):
@@ -214,5 +214,5 @@ def test_remaining_canonical_rules():
         EU = "eu"
 
     assert keys.make_key("n", "t", Region.EU) == keys.make_key("n", "t", "eu")
-    with pytest.raises(LockKeyError, match="not a finite number"):
+    with pytest.raises(LockKeyError, match="Decimal that is not finite"):
         keys.make_key("n", "t", decimal.Decimal("Infinity"))

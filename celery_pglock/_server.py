@@ -1,0 +1,374 @@
+"""What sits at the other end of the lock database URL: a standby? a multiplexing pooler?
+
+An advisory lock excludes others only if every holder asks one primary PostgreSQL, and a
+session lock only lasts as long as the client keeps its server session. Two setups break
+that silently, so they are detected once per engine and refused with a clear error:
+
+- a **standby** (``pg_is_in_recovery()``): advisory locks work there, but are local to
+  that standby; workers on the primary or on another standby never see them;
+- a **transaction- or statement-pooling proxy** (PgBouncer, Odyssey, pgcat, RDS Proxy...):
+  between statements (statement pooling) or transactions (transaction pooling) the
+  client's server session goes back to the pool, so the unlock, or another client's
+  statements, can run on the locked session. Statement pooling also refuses the
+  multi-statement transactions that transaction scope needs.
+
+How a multiplexing proxy is recognised, from two client connections A and B opened side
+by side (both idle, autocommit) and one trivial query at a time, alternating::
+
+    A: SELECT pg_backend_pid() -> 101     (direct/session pooling: A is always 101,
+    B: SELECT pg_backend_pid() -> 101      B always another pid)
+    A: ... -> 102
+
+A pid seen on both connections, or two pids on one, cannot happen when each client owns
+its server session: proof of multiplexing, never a guess. PgBouncer's default
+(``server_round_robin = 0``) hands out the most recently released server first, so the
+first query on B already shares A's backend; with round robin, A's next query moves on.
+Then, and only then, one ``BEGIN`` on B tells statement pooling (the proxy drops the
+client) from transaction pooling. Both connections are closed after the probe: B may be
+dead, and neither should go back to a pool.
+
+Hazard: the probe costs two connections and about eight round trips, so it runs once per
+engine (per process, at the first lock) and once at worker start, never per task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import logging
+import os
+import socket
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+from celery_pglock import config, db, exceptions
+from celery_pglock.config import LockScope
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a probe may take in all (connections, queries) before it gives up.
+PROBE_TIMEOUT = 10.0
+#: Alternating A/B queries before concluding "no multiplexing" (see the module docstring).
+PROBE_ROUNDS = 3
+
+_FIRST_QUERY = (
+    "SELECT pg_backend_pid(), current_setting('server_version'), "
+    "current_setting('server_version_num')::int, pg_is_in_recovery(), "
+    "inet_client_port()"
+)
+_PID_QUERY = "SELECT pg_backend_pid()"
+
+
+class Pooling(str, enum.Enum):
+    """How the server sessions behind one client connection behave."""
+
+    #: Each client connection keeps one server session: a direct connection, or a
+    #: session-pooling proxy. Both lock scopes work.
+    NONE = "none"
+    #: Server sessions change between transactions. Only transaction scope works.
+    TRANSACTION = "transaction"
+    #: Server sessions change between statements; multi-statement transactions are
+    #: refused. No lock scope works.
+    STATEMENT = "statement"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ServerFacts:
+    """What one probe of the lock database found."""
+
+    server_version: (
+        str  #: ``server_version``, e.g. ``"15.10 (Debian 15.10-0+deb12u1)"``.
+    )
+    server_version_num: int  #: ``server_version_num``, e.g. ``150010``.
+    is_standby: bool  #: ``pg_is_in_recovery()``: a hot standby, not a primary.
+    pooling: Pooling  #: Multiplexing seen between the client and the server.
+    #: The server saw another client port than our socket's: a proxy (in any pooling
+    #: mode) or NAT sits in between. None when unknown (e.g. a Unix socket).
+    proxied: bool | None
+    evidence: str  #: What the pooling verdict rests on, in words (for messages).
+    masked_url: str  #: The probed URL, password masked.
+
+    def refusal(self, scope: LockScope | str) -> str | None:
+        """Why locks of ``scope`` cannot work here (a sentence naming the fix), or None."""
+        scope = LockScope(scope)
+        where = self.masked_url
+        if self.is_standby:
+            return (
+                f"The lock database {where} is a standby in recovery (pg_is_in_recovery() "
+                "is true): an advisory lock taken there is local to that standby and "
+                "excludes nobody on the primary or on other standbys. Point "
+                "pglock_database_url at the primary (with several hosts, add "
+                "target_session_attrs=read-write to the URL)."
+            )
+        if self.pooling is Pooling.STATEMENT:
+            return (
+                f"The lock database URL {where} goes through a statement-pooling "
+                f"connection pooler ({self.evidence}; PgBouncer pool_mode=statement or "
+                "similar): it hands each statement to any server session and refuses "
+                "multi-statement transactions, so neither lock scope can work. Point "
+                "pglock_database_url at PostgreSQL directly or at a pool in session "
+                "pooling mode (or transaction pooling, with lock_scope='transaction')."
+            )
+        if self.pooling is Pooling.TRANSACTION and scope is LockScope.SESSION:
+            return (
+                f"lock_scope='session' cannot work through the transaction-pooling "
+                f"connection pooler at {where} ({self.evidence}; PgBouncer "
+                "pool_mode=transaction or similar): between transactions the lock's "
+                "server session serves other clients, and the unlock may run on another "
+                "session, so the lock would exclude nobody. Use lock_scope='transaction' "
+                "(per task, or app.conf.pglock_scope), or point pglock_database_url at "
+                "PostgreSQL directly or at a pool in session pooling mode."
+            )
+        return None
+
+
+# -- the probe --------------------------------------------------------------------------
+
+
+def probe(
+    target: sa.Engine | str,
+    conf: Mapping[str, Any] | None = None,
+    *,
+    timeout: float = PROBE_TIMEOUT,
+    action: str = "probe the lock database",
+) -> ServerFacts:
+    """Probe the lock database: version, standby or not, pooling mode in between.
+
+    Args:
+        target: A lock engine (its connection options are used, on two connections of
+            the probe's own, outside the pool) or a database URL (a temporary engine
+            is made with ``db.create_engine(url, conf)`` and disposed).
+        conf: App configuration for a URL target (application_name, engine options).
+        timeout: Seconds the whole probe may take.
+        action: What failed, for the DatabaseError message ("Could not <action> ...").
+
+    Raises:
+        ConfigurationError: an invalid URL.
+        DatabaseError: the database could not be reached or did not answer in time.
+    """
+    if isinstance(target, sa.Engine):
+        return _bounded(target, timeout, action)
+    engine = db.create_engine(target, conf)
+    try:
+        return _bounded(engine, timeout, action)
+    finally:
+        engine.dispose()
+
+
+def _bounded(engine: sa.Engine, timeout: float, action: str) -> ServerFacts:
+    """Run the probe in a thread so that a stuck connect or queue wait cannot hold us."""
+    masked = db.engine_info(engine)["masked_url"]
+    opened: list[Any] = []
+    outcome: list[ServerFacts | BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(_probe(engine, opened, masked))
+        except BaseException as exc:  # handed to the caller's thread
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name="celery-pglock-probe", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive() or not outcome:
+        for connection in list(opened):
+            with contextlib.suppress(Exception):
+                connection.cancel()  # the thread then fails and closes them
+        import psycopg2  # the only supported driver
+
+        # Caused by a driver OperationalError, as an expired connect_timeout would be, so
+        # that db.is_transient() (lock_on_error='retry') treats it as an outage.
+        raise exceptions.DatabaseError(
+            f"Could not {action} on {masked}: the server probe had no answer within "
+            f"{timeout:g} s."
+        ) from psycopg2.OperationalError("the server probe timed out")
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        if isinstance(result, exceptions.PgLockError):
+            raise result
+        with db.wrap_db_errors(action, engine):
+            raise result
+    return result
+
+
+def _probe(engine: sa.Engine, opened: list[Any], masked: str) -> ServerFacts:
+    # The pool's creator: the engine's connect arguments and do_connect hooks (so the
+    # options fallback below applies), but not its pool, whose size could make the
+    # second connection wait for the first.
+    create = engine.pool._invoke_creator
+    try:
+        first: Any = create(None)  # type: ignore[arg-type]
+        opened.append(first)
+        second: Any = create(None)  # type: ignore[arg-type]
+        opened.append(second)
+        for connection in (first, second):
+            connection.autocommit = True  # else psycopg2 would open transactions
+        with first.cursor() as cursor:
+            cursor.execute(_FIRST_QUERY)
+            pid, version, version_num, in_recovery, client_port = cursor.fetchone()
+        proxied = _proxied(first, client_port)
+        pooling, evidence = _pooling(first, second, pid)
+        return ServerFacts(
+            server_version=str(version),
+            server_version_num=int(version_num),
+            is_standby=bool(in_recovery),
+            pooling=pooling,
+            proxied=proxied,
+            evidence=evidence,
+            masked_url=masked,
+        )
+    finally:
+        for connection in opened:
+            with contextlib.suppress(Exception):
+                connection.close()
+
+
+def _pooling(first: Any, second: Any, first_pid: int) -> tuple[Pooling, str]:
+    seen: tuple[list[int], list[int]] = ([first_pid], [])
+    for _ in range(PROBE_ROUNDS):
+        for index, connection in ((1, second), (0, first)):
+            seen[index].append(_backend_pid(connection))
+            if shared := set(seen[0]) & set(seen[1]):
+                evidence = f"two client connections were both served by backend pid {min(shared)}"
+                return _statement_or_transaction(second), evidence
+            if len(set(seen[index])) > 1:
+                pids = ", ".join(str(pid) for pid in dict.fromkeys(seen[index]))
+                evidence = f"one client connection was served by backend pids {pids}"
+                return _statement_or_transaction(second), evidence
+    return Pooling.NONE, (
+        f"each of two client connections kept its backend over {PROBE_ROUNDS} queries"
+    )
+
+
+def _statement_or_transaction(connection: Any) -> Pooling:
+    """A multiplexing proxy: does it let a transaction span statements?"""
+    import psycopg2  # the only supported driver
+
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("BEGIN")
+            cursor.execute("SELECT 1")
+            cursor.execute("COMMIT")
+    except (psycopg2.OperationalError, psycopg2.InterfaceError):
+        # PgBouncer answers BEGIN in statement pooling by dropping the client.
+        return Pooling.STATEMENT
+    return Pooling.TRANSACTION
+
+
+def _backend_pid(connection: Any) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(_PID_QUERY)
+        return int(cursor.fetchone()[0])
+
+
+def _proxied(connection: Any, server_seen_port: int | None) -> bool | None:
+    """Does the server see our socket's port? (None: not TCP, or unknown.)"""
+    if server_seen_port is None:
+        return None
+    try:
+        with socket.socket(fileno=os.dup(connection.fileno())) as sock:
+            local = sock.getsockname()
+    except OSError:
+        return None
+    if not isinstance(local, tuple):
+        return None
+    return bool(local[1] != server_seen_port)
+
+
+# -- per-engine check -------------------------------------------------------------------
+
+_facts: weakref.WeakKeyDictionary[sa.Engine, ServerFacts] = weakref.WeakKeyDictionary()
+#: Per engine: each scope's refusal message (None: allowed), so that check() is one
+#: dict lookup per acquire after the probe.
+_refusals: weakref.WeakKeyDictionary[sa.Engine, dict[LockScope, str | None]] = (
+    weakref.WeakKeyDictionary()
+)
+_probing = threading.Lock()
+
+
+def facts_for(
+    engine: sa.Engine, action: str = "probe the lock database"
+) -> ServerFacts:
+    """The facts of ``engine``'s server: probed at the first call, then cached.
+
+    A failed probe is not cached: the next call probes again. ``action`` words its
+    DatabaseError (see :func:`probe`).
+    """
+    facts = _facts.get(engine)
+    if facts is not None:
+        return facts
+    with _probing:
+        facts = _facts.get(engine)
+        if facts is None:
+            facts = probe(engine, action=action)
+            _refusals[engine] = {scope: facts.refusal(scope) for scope in LockScope}
+            _facts[engine] = facts
+            logger.debug(
+                "celery-pglock: lock database %s: PostgreSQL %s, standby=%s, pooling=%s",
+                facts.masked_url, facts.server_version, facts.is_standby,
+                facts.pooling.value,
+                extra={"action": "lock_server_probed"},
+            )  # fmt: skip
+        return facts
+
+
+def check(engine: sa.Engine, scope: LockScope, lock_name: str = "") -> None:
+    """Refuse locks of ``scope`` on ``engine`` if its server cannot honour them.
+
+    The first call per engine probes (see :func:`facts_for`); later ones are a dict
+    lookup, so this may sit on the per-task path. ``lock_name`` names the lock in the
+    DatabaseError of a failed probe, as a failed acquire would.
+
+    Raises:
+        ConfigurationError: a standby, or a pooling mode that breaks this scope; the
+            message names the fix.
+        DatabaseError: the probe could not reach the database.
+    """
+    refusals = _refusals.get(engine)
+    if refusals is None:
+        facts_for(engine, f"acquire lock {lock_name!r}")
+        refusals = _refusals[engine]
+    message = refusals[scope]
+    if message is not None:
+        raise exceptions.ConfigurationError(message)
+
+
+def check_app(app: Any) -> None:
+    """Worker start: refuse a lock database that no SingletonTask of ``app`` can use.
+
+    Probes with a temporary engine (the worker's own engines are made after the fork).
+    An unreachable database does not stop the worker: each process checks again at its
+    first lock.
+
+    Raises:
+        ConfigurationError: a standby, or a pooling mode that breaks the scope of some
+            tasks; the message names them and the fix.
+    """
+    from celery_pglock.task import SingletonTask  # imports this module's importers
+
+    scopes: dict[LockScope, list[str]] = {}
+    for name, task in sorted(app.tasks.items()):
+        if isinstance(task, SingletonTask):
+            scopes.setdefault(task.lock_config.scope, []).append(name)
+    if not scopes:
+        return
+    url = config.database_url(app.conf)
+    try:
+        facts = probe(url, app.conf)
+    except exceptions.DatabaseError:
+        # Reported at worker_ready (logging is not set up yet in worker_init); each
+        # process probes again at its first lock.
+        return
+    for scope, names in scopes.items():
+        message = facts.refusal(scope)
+        if message is not None:
+            raise exceptions.ConfigurationError(
+                f"{message} (tasks with lock_scope={scope.value!r}: {', '.join(names)})"
+            )
