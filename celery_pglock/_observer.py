@@ -13,7 +13,7 @@ import select
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _forks, _options, _sql, db
+from celery_pglock import _forks, _options, _redact, _sql, db
 
 if TYPE_CHECKING:
     from celery_pglock._watch import Entry
@@ -49,7 +49,9 @@ class Observer:
             if time.monotonic() + 0.1 >= deadline:
                 break
             time.sleep(0.1)
-        reason = " ".join(str(last_error).split()) or type(last_error).__name__
+        # libpq may echo connection options: scrub as the security layer does.
+        text = _redact.scrub_text(str(last_error), _redact.secrets_of(self.engine.url))
+        reason = " ".join(text.split()) or type(last_error).__name__
         cause = (
             "unverifiable: the lock database did not confirm it within "
             f"{entries[0].timeout:g}s ({reason})"
