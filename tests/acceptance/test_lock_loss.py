@@ -292,6 +292,10 @@ def test_postgres_restart_during_a_body_is_signalled(
     )
     assert "restarted" in cause or "ended" in cause, cause
     assert at.timestamp() - restarted_at < INTERVAL * 1.25 + 5.0 + 1.0
+    print(
+        f"restart: lock_lost {at.timestamp() - restarted_at:+.2f}s after restart() "
+        f"returned ({cause})"
+    )
     _open(gate)
     with pytest.raises(LockLostError):
         first.get(timeout=30)
