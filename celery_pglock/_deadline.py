@@ -69,6 +69,13 @@ def bounded(dbapi_connection: Any, seconds: float) -> Iterator[Bound]:
             _pending.pop(id(bound), None)
 
 
+def explain(bound: Bound | None) -> str:
+    """A clause for an error message: why the connection died, if the bound cut it."""
+    if bound is None or not bound.fired:
+        return ""
+    return " (no answer in time: the socket was shut down and the session closed)"
+
+
 def _ensure_reaper() -> None:
     global _reaper
     pid = os.getpid()

@@ -398,10 +398,13 @@ class AdvisoryLock:
         pooled, self._pooled = self._pooled, None
         arity = len(self.key.ids)
         held = db.held_keys(pooled.info)
+        bound: _deadline.Bound | None = None
         try:
             # Bounded: on a cut or frozen link the socket is shut down (_deadline.py).
             with (
-                _deadline.bounded(pooled.dbapi_connection, self.release_timeout),
+                _deadline.bounded(
+                    pooled.dbapi_connection, self.release_timeout
+                ) as bound,
                 pooled.dbapi_connection.cursor() as cursor,
             ):
                 cursor.execute(
@@ -414,7 +417,10 @@ class AdvisoryLock:
             pooled.invalidate()  # the session's end frees whatever it held
             pooled.close()
             if isinstance(exc, Exception):
-                with db.wrap_db_errors(f"release lock {self.key.name!r}", self.engine):
+                with db.wrap_db_errors(
+                    f"release lock {self.key.name!r}{_deadline.explain(bound)}",
+                    self.engine,
+                ):
                     raise
             raise
         held[self.key.ids] -= 1
@@ -474,6 +480,7 @@ class AdvisoryLock:
             raise exceptions.LockNotOwnedError(
                 f"Lock {self.key.name!r} has no open transaction."
             )
+        bound: _deadline.Bound | None = None
         try:
             if not transaction.is_active:
                 raise exceptions.LockLostError(
@@ -490,7 +497,7 @@ class AdvisoryLock:
                 # Bounded: on a cut or frozen link the socket is shut down.
                 _deadline.bounded(
                     connection.connection.dbapi_connection, self.release_timeout
-                ),
+                ) as bound,
             ):
                 if commit:
                     transaction.commit()
@@ -505,8 +512,12 @@ class AdvisoryLock:
                     dbapi.autocommit = True
                     with dbapi.cursor() as cursor:
                         cursor.execute(_sql.DISCARD_ALL)
-        except BaseException:
+        except BaseException as exc:
             connection.invalidate()
+            if isinstance(exc, exceptions.DatabaseError) and _deadline.explain(bound):
+                raise exceptions.DatabaseError(
+                    f"{exc}{_deadline.explain(bound)}"
+                ) from exc.__cause__
             raise
         finally:
             connection.close()

@@ -28,6 +28,7 @@ from celery_pglock import (
     _observer,
     _watch,
     current_lock,
+    keys,
     signals,
 )
 from celery_pglock import db as db_module
@@ -356,6 +357,34 @@ def test_frozen_server_is_unverifiable_before_the_keepalive_deadline(
     assert event["cause"].startswith("unverifiable"), event["cause"]
     # The release met the frozen server too: bounded by lock_check_timeout, not blocked.
     assert ended - times["noticed"] < 1.5 + 1.0, (started, times, ended)
+
+
+@pytest.mark.parametrize("scope", ["session", "transaction"])
+def test_a_release_into_a_frozen_server_is_bounded(private_postgres, namespace, scope):
+    """AdvisoryLock.release() on a server that does not answer gives up after
+    release_timeout: the socket is shut down, the session closed, DatabaseError says
+    why; the worker is not blocked (25-214 s before)."""
+    from celery_pglock import DatabaseError, _deadline
+
+    engine = db_module.create_engine(private_postgres.url())
+    lock = AdvisoryLock(
+        engine=engine, key=keys.make_key(namespace, "frozen"), scope=scope
+    )
+    assert lock.acquire()
+    lock.release_timeout = 0.5
+    postmaster = private_postgres._postmaster_pid()
+    assert postmaster
+    _stop_server(postmaster, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(DatabaseError, match="no answer in time"):
+            lock.release()
+        took = time.monotonic() - started
+    finally:
+        _stop_server(postmaster, signal.SIGCONT)
+    assert took < 0.5 + _deadline.TICK + 0.5, took
+    assert not lock.owned()
+    engine.dispose()
 
 
 def _stop_server(postmaster: int, signum: int) -> None:
