@@ -174,6 +174,13 @@ def wait(connection: Any, deadline: float) -> None:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise UnverifiableError("no answer in time")
+        if not hasattr(select, "poll"):  # gevent's monkey-patching removes it
+            reading = state == ext.POLL_READ
+            fd = connection.fileno()
+            select.select(
+                [fd] if reading else [], [] if reading else [fd], [], remaining
+            )
+            continue
         poller = select.poll()
         poller.register(
             connection.fileno(),

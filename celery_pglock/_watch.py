@@ -41,6 +41,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -104,7 +105,7 @@ def watch(
         return
     thread = threading.current_thread()
     in_main = thread is threading.main_thread()
-    terminate = options.on_lost.value == "terminate"
+    terminate = options.on_lost.value == "terminate" and not _green()
     if terminate and in_main:
         _install_handler()
     entry = Entry(
@@ -229,6 +230,31 @@ def _lost(entry: Entry, cause: str) -> None:
 
 
 # -- lock_on_lost='terminate' -------------------------------------------------------------
+
+
+def _green() -> bool:
+    """gevent/eventlet monkey-patched: every body shares the main thread, so neither a
+    signal nor an asynchronous exception would reach the right one. lock_on_lost then
+    acts as 'signal' (said once per process)."""
+    global _green_warned
+    patched = False
+    gevent_monkey = sys.modules.get("gevent.monkey")
+    if gevent_monkey is not None:
+        patched = bool(gevent_monkey.is_module_patched("threading"))
+    eventlet_patcher = sys.modules.get("eventlet.patcher")
+    if eventlet_patcher is not None:
+        patched = patched or bool(eventlet_patcher.is_monkey_patched("thread"))
+    if patched and _green_warned != os.getpid():
+        _green_warned = os.getpid()
+        logger.warning(
+            "celery-pglock: lock_on_lost='terminate' cannot end a gevent/eventlet body; "
+            "a lost lock is reported (lock_lost, ensure_held()) but the body goes on",
+            extra={"action": "lock_terminate_unsupported"},
+        )
+    return patched
+
+
+_green_warned = 0
 
 
 def _install_handler() -> None:
