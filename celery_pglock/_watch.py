@@ -13,12 +13,12 @@ How (docs/operations/lock-loss.md has the full story and the deadline arithmetic
 - Every lock older than its ``lock_watch_interval`` is checked, all of a database's locks
   in ONE query per tick, on the watcher's own session (never the holder's: a
   transaction-scope body may be using that connection). The query (``_sql.CHECK_HELD``)
-  reads ``pg_locks`` for each (holder backend pid, key), plus the postmaster start time and
+  reads ``pg_locks`` for who holds each key now, plus the postmaster start time and
   ``pg_is_in_recovery()`` to name a restart or a failover. A body shorter than the
   interval costs one dict insert and one removal, and no query.
-- The watcher's session is asynchronous (psycopg2 ``async_``): every connect and query waits
-  in ``poll()`` with the check's deadline (``lock_check_timeout``), so a frozen link or a
-  frozen server cannot block it. A check that cannot complete in time means the lock can
+- The watcher's session (``_observer.py``) is asynchronous: every connect and query waits
+  until the check's deadline (``lock_check_timeout``) at most, so a frozen link or a frozen
+  server cannot block it. A check that cannot complete in time means the lock can
   no longer be verified: it is reported as lost ("unverifiable"), because the server will
   free it through its keepalives soon anyway (see config.SERVER_KEEPALIVE_DEADLINE).
 - On loss: ``lock.lost_cause`` is set (``current_lock().lost``, ``ensure_held()``), the loss
