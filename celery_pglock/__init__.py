@@ -7,7 +7,14 @@
 from __future__ import annotations
 
 from celery_pglock import metrics, signals
-from celery_pglock.config import LockConfig, LockScope, OnBusy, OnError, SkipResult
+from celery_pglock.config import (
+    LockConfig,
+    LockScope,
+    OnBusy,
+    OnError,
+    OnLost,
+    SkipResult,
+)
 from celery_pglock.context import current_lock
 from celery_pglock.exceptions import (
     ConfigurationError,
@@ -41,6 +48,7 @@ __all__ = [
     "LockSkipped",
     "OnBusy",
     "OnError",
+    "OnLost",
     "PgLockError",
     "SingletonTask",
     "SkipResult",

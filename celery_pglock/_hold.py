@@ -16,12 +16,17 @@ if TYPE_CHECKING:
     from celery_pglock.keys import LockKey
 
 
+#: Seconds a release may wait on the database before its socket is shut down.
+DEFAULT_RELEASE_TIMEOUT = 5.0
+
+
 class Hold:
     """One granted lock: the session it lives on, for its release."""
 
     __slots__ = (
         "connection",
         "generation",
+        "holding_name",
         "idle_name",
         "ids",
         "lent",
@@ -40,6 +45,8 @@ class Hold:
         self.ids = ids
         #: PerLockSessions: the application_name its connection shows once released.
         self.idle_name = idle_name
+        #: The application_name the session showed when the lock was granted.
+        self.holding_name: str | None = None
         self.pid = os.getpid()
         #: The psycopg2 connection the lock lives on.
         self.connection: Any = None
@@ -74,8 +81,19 @@ class LockSession:
         """
         raise NotImplementedError
 
-    def release(self, hold: Hold, key: LockKey, *, commit: bool) -> None:
-        """Give ``hold`` back; raises LockNotOwnedError/LockLostError/DatabaseError."""
+    def release(
+        self,
+        hold: Hold,
+        key: LockKey,
+        *,
+        commit: bool,
+        timeout: float = DEFAULT_RELEASE_TIMEOUT,
+    ) -> None:
+        """Give ``hold`` back; raises LockNotOwnedError/LockLostError/DatabaseError.
+
+        ``timeout`` bounds the round trip client-side (``_deadline.bounded``): past it
+        the socket is shut down and the session closed, which frees the lock.
+        """
         raise NotImplementedError
 
     def after_disconnect(self) -> None:

@@ -2,7 +2,7 @@
 
 ``task.py`` decides what happens to a run (Celery semantics); it then calls one function
 here per outcome - :func:`acquired`, :func:`skipped`, :func:`released`,
-:func:`release_failed`, :func:`database_error` - and this module fans it out: the public signals (only when
+:func:`release_failed`, :func:`database_error`, :func:`lost` - and this module fans it out: the public signals (only when
 someone listens), one log record (only when its level is enabled) and the process's
 metrics sink (``metrics.current()``). The hot path (acquired + released) builds no dict
 and formats no string unless a receiver or DEBUG logging asks for it.
@@ -172,6 +172,34 @@ def release_failed(
             key=lock.key,
             wait_seconds=lock.wait_seconds,
             exception=error,
+        )
+
+
+def lost(task: Any, task_id: str | None, lock: AdvisoryLock, cause: str) -> None:
+    """The lock was found lost while the body ran (called from the lock watcher thread
+    of the process running the task; see _watch.py)."""
+    try:
+        metrics.current().lost(task.name)
+    except Exception as exc:
+        _metrics_failed(exc)
+    logger.error(
+        "Lock %s (key %s) of %s[%s] was lost while its body ran: %s. Another run may "
+        "hold it now; the run will end FAILURE with LockLostError.",
+        lock.key.name,
+        lock.key,
+        task.name,
+        task_id,
+        cause,
+        extra={**_extra("lock_lost", lock, task_id), "cause": cause},
+    )
+    if signals.lock_lost.receivers:
+        signals.lock_lost.send(
+            sender=task,
+            task_id=task_id,
+            task_name=task.name,
+            key=lock.key,
+            wait_seconds=lock.wait_seconds,
+            cause=cause,
         )
 
 

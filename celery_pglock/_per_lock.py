@@ -11,7 +11,7 @@ import functools
 import os
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _hold, _sql, db, exceptions
+from celery_pglock import _deadline, _hold, _sql, db, exceptions
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -43,13 +43,20 @@ class PerLockSessions(_hold.LockSession):
             return self._acquire_transaction(key, holding_name, idle_name, timeout_ms)
         return self._acquire_session(key, holding_name, idle_name, timeout_ms)
 
-    def release(self, hold: _hold.Hold, key: LockKey, *, commit: bool) -> None:
+    def release(
+        self,
+        hold: _hold.Hold,
+        key: LockKey,
+        *,
+        commit: bool,
+        timeout: float = _hold.DEFAULT_RELEASE_TIMEOUT,
+    ) -> None:
         if hold.pid != os.getpid():
             raise _hold.foreign(hold, key)
         if hold.sa_connection is not None:
-            self._release_transaction(hold, key, commit)
+            self._release_transaction(hold, key, commit, timeout)
         else:
-            self._release_session(hold, key)
+            self._release_session(hold, key, timeout)
 
     def after_disconnect(self) -> None:
         # Idle siblings of a dead pooled session are likely dead too (server restart):
@@ -102,14 +109,20 @@ class PerLockSessions(_hold.LockSession):
         pooled.info[db.IDLE_NAME] = idle_name
         hold = _hold.Hold(self, key.ids, idle_name)
         hold.pooled, hold.connection = pooled, dbapi
+        hold.holding_name = holding_name
         return hold
 
-    def _release_session(self, hold: _hold.Hold, key: LockKey) -> None:
+    def _release_session(self, hold: _hold.Hold, key: LockKey, timeout: float) -> None:
         pooled = hold.pooled
         arity = len(key.ids)
         held = db.held_keys(pooled.info)
+        bound: _deadline.Bound | None = None
         try:
-            with hold.connection.cursor() as cursor:
+            # Bounded: on a cut or frozen link the socket is shut down (_deadline.py).
+            with (
+                _deadline.bounded(hold.connection, timeout) as bound,
+                hold.connection.cursor() as cursor,
+            ):
                 cursor.execute(_sql.UNLOCK_SESSION[arity], (*key.ids, hold.idle_name))
                 row = cursor.fetchone()
             unlocked = bool(row and row[0])
@@ -118,7 +131,9 @@ class PerLockSessions(_hold.LockSession):
             pooled.invalidate()  # the session's end frees whatever it held
             pooled.close()
             if isinstance(exc, Exception):
-                with db.wrap_db_errors(f"release lock {key.name!r}", self.engine):
+                with db.wrap_db_errors(
+                    f"release lock {key.name!r}{_deadline.explain(bound)}", self.engine
+                ):
                     raise
             raise
         held[key.ids] -= 1
@@ -176,10 +191,11 @@ class PerLockSessions(_hold.LockSession):
         hold = _hold.Hold(self, key.ids, idle_name)
         hold.pooled, hold.connection = pooled, dbapi
         hold.sa_connection, hold.transaction = connection, transaction
+        hold.holding_name = holding_name
         return hold
 
     def _release_transaction(
-        self, hold: _hold.Hold, key: LockKey, commit: bool
+        self, hold: _hold.Hold, key: LockKey, commit: bool, timeout: float
     ) -> None:
         connection, transaction = hold.sa_connection, hold.transaction
         if connection is None or transaction is None:  # a session-scope hold
@@ -188,6 +204,7 @@ class PerLockSessions(_hold.LockSession):
                 key=str(key),
                 name=key.name,
             )
+        bound: _deadline.Bound | None = None
         try:
             if not transaction.is_active:
                 raise exceptions.LockLostError(
@@ -196,8 +213,13 @@ class PerLockSessions(_hold.LockSession):
                     key=str(key),
                     name=key.name,
                 )
-            with db.wrap_db_errors(
-                f"{'commit' if commit else 'roll back'} lock {key.name!r}", self.engine
+            with (
+                db.wrap_db_errors(
+                    f"{'commit' if commit else 'roll back'} lock {key.name!r}",
+                    self.engine,
+                ),
+                # Bounded: on a cut or frozen link the socket is shut down.
+                _deadline.bounded(hold.connection, timeout) as bound,
             ):
                 if commit:
                     transaction.commit()
@@ -210,8 +232,12 @@ class PerLockSessions(_hold.LockSession):
                     hold.connection.autocommit = True
                     with hold.connection.cursor() as cursor:
                         cursor.execute(_sql.DISCARD_ALL)
-        except BaseException:
+        except BaseException as exc:
             connection.invalidate()
+            if isinstance(exc, exceptions.DatabaseError) and _deadline.explain(bound):
+                raise exceptions.DatabaseError(
+                    f"{exc}{_deadline.explain(bound)}"
+                ) from exc.__cause__
             raise
         finally:
             connection.close()

@@ -16,7 +16,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _hold, _per_lock, _sql, db, exceptions
+from celery_pglock import _deadline, _hold, _per_lock, _sql, db, exceptions
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -97,10 +97,18 @@ class ProcessSession(_hold.LockSession):
                 return None
             hold = _hold.Hold(self, ids)
             hold.connection, hold.generation = self._connection, self._generation
+            hold.holding_name = self._shown
             self._owners[ids] = hold
             return hold
 
-    def release(self, hold: _hold.Hold, key: LockKey, *, commit: bool) -> None:
+    def release(
+        self,
+        hold: _hold.Hold,
+        key: LockKey,
+        *,
+        commit: bool,
+        timeout: float = _hold.DEFAULT_RELEASE_TIMEOUT,
+    ) -> None:
         if hold.pid != os.getpid():
             raise _hold.foreign(hold, key)
         ids = hold.ids
@@ -113,13 +121,20 @@ class ProcessSession(_hold.LockSession):
                     name=key.name,
                 )
             del self._owners[ids]
+            bound: _deadline.Bound | None = None
             try:
-                self._cursor.execute(_sql.UNLOCK_SESSION_KEEP_NAME[len(ids)], ids)
-                row = self._cursor.fetchone()
+                # Bounded: a cut or frozen link would otherwise block this release, and
+                # with it (the mutex) every lock statement of the process.
+                with _deadline.bounded(self._connection, timeout) as bound:
+                    self._cursor.execute(_sql.UNLOCK_SESSION_KEEP_NAME[len(ids)], ids)
+                    row = self._cursor.fetchone()
             except BaseException as exc:
                 self._close(f"releasing lock {key.name!r} failed: {exc!r}")
                 if isinstance(exc, Exception):
-                    with db.wrap_db_errors(f"release lock {key.name!r}", self.engine):
+                    with db.wrap_db_errors(
+                        f"release lock {key.name!r}{_deadline.explain(bound)}",
+                        self.engine,
+                    ):
                         raise
                 raise
         if not (row and row[0]):

@@ -107,3 +107,22 @@ HOLDER = (
 #: SQLSTATEs that mean "the lock was not granted in time", not "the database failed".
 LOCK_NOT_AVAILABLE = "55P03"
 QUERY_CANCELED = "57014"
+
+#: The lock watcher's one statement per check (see _watch.py), on its own session: one row
+#: per held lock, in order, with the session the key is granted to now (NULL: nobody) and
+#: its application_name, whether the holder's own backend still exists, and the server's
+#: identity (postmaster start time; is it a standby?). Params: classid, objid (oid[]),
+#: objsubid (int2[]) of each lock, as LockKey.pg_locks_ids gives them, and each holder's
+#: backend pid (int[]). An exclusive advisory lock is granted to one session at most.
+CHECK_HELD = (
+    "SELECT w.i, l.pid, a.application_name, "
+    "EXISTS (SELECT 1 FROM pg_stat_activity s WHERE s.pid = w.pid), "
+    "pg_postmaster_start_time()::text, pg_is_in_recovery() "
+    "FROM unnest(%s::oid[], %s::oid[], %s::int2[], %s::int[]) "
+    "WITH ORDINALITY AS w(classid, objid, objsubid, pid, i) "
+    "LEFT JOIN pg_locks l ON l.locktype = 'advisory' AND l.granted "
+    "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "AND l.classid = w.classid AND l.objid = w.objid AND l.objsubid = w.objsubid "
+    "LEFT JOIN pg_stat_activity a ON a.pid = l.pid "
+    "ORDER BY w.i"
+)

@@ -64,6 +64,20 @@ class SkipResult(str, enum.Enum):
     SKIPPED = "skipped"
 
 
+class OnLost(str, enum.Enum):
+    """What a SingletonTask does when its lock is lost while the body runs.
+
+    Either way the loss is reported (``lock_lost`` signal, ERROR log, metric),
+    ``current_lock().lost`` becomes True and the run ends FAILURE with LockLostError.
+    See docs/operations/lock-loss.md.
+    """
+
+    SIGNAL = "signal"  #: Report it; the body goes on until it checks ensure_held().
+    #: Report it and end the body with LockLostError where the pool allows it
+    #: (prefork/solo: a signal to the main thread; threads: an asynchronous exception).
+    TERMINATE = "terminate"
+
+
 class LockScope(str, enum.Enum):
     """How long a SingletonTask's lock lives."""
 
@@ -98,6 +112,9 @@ APP_SETTINGS = {
     "lock_on_error": "pglock_on_error",
     "lock_error_retries": "pglock_error_retries",
     "lock_error_backoff": "pglock_error_backoff",
+    "lock_on_lost": "pglock_on_lost",
+    "lock_watch_interval": "pglock_watch_interval",
+    "lock_check_timeout": "pglock_check_timeout",
 }
 #: Options that only make sense per task.
 TASK_ONLY_OPTIONS = ("lock_args", "lock_key", "lock_id", "lock_name")
@@ -139,6 +156,17 @@ DEFAULT_ERROR_RETRIES = 5
 DEFAULT_ERROR_BACKOFF = 2.0
 #: The longest countdown of a lock_on_error='retry' re-run, whatever the backoff.
 MAX_ERROR_COUNTDOWN = 300.0
+#: Seconds between two checks that a running body's lock is still held (0: never check).
+DEFAULT_WATCH_INTERVAL = 1.0
+#: Longest a lock check, or a release, may wait on the lock database.
+DEFAULT_CHECK_TIMEOUT = 5.0
+#: The soonest PostgreSQL may free the lock of a client cut off, with the server
+#: keepalives of db.SERVER_KEEPALIVE_OPTIONS (idle 30 s, then 3 probes 10 s apart): if the
+#: link breaks just before a scheduled probe, the 3 unanswered probes end the session
+#: 3 x 10 s later. (Just after an answered probe it takes 30 + 3 x 10 = 60 s.)
+SERVER_KEEPALIVE_DEADLINE = 10.0 * 3
+#: Room kept under that deadline for ending the body once a loss is detected.
+LOSS_MARGIN = 5.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,6 +192,13 @@ class LockConfig:
     error_retries: int = DEFAULT_ERROR_RETRIES
     #: Seconds before the first such re-run; doubled each time, at most 300 s.
     error_backoff: float = DEFAULT_ERROR_BACKOFF
+    #: What to do when the lock is lost while the body runs.
+    on_lost: OnLost = OnLost.SIGNAL
+    #: Seconds between checks that the lock is still held while the body runs; 0
+    #: turns the checks off (no loss detection).
+    watch_interval: float = DEFAULT_WATCH_INTERVAL
+    #: Longest a check or a release may wait on the lock database.
+    check_timeout: float = DEFAULT_CHECK_TIMEOUT
     lock_args: tuple[str, ...] = ()  #: Parameter names whose values form the key.
     lock_key: Callable[..., object] | None = None  #: Custom key-material function.
     fixed_key: keys.LockKey | None = None  #: The key when it never varies per call.
@@ -315,6 +350,33 @@ def resolve(
         task_name, *option("lock_error_backoff", DEFAULT_ERROR_BACKOFF)
     )
 
+    on_lost = _choice(task_name, *option("lock_on_lost", OnLost.SIGNAL), OnLost)
+    interval_source, interval_value = option(
+        "lock_watch_interval", DEFAULT_WATCH_INTERVAL
+    )
+    watch_interval = (
+        0.0  # 0 turns the checks off
+        if type(interval_value) in (int, float) and interval_value == 0
+        else _seconds(task_name, interval_source, interval_value)
+    )
+    timeout_source, check_timeout = option("lock_check_timeout", DEFAULT_CHECK_TIMEOUT)
+    check_timeout = _seconds(task_name, timeout_source, check_timeout)
+    if (
+        watch_interval
+        and conf.get("pglock_server_keepalives", True)
+        and watch_interval + check_timeout + LOSS_MARGIN > SERVER_KEEPALIVE_DEADLINE
+    ):
+        # A holder cut off from the server must learn it before the server frees the
+        # lock through its keepalives; see docs/operations/lock-loss.md.
+        raise exceptions.ConfigurationError(
+            f"Task {task_name!r}: {interval_source}={watch_interval!r} plus "
+            f"{timeout_source}={check_timeout!r} is too long: a holder cut off from the "
+            f"server would learn it after up to {watch_interval + check_timeout:g}s, "
+            f"but the server may free its lock {SERVER_KEEPALIVE_DEADLINE:g}s after the "
+            "link breaks (keepalives). Expected lock_watch_interval + lock_check_timeout <= "
+            f"{SERVER_KEEPALIVE_DEADLINE - LOSS_MARGIN:g}."
+        )
+
     given = [
         name for name in ("lock_args", "lock_key", "lock_id") if name in attributes
     ]
@@ -352,6 +414,9 @@ def resolve(
         on_error=on_error,
         error_retries=error_retries,
         error_backoff=error_backoff,
+        on_lost=on_lost,
+        watch_interval=watch_interval,
+        check_timeout=check_timeout,
         lock_args=lock_args,
         lock_key=lock_key,
         fixed_key=fixed_key,

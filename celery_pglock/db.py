@@ -27,7 +27,8 @@ from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 
-from celery_pglock import _redact, _sql, config, exceptions
+# _forks first: its after-fork hook must run before ours (see _forks.py).
+from celery_pglock import _forks, _redact, _sql, config, exceptions
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,10 @@ PROBE_CONNECT_TIMEOUT = 10
 
 _engines: dict[str, sa.Engine] = {}
 _labels: weakref.WeakKeyDictionary[sa.Engine, dict[str, str]] = (
+    weakref.WeakKeyDictionary()
+)
+#: The connect_args each lock engine was made with (for the lock watcher's own session).
+_connect_args: weakref.WeakKeyDictionary[sa.Engine, dict[str, Any]] = (
     weakref.WeakKeyDictionary()
 )
 _engines_pid = os.getpid()
@@ -182,7 +187,20 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
     }
     event.listen(engine, "checkin", _unlock_leftovers)
     _drop_options_if_refused(engine, options)
+    # Lock sessions: a forked child must never touch them (see _forks.py).
+    event.listen(engine, "connect", _adopt)
+    _connect_args[engine] = dict(options["connect_args"])
     return engine
+
+
+def _adopt(dbapi_connection: Any, record: Any) -> None:
+    _forks.adopt(dbapi_connection)
+
+
+def connect_params(engine: sa.Engine) -> dict[str, Any]:
+    """The psycopg2.connect() keywords of ``engine``'s connections (with secrets: never log)."""
+    _, params = engine.dialect.create_connect_args(engine.url)
+    return {**params, **_connect_args.get(engine, {})}
 
 
 def _drop_options_if_refused(engine: sa.Engine, options: Mapping[str, Any]) -> None:
@@ -266,6 +284,7 @@ def engine_info(engine: sa.Engine) -> dict[str, str]:
         # An engine the caller made: label it and add the check-in net on first sight.
         if not event.contains(engine, "checkin", _unlock_leftovers):
             event.listen(engine, "checkin", _unlock_leftovers)
+            event.listen(engine, "connect", _adopt)
         labels = _labels[engine] = {
             "application_name_prefix": DEFAULT_APPLICATION_NAME,
             "masked_url": mask_url(engine.url),
@@ -291,8 +310,8 @@ def _unlock_leftovers(dbapi_connection: Any, record: Any) -> None:
     invalidated: closing the session is the one release PostgreSQL always honours.
     """
     held = record.info.get(HELD)
-    if not held or dbapi_connection is None:
-        return
+    if not held or dbapi_connection is None or _forks.is_foreign(dbapi_connection):
+        return  # (a forked child's copy of its parent's lock session: not ours to unlock)
     logger.warning(
         "A lock connection came back to the pool still holding advisory keys %s; unlocking them all",
         sorted(held),

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -85,6 +86,18 @@ class AdvisoryLock:
         self.released_at: float | None = None
         #: Seconds acquire() took, including any bounded wait.
         self.wait_seconds: float | None = None
+        # -- lock loss (see _watch.py and docs/operations/lock-loss.md) --
+        #: PostgreSQL backend pid of the session holding the lock, while held.
+        self.backend_pid: int | None = None
+        #: os.getpid() of the process that took the lock: the only one that may release
+        #: it (a forked child must never touch its parent's session, see _forks.py).
+        self.owner_pid: int | None = None
+        #: Why the lock was lost while held (None: not lost).
+        self.lost_cause: str | None = None
+        #: Longest a release may wait on the database before its socket is shut down.
+        self.release_timeout: float = _hold.DEFAULT_RELEASE_TIMEOUT
+        #: Shadow mode ran the body without this lock: ensure_held() must not stop it.
+        self._shadow = False
 
     # -- public verbs -------------------------------------------------------------------
 
@@ -143,9 +156,14 @@ class AdvisoryLock:
             self._session.after_disconnect()
             granted = self._do_acquire(timeout_ms)
         self.wait_seconds = time.monotonic() - asked_at
-        if granted:
+        hold = self._hold
+        if granted and hold is not None:
             self.acquired_at = asked_at + self.wait_seconds
             self.released_at = None
+            # Lock-loss watching: no round trip (libpq knows its backend pid).
+            self.backend_pid = hold.connection.get_backend_pid()
+            self.owner_pid = os.getpid()
+            self.lost_cause = None
         return granted
 
     def release(self, *, commit: bool = True) -> None:
@@ -172,15 +190,73 @@ class AdvisoryLock:
                 key=str(self.key),
                 name=self.key.name,
             )
+        if hold.pid != os.getpid():
+            # A forked child's copy: the lock is its parent's. Forgotten here without a
+            # word on the inherited session (see _forks.py), and refused loudly.
+            raise _hold.foreign(hold, self.key)
         try:
-            # The hold knows its session (a bounded wait's lives on a connection of its own).
-            hold.session.release(hold, self.key, commit=commit)
+            # The hold knows its session (a bounded wait's lives on a connection of its
+            # own). Bounded: on a cut or frozen link the socket is shut down (_deadline).
+            hold.session.release(
+                hold, self.key, commit=commit, timeout=self.release_timeout
+            )
         finally:
             self.released_at = time.monotonic()
 
     def owned(self) -> bool:
         """True while this object holds the lock (no database round trip)."""
         return self._hold is not None
+
+    @property
+    def lost(self) -> bool:
+        """True once the lock was found lost while held (see ``lost_cause``)."""
+        return self.lost_cause is not None
+
+    def ensure_held(self) -> None:
+        """Raise unless the lock is still held, as far as this process knows.
+
+        Call it before each side effect of a long body. No round trip: it reads what the
+        lock watcher last found (checks run every ``lock_watch_interval`` seconds), so it
+        narrows the window, it does not close it (fencing tokens do; see
+        docs/operations/lock-loss.md).
+
+        Raises:
+            LockLostError: the lock was lost (the message says why).
+            LockNotOwnedError: the lock is not held, or not by this process (a forked
+                child).
+        """
+        if self.lost_cause is not None:
+            raise self._lost_error()
+        if self._shadow:
+            return  # shadow mode promises to run the body whatever the lock says
+        if not self.owned() or self.owner_pid != os.getpid():
+            raise exceptions.LockNotOwnedError(
+                f"Lock {self.key.name!r} (key {self.key}) is not held by this process.",
+                key=str(self.key),
+                name=self.key.name,
+            )
+
+    @property
+    def _holding_name(self) -> str | None:
+        """The application_name the lock's session showed when it was granted (the
+        watcher uses it once to learn the real backend pid behind PgBouncer)."""
+        hold = self._hold
+        return hold.holding_name if hold is not None else None
+
+    def _mark_lost(self, cause: str) -> bool:
+        """Record that the lock was lost; True the first time (the watcher reports it)."""
+        if self.lost_cause is not None or not self.owned():
+            return False
+        self.lost_cause = cause
+        return True
+
+    def _lost_error(self) -> exceptions.LockLostError:
+        return exceptions.LockLostError(
+            f"Lock {self.key.name!r} (key {self.key}) was lost while its body ran: "
+            f"{self.lost_cause}.",
+            key=str(self.key),
+            name=self.key.name,
+        )
 
     def locked(self) -> bool:
         """True if any session in this database holds the key (one ``pg_locks`` query)."""

@@ -43,7 +43,7 @@ class Metrics(Protocol):
         """Releasing a lock went wrong (the connection was closed instead)."""
 
     def lost(self, task: str) -> None:
-        """A held lock was lost while its body ran (reserved for lock-loss detection)."""
+        """A held lock was found lost while its body ran (the lock watcher, ``_watch.py``)."""
 
 
 class NullMetrics:

@@ -24,6 +24,11 @@ Per signal, in addition:
 - :data:`lock_release_failed` - releasing went wrong (the unlock reported "not held", the
   database failed, or a transaction-scope lock had ended early); ``exception``. The
   connection was closed, so PostgreSQL no longer holds the lock either way.
+- :data:`lock_lost` - the lock was found lost while the body ran (session ended, server
+  restarted or failed over, or the lock could not be verified in time); ``cause`` says
+  which, in a sentence. Sent from the lock watcher thread of the process running the
+  task, within about ``lock_watch_interval`` seconds of the loss. The run then ends
+  FAILURE with LockLostError. See docs/operations/lock-loss.md.
 
 A skipped run is not a success: exporters should count ``lock_skipped`` on its own, and
 repeated skips usually mean the work is slower than its schedule.
@@ -44,11 +49,13 @@ lock_skipped = Signal(name="lock_skipped")
 lock_completed = Signal(name="lock_completed")
 lock_failed = Signal(name="lock_failed")
 lock_release_failed = Signal(name="lock_release_failed")
+lock_lost = Signal(name="lock_lost")
 
 __all__ = [
     "lock_acquired",
     "lock_completed",
     "lock_failed",
+    "lock_lost",
     "lock_release_failed",
     "lock_skipped",
 ]

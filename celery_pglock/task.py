@@ -26,6 +26,7 @@ Where things happen, and why there (each line is a bug in an existing library):
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import celery
@@ -37,6 +38,7 @@ from celery_pglock import (
     _holder,
     _hooks,
     _outcomes,
+    _watch,
     config,
     context,
     db,
@@ -191,8 +193,11 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 return self._on_busy(lock, task_id, direct=direct)
             execution.lock = lock
             context.hold(lock)
+            lock.release_timeout = options.check_timeout
             try:
                 _outcomes.acquired(self, task_id, lock)
+                # Lock loss: watched while the body runs (_watch.py); no-op if disabled.
+                _watch.watch(lock, self, task_id, options)
                 # In a worker (and in apply()) Celery's tracer has already pushed this
                 # request and task, so Task.__call__ would only push copies (~35 us per
                 # task); a plain task gets the same shortcut from the tracer itself.
@@ -407,6 +412,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             shadow=True,
         )
         # current_lock() answers with the lock that was tried: owned() is False.
+        lock._shadow = True  # and its ensure_held() lets the body go on
         execution.lock = lock
         body = super().__call__ if execution.task_id is None else self.run
         return body(*args, **kwargs)
@@ -423,6 +429,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         state, so the retry's own outcome can never be overwritten by it; the
         task_postrun hook then calls :meth:`finish`.
         """
+        _watch.unwatch(lock)  # first: a loss found from now on never interrupts
         if execution.release_at_postrun:
             execution.ended_with = exc
             return
@@ -438,15 +445,27 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
 
         Internal: called when the body ends, or by the task_postrun hook (see _end).
         """
+        if lock.owner_pid is not None and lock.owner_pid != os.getpid():
+            return  # a forked child's copy of the run: lock and outcome are the parent's
         task_id = execution.task_id
+        # A lost lock (lock_lost was reported) fails a run that would otherwise succeed
+        # or that ended with lock_on_lost='terminate''s bare LockLostError; the body's
+        # own exception, if any, is kept. Its transaction is rolled back, not committed.
+        lost_error: exceptions.LockLostError | None = None
+        if lock.lost and (exc is None or type(exc) is exceptions.LockLostError):
+            lost_error = lock._lost_error()
         release_error: exceptions.PgLockError | None = None
         if lock.owned():
-            release_error = self._release(lock, task_id, commit=exc is None)
+            release_error = self._release(
+                lock, task_id, commit=exc is None and not lock.lost
+            )
         # A session-scope release failure leaves the run's outcome as it was (the body's
         # work is done and the session is closed); lock_release_failed reports it. In
         # transaction scope it means the work was not committed under the lock: a failure.
-        failed = exc is not None or (
-            release_error is not None and lock.scope is LockScope.TRANSACTION
+        failed = (
+            exc is not None
+            or lost_error is not None
+            or (release_error is not None and lock.scope is LockScope.TRANSACTION)
         )
         state = _state_of(exc) if failed else states.SUCCESS
         _outcomes.released(
@@ -455,8 +474,10 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             lock,
             state=state,
             failed=failed,
-            exception=exc or release_error,
+            exception=lost_error or exc or release_error,
         )
+        if lost_error is not None:
+            raise lost_error from exc
         if failed and exc is None and release_error is not None:
             # Transaction scope: the body's work was not committed under the lock, so
             # the run must not succeed.
@@ -470,7 +491,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         try:
             lock.release(commit=commit)
         except exceptions.PgLockError as error:
-            _outcomes.release_failed(self, task_id, lock, error)
+            if not lock.lost:  # a lost lock's release fails; lock_lost said it all
+                _outcomes.release_failed(self, task_id, lock, error)
             return error
         return None
 

@@ -13,9 +13,11 @@ from celery_pglock import (
     AdvisoryLock,
     LockBusy,
     LockKey,
+    LockLostError,
     LockScope,
     LockSkipped,
     OnBusy,
+    OnLost,
     SingletonTask,
     SkipResult,
     current_lock,
@@ -55,6 +57,23 @@ def on_skipped(sender: object, task_id: str | None, key: LockKey, **_: object) -
 
 
 signals.lock_skipped.connect(on_skipped)
+
+
+@app.task(base=SingletonTask, lock_on_lost=OnLost.TERMINATE, lock_watch_interval=2)
+def long_sync() -> bool:
+    lock = current_lock()
+    try:
+        lock.ensure_held()
+    except LockLostError as lost:
+        print(lost.key, lock.lost_cause)
+    return lock.lost
+
+
+def on_lost(sender: object, key: LockKey, cause: str, **_: object) -> None:
+    print(key, cause)
+
+
+signals.lock_lost.connect(on_lost)
 
 
 def standalone() -> None:

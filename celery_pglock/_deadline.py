@@ -1,0 +1,109 @@
+"""A client-side bound on one blocking round trip of a psycopg2 connection.
+
+A lock statement sent on a cut or frozen link waits for an answer that may never come:
+``statement_timeout`` is enforced by the server, which never saw the statement, and TCP
+gives up on unacknowledged data only after minutes (a frozen middlebox acknowledges
+everything). Releases blocked 25-214 s that way. :func:`bounded` closes the gap: if the
+round trip has not returned after ``seconds``, a per-process reaper thread shuts the
+socket down (``shutdown(SHUT_RDWR)``), which wakes the blocked ``recv`` at once; libpq then
+reports a lost connection, and the caller handles it as it handles any dead session
+(closing it, which is the one release PostgreSQL always honours).
+
+Cost on the hot path: one small object and two uncontended lock round trips. The reaper
+thread is started on first use in each process and wakes every :data:`TICK` seconds, so
+a bound is enforced within ``seconds + TICK``; it never runs SQL and never touches a
+connection whose round trip has returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+#: How often the reaper looks for expired round trips (seconds).
+TICK = 0.25
+
+
+class Bound:
+    """One bounded round trip; ``fired`` tells the caller why its connection died."""
+
+    __slots__ = ("deadline", "done", "fd", "fired")
+
+    def __init__(self, fd: int, deadline: float) -> None:
+        self.fd = fd
+        self.deadline = deadline
+        self.done = False
+        self.fired = False
+
+
+_pending: dict[int, Bound] = {}
+_guard = threading.Lock()
+_reaper: tuple[int, threading.Thread] | None = None
+
+
+@contextlib.contextmanager
+def bounded(dbapi_connection: Any, seconds: float) -> Iterator[Bound]:
+    """Shut the connection's socket down if the block has not ended after ``seconds``.
+
+    Only for a connection this process owns, used by one thread at a time. After a
+    fired bound the connection is dead: the caller must close (invalidate) it.
+    """
+    bound = Bound(dbapi_connection.fileno(), time.monotonic() + seconds)
+    with _guard:
+        _ensure_reaper()
+        _pending[id(bound)] = bound
+    try:
+        yield bound
+    finally:
+        # Under the guard, so the reaper never shuts down a socket (or a reused fd
+        # number) after the round trip has returned.
+        with _guard:
+            bound.done = True
+            _pending.pop(id(bound), None)
+
+
+def explain(bound: Bound | None) -> str:
+    """A clause for an error message: why the connection died, if the bound cut it."""
+    if bound is None or not bound.fired:
+        return ""
+    return " (no answer in time: the socket was shut down and the session closed)"
+
+
+def _ensure_reaper() -> None:
+    global _reaper
+    pid = os.getpid()
+    if _reaper is not None and _reaper[0] == pid and _reaper[1].is_alive():
+        return
+    _pending.clear()  # a forked child's copy of its parent's round trips
+    thread = threading.Thread(target=_reap, name="celery-pglock-deadline", daemon=True)
+    thread.start()
+    _reaper = (pid, thread)
+
+
+def _reap() -> None:
+    while True:
+        time.sleep(TICK)
+        now = time.monotonic()
+        with _guard:
+            for key, bound in list(_pending.items()):
+                if bound.deadline <= now and not bound.done:
+                    del _pending[key]
+                    bound.fired = True
+                    _shutdown(bound.fd)
+
+
+def _shutdown(fd: int) -> None:
+    try:
+        # fromfd() duplicates the descriptor; shutdown acts on the socket itself, so
+        # the blocked recv in the owning thread returns at once.
+        with socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed: nothing is blocked on it any more

@@ -1,0 +1,189 @@
+"""The lock watcher's own session to one lock database, and its one check statement.
+
+Asynchronous (psycopg2 ``async_``): every connect and query waits in ``poll()`` until the
+check's deadline, so a frozen link or a frozen server can never block the watcher. A
+check that cannot complete in time raises nothing: it answers "unverifiable" for every
+lock it was asked about (see ``_watch.py`` for what happens then).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import time
+from typing import TYPE_CHECKING, Any
+
+from celery_pglock import _forks, _options, _redact, _sql, db
+
+if TYPE_CHECKING:
+    from celery_pglock._watch import Entry
+
+#: Statements run by observers in this process (tests prove short tasks run none).
+checks_run = 0
+
+
+class UnverifiableError(Exception):
+    pass
+
+
+class Observer:
+    """The watcher's asynchronous session to one lock database."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.connection: Any = None
+        self.server_start: str | None = None
+        self.drop_options = False  #: The server (a pooler) refused our options.
+
+    def check(self, entries: list[Entry], deadline: float) -> dict[int, str]:
+        """{id(entry): cause} for each lock found lost; every entry if unverifiable."""
+        last_error: BaseException | None = None
+        while True:
+            try:
+                return self._check_once(entries, deadline)
+            except UnverifiableError as timeout:
+                last_error = timeout
+            except Exception as error:  # a dead session: reconnect while time remains
+                last_error = error
+            self.close()
+            if time.monotonic() + 0.1 >= deadline:
+                break
+            time.sleep(0.1)
+        # libpq may echo connection options: scrub as the security layer does.
+        text = _redact.scrub_text(str(last_error), _redact.secrets_of(self.engine.url))
+        reason = " ".join(text.split()) or type(last_error).__name__
+        cause = (
+            "unverifiable: the lock database did not confirm it within "
+            f"{entries[0].timeout:g}s ({reason})"
+        )
+        return {id(entry): cause for entry in entries}
+
+    def _check_once(self, entries: list[Entry], deadline: float) -> dict[int, str]:
+        global checks_run
+        if self.connection is None:
+            self._connect(deadline)
+        ids = [entry.lock.key.pg_locks_ids for entry in entries]
+        cursor = self.connection.cursor()
+        cursor.execute(
+            _sql.CHECK_HELD,
+            (
+                [classid for classid, _, _ in ids],
+                [objid for _, objid, _ in ids],
+                [objsubid for _, _, objsubid in ids],
+                [entry.backend_pid or 0 for entry in entries],
+            ),
+        )
+        checks_run += 1
+        wait(self.connection, deadline)
+        rows = cursor.fetchall()
+        cursor.close()
+        start, standby = rows[0][4], rows[0][5]
+        restarted = self.server_start is not None and start != self.server_start
+        self.server_start = start
+        losses: dict[int, str] = {}
+        for entry, (_, holder, holder_name, alive, _, _) in zip(
+            entries, rows, strict=True
+        ):
+            if entry.server_start is None:
+                entry.server_start = start
+            if standby:
+                losses[id(entry)] = (
+                    "the server is now a standby (pg_is_in_recovery()): a failover"
+                )
+                continue
+            if holder is not None and holder == entry.backend_pid:
+                entry.pid_confirmed = True
+                continue
+            if (
+                holder is not None
+                and not entry.pid_confirmed
+                and holder_name == getattr(entry.lock, "_holding_name", None)
+            ):
+                # Through PgBouncer libpq's backend pid is the pooler's invention: the
+                # session showing this lock's own application_name is ours. Learnt once.
+                entry.backend_pid, entry.pid_confirmed = holder, True
+                continue
+            if restarted or entry.server_start != start:
+                losses[id(entry)] = (
+                    "the server restarted or was replaced (pg_postmaster_start_time() changed)"
+                )
+            elif not alive:
+                losses[id(entry)] = (
+                    f"its session (backend {entry.backend_pid}) ended: "
+                    "terminated, timed out or disconnected"
+                )
+            else:
+                losses[id(entry)] = (
+                    f"its session (backend {entry.backend_pid}) no longer holds "
+                    "it (unlocked, or its transaction ended)"
+                )
+        return losses
+
+    def _connect(self, deadline: float) -> None:
+        import psycopg2  # the only supported driver; imported lazily
+
+        timeout = max(1, int(deadline - time.monotonic() + 0.999))
+        params = db.connect_params(self.engine)
+        params["application_name"] = db.application_name(
+            db.engine_info(self.engine)["application_name_prefix"],
+            db.process_tag(),
+            "watch",
+        )
+        params["connect_timeout"] = timeout
+        if self.drop_options:
+            params.pop("options", None)
+        connection = psycopg2.connect(**params, async_=1)
+        _forks.adopt(connection)  # a forked child must not touch it either
+        self.connection = connection
+        try:
+            wait(connection, deadline)
+        except psycopg2.OperationalError as error:
+            # A pooler refusing the library's keepalive options (see _options.py): the
+            # lock sessions connect without them, and so does the watcher.
+            if params.get("options") != db.SERVER_KEEPALIVE_OPTIONS or not any(
+                text in str(error) for text in _options.OPTIONS_REJECTED
+            ):
+                raise
+            self.close()
+            self.drop_options = True
+            self._connect(deadline)
+            return
+        cursor = connection.cursor()
+        # The server gives up too, so a slow check never lingers there.
+        cursor.execute(
+            "SELECT set_config('statement_timeout', %s, false)", (f"{timeout}s",)
+        )
+        wait(connection, deadline)
+        cursor.close()
+
+    def close(self) -> None:
+        connection, self.connection = self.connection, None
+        if connection is not None:
+            with contextlib.suppress(Exception):  # it is dead already, most often
+                connection.close()
+
+
+def wait(connection: Any, deadline: float) -> None:
+    """Drive an asynchronous psycopg2 connection until it is ready, or the deadline."""
+    import psycopg2.extensions as ext
+
+    while True:
+        state = connection.poll()
+        if state == ext.POLL_OK:
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise UnverifiableError("no answer in time")
+        if not hasattr(select, "poll"):  # gevent's monkey-patching removes it
+            reading = state == ext.POLL_READ
+            fd = connection.fileno()
+            select.select(
+                [fd] if reading else [], [] if reading else [fd], [], remaining
+            )
+            continue
+        poller = select.poll()
+        poller.register(
+            connection.fileno(),
+            select.POLLIN if state == ext.POLL_READ else select.POLLOUT,
+        )
+        poller.poll(remaining * 1000)

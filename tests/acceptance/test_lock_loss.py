@@ -1,0 +1,301 @@
+"""Lock loss and forks inside a body, with real workers and a private PostgreSQL.
+
+The workers' locks live on a private embedded PostgreSQL whose backends these tests
+terminate; the overlap recorder, gates and recorded ``lock_lost`` events live on the
+shared test database. See docs/operations/lock-loss.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+import uuid
+
+import psycopg2
+import pytest
+
+from celery_pglock import LockLostError, LockSkipped
+from celery_pglock.testing import EmbeddedPostgres, WorkerProcess
+
+from .conftest import wait_until
+
+INTERVAL = 0.5  # loss_app's pglock_watch_interval
+
+
+@pytest.fixture(scope="module")
+def lock_server():
+    server = EmbeddedPostgres()
+    try:
+        yield server.start()
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def loss(acceptance_env, lock_server):
+    import os
+
+    os.environ["PGLOCK_TEST_LOCK_DATABASE_URL"] = lock_server.url()
+    module = importlib.import_module("tests.acceptance.loss_app")
+    module.setup_events()
+    importlib.import_module("tests.acceptance.app").setup_gates()
+    module.recorder.setup()
+    return module
+
+
+@pytest.fixture(scope="module")
+def loss_workers(loss, acceptance_env, lock_server, tmp_path_factory):
+    """A prefork worker (2 children) and a threads-pool worker, each on its own queue."""
+    logs = tmp_path_factory.mktemp("loss-workers")
+    queue = f"pglock-loss-{uuid.uuid4().hex[:8]}"
+    env = {**acceptance_env, "PGLOCK_TEST_LOCK_DATABASE_URL": lock_server.url()}
+    started = {}
+    for pool, concurrency in (("prefork", 2), ("threads", 2)):
+        worker = WorkerProcess(
+            "tests.acceptance.loss_app",
+            env=env,
+            pool=pool,
+            concurrency=concurrency,
+            queues=[f"{queue}-{pool}"],
+            log_path=logs / f"{pool}.log",
+        )
+        started[pool] = worker.start(timeout=90)
+    yield {pool: f"{queue}-{pool}" for pool in started}
+    for worker in started.values():
+        worker.stop(timeout=20)
+
+
+def query(lock_server, sql: str, params: tuple = ()) -> list[tuple]:
+    """One statement on the private lock server, on a connection of its own."""
+    connection = psycopg2.connect(lock_server.url().replace("+psycopg2", ""))
+    try:
+        connection.autocommit = True
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            return cursor.fetchall()
+    finally:
+        connection.close()
+
+
+def holder_pid(lock_server, key) -> int | None:
+    rows = query(
+        lock_server,
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+        "AND classid = %s::oid AND objid = %s::oid AND objsubid = %s::int2",
+        key.pg_locks_ids,
+    )
+    return rows[0][0] if rows else None
+
+
+def terminate(lock_server, pid: int) -> float:
+    """pg_terminate_backend(pid) on the private server; returns time.time() after it."""
+    query(lock_server, "SELECT pg_terminate_backend(%s)", (pid,))
+    return time.time()
+
+
+def test_short_tasks_open_no_watcher_session(loss, loss_workers, lock_server, run):
+    """Bodies shorter than the interval cost no check: the watcher never even
+    connects (its session would show as '<prefix> <host:pid> watch')."""
+    queue = loss_workers["threads"]
+    before = _watch_sessions(lock_server)
+    results = [
+        loss.duplicate.apply_async((f"{run}-{n}",), queue=queue) for n in range(40)
+    ]
+    assert [r.get(timeout=60) for r in results] == ["ran"] * 40
+    time.sleep(INTERVAL * 3)
+    assert _watch_sessions(lock_server) == before
+
+
+def _watch_sessions(lock_server) -> int:
+    sql = "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE '%% watch'"
+    return int(query(lock_server, sql)[0][0])
+
+
+def test_terminated_holder_is_signalled_within_the_interval_and_fails_the_run(
+    loss, loss_workers, lock_server, recorder, run
+):
+    """pg_terminate_backend frees the lock at once: a duplicate gets it and overlaps
+    (that is what fencing is for), but the holder's process signals lock_lost within
+    about one interval, and its run ends FAILURE with LockLostError."""
+    queue = loss_workers["prefork"]
+    gate = f"gate-{run}"
+    first = loss.hold.apply_async((run, gate), queue=queue)
+    key = loss.hold.lock_key_for(run, gate)
+    pid = wait_until(lambda: holder_pid(lock_server, key), timeout=30, what="the lock")
+    time.sleep(INTERVAL * 2)  # the holder was checked at least once
+    terminated_at = terminate(lock_server, pid)
+    (event,) = wait_until(
+        lambda: loss.lost_events(first.id), timeout=10, what="lock_lost"
+    )
+    task_name, cause, _, at = event
+    assert task_name == loss.hold.name
+    assert "ended" in cause
+    detected_after = at.timestamp() - terminated_at
+    print(f"pg_terminate_backend: lock_lost after {detected_after:.2f}s")
+    # interval + the watcher's tick (interval/4) + one query; loose on a busy machine
+    assert detected_after < INTERVAL * 1.25 + 1.0, detected_after
+    second = loss.hold.apply_async((run, gate), queue=queue)
+    wait_until(lambda: recorder.count(run) == 2, timeout=30, what="the duplicate")
+    _open(gate)
+    assert second.get(timeout=30) == "finished"
+    with pytest.raises(LockLostError, match="was lost while its body ran"):
+        first.get(timeout=30)
+    # The one overlap is explained: it started after the detected, signalled loss.
+    (overlap,) = recorder.overlaps(run)
+    assert overlap.second.started_at.timestamp() > terminated_at - 0.5
+
+
+def _open(gate: str) -> None:
+    importlib.import_module("tests.acceptance.app").open_gate(gate)
+
+
+@pytest.mark.parametrize(("pool", "chunk"), [("prefork", 60.0), ("threads", 0.05)])
+def test_terminate_policy_ends_the_body(
+    loss, loss_workers, lock_server, recorder, run, pool, chunk
+):
+    """lock_on_lost='terminate': prefork interrupts even one long sleep (a signal to the
+    main thread); the threads pool raises at the body's next bytecode."""
+    result = loss.hold_terminate.apply_async((run, chunk), queue=loss_workers[pool])
+    key = loss.hold_terminate.lock_key_for(run, chunk)
+    pid = wait_until(lambda: holder_pid(lock_server, key), timeout=30, what="the lock")
+    terminated_at = terminate(lock_server, pid)
+    with pytest.raises(LockLostError, match="was lost while its body ran"):
+        result.get(timeout=30)
+    (interval,) = recorder.intervals(run)
+    assert interval.ended_at.timestamp() - terminated_at < INTERVAL * 1.25 + 1.5
+    # The worker (and, in prefork, its child) lives on and runs the next task.
+    again = loss.duplicate.apply_async((f"{run}-2",), queue=loss_workers[pool])
+    assert again.get(timeout=30) == "ran"
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "os.fork-raise",
+        "os.fork-return",
+        "os.fork-os._exit",
+        "os.fork-gc",
+        "mp-raise",
+        "mp-return",
+        "mp-sys.exit",
+        "mp-os._exit",
+    ],
+)
+def test_a_forked_child_leaves_the_parents_lock_alone(
+    loss, loss_workers, lock_server, recorder, run, how
+):
+    """However the child of a body's fork ends, the parent's lock stays held (pg_locks,
+    and a duplicate is skipped) until the parent's body ends."""
+    gate = f"gate-{run}"
+    parent = loss.forks.apply_async((run, how, gate), queue=loss_workers["prefork"])
+    key = loss.forks.lock_key_for(run, how, gate)
+    pid = wait_until(lambda: holder_pid(lock_server, key), timeout=30, what="the lock")
+    (noted,) = wait_until(
+        lambda: loss.notes(parent.id), timeout=30, what="the child to exit"
+    )
+    assert noted == "held=True"
+    assert holder_pid(lock_server, key) == pid  # same session, still granted
+    duplicate = loss.duplicate.apply_async((run,), queue=loss_workers["prefork"])
+    with pytest.raises(LockSkipped):
+        duplicate.get(timeout=30)
+    _open(gate)
+    wait_until(
+        lambda: holder_pid(lock_server, key) is None, timeout=30, what="the release"
+    )
+    assert recorder.overlaps(run) == []
+    assert loss.lost_events(parent.id) == []
+
+
+CHECK_TIMEOUT = 2.0
+
+
+def test_frozen_link_is_unverifiable_the_body_ends_and_the_release_is_bounded(
+    loss, lock_server, acceptance_env, tmp_path, recorder, run
+):
+    """The link to the server freezes (TCP open, nothing forwarded: a stalled middlebox).
+    The holder's watcher cannot verify its lock and reports it lost before the
+    server's keepalive deadline; with lock_on_lost='terminate' the body ends, and the
+    release into the frozen link gives up after lock_check_timeout instead of blocking
+    (it blocked 25.6 s before). When the link thaws, the lock is freed."""
+    from ._proxy import FreezableProxy
+
+    proxy = FreezableProxy(("127.0.0.1", lock_server.port))
+    queue = f"pglock-loss-frozen-{uuid.uuid4().hex[:8]}"
+    url = lock_server.url().replace(f":{lock_server.port}/", f":{proxy.port}/")
+    worker = WorkerProcess(
+        "tests.acceptance.loss_app",
+        env={
+            **acceptance_env,
+            "PGLOCK_TEST_LOCK_DATABASE_URL": url,
+            "PGLOCK_TEST_CHECK_TIMEOUT": str(CHECK_TIMEOUT),
+        },
+        concurrency=1,
+        queues=[queue],
+        log_path=tmp_path / "frozen.log",
+    )
+    try:
+        worker.start(timeout=90)
+        result = loss.hold_terminate.apply_async((run, 60.0), queue=queue)
+        key = loss.hold_terminate.lock_key_for(run, 60.0)
+        wait_until(lambda: holder_pid(lock_server, key), timeout=30, what="the lock")
+        time.sleep(INTERVAL * 3)  # checked through the proxy at least once
+        proxy.freeze()
+        frozen_at = time.time()
+        with pytest.raises(LockLostError, match="unverifiable"):
+            result.get(timeout=30)
+        ended_after = time.time() - frozen_at
+        ((_, cause, _, at),) = loss.lost_events(result.id)
+        assert cause.startswith("unverifiable"), cause
+        detected_after = at.timestamp() - frozen_at
+        # Detection: interval + check timeout (+ the watcher's tick); the body then ends
+        # and its release into the frozen link is cut after the check timeout.
+        assert detected_after < INTERVAL * 1.25 + CHECK_TIMEOUT + 1.0, detected_after
+        assert ended_after < detected_after + CHECK_TIMEOUT + 2.0, ended_after
+        assert ended_after < 60  # well before the server's keepalives could free it
+        print(
+            f"frozen link: lock_lost after {detected_after:.2f}s, run ended after "
+            f"{ended_after:.2f}s (interval {INTERVAL}s, check timeout {CHECK_TIMEOUT}s)"
+        )
+        # A frozen link never tells the server: it still holds the lock...
+        assert holder_pid(lock_server, key) is not None
+        proxy.thaw()
+        # ...until the link thaws and the closed session reaches it.
+        wait_until(
+            lambda: holder_pid(lock_server, key) is None,
+            timeout=30,
+            what="the lock to be freed after the thaw",
+        )
+        # The worker lives on and locks through the thawed link.
+        again = loss.duplicate.apply_async((f"{run}-2",), queue=queue)
+        assert again.get(timeout=60) == "ran"
+    finally:
+        proxy.thaw()
+        worker.stop(timeout=20)
+        proxy.close()
+
+
+def test_postgres_restart_during_a_body_is_signalled(
+    loss, loss_workers, lock_server, recorder, run
+):
+    """A restart of the (private) server frees every lock at once; the holder's process
+    signals lock_lost (restart, or its session ended) and the run fails. Last in the
+    module: it restarts the server the other tests use."""
+    gate = f"gate-{run}"
+    first = loss.hold.apply_async((run, gate), queue=loss_workers["prefork"])
+    key = loss.hold.lock_key_for(run, gate)
+    wait_until(lambda: holder_pid(lock_server, key), timeout=30, what="the lock")
+    time.sleep(INTERVAL * 3)  # the watcher knows the server's start time
+    lock_server.restart()
+    restarted_at = time.time()
+    ((_, cause, _, at),) = wait_until(
+        lambda: loss.lost_events(first.id), timeout=30, what="lock_lost"
+    )
+    assert "restarted" in cause or "ended" in cause, cause
+    assert at.timestamp() - restarted_at < INTERVAL * 1.25 + 5.0 + 1.0
+    print(
+        f"restart: lock_lost {at.timestamp() - restarted_at:+.2f}s after restart() "
+        f"returned ({cause})"
+    )
+    _open(gate)
+    with pytest.raises(LockLostError):
+        first.get(timeout=30)
