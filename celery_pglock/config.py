@@ -85,6 +85,7 @@ APP_SETTINGS = {
     "lock_on_error": "pglock_on_error",
     "lock_error_retries": "pglock_error_retries",
     "lock_error_backoff": "pglock_error_backoff",
+    "lock_fencing": "pglock_fencing",
 }
 #: Options that only make sense per task.
 TASK_ONLY_OPTIONS = ("lock_args", "lock_key", "lock_id", "lock_name")
@@ -150,6 +151,8 @@ class LockConfig:
     error_retries: int = DEFAULT_ERROR_RETRIES
     #: Seconds before the first such re-run; doubled each time, at most 300 s.
     error_backoff: float = DEFAULT_ERROR_BACKOFF
+    #: Issue a fencing token to each acquisition (docs/guide/fencing.md).
+    fencing: bool = False
     lock_args: tuple[str, ...] = ()  #: Parameter names whose values form the key.
     lock_key: Callable[..., object] | None = None  #: Custom key-material function.
     fixed_key: keys.LockKey | None = None  #: The key when it never varies per call.
@@ -301,6 +304,10 @@ def resolve(
         task_name, *option("lock_error_backoff", DEFAULT_ERROR_BACKOFF)
     )
 
+    source, fencing = option("lock_fencing", False)
+    if not isinstance(fencing, bool):
+        raise _fail(task_name, source, fencing, "True or False")
+
     given = [
         name for name in ("lock_args", "lock_key", "lock_id") if name in attributes
     ]
@@ -338,6 +345,7 @@ def resolve(
         on_error=on_error,
         error_retries=error_retries,
         error_backoff=error_backoff,
+        fencing=fencing,
         lock_args=lock_args,
         lock_key=lock_key,
         fixed_key=fixed_key,

@@ -95,6 +95,8 @@ class AdvisoryLock:
         self.released_at: float | None = None
         #: Seconds acquire() took, including any bounded wait.
         self.wait_seconds: float | None = None
+        #: This hold's fencing token (celery_pglock.fencing), or None when fencing is off.
+        self.fencing_token: int | None = None
 
     # -- public verbs -------------------------------------------------------------------
 
@@ -157,6 +159,9 @@ class AdvisoryLock:
         if granted:
             self.acquired_at = asked_at + self.wait_seconds
             self.released_at = None
+            self.fencing_token = (
+                None  # issued after the grant, by celery_pglock.fencing
+            )
         return granted
 
     def release(self, *, commit: bool = True) -> None:
