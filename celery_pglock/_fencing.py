@@ -1,15 +1,18 @@
-"""Issuing fencing tokens: one statement on the lock's connection, right after the grant.
+"""Issuing fencing tokens: one committed statement, right after the grant.
 
-Hazard: a token must only be issued while the lock is held, on the lock's own session.
-Issued before the grant, a waiter's older token would reach the resource after a newer
-holder's and be refused although it then holds the lock; issued on another session in
-transaction scope, it would not roll back with the lock (that part is fine) but could
-race the lock's end. The token statement therefore runs on the pinned connection:
+Hazard: a token must be issued while the lock is held and be durable before the body
+can use it. Issued before the grant, a waiter's older token would reach the resource
+after a newer holder's and be refused although it then holds the lock. Issued inside an
+uncommitted transaction, the sequence step reaches the WAL only at commit: a server crash
+before that (the very fault fencing exists for) makes PostgreSQL issue the same token
+again after recovery, to the next holder, while the cut-off body may still write with
+it. So:
 
-- session scope: autocommit, so the row update and the sequence step commit at once;
-- transaction scope: inside the lock's transaction. ``nextval`` is not transactional, so
-  a rolled-back run's token is never issued again; the row update rolls back with the
-  run, which only makes the row a lower bound (the sequence is the authority).
+- session scope: on the lock's own session (autocommit): the statement commits at once,
+  with ``synchronous_commit`` on, before the body starts;
+- transaction scope: on a second pooled session, in autocommit, while the lock's
+  transaction holds the lock; the token is durable before the body starts, and neither
+  it nor the row is undone when the run rolls back (``nextval`` never is).
 
 The table is created on first use in a process (a separate short connection, once per
 engine), unless it exists already; a role that cannot create it gets an error naming
@@ -24,6 +27,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import _sql_fencing, db, exceptions
+from celery_pglock.config import LockScope
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -106,9 +110,24 @@ def _create(cursor: Any, engine: sa.Engine) -> None:
 
 
 def _next_token(lock: AdvisoryLock) -> int:
-    # The seam with the lock layer: the DBAPI connection the lock holds (session scope:
-    # the pinned autocommit session; transaction scope: inside the lock's transaction).
-    dbapi: Any = lock._pooled.dbapi_connection
+    if lock.scope is LockScope.SESSION:
+        # The seam with the lock layer: the pinned autocommit session holding the lock.
+        return _issue_on(lock, lock._pooled.dbapi_connection)
+    with db.wrap_db_errors(
+        f"issue a fencing token for lock {lock.key.name!r}", lock.engine
+    ):
+        pooled: Any = lock.engine.raw_connection()
+    try:
+        pooled.dbapi_connection.autocommit = True
+        return _issue_on(lock, pooled.dbapi_connection)
+    except BaseException:
+        pooled.invalidate()  # unknown state: never pool it
+        raise
+    finally:
+        pooled.close()
+
+
+def _issue_on(lock: AdvisoryLock, dbapi: Any) -> int:
     try:
         with dbapi.cursor() as cursor:
             cursor.execute(_sql_fencing.ISSUE, lock.key.pg_locks_ids)

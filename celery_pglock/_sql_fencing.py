@@ -61,11 +61,11 @@ EXISTS = (
     "to_regclass('celery_pglock_fencing_token_seq') IS NOT NULL"
 )
 
-#: Issue the next token for a key, on the lock's own connection right after the grant.
-#: Params: classid, objid, objsubid (LockKey.pg_locks_ids). Returns one row (token), or
-#: no row if the sequence is behind the row (someone reset it: refuse, never go back).
-#: synchronous_commit is forced on for this transaction, so a token is durable once its
-#: statement (session scope) or the lock's transaction (transaction scope) has committed.
+#: Issue the next token for a key, in autocommit, while the lock is held (see
+#: _fencing.py for which session). Params: classid, objid, objsubid (LockKey.pg_locks_ids).
+#: Returns one row (token), or no row if the sequence is behind the row (someone reset
+#: it: refuse, never go back). synchronous_commit is forced on for this one statement's
+#: transaction, so the token is on disk before anyone can use it.
 ISSUE = (
     "SELECT set_config('synchronous_commit', 'on', true); "
     "INSERT INTO celery_pglock_fencing AS f (classid, objid, objsubid, token) "
@@ -85,10 +85,14 @@ LAST = (
 _KEY = {1: "%s::bigint", 2: "%s::integer, %s::integer"}
 
 #: Not used yet: the acquire and the token in ONE round trip, for the lock layer to adopt
-#: in place of ``_sql.TRY_LOCK_SESSION`` when fencing is on. The lock function is called
-#: once (a CTE referenced twice, holding a volatile call, is evaluated once); the INSERT
-#: reads only granted rows, so a busy try consumes no token. Params: key ids, classid,
-#: objid, objsubid, application_name. Returns (name or NULL, token or NULL).
+#: in place of ``_sql.TRY_LOCK_SESSION`` when fencing is on (session scope; autocommit,
+#: so the token commits with the grant). The lock function is called once (a CTE that
+#: holds a volatile call and is referenced twice is evaluated once); the INSERT reads
+#: only granted rows, so a busy try consumes no token. Prefix it with
+#: ``SELECT set_config('synchronous_commit', 'on', true);`` as ISSUE does. Params: key
+#: ids, classid, objid, objsubid, application_name. Returns (name or NULL, token or NULL).
+#: Not for transaction scope: there the token must commit before the lock's transaction
+#: does (see _fencing.py).
 TRY_LOCK_SESSION_FENCED = {
     arity: "WITH granted AS (SELECT pg_try_advisory_lock("
     + key
