@@ -152,9 +152,10 @@ def _issue_on(lock: AdvisoryLock, dbapi: Any) -> int:
     if row is None:
         raise exceptions.DatabaseError(
             f"Could not issue a fencing token for lock {lock.key.name!r} (key "
-            f"{lock.key}): {_sql_fencing.SEQUENCE} is behind the last token issued for "
-            "this key (was it reset?). Tokens never go back; set the sequence past "
-            f"max(token) of {_sql_fencing.TABLE} with setval()."
+            f"{lock.key}): {_sql_fencing.SEQUENCE} gave a token below the last one "
+            "issued for this key (was it reset with setval, or given a CACHE above 1?). "
+            "Tokens never go back: set CACHE 1 and the sequence past max(token) of "
+            f"{_sql_fencing.TABLE}."
         )
     return int(row[0])
 

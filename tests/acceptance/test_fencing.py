@@ -1,0 +1,98 @@
+"""Fencing tokens across real worker processes: every acquisition of a key, whichever
+pool child took it, gets a token above all earlier ones, in the order the runs held the
+lock (the overlap detector's start times, PostgreSQL's clock).
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import pytest
+
+from celery_pglock.testing import WorkerProcess
+
+from .conftest import wait_until
+
+QUEUE = f"pglock-fencing-{uuid.uuid4().hex[:8]}"
+RUNS = 40
+
+
+@pytest.fixture(scope="module")
+def fencing_app(acceptance):
+    import tests.acceptance.fencing_app as module
+
+    return module
+
+
+@pytest.fixture(scope="module")
+def workers(acceptance_env, fencing_app, tmp_path_factory):
+    """Two prefork workers with three children each: six processes racing for one key."""
+    log_dir = tmp_path_factory.mktemp("fencing-workers")
+    started = [
+        WorkerProcess(
+            "tests.acceptance.fencing_app",
+            env={**acceptance_env, "PGLOCK_TEST_QUEUE": QUEUE},
+            concurrency=3,
+            log_path=log_dir / f"worker-{index}.log",
+        )
+        for index in range(2)
+    ]
+    try:
+        for worker in started:
+            worker.start(timeout=90)
+        yield started
+    finally:
+        for worker in reversed(started):
+            worker.stop(timeout=20)
+
+
+def tokens_in_lock_order(recorder, run):
+    """(pid, token) of each recorded run, ordered by when it started holding the key."""
+    intervals = sorted(recorder.intervals(run), key=lambda i: i.started_at)
+    return [(i.pid, int(i.task_id.rsplit(":", 1)[1])) for i in intervals]
+
+
+def test_tokens_increase_in_lock_order_across_processes(
+    fencing_app, workers, recorder, run
+):
+    """Runs of one key from six pool children: no overlap, every token distinct and
+    increasing in the order the runs held the lock, more than one process involved."""
+    rng = random.Random(run)  # noqa: S311 - reproducible test data, not crypto
+    results = [
+        fencing_app.fenced.apply_async(
+            (run, "k"), {"hold": rng.choice([0, 0.005, 0.02])}, queue=QUEUE
+        )
+        for _ in range(RUNS)
+    ]
+    tokens = {r.id: r.get(timeout=120) for r in results}
+    assert [] == recorder.overlaps(run)
+    ordered = sorted(recorder.intervals(run), key=lambda i: i.started_at)
+    assert RUNS == len(ordered)
+    in_order = [tokens[i.task_id] for i in ordered]
+    assert sorted(set(in_order)) == in_order
+    assert len({i.pid for i in ordered}) > 1
+
+
+def test_transaction_scope_tokens_increase_even_after_rollbacks(
+    fencing_app, workers, recorder, run
+):
+    """Transaction scope, every third run rolling back: tokens still strictly increase
+    in lock order (a rolled-back run's token is never issued again)."""
+    results = [
+        fencing_app.fenced_in_transaction.apply_async(
+            (run, "k"), {"hold": 0.005, "fail": index % 3 == 0}, queue=QUEUE
+        )
+        for index in range(24)
+    ]
+    wait_until(
+        lambda: all(r.state in ("SUCCESS", "FAILURE") for r in results),
+        timeout=120,
+        what="every fenced transaction-scope run to end",
+    )
+    assert 8 == sum(r.state == "FAILURE" for r in results)
+    assert [] == recorder.overlaps(run)
+    ordered = tokens_in_lock_order(recorder, run)
+    tokens = [token for _, token in ordered]
+    assert 24 == len(tokens)
+    assert sorted(set(tokens)) == tokens
