@@ -335,9 +335,12 @@ def lp_role(database_url):
     schema = f"fence_lp_{uuid.uuid4().hex[:8]}"
     admin = sa.make_url(database_url)
     conn = psycopg2.connect(
-        host=admin.host, port=admin.port or 5432, user=admin.username,
-        password=admin.password, dbname=admin.database,
-    )  # fmt: skip
+        host=admin.host,
+        port=admin.port or 5432,
+        user=admin.username,
+        password=admin.password,
+        dbname=admin.database,
+    )
     conn.autocommit = True
     with conn.cursor() as cursor:
         cursor.execute(f'CREATE ROLE "{role}" LOGIN')
