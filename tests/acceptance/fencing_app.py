@@ -8,10 +8,22 @@ from __future__ import annotations
 
 import time
 
-from celery_pglock import SingletonTask, current_lock
-from tests.acceptance.app import app, recorder
+import sqlalchemy as sa
 
-__all__ = ["app", "fenced", "fenced_in_transaction"]
+from celery_pglock import SingletonTask, current_lock, fencing
+from tests.acceptance.app import app, database_url, recorder, wait_gate
+
+__all__ = ["app", "fenced", "fenced_in_transaction", "fenced_write"]
+
+WRITES_TABLE = "pglock_test_fenced_writes"
+_writes: dict[str, sa.Engine] = {}
+
+
+def writes_engine() -> sa.Engine:
+    """The 'resource' a fenced body writes to (one engine per process, made lazily)."""
+    if "engine" not in _writes:
+        _writes["engine"] = sa.create_engine(database_url, poolclass=sa.NullPool)
+    return _writes["engine"]
 
 
 @app.task(
@@ -50,3 +62,21 @@ def fenced_in_transaction(
     if fail:
         raise RuntimeError(f"roll back (token {token})")
     return token
+
+
+@app.task(base=SingletonTask, bind=True, lock_args=("run", "key"), lock_fencing=True)
+def fenced_write(self, run: str, key: str, body: str, gate: str | None = None) -> bool:
+    """Take a token, wait on ``gate`` (if any), then write ``body`` through the guard;
+    returns whether the write was applied."""
+    token = current_lock().fencing_token
+    with recorder.record(run, key, f"{self.request.id}:{token}") as row_id:
+        if gate:
+            wait_gate(gate, row_id)
+        with writes_engine().begin() as connection:
+            return fencing.fenced_upsert(
+                connection,
+                WRITES_TABLE,
+                key={"run": run},
+                values={"body": body},
+                token=token,
+            )

@@ -5,11 +5,14 @@ lock (the overlap detector's start times, PostgreSQL's clock).
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import uuid
 
 import pytest
 
+from celery_pglock import _holder, db
 from celery_pglock.testing import WorkerProcess
 
 from .conftest import wait_until
@@ -96,3 +99,51 @@ def test_transaction_scope_tokens_increase_even_after_rollbacks(
     tokens = [token for _, token in ordered]
     assert 24 == len(tokens)
     assert sorted(set(tokens)) == tokens
+
+
+def test_a_paused_holders_late_write_is_refused(
+    acceptance, fencing_app, workers, recorder, run, database_url
+):
+    """The case fencing exists for, on real workers: run A holds the key and is frozen
+    (SIGSTOP of its pool child); its session is ended, as the server does after a
+    partition or a restart; run B takes the key with a newer token and writes. A is
+    thawed and writes with its older token: the guard refuses it."""
+    engine = db.create_engine(database_url)
+    with engine.begin() as connection:
+        connection.exec_driver_sql(
+            f"CREATE TABLE IF NOT EXISTS {fencing_app.WRITES_TABLE} "
+            "(run text PRIMARY KEY, body text, fencing_token bigint)"
+        )
+    gate = f"{run}-gate"
+    first = fencing_app.fenced_write.apply_async(
+        (run, "k", "A"), {"gate": gate}, queue=QUEUE
+    )
+    wait_until(lambda: recorder.count(run, "k") == 1, timeout=30, what="run A to start")
+    child = recorder.intervals(run)[0].pid
+    key = fencing_app.fenced_write.lock_key_for(run, "k", "A")
+    holder = _holder.find(engine, key)
+    assert holder is not None
+    os.kill(child, signal.SIGSTOP)
+    try:
+        with engine.connect() as connection:
+            connection.exec_driver_sql(
+                "SELECT pg_terminate_backend(%s, 10000)", (holder.backend_pid,)
+            )
+            connection.commit()
+        acceptance.open_gate(gate)  # A cannot see it yet: it is frozen
+        second = fencing_app.fenced_write.apply_async((run, "k", "B"), queue=QUEUE)
+        assert second.get(timeout=60) is True
+    finally:
+        os.kill(child, signal.SIGCONT)
+    assert first.get(timeout=60) is False
+    tokens = sorted(int(i.task_id.rsplit(":", 1)[1]) for i in recorder.intervals(run))
+    with engine.connect() as connection:
+        stored = connection.exec_driver_sql(
+            f"SELECT body, fencing_token FROM {fencing_app.WRITES_TABLE} WHERE run = %s",
+            (run,),
+        ).one()
+    engine.dispose()
+    assert ("B", tokens[1]) == tuple(stored)
+    assert tokens[0] < tokens[1]
+    # The two bodies did overlap: the lock could not prevent it, the token made it harmless.
+    assert 1 == len(recorder.overlaps(run))
