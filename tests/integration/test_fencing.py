@@ -183,6 +183,51 @@ def test_the_table_is_created_on_first_use_by_racing_creators(database_url):
         admin.dispose()
 
 
+@pytest.fixture
+def own_schema_engine(database_url):
+    """A lock engine whose search_path is a fresh schema: a fencing table of its own."""
+    schema = f"fence_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(database_url, poolclass=sa.NullPool)
+    with admin.begin() as connection:
+        connection.exec_driver_sql(f"CREATE SCHEMA {schema}")
+    options = {"connect_args": {"options": f"-c search_path={schema}"}}
+    engine = db.create_engine(database_url, {"pglock_engine_options": options})
+    yield engine
+    engine.dispose()
+    with admin.begin() as connection:
+        connection.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
+    admin.dispose()
+
+
+def test_a_sequence_set_back_is_refused_and_the_lock_released(
+    own_schema_engine, namespace
+):
+    """Someone sets the sequence back (setval): the next token would not be above the
+    key's last one, so it is refused with the fix named, and the lock is given back."""
+    key = keys.make_key(namespace, "fence-reset")
+    lock, token = take(own_schema_engine, key)
+    lock.release()
+    with own_schema_engine.connect() as connection:  # the next nextval() gives `token`
+        connection.exec_driver_sql(
+            "SELECT setval('celery_pglock_fencing_token_seq', %s, false)", (token,)
+        )
+        connection.commit()
+    lock = AdvisoryLock(engine=own_schema_engine, key=key)
+    assert lock.acquire()
+    with pytest.raises(DatabaseError, match="CACHE 1 and the sequence past max"):
+        fencing.issue_token(lock)
+    assert not lock.owned()
+    assert not lock.locked()
+    assert lock.fencing_token is None
+
+
+def test_a_token_is_only_issued_to_the_holder(lock_engine, namespace):
+    """issue_token() on a lock that is not held is an error, not a token."""
+    lock = AdvisoryLock(engine=lock_engine, key=keys.make_key(namespace, "nope"))
+    with pytest.raises(PgLockError, match="only issued to the holder"):
+        fencing.issue_token(lock)
+
+
 def test_a_task_sees_its_token_and_none_without_fencing(app):
     """current_lock().fencing_token: an int under lock_fencing=True, None otherwise."""
     seen = []
