@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from celery_pglock import metrics, signals
+from celery_pglock import fencing, metrics, signals
 from celery_pglock.config import (
     LockConfig,
     LockScope,
@@ -53,6 +53,7 @@ __all__ = [
     "SingletonTask",
     "SkipResult",
     "current_lock",
+    "fencing",
     "make_key",
     "metrics",
     "signals",

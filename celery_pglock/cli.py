@@ -414,15 +414,26 @@ def check(
 
 
 @click.command(
-    help="Print (or --apply) the SQL key function celery_pglock_key() and the view celery_pglock_locks."
+    help="Print (or --apply) the SQL key function celery_pglock_key() and the view "
+    "celery_pglock_locks; with --fencing, the fencing-token table instead."
 )
 @click.option("--apply", "apply_", is_flag=True, help="Run it on the lock database.")
 @click.option("--uninstall", is_flag=True, help="The DROP statements instead.")
 @click.option(
     "--schema", default="public", show_default=True, help="Schema to create them in."
 )
+@click.option(
+    "--fencing",
+    is_flag=True,
+    help="The table and sequence of lock_fencing (run as their owner; see the GRANTs printed).",
+)
 @click.pass_obj
-def sql(target: Target, apply_: bool, uninstall: bool, schema: str) -> None:
+def sql(
+    target: Target, apply_: bool, uninstall: bool, schema: str, fencing: bool
+) -> None:
+    if fencing:
+        _fencing_sql(target, apply_=apply_, uninstall=uninstall, schema=schema)
+        return
     text = (
         _sql_admin.uninstall_sql(schema)
         if uninstall
@@ -446,6 +457,42 @@ def sql(target: Target, apply_: bool, uninstall: bool, schema: str) -> None:
     click.echo(
         f"{done} {schema}.celery_pglock_key(), {schema}.celery_pglock_canonical() and the view {schema}.celery_pglock_locks."
     )
+
+
+def _fencing_sql(target: Target, *, apply_: bool, uninstall: bool, schema: str) -> None:
+    from celery_pglock import fencing
+
+    text = fencing.drop_sql(schema) if uninstall else fencing.create_sql(schema)
+    if not apply_:
+        click.echo(text)
+        if not uninstall:
+            grants = fencing.grant_sql("<lock role>", schema).strip().splitlines()
+            click.echo("-- A lock role without CREATE needs:")
+            click.echo("\n".join(f"-- {line}" for line in grants))
+        return
+    _apply(target, text, "set up the fencing table")
+    done = "Dropped" if uninstall else "Created (if missing)"
+    click.echo(
+        f"{done} {schema}.celery_pglock_fencing and {schema}.celery_pglock_fencing_token_seq."
+    )
+
+
+def _apply(target: Target, text: str, action: str) -> None:
+    engine = target.engine()
+    try:
+        with db.wrap_db_errors(action, engine):
+            # Autocommit: the SQL carries its own BEGIN/COMMIT.
+            connection: Any = engine.raw_connection()
+            try:
+                connection.dbapi_connection.autocommit = True
+                with connection.cursor() as cursor:
+                    cursor.execute(text)
+            finally:
+                connection.close()
+    except exceptions.DatabaseError as error:
+        raise click.ClickException(str(error)) from None
+    finally:
+        engine.dispose()
 
 
 #: ``celery -A proj pglock ...`` (registered under the ``celery.commands`` entry point).

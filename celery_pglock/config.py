@@ -115,6 +115,7 @@ APP_SETTINGS = {
     "lock_on_lost": "pglock_on_lost",
     "lock_watch_interval": "pglock_watch_interval",
     "lock_check_timeout": "pglock_check_timeout",
+    "lock_fencing": "pglock_fencing",
 }
 #: Options that only make sense per task.
 TASK_ONLY_OPTIONS = ("lock_args", "lock_key", "lock_id", "lock_name")
@@ -199,6 +200,8 @@ class LockConfig:
     watch_interval: float = DEFAULT_WATCH_INTERVAL
     #: Longest a check or a release may wait on the lock database.
     check_timeout: float = DEFAULT_CHECK_TIMEOUT
+    #: Issue a fencing token to each acquisition (docs/guide/fencing.md).
+    fencing: bool = False
     lock_args: tuple[str, ...] = ()  #: Parameter names whose values form the key.
     lock_key: Callable[..., object] | None = None  #: Custom key-material function.
     fixed_key: keys.LockKey | None = None  #: The key when it never varies per call.
@@ -376,6 +379,9 @@ def resolve(
             "link breaks (keepalives). Expected lock_watch_interval + lock_check_timeout <= "
             f"{SERVER_KEEPALIVE_DEADLINE - LOSS_MARGIN:g}."
         )
+    source, fencing = option("lock_fencing", False)
+    if not isinstance(fencing, bool):
+        raise _fail(task_name, source, fencing, "True or False")
 
     given = [
         name for name in ("lock_args", "lock_key", "lock_id") if name in attributes
@@ -417,6 +423,7 @@ def resolve(
         on_lost=on_lost,
         watch_interval=watch_interval,
         check_timeout=check_timeout,
+        fencing=fencing,
         lock_args=lock_args,
         lock_key=lock_key,
         fixed_key=fixed_key,

@@ -98,6 +98,8 @@ class AdvisoryLock:
         self.release_timeout: float = _hold.DEFAULT_RELEASE_TIMEOUT
         #: Shadow mode ran the body without this lock: ensure_held() must not stop it.
         self._shadow = False
+        #: This hold's fencing token (celery_pglock.fencing), or None when fencing is off.
+        self.fencing_token: int | None = None
 
     # -- public verbs -------------------------------------------------------------------
 
@@ -164,6 +166,9 @@ class AdvisoryLock:
             self.backend_pid = hold.connection.get_backend_pid()
             self.owner_pid = os.getpid()
             self.lost_cause = None
+            self.fencing_token = (
+                None  # issued after the grant, by celery_pglock.fencing
+            )
         return granted
 
     def release(self, *, commit: bool = True) -> None:

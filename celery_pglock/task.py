@@ -35,6 +35,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from celery_pglock import (
     _binding,
+    _fencing,
     _holder,
     _hooks,
     _outcomes,
@@ -105,6 +106,9 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     #: Seconds before the first re-queue, doubled each time up to 300 (default 2). App:
     #: pglock_error_backoff.
     lock_error_backoff: ClassVar[float | None] = None
+    #: Give each run a fencing token (current_lock().fencing_token), one statement more
+    #: per acquisition. App: pglock_fencing. See docs/guide/fencing.md.
+    lock_fencing: ClassVar[bool | None] = None
 
     _pglock: ClassVar[_binding.Guard | None] = None
 
@@ -185,6 +189,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                     if waits and not options.shadow
                     else None
                 )
+                if granted and options.fencing:
+                    _fencing.issue(lock)  # releases the lock if it cannot
             except exceptions.DatabaseError as error:
                 return self._on_database_error(error, direct=direct)
             if not granted:

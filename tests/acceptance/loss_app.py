@@ -179,7 +179,7 @@ def forks(self, run: str, how: str, gate: str) -> None:
             if pid == 0:
                 signal.alarm(10)  # whatever happens, the copy does not live on
                 if how == "os.fork-gc":
-                    lock._pooled = None  # drop the inherited connection
+                    lock._hold = None  # drop the inherited connection
                     gc.collect()
                 if how == "os.fork-return":
                     return  # through SingletonTask's frames, as the parent would

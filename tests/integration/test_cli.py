@@ -295,3 +295,50 @@ def test_python_dash_m_runs_the_standalone_command(database_url):
     )
     assert 1 == bad.returncode
     assert "CELERY_PGLOCK_DATABASE_URL" in bad.stdout
+
+
+def test_sql_fencing_prints_and_applies_the_fencing_table(
+    cli_app, database_url, schema
+):
+    """`pglock sql --fencing` prints the table, its sequence and the grants to give;
+    --apply creates them (twice is harmless); --uninstall drops them."""
+    printed = run("sql", "--fencing", "--schema", schema)
+    assert "CREATE TABLE IF NOT EXISTS" in printed
+    assert "CACHE 1" in printed
+    assert "-- GRANT USAGE ON SEQUENCE" in printed
+    for _ in range(2):
+        assert "Created" in run(
+            "--database-url",
+            database_url,
+            "sql",
+            "--fencing",
+            "--apply",
+            "--schema",
+            schema,
+        )
+    connection = _support.connect(database_url, application_name="cli fencing test")
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT to_regclass(%s) IS NOT NULL",
+                (f'"{schema}".celery_pglock_fencing',),
+            )
+            assert (True,) == cursor.fetchone()
+        assert "Dropped" in run(
+            "--database-url",
+            database_url,
+            "sql",
+            "--fencing",
+            "--apply",
+            "--uninstall",
+            "--schema",
+            schema,
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT to_regclass(%s) IS NULL",
+                (f'"{schema}".celery_pglock_fencing',),
+            )
+            assert (True,) == cursor.fetchone()
+    finally:
+        connection.close()

@@ -21,6 +21,7 @@ from celery_pglock import (
     SingletonTask,
     SkipResult,
     current_lock,
+    fencing,
     metrics,
     signals,
     skip_info,
@@ -108,3 +109,13 @@ class CountingMetrics:
 
 sink: metrics.Metrics = CountingMetrics()
 app.conf.pglock_metrics = sink
+
+
+@app.task(base=SingletonTask, lock_args=("tenant_id",), lock_fencing=True)
+def publish(tenant_id: int) -> bool:
+    token: int | None = current_lock().fencing_token
+    with create_engine("postgresql+psycopg2://app@db/app").begin() as connection:
+        applied: bool = fencing.fenced_upsert(
+            connection, "reports", key={"tenant_id": tenant_id}, values={}, token=token
+        )
+    return applied

@@ -99,6 +99,7 @@ def test_task_option_beats_app_setting_beats_default(app):
             ["lock_skip_result='ignore'", "'failure', 'success', 'skipped'"],
         ),
         ({"lock_shadow": "yes"}, ["lock_shadow='yes'", "True or False"]),
+        ({"lock_fencing": 1}, ["lock_fencing=1", "True or False"]),
         (
             {"lock_on_error": "ignore"},
             ["lock_on_error='ignore'", "'retry', 'raise'"],
@@ -120,6 +121,29 @@ def test_bad_options_fail_at_registration(app, options, fragments):
     assert "unit.export" in message
     for fragment in fragments:
         assert fragment in message
+
+
+def test_fencing_is_off_by_default_and_set_per_task_or_app_wide(app):
+    """lock_fencing: False by default; app.conf.pglock_fencing turns it on; a task
+    attribute wins; a non-bool app setting is named as the setting."""
+    assert not register(app).lock_config.fencing
+    app.conf.pglock_fencing = True
+
+    def other():
+        return None
+
+    def off():
+        return None
+
+    assert register(app, other).lock_config.fencing
+    assert not register(app, off, lock_fencing=False).lock_config.fencing
+    app.conf.pglock_fencing = "yes"
+
+    def third():
+        return None
+
+    with pytest.raises(ConfigurationError, match=r"app\.conf\.pglock_fencing"):
+        register(app, third)
 
 
 def test_catch_all_parameters_cannot_be_lock_args(app):

@@ -1,0 +1,206 @@
+"""Fencing tokens: refuse the writes of a holder whose lock has already ended.
+
+A lock can end while its body still runs (a GC pause, SIGSTOP, a cut network, a server
+restart: docs/operations/failure-modes.md); no lock can prevent that. With
+``lock_fencing=True`` every acquisition gets a token from PostgreSQL, strictly greater
+than every token issued before for that key (``current_lock().fencing_token``). The
+resource then keeps the highest token it has seen and refuses older ones:
+
+    time  run A                          run B                      resource
+    0     acquire, token 5
+    1     (paused; its session dies)     acquire, token 6
+    2                                    write(token 6)             applied, keeps 6
+    3     write(token 5)                                            refused: 5 < 6
+
+:func:`fenced_update` and :func:`fenced_upsert` are that check for a PostgreSQL table, in
+one statement. docs/guide/fencing.md explains the rest.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import sqlalchemy as sa
+
+from celery_pglock import _fencing, _sql_admin, _sql_fencing, exceptions
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from celery_pglock.lock import AdvisoryLock
+
+#: The column a guarded table keeps the highest token in, unless told otherwise.
+TOKEN_COLUMN = "fencing_token"  # noqa: S105 - a column name, not a secret
+
+# A plain identifier: no quoting tricks, at most PostgreSQL's 63 bytes.
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_$]{0,62}")
+
+
+def issue_token(lock: AdvisoryLock) -> int:
+    """Issue the next fencing token to ``lock`` (held), set ``lock.fencing_token``, return it.
+
+    SingletonTask does this itself under ``lock_fencing=True``; call it after
+    ``AdvisoryLock.acquire()`` when using the lock directly. Costs one statement on the
+    lock's connection (and, once per process, a check that the table exists).
+
+    Raises:
+        PgLockError: ``lock`` is not held.
+        DatabaseError: the token could not be issued; the lock was released.
+    """
+    return _fencing.issue(lock)
+
+
+def fenced_update(
+    connection: sa.Connection,
+    table: str,
+    *,
+    key: Mapping[str, object],
+    values: Mapping[str, object],
+    token: int | None,
+    token_column: str = TOKEN_COLUMN,
+) -> bool:
+    """Update the row ``key`` identifies, unless it was written with a newer token.
+
+    One statement: ``UPDATE table SET values..., token_column = :token WHERE key... AND
+    (token_column IS NULL OR token_column <= :token)``. Runs in ``connection``'s current
+    transaction; the caller commits.
+
+    Args:
+        connection: A SQLAlchemy connection to the database holding ``table``.
+        table: ``name`` or ``schema.name`` (plain identifiers).
+        key: Column -> value equalities that pick the row(s).
+        values: Column -> new value.
+        token: ``current_lock().fencing_token``.
+        token_column: The bigint column holding the highest token seen.
+
+    Returns:
+        True if the write was applied; False if the row holds a newer token (this holder
+        is stale) or no row matched ``key``.
+    """
+    _check(token, key, values)
+    target, token_col = _table(connection, table), _quote(connection, token_column)
+    params, sets = _assignments(connection, "v", values)
+    where = [f"{_quote(connection, c)} = :k{i}" for i, c in enumerate(key)]
+    params.update({f"k{i}": v for i, v in enumerate(key.values())})
+    params["fencing_token"] = token
+    statement = sa.text(
+        f"UPDATE {target} SET {', '.join([*sets, f'{token_col} = :fencing_token'])} "
+        f"WHERE {' AND '.join(where)} "
+        f"AND ({token_col} IS NULL OR {token_col} <= :fencing_token)"
+    )
+    return connection.execute(statement, params).rowcount > 0
+
+
+def fenced_upsert(
+    connection: sa.Connection,
+    table: str,
+    *,
+    key: Mapping[str, object],
+    values: Mapping[str, object],
+    token: int | None,
+    token_column: str = TOKEN_COLUMN,
+) -> bool:
+    """Insert the row, or update it unless it was written with a newer token.
+
+    One statement: ``INSERT ... ON CONFLICT (key columns) DO UPDATE SET ... WHERE
+    t.token_column IS NULL OR t.token_column <= excluded.token_column``. The key columns
+    need a unique constraint (or be the primary key). Arguments as :func:`fenced_update`.
+
+    Returns:
+        True if a row was inserted or updated; False if the stored row holds a newer
+        token (this holder is stale: nothing was written).
+    """
+    _check(token, key, values)
+    target, token_col = _table(connection, table), _quote(connection, token_column)
+    columns = [*key, *values]
+    quoted = [_quote(connection, c) for c in columns]
+    params: dict[str, object] = {
+        f"c{i}": v for i, v in enumerate([*key.values(), *values.values()])
+    }
+    params["fencing_token"] = token
+    updates = [f"{q} = excluded.{q}" for q in quoted[len(key) :]]
+    updates.append(f"{token_col} = excluded.{token_col}")
+    statement = sa.text(
+        f"INSERT INTO {target} AS t ({', '.join([*quoted, token_col])}) "
+        f"VALUES ({', '.join([*(f':c{i}' for i in range(len(columns))), ':fencing_token'])}) "
+        f"ON CONFLICT ({', '.join(quoted[: len(key)])}) DO UPDATE SET {', '.join(updates)} "
+        f"WHERE t.{token_col} IS NULL OR t.{token_col} <= excluded.{token_col}"
+    )
+    return connection.execute(statement, params).rowcount > 0
+
+
+def last_token(connection: sa.Connection, lock: AdvisoryLock) -> int | None:
+    """The last token issued for ``lock``'s key (committed), or None: for operators and tests."""
+    row = connection.exec_driver_sql(_sql_fencing.LAST, lock.key.pg_locks_ids).first()
+    return None if row is None else int(row[0])
+
+
+def create_sql(schema: str = "public") -> str:
+    """The SQL that creates the fencing table and its sequence in ``schema``."""
+    return _sql_fencing.CREATE.format(schema=_sql_admin.quote_identifier(schema) + ".")
+
+
+def drop_sql(schema: str = "public") -> str:
+    """The SQL that drops them."""
+    return _sql_fencing.DROP.format(schema=_sql_admin.quote_identifier(schema) + ".")
+
+
+def grant_sql(role: str, schema: str = "public") -> str:
+    """The GRANTs a least-privilege lock role needs to use fencing."""
+    return _sql_fencing.GRANT.format(
+        schema=_sql_admin.quote_identifier(schema) + ".",
+        role=_sql_admin.quote_identifier(role),
+    )
+
+
+# -- checks -----------------------------------------------------------------------------
+
+
+def _check(
+    token: int | None, key: Mapping[str, object], values: Mapping[str, object]
+) -> None:
+    if token is None:
+        raise exceptions.ConfigurationError(
+            "token=None: this run has no fencing token; set lock_fencing=True on the task "
+            "(or call celery_pglock.fencing.issue_token() after acquire)."
+        )
+    if isinstance(token, bool) or not isinstance(token, int):
+        raise exceptions.ConfigurationError(
+            f"token must be an int (current_lock().fencing_token), got a {type(token).__name__}."
+        )
+    if not key:
+        raise exceptions.ConfigurationError(
+            "key must name at least one column: a fenced write without a key would touch every row."
+        )
+    overlap = set(key) & set(values)
+    if overlap:
+        raise exceptions.ConfigurationError(
+            f"Columns {sorted(overlap)} are in both key and values; a column is one or the other."
+        )
+
+
+def _quote(connection: sa.Connection, name: str) -> str:
+    if not isinstance(name, str) or not _IDENTIFIER.fullmatch(name):
+        raise exceptions.ConfigurationError(
+            f"{name!r} is not a plain SQL identifier (letters, digits, _ and $, "
+            "starting with a letter or _, at most 63 characters)."
+        )
+    return str(connection.dialect.identifier_preparer.quote(name))
+
+
+def _table(connection: sa.Connection, table: str) -> str:
+    parts = table.split(".") if isinstance(table, str) else [table]
+    if len(parts) > 2:
+        raise exceptions.ConfigurationError(
+            f"table={table!r} is invalid; expected 'name' or 'schema.name'."
+        )
+    return ".".join(_quote(connection, part) for part in parts)
+
+
+def _assignments(
+    connection: sa.Connection, prefix: str, values: Mapping[str, object]
+) -> tuple[dict[str, object], list[str]]:
+    params = {f"{prefix}{i}": v for i, v in enumerate(values.values())}
+    sets = [f"{_quote(connection, c)} = :{prefix}{i}" for i, c in enumerate(values)]
+    return params, sets
