@@ -16,8 +16,9 @@ if TYPE_CHECKING:
     from celery_pglock.keys import LockKey
 
 
-#: Seconds a release may wait on the database before its socket is shut down.
-DEFAULT_RELEASE_TIMEOUT = 5.0
+#: Seconds one lock round trip (acquire, beyond any lock_timeout wait, or release) may
+#: wait on the database before its socket is shut down (_deadline.py).
+DEFAULT_ROUND_TRIP_TIMEOUT = 5.0
 
 
 class Hold:
@@ -74,10 +75,13 @@ class LockSession:
         label: str,
         timeout_ms: int | None,
         transaction: bool,
+        bound: float = DEFAULT_ROUND_TRIP_TIMEOUT,
     ) -> Hold | None:
         """Take ``key``; the hold, or None when another session (or task) holds it.
 
-        ``label`` (a task name) goes into the session's application_name.
+        ``label`` (a task name) goes into the session's application_name. ``bound``
+        limits the round trip client-side, beyond a ``timeout_ms`` wait: a frozen link or
+        server gives a DatabaseError instead of a hang.
         """
         raise NotImplementedError
 
@@ -87,7 +91,7 @@ class LockSession:
         key: LockKey,
         *,
         commit: bool,
-        timeout: float = DEFAULT_RELEASE_TIMEOUT,
+        timeout: float = DEFAULT_ROUND_TRIP_TIMEOUT,
     ) -> None:
         """Give ``hold`` back; raises LockNotOwnedError/LockLostError/DatabaseError.
 

@@ -32,6 +32,7 @@ class PerLockSessions(_hold.LockSession):
         label: str,
         timeout_ms: int | None,
         transaction: bool,
+        bound: float = _hold.DEFAULT_ROUND_TRIP_TIMEOUT,
     ) -> _hold.Hold | None:
         prefix = db.engine_info(self.engine)["application_name_prefix"]
         tag = db.process_tag()
@@ -40,8 +41,10 @@ class PerLockSessions(_hold.LockSession):
         holding_name = _application_name(prefix, tag, str(key), label)
         idle_name = _application_name(prefix, tag, "idle")
         if transaction:
-            return self._acquire_transaction(key, holding_name, idle_name, timeout_ms)
-        return self._acquire_session(key, holding_name, idle_name, timeout_ms)
+            return self._acquire_transaction(
+                key, holding_name, idle_name, timeout_ms, bound
+            )
+        return self._acquire_session(key, holding_name, idle_name, timeout_ms, bound)
 
     def release(
         self,
@@ -49,7 +52,7 @@ class PerLockSessions(_hold.LockSession):
         key: LockKey,
         *,
         commit: bool,
-        timeout: float = _hold.DEFAULT_RELEASE_TIMEOUT,
+        timeout: float = _hold.DEFAULT_ROUND_TRIP_TIMEOUT,
     ) -> None:
         if hold.pid != os.getpid():
             raise _hold.foreign(hold, key)
@@ -65,7 +68,12 @@ class PerLockSessions(_hold.LockSession):
         self.engine.dispose(close=False)
 
     def _acquire_session(
-        self, key: LockKey, holding_name: str, idle_name: str, timeout_ms: int | None
+        self,
+        key: LockKey,
+        holding_name: str,
+        idle_name: str,
+        timeout_ms: int | None,
+        bound: float,
     ) -> _hold.Hold | None:
         arity = len(key.ids)
         try:
@@ -82,7 +90,7 @@ class PerLockSessions(_hold.LockSession):
             with dbapi.cursor() as cursor:
                 if timeout_ms is None:
                     granted = try_lock(
-                        cursor, _sql.TRY_LOCK_SESSION[arity], key, holding_name
+                        cursor, _sql.TRY_LOCK_SESSION[arity], key, holding_name, bound
                     )
                 else:
                     granted, discard = wait_lock(
@@ -91,6 +99,7 @@ class PerLockSessions(_hold.LockSession):
                         key,
                         holding_name,
                         timeout_ms,
+                        bound,
                     )
         except BaseException as exc:
             # Unknown state (e.g. interrupted mid-statement): closing is the only safe release.
@@ -152,7 +161,12 @@ class PerLockSessions(_hold.LockSession):
         pooled.close()
 
     def _acquire_transaction(
-        self, key: LockKey, holding_name: str, idle_name: str, timeout_ms: int | None
+        self,
+        key: LockKey,
+        holding_name: str,
+        idle_name: str,
+        timeout_ms: int | None,
+        bound: float,
     ) -> _hold.Hold | None:
         arity = len(key.ids)
         with db.wrap_db_errors(f"acquire lock {key.name!r}", self.engine):
@@ -167,7 +181,11 @@ class PerLockSessions(_hold.LockSession):
             with dbapi.cursor() as cursor:
                 if timeout_ms is None:
                     granted = try_lock(
-                        cursor, _sql.TRY_LOCK_TRANSACTION[arity], key, holding_name
+                        cursor,
+                        _sql.TRY_LOCK_TRANSACTION[arity],
+                        key,
+                        holding_name,
+                        bound,
                     )
                 else:
                     granted, _ = wait_lock(
@@ -176,6 +194,7 @@ class PerLockSessions(_hold.LockSession):
                         key,
                         holding_name,
                         timeout_ms,
+                        bound,
                     )
             if not granted:
                 transaction.rollback()
@@ -249,19 +268,29 @@ def _application_name(prefix: str, *parts: object) -> str:
     return db.application_name(prefix, *parts)
 
 
-def try_lock(cursor: Any, statement: str, key: LockKey, holding_name: str) -> bool:
-    """Try once (one round trip); True if granted."""
-    cursor.execute(statement, (*key.ids, holding_name))
-    row = cursor.fetchone()
+def try_lock(
+    cursor: Any, statement: str, key: LockKey, holding_name: str, bound: float
+) -> bool:
+    """Try once (one round trip, at most ``bound`` seconds); True if granted."""
+    with _deadline.bounded(cursor.connection, bound):
+        cursor.execute(statement, (*key.ids, holding_name))
+        row = cursor.fetchone()
     return row is not None and row[0] is not None
 
 
 def wait_lock(
-    cursor: Any, statement: str, key: LockKey, holding_name: str, timeout_ms: int
+    cursor: Any,
+    statement: str,
+    key: LockKey,
+    holding_name: str,
+    timeout_ms: int,
+    bound: float,
 ) -> tuple[bool, bool]:
     """Run a bounded blocking lock statement: (granted, the session must be discarded)."""
     try:
-        cursor.execute(statement, (str(timeout_ms), holding_name, *key.ids))
+        # lock_timeout bounds the wait server-side; bound, a server that never answers.
+        with _deadline.bounded(cursor.connection, timeout_ms / 1000 + bound):
+            cursor.execute(statement, (str(timeout_ms), holding_name, *key.ids))
     except Exception as exc:
         code = db.sqlstate(exc)
         if code not in (_sql.LOCK_NOT_AVAILABLE, _sql.QUERY_CANCELED):

@@ -57,10 +57,15 @@ class ProcessSession(_hold.LockSession):
         label: str,
         timeout_ms: int | None,
         transaction: bool,
+        bound: float = _hold.DEFAULT_ROUND_TRIP_TIMEOUT,
     ) -> _hold.Hold | None:
         if transaction or timeout_ms is not None:
             return self.waits.acquire(
-                key, label=label, timeout_ms=timeout_ms, transaction=transaction
+                key,
+                label=label,
+                timeout_ms=timeout_ms,
+                transaction=transaction,
+                bound=bound,
             )
         ids = key.ids
         with self._mutex:
@@ -75,18 +80,10 @@ class ProcessSession(_hold.LockSession):
                     self._prefix, db.process_tag(), label
                 )
             try:
-                if name == self._shown:
-                    # The session already shows this task: no relabel (relabelling
-                    # costs the server about as much as the lock statements).
-                    cursor.execute(_sql.TRY_LOCK_SESSION_BARE[len(ids)], ids)
-                    row = cursor.fetchone()
-                    granted = row is not None and row[0] is True
-                else:
-                    cursor.execute(_sql.TRY_LOCK_SESSION[len(ids)], (*ids, name))
-                    row = cursor.fetchone()
-                    granted = row is not None and row[0] is not None
-                    if granted:
-                        self._shown = name
+                # Bounded: a frozen link or server would otherwise hold the mutex, and
+                # with it every lock statement of the process, for as long as TCP waits.
+                with _deadline.bounded(self._connection, bound):
+                    granted = self._try(cursor, ids, name)
             except BaseException as exc:
                 self._close(f"acquiring lock {key.name!r} failed: {exc!r}")
                 if isinstance(exc, Exception):
@@ -101,13 +98,28 @@ class ProcessSession(_hold.LockSession):
             self._owners[ids] = hold
             return hold
 
+    def _try(self, cursor: Any, ids: tuple[int, ...], name: str) -> bool:
+        """One try-lock round trip (under the mutex); True if granted."""
+        if name == self._shown:
+            # The session already shows this task: no relabel (relabelling costs the
+            # server about as much as the lock statements).
+            cursor.execute(_sql.TRY_LOCK_SESSION_BARE[len(ids)], ids)
+            row = cursor.fetchone()
+            return row is not None and row[0] is True
+        cursor.execute(_sql.TRY_LOCK_SESSION[len(ids)], (*ids, name))
+        row = cursor.fetchone()
+        granted = row is not None and row[0] is not None
+        if granted:
+            self._shown = name
+        return granted
+
     def release(
         self,
         hold: _hold.Hold,
         key: LockKey,
         *,
         commit: bool,
-        timeout: float = _hold.DEFAULT_RELEASE_TIMEOUT,
+        timeout: float = _hold.DEFAULT_ROUND_TRIP_TIMEOUT,
     ) -> None:
         if hold.pid != os.getpid():
             raise _hold.foreign(hold, key)

@@ -54,6 +54,9 @@ CLIENT_KEEPALIVES: dict[str, Any] = {
     "keepalives_interval": 10,
     "keepalives_count": 3,
 }
+#: Seconds a new lock connection may take (libpq ``connect_timeout``), unless
+#: ``pglock_engine_options`` sets ``connect_args={"connect_timeout": ...}``.
+CONNECT_TIMEOUT = 10
 SUPPORTED_DRIVERS = ("psycopg2",)
 #: Seconds the start-up probe (:func:`probe`) may spend connecting.
 PROBE_CONNECT_TIMEOUT = 10
@@ -216,6 +219,8 @@ def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
     prefix = str(conf.get("pglock_application_name") or DEFAULT_APPLICATION_NAME)
     connect_args: dict[str, Any] = {
         **CLIENT_KEEPALIVES,
+        # libpq waits for a silent host as long as the kernel lets it: bound it.
+        "connect_timeout": CONNECT_TIMEOUT,
         "application_name": application_name(prefix, process_tag(), "idle"),
     }
     if conf.get("pglock_server_keepalives", True):

@@ -94,8 +94,9 @@ class AdvisoryLock:
         self.owner_pid: int | None = None
         #: Why the lock was lost while held (None: not lost).
         self.lost_cause: str | None = None
-        #: Longest a release may wait on the database before its socket is shut down.
-        self.release_timeout: float = _hold.DEFAULT_RELEASE_TIMEOUT
+        #: Longest one lock round trip (acquire beyond its ``timeout``, or release) may
+        #: wait on the database before its socket is shut down (_deadline.py).
+        self.round_trip_timeout: float = _hold.DEFAULT_ROUND_TRIP_TIMEOUT
         #: Shadow mode ran the body without this lock: ensure_held() must not stop it.
         self._shadow = False
         #: This hold's fencing token (celery_pglock.fencing), or None when fencing is off.
@@ -203,7 +204,7 @@ class AdvisoryLock:
             # The hold knows its session (a bounded wait's lives on a connection of its
             # own). Bounded: on a cut or frozen link the socket is shut down (_deadline).
             hold.session.release(
-                hold, self.key, commit=commit, timeout=self.release_timeout
+                hold, self.key, commit=commit, timeout=self.round_trip_timeout
             )
         finally:
             self.released_at = time.monotonic()
@@ -328,6 +329,7 @@ class AdvisoryLock:
             label=self._label,
             timeout_ms=timeout_ms,
             transaction=self.scope is LockScope.TRANSACTION,
+            bound=self.round_trip_timeout,
         )
         self._hold = hold
         return hold is not None

@@ -180,6 +180,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 scope=options.scope,
                 label=options.task_name,
             )
+            lock.round_trip_timeout = options.check_timeout
             # A retry's run may find its predecessor still unwinding (it keeps its lock
             # until Celery stored RETRY, see retry()): it waits for it, bounded.
             waits = options.on_busy is OnBusy.WAIT or (request.retries and not direct)
@@ -199,7 +200,6 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 return self._on_busy(lock, task_id, direct=direct)
             execution.lock = lock
             context.hold(lock)
-            lock.release_timeout = options.check_timeout
             try:
                 _outcomes.acquired(self, task_id, lock)
                 # Lock loss: watched while the body runs (_watch.py); no-op if disabled.

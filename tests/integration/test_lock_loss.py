@@ -24,8 +24,10 @@ from celery_pglock import (
     AdvisoryLock,
     ConfigurationError,
     LockLostError,
+    LockScope,
     SingletonTask,
     _observer,
+    _session,
     _watch,
     current_lock,
     keys,
@@ -362,7 +364,7 @@ def test_frozen_server_is_unverifiable_before_the_keepalive_deadline(
 @pytest.mark.parametrize("scope", ["session", "transaction"])
 def test_a_release_into_a_frozen_server_is_bounded(private_postgres, namespace, scope):
     """AdvisoryLock.release() on a server that does not answer gives up after
-    release_timeout: the socket is shut down, the session closed, DatabaseError says
+    round_trip_timeout: the socket is shut down, the session closed, DatabaseError says
     why; the worker is not blocked (25-214 s before)."""
     from celery_pglock import DatabaseError, _deadline
 
@@ -371,7 +373,7 @@ def test_a_release_into_a_frozen_server_is_bounded(private_postgres, namespace, 
         engine=engine, key=keys.make_key(namespace, "frozen"), scope=scope
     )
     assert lock.acquire()
-    lock.release_timeout = 0.5
+    lock.round_trip_timeout = 0.5
     postmaster = private_postgres._postmaster_pid()
     assert postmaster
     _stop_server(postmaster, signal.SIGSTOP)
@@ -384,6 +386,49 @@ def test_a_release_into_a_frozen_server_is_bounded(private_postgres, namespace, 
         _stop_server(postmaster, signal.SIGCONT)
     assert took < 0.5 + _deadline.TICK + 0.5, took
     assert not lock.owned()
+    engine.dispose()
+
+
+@pytest.mark.parametrize("scope", [LockScope.SESSION, LockScope.TRANSACTION])
+def test_an_acquire_from_a_frozen_server_is_bounded(
+    private_postgres, namespace, scope, session_mode
+):
+    """acquire() on a server that does not answer gives up after round_trip_timeout
+    with DatabaseError (lock_on_error then re-queues the run): no hang, and on the
+    process's shared lock session no mutex held for as long as TCP waits."""
+    from celery_pglock import DatabaseError, _deadline, config
+
+    engine = db_module.create_engine(
+        private_postgres.url(),
+        {
+            config.SESSION_MODE_SETTING: session_mode,
+            "pglock_engine_options": {"connect_args": {"connect_timeout": 2}},
+        },
+    )
+    warm = AdvisoryLock(
+        engine=engine, key=keys.make_key(namespace, "warm"), scope=scope
+    )
+    assert warm.acquire()  # the session (or pooled connection) exists and answers
+    warm.release()
+    lock = AdvisoryLock(
+        engine=engine, key=keys.make_key(namespace, "frozen-acquire"), scope=scope
+    )
+    lock.round_trip_timeout = 0.5
+    postmaster = private_postgres._postmaster_pid()
+    assert postmaster
+    _stop_server(postmaster, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(DatabaseError):
+            lock.acquire()
+        took = time.monotonic() - started
+    finally:
+        _stop_server(postmaster, signal.SIGCONT)
+    # The bounded try, then one reconnect (a dead session is replaced once), bounded by
+    # connect_timeout (2 s here).
+    assert took < 0.5 + _deadline.TICK + 2 + 1.5, took
+    assert not lock.owned()
+    _session.close_for(engine)
     engine.dispose()
 
 
