@@ -207,11 +207,22 @@ def _unawaited_release() -> None:
                 logging.getLogger(__name__).error("an unawaited unlock found no lock")
 
     def acquire(
-        self: Any, key: Any, *, label: str, timeout_ms: Any, transaction: bool
+        self: Any,
+        key: Any,
+        *,
+        label: str,
+        timeout_ms: Any,
+        transaction: bool,
+        bound: float = 5.0,
     ) -> Any:
         if transaction or timeout_ms is not None:
             return waits_first(
-                self, key, label=label, timeout_ms=timeout_ms, transaction=transaction
+                self,
+                key,
+                label=label,
+                timeout_ms=timeout_ms,
+                transaction=transaction,
+                bound=bound,
             )
         ids = key.ids
         with self._mutex:
@@ -229,7 +240,9 @@ def _unawaited_release() -> None:
             self._owners[ids] = hold
             return hold
 
-    def release(self: Any, hold: Any, key: Any, *, commit: bool) -> None:
+    def release(
+        self: Any, hold: Any, key: Any, *, commit: bool, timeout: float = 5.0
+    ) -> None:
         if hold.session is not self:
             return
         with self._mutex:
