@@ -6,7 +6,7 @@ See :mod:`celery_pglock._session` for the two strategies and which one a lock ge
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from celery_pglock import exceptions
 
@@ -63,8 +63,11 @@ class Hold:
         self.lost: str | None = None
 
 
-class LockSession:
-    """Where locks of one engine live: take one, and give it back."""
+class LockSession(Protocol):
+    """Where locks of one engine live: take one, and give it back.
+
+    Implemented by ``_per_lock.PerLockSessions`` and ``_process_session.ProcessSession``.
+    """
 
     engine: sa.Engine
 
@@ -83,7 +86,7 @@ class LockSession:
         limits the round trip client-side, beyond a ``timeout_ms`` wait: a frozen link or
         server gives a DatabaseError instead of a hang.
         """
-        raise NotImplementedError
+        ...
 
     def release(
         self,
@@ -98,10 +101,14 @@ class LockSession:
         ``timeout`` bounds the round trip client-side (``_deadline.bounded``): past it
         the socket is shut down and the session closed, which frees the lock.
         """
-        raise NotImplementedError
+        ...
 
     def after_disconnect(self) -> None:
-        """An acquire found its session dead: forget the connections that may be too."""
+        """An acquire found its session dead: forget the connections that may be too.
+
+        Nothing to forget by default (a strategy whose sessions all die together).
+        """
+        return
 
 
 def foreign(hold: Hold, key: LockKey) -> exceptions.LockNotOwnedError:

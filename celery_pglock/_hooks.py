@@ -238,7 +238,7 @@ def _after_task(task: Any = None, **_: Any) -> None:
         # A release failure is reported as lock_release_failed; a signal receiver
         # cannot fail the task any more.
         with contextlib.suppress(exceptions.PgLockError):
-            task.finish(execution, lock, execution.ended_with)
+            task._finish_run(execution, lock, execution.ended_with)
         return
     if lock is not None and lock.owned():
         _release_leftover(lock, f"task_postrun of {execution.task_id}")

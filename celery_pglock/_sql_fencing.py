@@ -82,31 +82,6 @@ LAST = (
     "WHERE classid = %s::oid AND objid = %s::oid AND objsubid = %s::smallint"
 )
 
-_KEY = {1: "%s::bigint", 2: "%s::integer, %s::integer"}
-
-#: Not used yet: the acquire and the token in ONE round trip, for the lock layer to adopt
-#: in place of ``_sql.TRY_LOCK_SESSION`` when fencing is on (session scope; autocommit,
-#: so the token commits with the grant). The lock function is called once (a CTE that
-#: holds a volatile call and is referenced twice is evaluated once); the INSERT reads
-#: only granted rows, so a busy try consumes no token. Prefix it with
-#: ``SELECT set_config('synchronous_commit', 'on', true);`` as ISSUE does. Params: key
-#: ids, classid, objid, objsubid, application_name. Returns (name or NULL, token or NULL).
-#: Not for transaction scope: there the token must commit before the lock's transaction
-#: does (see _fencing.py).
-TRY_LOCK_SESSION_FENCED = {
-    arity: "WITH granted AS (SELECT pg_try_advisory_lock("
-    + key
-    + ") AS ok), issued AS ("
-    "INSERT INTO celery_pglock_fencing AS f (classid, objid, objsubid, token) "
-    "SELECT %s::oid, %s::oid, %s::smallint, nextval('celery_pglock_fencing_token_seq') "
-    "FROM granted WHERE ok "
-    "ON CONFLICT (classid, objid, objsubid) "
-    "DO UPDATE SET token = excluded.token, issued_at = now() "
-    "WHERE f.token < excluded.token RETURNING f.token) "
-    "SELECT CASE WHEN ok THEN set_config('application_name', %s, false) END, "
-    "(SELECT token FROM issued) FROM granted"
-    for arity, key in _KEY.items()
-}
 
 #: SQLSTATEs that mean "the fencing table is not set up for this role".
 UNDEFINED_TABLE = "42P01"

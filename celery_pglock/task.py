@@ -433,15 +433,15 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
 
         A run that published a retry keeps its lock until Celery has stored its RETRY
         state, so the retry's own outcome can never be overwritten by it; the
-        task_postrun hook then calls :meth:`finish`.
+        task_postrun hook then calls :meth:`_finish_run`.
         """
         _watch.unwatch(lock)  # first: a loss found from now on never interrupts
         if execution.release_at_postrun:
             execution.ended_with = exc
             return
-        self.finish(execution, lock, exc)
+        self._finish_run(execution, lock, exc)
 
-    def finish(
+    def _finish_run(
         self,
         execution: context.Execution,
         lock: AdvisoryLock,

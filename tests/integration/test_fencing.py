@@ -21,9 +21,7 @@ from celery_pglock import (
     LockScope,
     PgLockError,
     SingletonTask,
-    _fencing,
     _session,
-    _sql_fencing,
     config,
     current_lock,
     db,
@@ -455,49 +453,3 @@ def test_a_role_without_create_is_told_the_fix_then_works_after_the_grant(
         assert isinstance(ran[0], int)
     finally:
         app.close()
-
-
-@pytest.mark.parametrize("two_ints", [False, True])
-def test_the_folded_acquire_statement_issues_a_token_only_when_granted(
-    lock_engine, namespace, two_ints
-):
-    """TRY_LOCK_SESSION_FENCED, offered to the lock layer: lock and token in one round
-    trip; a busy try gets neither and leaves the key's last token alone."""
-    key = (
-        keys.explicit_key("folded", (uuid.uuid4().int % 2**31, 9))
-        if two_ints
-        else keys.make_key(namespace, "folded")
-    )
-    _fencing.ensure_table(lock_engine)
-    statement = _sql_fencing.TRY_LOCK_SESSION_FENCED[len(key.ids)]
-    params = (*key.ids, *key.pg_locks_ids, "folded")
-    holder, rival = lock_engine.raw_connection(), lock_engine.raw_connection()
-    try:
-        for connection in (holder, rival):
-            connection.dbapi_connection.autocommit = True
-        with holder.cursor() as cursor:
-            cursor.execute(statement, params)
-            name, token = cursor.fetchone()
-        assert "folded" == name
-        assert isinstance(token, int)
-        with rival.cursor() as cursor:
-            cursor.execute(statement, params)
-            assert (None, None) == cursor.fetchone()
-            cursor.execute(_sql_fencing.LAST, key.pg_locks_ids)
-            assert (token,) == cursor.fetchone()
-        with holder.cursor() as cursor:
-            cursor.execute(
-                f"SELECT pg_advisory_unlock({', '.join(['%s'] * len(key.ids))})",
-                key.ids,
-            )
-        with rival.cursor() as cursor:
-            cursor.execute(statement, params)
-            _, after = cursor.fetchone()
-            cursor.execute(
-                f"SELECT pg_advisory_unlock({', '.join(['%s'] * len(key.ids))})",
-                key.ids,
-            )
-        assert after > token
-    finally:
-        holder.close()
-        rival.close()
