@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOCKED_CASE = "trace session, distinct keys"
+SKIP_CASE = "trace session, skip (key held elsewhere)"
+HELD = "held"  # the argument whose key a separate session holds during the run
+_HOLDERS: list[object] = []
 
 
 @contextlib.contextmanager
@@ -77,6 +80,7 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
 
     from celery_pglock import _hooks, _sql, db
     from celery_pglock.lock import AdvisoryLock
+    from celery_pglock.testing import _support
 
     app = bench_app.app
     app.finalize()
@@ -88,7 +92,7 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
     key = locked.lock_key_for("7")
     per_lock = db.engine_for({**app.conf, "pglock_session_mode": "per_lock"})
 
-    def tracer(task: Any, same_key: bool = False) -> Callable[[], object]:
+    def tracer(task: Any, same_key: str | None = None) -> Callable[[], object]:
         trace = build_tracer(task.name, task, app=app)
         # The request dict a pool child gets: the message headers plus what
         # celery.worker.request.Request adds; built once, outside the timing.
@@ -109,7 +113,7 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
                 "root_id": task_id,
                 "correlation_id": task_id,
             }
-            key = "7" if same_key else str(counter.next())
+            key = same_key or str(counter.next())
             return trace(task_id, [key, 0.0], {}, request)
 
         return call
@@ -143,6 +147,15 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
     held = engine.raw_connection()
     dbapi: Any = held.dbapi_connection
     dbapi.autocommit = True
+    # Every call of SKIP_CASE finds its key busy: held by a session of its own (a
+    # session of this engine might be the process's lock session, where it re-enters).
+    holder = _support.connect(
+        engine.url.render_as_string(hide_password=False),
+        application_name="celery_pglock bench holder",
+    )
+    with holder.cursor() as cursor:
+        cursor.execute(_sql.TRY_LOCK_SESSION_BARE[1], locked.lock_key_for(HELD).ids)
+    _HOLDERS.append(holder)  # closing it (garbage) would free the key
     holding = db.application_name("pglock-bench", db.process_tag(), key, "bench")
     idle = db.application_name("pglock-bench", db.process_tag(), "idle")
 
@@ -169,7 +182,8 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
         ("  (*) minus this: hooks off+on", hooks_toggle),
         ("trace plain, hooks connected", trace_plain),
         (LOCKED_CASE, tracer(locked)),
-        ("trace session, one key (key cached)", tracer(locked, same_key=True)),
+        ("trace session, one key (key cached)", tracer(locked, same_key="7")),
+        (SKIP_CASE, tracer(locked, same_key=HELD)),
         ("trace transaction, distinct keys", tracer(xact)),
         ("  key: lock_key_for(i)", lambda: locked.lock_key_for(str(counter.next()))),
         (
@@ -345,8 +359,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument(
         "--profile",
-        action="store_true",
-        help="also cProfile the locked tracer and print its top functions",
+        nargs="?",
+        const=LOCKED_CASE,
+        metavar="CASE",
+        help="also cProfile one case (default: the locked tracer; 'skip' for the "
+        "skip) and print its top functions",
     )
     args = parser.parse_args(argv)
     with database() as url:
@@ -364,7 +381,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             results = measure(table, args.calls, args.reps, meter)
         finally:
             meter.close()
-        profiled = profile(table, LOCKED_CASE, args.calls * 4) if args.profile else None
+        profiled = None
+        if args.profile:
+            case = SKIP_CASE if args.profile == "skip" else args.profile
+            profiled = profile(table, case, args.calls * 4)
     print(
         f"celery_pglock hot path: {args.calls} calls x {args.reps} interleaved "
         f"repetitions in {time.monotonic() - started:.0f} s, "

@@ -17,22 +17,19 @@ connection whose round trip has returned.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from collections.abc import Iterator
+from typing import Any
 
 #: How often the reaper looks for expired round trips (seconds).
 TICK = 0.25
 
 
 class Bound:
-    """One bounded round trip; ``fired`` tells the caller why its connection died."""
+    """One bounded round trip (a context manager, see :func:`bounded`); ``fired`` tells
+    the caller why its connection died."""
 
     __slots__ = ("deadline", "done", "fd", "fired")
 
@@ -42,31 +39,34 @@ class Bound:
         self.done = False
         self.fired = False
 
+    def __enter__(self) -> Bound:
+        with _guard:
+            _ensure_reaper()
+            _pending[id(self)] = self
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        # Under the guard, so the reaper never shuts down a socket (or a reused fd
+        # number) after the round trip has returned.
+        with _guard:
+            self.done = True
+            _pending.pop(id(self), None)
+
 
 _pending: dict[int, Bound] = {}
 _guard = threading.Lock()
 _reaper: tuple[int, threading.Thread] | None = None
 
 
-@contextlib.contextmanager
-def bounded(dbapi_connection: Any, seconds: float) -> Iterator[Bound]:
-    """Shut the connection's socket down if the block has not ended after ``seconds``.
+def bounded(dbapi_connection: Any, seconds: float) -> Bound:
+    """Shut the connection's socket down if the ``with`` block has not ended after
+    ``seconds``.
 
     Only for a connection this process owns, used by one thread at a time. After a
-    fired bound the connection is dead: the caller must close (invalidate) it.
+    fired bound the connection is dead: the caller must close (invalidate) it. (A
+    class, not a generator context manager: this runs twice per task.)
     """
-    bound = Bound(dbapi_connection.fileno(), time.monotonic() + seconds)
-    with _guard:
-        _ensure_reaper()
-        _pending[id(bound)] = bound
-    try:
-        yield bound
-    finally:
-        # Under the guard, so the reaper never shuts down a socket (or a reused fd
-        # number) after the round trip has returned.
-        with _guard:
-            bound.done = True
-            _pending.pop(id(bound), None)
+    return Bound(dbapi_connection.fileno(), time.monotonic() + seconds)
 
 
 def explain(bound: Bound | None) -> str:

@@ -103,6 +103,15 @@ class LockSession(Protocol):
         """
         ...
 
+    def holder_of(self, key: LockKey, *, bound: float) -> str | None:
+        """``"<backend pid> <application_name>"`` of the session holding ``key`` now.
+
+        None when nobody holds it or it could not be found out (never raises: not
+        knowing the holder must never change how a skip ends). ``bound`` limits the
+        round trip as for ``acquire``.
+        """
+        ...
+
     def after_disconnect(self) -> None:
         """An acquire found its session dead: forget the connections that may be too.
 

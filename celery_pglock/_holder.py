@@ -1,11 +1,13 @@
 """Who holds a lock: the holder's backend pid, worker ``host:pid`` and task name.
 
-Read from ``pg_locks`` joined with ``pg_stat_activity`` on the skip path only (one extra
-round trip when a run is skipped, none on a run that gets its lock). The worker's
-``host:pid`` and task name come from the holding session's ``application_name``, which
-celery-pglock sessions set to ``<prefix> <host>:<pid> <task name>`` (a process's lock
-session) or ``<prefix> <host>:<pid> <key> <task name>`` (a per-lock connection); a session of some other program shows what it set, and only
-its backend pid is certain. The answer is a snapshot: the holder may have released since.
+Read from ``pg_locks`` on the skip path only (one extra round trip for a skip, none for
+a run that gets its lock, and at most one a second per hot key: see :func:`find`). The
+worker's ``host:pid`` and task name come from the holding session's
+``application_name``, which celery-pglock sessions set to ``<prefix> <host>:<pid> <task
+name>`` (a process's lock session) or ``<prefix> <host>:<pid> <key> <task name>`` (a
+per-lock connection); a session of some other program shows what it set, and only its
+backend pid is certain. The answer is a snapshot, up to RECENT_SECONDS old: the holder
+may have released since.
 
 Never raises: not knowing the holder must never change how a skip ends.
 """
@@ -13,18 +15,18 @@ Never raises: not knowing the holder must never change how a skip ends.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
+import time
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _sql
-
 if TYPE_CHECKING:
-    import sqlalchemy as sa
+    from celery_pglock.lock import AdvisoryLock
 
-    from celery_pglock.keys import LockKey
-
-logger = logging.getLogger(__name__)
+#: How long a holder found for a key is reused for further skips of that key.
+RECENT_SECONDS = 1.0
+_RECENT_MAX = 1024  # keys remembered per process; cleared when full
+#: (id(engine), key ids) -> (time.monotonic() of the lookup, what it found)
+_recent: dict[tuple[int, tuple[int, ...]], tuple[float, Holder | None]] = {}
 
 #: "host:pid" as db.process_tag() writes it.
 _PROCESS_TAG = re.compile(r"^[^\s:]+:\d+$")
@@ -79,30 +81,30 @@ def parse_application_name(
     return None, None
 
 
-def find(engine: sa.Engine, key: LockKey) -> Holder | None:
-    """The session holding ``key`` in ``engine``'s database, or None (released, or unknown).
+def find(lock: AdvisoryLock) -> Holder | None:
+    """The session holding ``lock``'s key, or None (released since, or unknown).
 
-    Uses one pooled connection from the lock engine for one statement; any error is
-    logged at DEBUG and answered with None.
+    Asked on the lock's own session where it has one (no second connection), at most
+    once per key, engine and process in RECENT_SECONDS: under full contention every
+    message of a hot key is refused, and the lookup (pg_locks) costs the server several
+    times what the refused try did. Never raises.
     """
-    try:
-        pooled = engine.raw_connection()
-    except Exception:
-        logger.debug("Could not look up the holder of %s", key, exc_info=True)
-        return None
-    try:
-        dbapi: Any = pooled.dbapi_connection
-        dbapi.autocommit = True
-        with dbapi.cursor() as cursor:
-            cursor.execute(_sql.HOLDER, key.pg_locks_ids)
-            row = cursor.fetchone()
-    except Exception:
-        logger.debug("Could not look up the holder of %s", key, exc_info=True)
-        pooled.invalidate()
-        return None
-    finally:
-        pooled.close()
-    if row is None:
-        return None
-    process, task = parse_application_name(row[1])
-    return Holder(backend_pid=int(row[0]), process=process, task=task)
+    key = lock.key
+    cache_key = (id(lock.engine), key.ids)
+    now = time.monotonic()
+    recent = _recent.get(cache_key)
+    if recent is not None and now - recent[0] < RECENT_SECONDS:
+        return recent[1]
+    text = lock._session.holder_of(key, bound=lock.round_trip_timeout)
+    holder = None if text is None else parse_holder(text)
+    if len(_recent) >= _RECENT_MAX:
+        _recent.clear()
+    _recent[cache_key] = (now, holder)
+    return holder
+
+
+def parse_holder(text: str) -> Holder:
+    """A Holder from ``"<backend pid> <application_name>"`` (see _sql.HOLDER)."""
+    pid, _, application_name = text.partition(" ")
+    process, task = parse_application_name(application_name)
+    return Holder(backend_pid=int(pid), process=process, task=task)

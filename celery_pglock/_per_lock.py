@@ -8,6 +8,7 @@ task of the process), and so does every lock in ``pglock_session_mode='per_lock'
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
     import sqlalchemy as sa
 
     from celery_pglock.keys import LockKey
+
+logger = logging.getLogger(__name__)
 
 
 class PerLockSessions(_hold.LockSession):
@@ -60,6 +63,26 @@ class PerLockSessions(_hold.LockSession):
             self._release_transaction(hold, key, commit, timeout)
         else:
             self._release_session(hold, key, timeout)
+
+    def holder_of(self, key: LockKey, *, bound: float) -> str | None:
+        try:
+            pooled = self.engine.raw_connection()
+        except Exception:
+            logger.debug("Could not look up the holder of %s", key, exc_info=True)
+            return None
+        try:
+            dbapi: Any = pooled.dbapi_connection
+            dbapi.autocommit = True
+            with _deadline.bounded(dbapi, bound), dbapi.cursor() as cursor:
+                cursor.execute(_sql.HOLDER, key.pg_locks_ids)
+                row = cursor.fetchone()
+        except Exception:
+            logger.debug("Could not look up the holder of %s", key, exc_info=True)
+            pooled.invalidate()
+            return None
+        finally:
+            pooled.close()
+        return None if row is None else row[0]
 
     def after_disconnect(self) -> None:
         # Idle siblings of a dead pooled session are likely dead too (server restart):

@@ -160,6 +160,26 @@ class ProcessSession(_hold.LockSession):
                 name=key.name,
             )
 
+    def holder_of(self, key: LockKey, *, bound: float) -> str | None:
+        # On this session when it is open: a skip then needs no second connection.
+        with self._mutex:
+            if self._cursor is not None:
+                try:
+                    with _deadline.bounded(self._connection, bound):
+                        self._cursor.execute(_sql.HOLDER, key.pg_locks_ids)
+                        row = self._cursor.fetchone()
+                except Exception as exc:
+                    logger.debug(
+                        "Could not look up the holder of %s", key, exc_info=True
+                    )
+                    if self._connection.closed:  # the session died (or was cut off)
+                        self._close(
+                            f"looking up the holder of {key.name!r} failed: {exc!r}"
+                        )
+                    return None
+                return None if row is None else row[0]
+        return self.waits.holder_of(key, bound=bound)
+
     # -- for lock-loss detection and shutdown ---------------------------------------------
 
     def holds(self) -> list[_hold.Hold]:

@@ -170,7 +170,7 @@ def _run() -> None:
     global _idle
     while True:
         with _cond:
-            while not _entries:
+            if not _entries:
                 _idle = True
                 _cond.wait()
             entries = list(_entries.values())
@@ -185,8 +185,12 @@ def _run() -> None:
                 _check(due)
             except Exception:  # the watcher must survive anything and keep watching
                 logger.exception("celery-pglock: the lock watcher failed a check")
-        tick = max(MIN_TICK, min(entry.interval for entry in entries) / 4)
-        time.sleep(tick)
+        # Sleep a tick even when the body that woke us has already ended (the usual
+        # case for short tasks): going back to the wait at once would let every task
+        # wake this thread, a thread switch per task (~30 us measured) instead of at
+        # most one per tick.
+        tick = min((entry.interval for entry in entries), default=4 * MIN_TICK) / 4
+        time.sleep(max(MIN_TICK, tick))
 
 
 def _check(due: list[Entry]) -> None:

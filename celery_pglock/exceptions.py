@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
+    from types import TracebackType
 
 
 class PgLockError(Exception):
@@ -118,6 +119,23 @@ class LockSkipped(LockBusy):
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.message, self.details))
 
+    @property
+    def __traceback__(self) -> TracebackType | None:
+        """A skip's traceback: one fixed frame, whatever frames the skip unwound.
+
+        A skip is an outcome, not an error, so its frames say nothing; but Celery's
+        failure path copies every frame's code positions into a picklable traceback
+        (billiard's ``ExceptionInfo``), which made a skip cost several times a run's CPU
+        and grew workers by ~80 KB per skip until a full garbage collection
+        (docs/benchmarks.md). The interpreter's own traceback (an uncaught skip's
+        printout) is unchanged; setting ``__traceback__`` works as usual.
+        """
+        return _SKIP_TRACEBACK
+
+    @__traceback__.setter
+    def __traceback__(self, value: TracebackType | None) -> None:
+        _BASE_TRACEBACK.__set__(self, value)
+
     def __repr__(self) -> str:
         # Celery logs and sends repr(exc) in the task-failed event: keep it one sentence.
         return f"{type(self).__name__}({self.message!r})"
@@ -129,3 +147,19 @@ class LockNotOwnedError(LockError):
 
 class LockLostError(LockError):
     """The lock ended before the protected work finished."""
+
+
+#: BaseException's own ``__traceback__`` slot, which LockSkipped's property shadows.
+_BASE_TRACEBACK: Any = BaseException.__dict__["__traceback__"]
+
+
+def _skipped_run() -> TracebackType | None:
+    try:
+        # A skipped run: nothing ran, so there is no traceback to show. (One statement
+        # per line: a traceback of it then needs no caret analysis, which compiles.)
+        raise LockSkipped("skipped")
+    except LockSkipped as skip:
+        return _BASE_TRACEBACK.__get__(skip)  # type: ignore[no-any-return]
+
+
+_SKIP_TRACEBACK = _skipped_run()

@@ -360,12 +360,12 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     ) -> tuple[str, dict[str, Any]]:
         """The sentence and the plain-data record of a busy run, naming its holder.
 
-        Costs one more round trip (the holder lookup), on the busy path only. Carries
-        names and numbers only, never argument values.
+        Costs one more round trip (the holder lookup, see _holder.find) on the busy
+        path only. Carries names and numbers only, never argument values.
         """
         options = self._guard().config
         key = lock.key
-        holder = _holder.find(lock.engine, key)
+        holder = _holder.find(lock)
         details: dict[str, Any] = {
             "reason": "lock_busy",
             "task": self.name,

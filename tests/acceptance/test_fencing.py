@@ -13,6 +13,7 @@ import uuid
 import pytest
 
 from celery_pglock import _holder, db
+from celery_pglock.lock import AdvisoryLock
 from celery_pglock.testing import WorkerProcess
 
 from .conftest import wait_until
@@ -121,7 +122,7 @@ def test_a_paused_holders_late_write_is_refused(
     wait_until(lambda: recorder.count(run, "k") == 1, timeout=30, what="run A to start")
     child = recorder.intervals(run)[0].pid
     key = fencing_app.fenced_write.lock_key_for(run, "k", "A")
-    holder = _holder.find(engine, key)
+    holder = _holder.find(AdvisoryLock(engine=engine, key=key))
     assert holder is not None
     os.kill(child, signal.SIGSTOP)
     try:
