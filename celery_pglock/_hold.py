@@ -112,13 +112,6 @@ class LockSession(Protocol):
         """
         ...
 
-    def after_disconnect(self) -> None:
-        """An acquire found its session dead: forget the connections that may be too.
-
-        Nothing to forget by default (a strategy whose sessions all die together).
-        """
-        return
-
 
 def foreign(hold: Hold, key: LockKey) -> exceptions.LockNotOwnedError:
     return exceptions.LockNotOwnedError(

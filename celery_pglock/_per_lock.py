@@ -76,19 +76,26 @@ class PerLockSessions(_hold.LockSession):
             with _deadline.bounded(dbapi, bound), dbapi.cursor() as cursor:
                 cursor.execute(_sql.HOLDER, key.pg_locks_ids)
                 row = cursor.fetchone()
-        except Exception:
+        except Exception as exc:
             logger.debug("Could not look up the holder of %s", key, exc_info=True)
-            pooled.invalidate()
+            self._discard(pooled, exc)
             return None
         finally:
             pooled.close()
         return None if row is None else row[0]
 
-    def after_disconnect(self) -> None:
-        # Idle siblings of a dead pooled session are likely dead too (server restart):
-        # drop them (close=False: no goodbye on dead sockets) instead of failing one
-        # task per corpse.
-        self.engine.dispose(close=False)
+    def _discard(self, pooled: Any, exc: BaseException) -> None:
+        """Close ``pooled`` (whose session is in an unknown state) instead of pooling it."""
+        self._retire_if_dead(pooled, exc)
+        pooled.invalidate()
+
+    def _retire_if_dead(self, pooled: Any, exc: BaseException) -> None:
+        """If ``exc`` says ``pooled``'s session died, retire the pool's older connections.
+
+        Only a dead established session does: a failed connect never reaches here.
+        """
+        if db.is_disconnect(exc):
+            db.mark_pool_stale(self.engine, pooled, exc)
 
     def _acquire_session(
         self,
@@ -102,7 +109,9 @@ class PerLockSessions(_hold.LockSession):
         try:
             pooled = self.engine.raw_connection()
         except Exception:
-            with db.wrap_db_errors(f"acquire lock {key.name!r}", self.engine):
+            with db.wrap_db_errors(
+                f"acquire lock {key.name!r}", self.engine, connecting=True
+            ):
                 raise
         discard = False
         try:
@@ -126,7 +135,7 @@ class PerLockSessions(_hold.LockSession):
                     )
         except BaseException as exc:
             # Unknown state (e.g. interrupted mid-statement): closing is the only safe release.
-            pooled.invalidate()
+            self._discard(pooled, exc)
             pooled.close()
             if isinstance(exc, Exception):
                 with db.wrap_db_errors(f"acquire lock {key.name!r}", self.engine):
@@ -160,7 +169,7 @@ class PerLockSessions(_hold.LockSession):
             unlocked = bool(row and row[0])
         except BaseException as exc:
             held.clear()
-            pooled.invalidate()  # the session's end frees whatever it held
+            self._discard(pooled, exc)  # the session's end frees whatever it held
             pooled.close()
             if isinstance(exc, Exception):
                 with db.wrap_db_errors(
@@ -192,8 +201,11 @@ class PerLockSessions(_hold.LockSession):
         bound: float,
     ) -> _hold.Hold | None:
         arity = len(key.ids)
-        with db.wrap_db_errors(f"acquire lock {key.name!r}", self.engine):
+        with db.wrap_db_errors(
+            f"acquire lock {key.name!r}", self.engine, connecting=True
+        ):
             connection = self.engine.connect()
+        pooled: Any = None
         try:
             pooled = connection.connection
             dbapi: Any = (
@@ -224,6 +236,7 @@ class PerLockSessions(_hold.LockSession):
                 connection.close()
                 return None
         except BaseException as exc:
+            self._retire_if_dead(pooled, exc)
             connection.invalidate()
             connection.close()
             if isinstance(exc, Exception):
@@ -275,6 +288,7 @@ class PerLockSessions(_hold.LockSession):
                     with hold.connection.cursor() as cursor:
                         cursor.execute(_sql.DISCARD_ALL)
         except BaseException as exc:
+            self._retire_if_dead(hold.pooled, exc.__cause__ or exc)
             connection.invalidate()
             if isinstance(exc, exceptions.DatabaseError) and _deadline.explain(bound):
                 raise exceptions.DatabaseError(

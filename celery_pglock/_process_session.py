@@ -85,7 +85,7 @@ class ProcessSession(_hold.LockSession):
                 with _deadline.bounded(self._connection, bound):
                     granted = self._try(cursor, ids, name)
             except BaseException as exc:
-                self._close(f"acquiring lock {key.name!r} failed: {exc!r}")
+                self._fail(f"acquiring lock {key.name!r} failed: {exc!r}", exc)
                 if isinstance(exc, Exception):
                     with db.wrap_db_errors(f"acquire lock {key.name!r}", self.engine):
                         raise
@@ -141,7 +141,7 @@ class ProcessSession(_hold.LockSession):
                     self._cursor.execute(_sql.UNLOCK_SESSION_KEEP_NAME[len(ids)], ids)
                     row = self._cursor.fetchone()
             except BaseException as exc:
-                self._close(f"releasing lock {key.name!r} failed: {exc!r}")
+                self._fail(f"releasing lock {key.name!r} failed: {exc!r}", exc)
                 if isinstance(exc, Exception):
                     with db.wrap_db_errors(
                         f"release lock {key.name!r}{_deadline.explain(bound)}",
@@ -173,8 +173,9 @@ class ProcessSession(_hold.LockSession):
                         "Could not look up the holder of %s", key, exc_info=True
                     )
                     if self._connection.closed:  # the session died (or was cut off)
-                        self._close(
-                            f"looking up the holder of {key.name!r} failed: {exc!r}"
+                        self._fail(
+                            f"looking up the holder of {key.name!r} failed: {exc!r}",
+                            exc,
                         )
                     return None
                 return None if row is None else row[0]
@@ -219,11 +220,26 @@ class ProcessSession(_hold.LockSession):
             dbapi.autocommit = True
             cursor = dbapi.cursor()
         except Exception:
-            with db.wrap_db_errors(f"acquire lock {key.name!r}", self.engine):
+            with db.wrap_db_errors(
+                f"acquire lock {key.name!r}", self.engine, connecting=True
+            ):
                 raise
         self._pooled, self._connection, self._cursor = pooled, dbapi, cursor
         self._shown = None
         return cursor
+
+    def _fail(self, cause: str, exc: BaseException) -> None:
+        """Under the mutex: a statement failed; end the session.
+
+        If it died (a server restart ends every session), the pool's connections
+        (bounded waits, transaction scope) are likely dead too: they are replaced at their
+        next checkout, the next of which may be this session's replacement.
+        """
+        self._close(cause)
+        if db.is_disconnect(exc):
+            # Detached from the pool, this connection cannot say when it was opened:
+            # every pooled connection opened until now is retired (once per death).
+            db.mark_pool_stale(self.engine, None, exc)
 
     def _close(self, cause: str) -> list[_hold.Hold]:
         """Under the mutex: end the session; every hold on it is lost."""

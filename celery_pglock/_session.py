@@ -85,9 +85,8 @@ def close_all() -> None:
 def close_for(engine: sa.Engine) -> None:
     """Close this process's session of ``engine``, if any (before disposing of it).
 
-    Not tied to ``engine.dispose()``: the per-lock reconnect path disposes of the pool
-    when a pooled session is found dead, and that must not end the locks of every
-    other task of the process.
+    Not tied to ``engine.dispose()``: disposing of a pool (after a fork, say) must not
+    end the locks of every other task of the process.
     """
     with _registry_guard:
         _forget_after_fork()

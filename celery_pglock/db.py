@@ -338,8 +338,15 @@ def _unlock_leftovers(dbapi_connection: Any, record: Any) -> None:
 
 
 @contextlib.contextmanager
-def wrap_db_errors(action: str, engine: sa.Engine | None = None) -> Iterator[None]:
-    """Translate SQLAlchemy/driver errors into :class:`DatabaseError` at one boundary."""
+def wrap_db_errors(
+    action: str, engine: sa.Engine | None = None, *, connecting: bool = False
+) -> Iterator[None]:
+    """Translate SQLAlchemy/driver errors into :class:`DatabaseError` at one boundary.
+
+    ``connecting=True`` around the opening of a lock connection (a pool checkout): its
+    failure (refused, too many clients, authentication, a timeout) then never counts as
+    a dead session (:func:`is_dead_session`), whatever the driver's error looks like.
+    """
     try:
         yield
     except exceptions.PgLockError:
@@ -351,9 +358,48 @@ def wrap_db_errors(action: str, engine: sa.Engine | None = None) -> Iterator[Non
         _redact.scrub_exception(
             exc, _redact.secrets_of(engine.url) if engine is not None else ()
         )
-        raise exceptions.DatabaseError(
-            f"Could not {action}{where}: {exc}".strip()
-        ) from exc
+        error = exceptions.DatabaseError(f"Could not {action}{where}: {exc}".strip())
+        if connecting:
+            setattr(error, _CONNECT_FAILED, True)
+        raise error from exc
+
+
+#: Set on a DatabaseError raised while opening a lock connection (see wrap_db_errors).
+_CONNECT_FAILED = "_pglock_connect_failed"
+
+
+def is_dead_session(error: exceptions.DatabaseError) -> bool:
+    """True if ``error`` says an established lock session died under a statement (server
+    restart, failover, terminated backend, cut link): it held nothing any more, and a
+    fresh connection may well work. False for a failure to connect (refused, too many
+    clients), which is no dead session: there was none.
+
+    Decided by where the error arose, not by its shape: psycopg2 raises a dead
+    session found at a transaction's BEGIN without a cursor, like a failed connect.
+    """
+    return not getattr(error, _CONNECT_FAILED, False) and is_disconnect(error.__cause__)
+
+
+def mark_pool_stale(
+    engine: sa.Engine, pooled: Any, exc: BaseException | None = None
+) -> None:
+    """``pooled`` (a connection of ``engine``'s pool) was found dead: retire its siblings.
+
+    Its idle siblings are likely dead too (a server restart ends every session), so
+    every connection of the pool opened before ``pooled`` died is replaced at its next
+    checkout, which is SQLAlchemy's own reaction to a disconnect (``Pool._invalidate``,
+    what ``Connection`` calls on a disconnect error: our lock statements run on the
+    driver's cursor, so SQLAlchemy never sees them). Connections checked out now keep
+    their sessions, and so their locks, until they are given back, and are replaced at
+    their next checkout; none leaves the pool's books, so none is orphaned, unlike
+    ``engine.dispose()``, after which connections checked out earlier are returned to
+    the discarded pool and their sessions stay open until the garbage collector finds
+    it. Once per death: a connection opened before the last invalidation does not
+    move it again (many tasks finding one restart's corpses retire the pool once).
+
+    ``pooled`` itself is not invalidated here: the caller does that (and gives it back).
+    """
+    engine.pool._invalidate(pooled, exc, _checkin=False)
 
 
 def _driver_error() -> type[Exception]:
@@ -378,11 +424,14 @@ def is_disconnect(exc: BaseException | None) -> bool:
 
 
 def is_connect_failure(exc: BaseException | None) -> bool:
-    """True if ``exc`` is a failure to open a new connection (refused, unknown host,
-    authentication): there was no pooled session, so there is no dead one to replace.
+    """True if ``exc`` looks like a failure to open a new connection (refused, unknown
+    host, authentication, too many clients).
 
-    psycopg2 attaches the cursor to every error a statement raises; an OperationalError
-    without one comes from connecting.
+    psycopg2 attaches the cursor to the errors a statement raises, and an
+    OperationalError without one usually comes from connecting: but a dead session found
+    at the implicit BEGIN of a transaction has none either. Good enough to call an error
+    transient (both are); to tell a dead session from a failed connect, the lock paths
+    use :func:`is_dead_session`, which knows where the error arose.
     """
     import psycopg2  # the only supported driver; imported here to keep import cheap
 

@@ -143,20 +143,21 @@ class AdvisoryLock:
         try:
             granted = self._do_acquire(timeout_ms)
         except exceptions.DatabaseError as error:
-            # A failed connect had no pooled session to lose: nothing to replace.
-            cause = error.__cause__
-            if not db.is_disconnect(cause) or db.is_connect_failure(cause):
+            # A failed connect (refused, too many clients) had no session to lose: not
+            # retried here (lock_on_error retries the run later, with backoff).
+            if not db.is_dead_session(error):
                 raise
             # The session was already dead (server restart, failover, idle timeout, cut
             # network), so it held nothing: try once more on a fresh connection, instead
-            # of failing one task per dead connection.
+            # of failing one task per dead connection. The strategy has already closed
+            # it, and retired the pooled connections opened before it died, which are
+            # likely dead too (db.mark_pool_stale).
             logger.warning(
                 "Lock connection to %s was dead (%s); reconnecting once",
                 db.engine_info(self.engine)["masked_url"],
                 error.__cause__,
                 extra={"action": "lock_reconnect", "lock_key": str(self.key)},
             )
-            self._session.after_disconnect()
             granted = self._do_acquire(timeout_ms)
         self.wait_seconds = time.monotonic() - asked_at
         hold = self._hold
