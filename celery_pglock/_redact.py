@@ -82,6 +82,7 @@ _SAFE_VALUE = re.compile(r"[\w.\-/:,@+ ]*")
 _CONNINFO_ITEM = re.compile(r"\s*(\w+)\s*=\s*('(?:[^'\\]|\\.)*'|[^\s']*)")
 #: Anything URL-shaped inside free text (a driver error, a traceback).
 _URL_IN_TEXT = re.compile(r"[A-Za-z][\w+.\-]*://[^\s\"'<>]*")
+_TRAILING_PUNCTUATION = ".,:;)]"
 #: ``password=...``-like pairs inside free text, quoted or not.
 _SECRET_PAIR_IN_TEXT = re.compile(
     r"(?i)\b(\w*(?:pass|pwd|secret|token|dsn|credential)\w*)([\"']?\s*[=:]\s*)"
@@ -154,7 +155,7 @@ def scrub_text(text: str, secrets: Iterable[str] = ()) -> str:
             text = text.replace(secret, MASK)
         else:
             text = re.sub(rf"(?<!\w){re.escape(secret)}(?!\w)", MASK, text)
-    text = _URL_IN_TEXT.sub(lambda match: mask_url(match.group(0)), text)
+    text = _URL_IN_TEXT.sub(_mask_url_in_text, text)
     return _SECRET_PAIR_IN_TEXT.sub(
         lambda match: f"{match.group(1)}{match.group(2)}{MASK}", text
     )
@@ -189,6 +190,17 @@ def scrub_exception(exc: BaseException, secrets: Iterable[str] = ()) -> None:
 
 
 # -- internals ---------------------------------------------------------------------------
+
+
+def _mask_url_in_text(match: re.Match[str]) -> str:
+    """Mask a URL found in free text, keeping the sentence's punctuation after it
+    (``.../postgres: server closed`` must not mask the database name as "postgres:").
+    Only after a path: after a query, the punctuation may be part of a secret value."""
+    url = match.group(0)
+    core = url.rstrip(_TRAILING_PUNCTUATION)
+    if "?" in core or core == url:
+        return mask_url(url)
+    return mask_url(core) + url[len(core) :]
 
 
 def _ambiguous(rest: str, parsed: sa.URL | None = None) -> bool:

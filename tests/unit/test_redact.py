@@ -226,6 +226,23 @@ def test_scrub_text_removes_urls_pairs_and_known_secrets(text, secrets):
     assert not MARKER.search(_redact.scrub_text(text, secrets))
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "lock on postgresql://postgres@127.0.0.1:5432/postgres: server closed",
+            "lock on postgresql://postgres@127.0.0.1:5432/postgres: server closed",
+        ),
+        ("(see postgresql://app:LEAK@db/x).", "(see postgresql://app:***@db/x)."),
+        # After a query, trailing punctuation may belong to a secret: masked with it.
+        ("postgresql://app@db/x?password=LEAK.", "postgresql://app@db/x?password=***"),
+    ],
+)
+def test_scrub_text_keeps_the_punctuation_after_a_url(text, expected):
+    """A URL at the end of a clause keeps its database name readable."""
+    assert _redact.scrub_text(text) == expected
+
+
 def test_short_secrets_do_not_garble_messages():
     """A one-letter password is removed as a word, not from every word."""
     assert "password p*** ***" != _redact.scrub_text("password p wrong", ["p"])
