@@ -5,8 +5,9 @@ in a worker carrying only its own library (a plain worker never imports celery_p
 a celery-once worker never imports celery-singleton):
 
 - ``plain``: ``bench.plain(key, body)``, a plain Celery task: the baseline; and
-  ``bench.plain_round_trip``, the same plus one blocking ``SELECT 1`` (psycopg2, no
-  celery_pglock): what one round trip to PostgreSQL costs a worker.
+  ``bench.plain_round_trips``, the same with a blocking ``SELECT 1`` before and after
+  the body (psycopg2, no celery_pglock): the floor of any lock that is taken before the
+  body and whose release is awaited, as SingletonTask's is.
 - ``pglock``: ``bench.session`` and ``bench.transaction``, SingletonTask with
   ``lock_args=("key",)`` in session and transaction scope.
 - ``once``: ``bench.once``, celery-once's ``QueueOnce`` keyed on ``key`` (graceful).
@@ -54,7 +55,7 @@ WARM_SUFFIX = ".warm"
 APPLICATION_NAME = "pglock-bench"
 
 PLAIN = "bench.plain"
-PLAIN_ROUND_TRIP = "bench.plain_round_trip"
+PLAIN_ROUND_TRIPS = "bench.plain_round_trips"
 SESSION = "bench.session"
 TRANSACTION = "bench.transaction"
 ONCE = "bench.once"
@@ -95,23 +96,29 @@ def plain(key: str, body: float = 0.0) -> None:
 _round_trip: dict[int, Any] = {}  # pid -> psycopg2 connection (never shared by a fork)
 
 
-@app.task(name=PLAIN_ROUND_TRIP)
-def plain_round_trip(key: str, body: float = 0.0) -> None:
-    """A plain task plus one blocking ``SELECT 1``: what one round trip costs a worker."""
+@app.task(name=PLAIN_ROUND_TRIPS)
+def plain_round_trips(key: str, body: float = 0.0) -> None:
+    """A plain task plus a blocking ``SELECT 1`` before and after its body."""
+    import socket
+
     import psycopg2
 
     connection = _round_trip.get(os.getpid())
     if connection is None:
         url = str(os.environ.get(DATABASE_URL_ENV))
         connection = psycopg2.connect(
-            url.replace("postgresql+psycopg2://", "postgresql://", 1)
+            url.replace("postgresql+psycopg2://", "postgresql://", 1),
+            # Named like a lock session, so the benchmark reads its backend's CPU too.
+            application_name=f"{APPLICATION_NAME} {socket.gethostname()}:{os.getpid()}",
         )
         connection.autocommit = True
         _round_trip[os.getpid()] = connection
     with connection.cursor() as cursor:
         cursor.execute("SELECT 1")
         cursor.fetchone()
-    _body(body)
+        _body(body)
+        cursor.execute("SELECT 1")
+        cursor.fetchone()
 
 
 if contender in ("pglock", UNAWAITED, "all"):
@@ -321,7 +328,7 @@ def _warm_up() -> None:
         if lock.acquire():
             lock.release()
     elif contender == "plain" and os.environ.get(DATABASE_URL_ENV):
-        plain_round_trip("warm")  # opens this process's connection
+        plain_round_trips("warm")  # opens this process's connection
     elif contender == "once":
         app.tasks[ONCE].once_backend.redis.ping()
     elif contender == "singleton":

@@ -125,7 +125,7 @@ class Guard:
             )
             for argument, value in zip(self.arguments, values, strict=True)
         }
-        return keys.make_key(options.namespace, options.name, material)
+        return keys.key_for_canonical(options.namespace, options.name, material)
 
     def _scalar_key(self, typed_values: tuple[tuple[type, Any], ...]) -> keys.LockKey:
         return self._make_key(tuple(value for _, value in typed_values))

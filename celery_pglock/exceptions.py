@@ -153,13 +153,24 @@ class LockLostError(LockError):
 _BASE_TRACEBACK: Any = BaseException.__dict__["__traceback__"]
 
 
+def _raise_skipped() -> None:
+    raise LockSkipped
+
+
+# Its frames name a "file" that says why and has no source behind it: formatting the
+# traceback then reads no file and parses no line (a skip is formatted once per skip).
+_raise_skipped.__code__ = _raise_skipped.__code__.replace(
+    co_filename="<a skipped run: nothing ran, so there is no traceback>"
+)
+
+
 def _skipped_run() -> TracebackType | None:
     try:
-        # A skipped run: nothing ran, so there is no traceback to show. (One statement
-        # per line: a traceback of it then needs no caret analysis, which compiles.)
-        raise LockSkipped("skipped")
+        _raise_skipped()
     except LockSkipped as skip:
-        return _BASE_TRACEBACK.__get__(skip)  # type: ignore[no-any-return]
+        traceback: TracebackType = _BASE_TRACEBACK.__get__(skip)
+        return traceback.tb_next  # without this function's own frame
+    raise AssertionError("unreachable: _raise_skipped raises")
 
 
 _SKIP_TRACEBACK = _skipped_run()

@@ -126,7 +126,12 @@ def make_key(
     Raises:
         LockKeyError: ``material`` holds a value without a stable canonical form.
     """
-    canonical_material = canonical(material, where)
+    return key_for_canonical(namespace, name, canonical(material, where))
+
+
+def key_for_canonical(namespace: str, name: str, canonical_material: Json) -> LockKey:
+    """:func:`make_key` for material that :func:`canonical` already returned (a task's
+    per-argument path canonicalises each argument itself, to name it in errors)."""
     if _keystream.longer_than(canonical_material, TEXT_MAX):
         hasher = hashlib.sha256()
         for piece in _keystream.encoded_pieces(

@@ -25,6 +25,9 @@ from celery_pglock import (
     LockSkipped,
     PgLockError,
     SingletonTask,
+    _holder,
+    _per_lock,
+    _process_session,
     current_lock,
     signals,
     skip_info,
@@ -202,6 +205,42 @@ def test_skip_result_skipped_keeps_the_old_skipped_state(app, events):
     assert not stored.ready()
     assert "lock_busy" == stored.info["reason"]
     assert str(holder.key) == stored.info["key"]
+
+
+def test_a_hot_keys_holder_is_looked_up_once_a_second_on_the_lock_session(
+    app, session_mode, monkeypatch
+):
+    """Full contention: every message of a hot key is a skip. The holder is looked up
+    on the first and reused for RECENT_SECONDS; a process's lock session looks it up on
+    itself (no pooled connection)."""
+    lookups = []
+    strategy = (
+        _process_session.ProcessSession
+        if session_mode == "per_process"
+        else _per_lock.PerLockSessions
+    )
+    original = strategy.holder_of
+
+    def counted(self, key, *, bound):
+        lookups.append(key)
+        return original(self, key, bound=bound)
+
+    monkeypatch.setattr(strategy, "holder_of", counted)
+    task = define(app, ran)
+    holder = hold(task)
+    checkouts = []
+    sa.event.listen(current_engine(app), "checkout", lambda *_: checkouts.append(1))
+    try:
+        skips = [task.apply().result for _ in range(5)]
+        monkeypatch.setattr(_holder, "RECENT_SECONDS", 0.0)
+        skips.append(task.apply().result)
+    finally:
+        holder.release()
+    assert all(isinstance(skip, LockSkipped) for skip in skips)
+    assert {db_module.process_tag()} == {skip.holder for skip in skips}
+    assert 2 == len(lookups)
+    if session_mode == "per_process":
+        assert [] == checkouts  # no pooled connection: the lock session itself
 
 
 def test_skip_by_a_session_that_is_not_ours_names_its_backend_pid(app, database_url):
