@@ -20,13 +20,15 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import sqlalchemy as sa
+
     from celery_pglock.lock import AdvisoryLock
 
 #: How long a holder found for a key is reused for further skips of that key.
 RECENT_SECONDS = 1.0
 _RECENT_MAX = 1024  # keys remembered per process; cleared when full
-#: (id(engine), key ids) -> (time.monotonic() of the lookup, what it found)
-_recent: dict[tuple[int, tuple[int, ...]], tuple[float, Holder | None]] = {}
+#: (database URL, key ids) -> (time.monotonic() of the lookup, what it found)
+_recent: dict[tuple[sa.URL, tuple[int, ...]], tuple[float, Holder | None]] = {}
 
 #: "host:pid" as db.process_tag() writes it.
 _PROCESS_TAG = re.compile(r"^[^\s:]+:\d+$")
@@ -85,12 +87,12 @@ def find(lock: AdvisoryLock) -> Holder | None:
     """The session holding ``lock``'s key, or None (released since, or unknown).
 
     Asked on the lock's own session where it has one (no second connection), at most
-    once per key, engine and process in RECENT_SECONDS: under full contention every
+    once per key, database and process in RECENT_SECONDS: under full contention every
     message of a hot key is refused, and the lookup (pg_locks) costs the server several
     times what the refused try did. Never raises.
     """
     key = lock.key
-    cache_key = (id(lock.engine), key.ids)
+    cache_key = (lock.engine.url, key.ids)
     now = time.monotonic()
     recent = _recent.get(cache_key)
     if recent is not None and now - recent[0] < RECENT_SECONDS:
