@@ -260,8 +260,19 @@ def _unawaited_release() -> None:
             )  # on the wire; the reply is read later
             self._pending = True
 
+    def holder_of(self: Any, key: Any, *, bound: float) -> Any:
+        with self._mutex:
+            if self._cursor is None:
+                return None
+            settle(self)
+            self._cursor.execute(_sql.HOLDER, key.pg_locks_ids)
+            wait(self._connection)
+            row = self._cursor.fetchone()
+            return None if row is None else row[0]
+
     session_class.acquire = acquire  # type: ignore[method-assign]
     session_class.release = release  # type: ignore[method-assign]
+    session_class.holder_of = holder_of  # type: ignore[method-assign]
 
 
 if contender == UNAWAITED:
