@@ -186,6 +186,11 @@ def test_terminate_policy_acts_as_signal_under_gevent(
     assert result.state == "PENDING"
     log = (loss_logs / "gevent.log").read_text()
     assert log.count("lock_on_lost='terminate' cannot end a gevent/eventlet body") == 1
+    # The process's lock session (terminated with the holder's lock) is replaced: another
+    # key locks in the same process while the lost body still runs.
+    other = loss.duplicate.apply_async((f"{run}-other",), queue=loss_workers["gevent"])
+    assert other.get(timeout=30) == "ran"
+    assert result.state == "PENDING"
     _open(gate)
     with pytest.raises(LockLostError, match="was lost while its body ran"):
         result.get(timeout=30)
