@@ -88,7 +88,8 @@ class Observer:
                 entry.server_start = start
             if standby:
                 losses[id(entry)] = (
-                    "the server is now a standby (pg_is_in_recovery()): a failover"
+                    "the server is now a standby (pg_is_in_recovery()): the address "
+                    "reaches a replica, not the primary that granted the lock"
                 )
                 continue
             if holder is not None and holder == entry.backend_pid:
@@ -104,8 +105,11 @@ class Observer:
                 entry.backend_pid, entry.pid_confirmed = holder, True
                 continue
             if restarted or entry.server_start != start:
+                # A promoted standby's postmaster started when the standby did: a
+                # failover looks exactly like a restart from here.
                 losses[id(entry)] = (
-                    "the server restarted or was replaced (pg_postmaster_start_time() changed)"
+                    "the server restarted or was replaced (pg_postmaster_start_time() "
+                    "changed): a restart, a crash, or a failover to a promoted standby"
                 )
             elif not alive:
                 losses[id(entry)] = (

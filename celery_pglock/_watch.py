@@ -13,8 +13,9 @@ How (docs/operations/lock-loss.md has the full story and the deadline arithmetic
 - Every lock older than its ``lock_watch_interval`` is checked, all of a database's locks
   in ONE query per tick, on the watcher's own session (never the holder's: a
   transaction-scope body may be using that connection). The query (``_sql.CHECK_HELD``)
-  reads ``pg_locks`` for who holds each key now, plus the postmaster start time and
-  ``pg_is_in_recovery()`` to name a restart or a failover. A body shorter than the
+  reads ``pg_locks`` for who holds each key now, plus the postmaster start time (a
+  restart, or a failover to a promoted standby: the two look alike) and
+  ``pg_is_in_recovery()`` (the address now reaches a standby). A body shorter than the
   interval costs one dict insert and one removal, and no query.
 - The watcher's session (``_observer.py``) is asynchronous: every connect and query waits
   until the check's deadline (``lock_check_timeout``) at most, so a frozen link or a frozen

@@ -29,6 +29,11 @@ class FreezableProxy:
     def thaw(self) -> None:
         self._running.set()
 
+    def retarget(self, target: tuple[str, int]) -> None:
+        """Forward new connections to ``target`` from now on (a failover behind a fixed
+        address); connections already open stay with the old target."""
+        self.target = target
+
     def close(self) -> None:
         self._closed.set()
         self._running.set()

@@ -94,6 +94,14 @@ def hold(self, run: str, gate: str) -> str:
 
 
 @app.task(base=SingletonTask, bind=True, lock_args=("run",), lock_on_lost="terminate")
+def hold_gate_terminate(self, run: str, gate: str) -> str:
+    """Hold until the gate opens, lock_on_lost='terminate' (a gevent body goes on)."""
+    with recorder.record(run, "hold", self.request.id) as row_id:
+        wait_gate(gate, row_id)
+    return "finished"
+
+
+@app.task(base=SingletonTask, bind=True, lock_args=("run",), lock_on_lost="terminate")
 def hold_terminate(self, run: str, chunk: float) -> str:
     """Sleep up to 60 s in ``chunk``-second sleeps (one sleep when chunk=60)."""
     with recorder.record(run, "hold", self.request.id):

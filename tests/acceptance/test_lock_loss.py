@@ -44,20 +44,31 @@ def loss(acceptance_env, lock_server):
 
 
 @pytest.fixture(scope="module")
-def loss_workers(loss, acceptance_env, lock_server, tmp_path_factory):
-    """A prefork worker (2 children) and a threads-pool worker, each on its own queue."""
-    logs = tmp_path_factory.mktemp("loss-workers")
+def loss_logs(tmp_path_factory):
+    """The module workers' logs: <pool>.log."""
+    return tmp_path_factory.mktemp("loss-workers")
+
+
+@pytest.fixture(scope="module")
+def loss_workers(loss, acceptance_env, lock_server, loss_logs):
+    """One worker per pool, each on its own queue: prefork (2 children), threads (2),
+    solo and gevent (2 greenlets)."""
     queue = f"pglock-loss-{uuid.uuid4().hex[:8]}"
     env = {**acceptance_env, "PGLOCK_TEST_LOCK_DATABASE_URL": lock_server.url()}
     started = {}
-    for pool, concurrency in (("prefork", 2), ("threads", 2)):
+    for pool, concurrency in (
+        ("prefork", 2),
+        ("threads", 2),
+        ("solo", 1),
+        ("gevent", 2),
+    ):
         worker = WorkerProcess(
             "tests.acceptance.loss_app",
             env=env,
             pool=pool,
             concurrency=concurrency,
             queues=[f"{queue}-{pool}"],
-            log_path=logs / f"{pool}.log",
+            log_path=loss_logs / f"{pool}.log",
         )
         started[pool] = worker.start(timeout=90)
     yield {pool: f"{queue}-{pool}" for pool in started}
@@ -111,13 +122,15 @@ def _watch_sessions(lock_server) -> int:
     return int(query(lock_server, sql)[0][0])
 
 
+@pytest.mark.parametrize("pool", ["prefork", "solo", "gevent"])
 def test_terminated_holder_is_signalled_within_the_interval_and_fails_the_run(
-    loss, loss_workers, lock_server, recorder, run
+    loss, loss_workers, lock_server, recorder, run, pool
 ):
     """pg_terminate_backend frees the lock at once: a duplicate gets it and overlaps
     (that is what fencing is for), but the holder's process signals lock_lost within
-    about one interval, and its run ends FAILURE with LockLostError."""
-    queue = loss_workers["prefork"]
+    about one interval, and its run ends FAILURE with LockLostError. In every pool
+    whose body cannot be in a thread of its own (solo, gevent), too."""
+    queue = loss_workers[pool]
     gate = f"gate-{run}"
     first = loss.hold.apply_async((run, gate), queue=queue)
     key = loss.hold.lock_key_for(run, gate)
@@ -131,10 +144,13 @@ def test_terminated_holder_is_signalled_within_the_interval_and_fails_the_run(
     assert task_name == loss.hold.name
     assert "ended" in cause
     detected_after = at.timestamp() - terminated_at
-    print(f"pg_terminate_backend: lock_lost after {detected_after:.2f}s")
+    print(f"pg_terminate_backend ({pool}): lock_lost after {detected_after:.2f}s")
     # interval + the watcher's tick (interval/4) + one query; loose on a busy machine
     assert detected_after < INTERVAL * 1.25 + 1.0, detected_after
-    second = loss.hold.apply_async((run, gate), queue=queue)
+    # Another process takes the lock: solo is busy with the holder, and a gevent
+    # worker's one process still refuses the key while the lost holder's body runs.
+    other = queue if pool == "prefork" else loss_workers["prefork"]
+    second = loss.hold.apply_async((run, gate), queue=other)
     wait_until(lambda: recorder.count(run) == 2, timeout=30, what="the duplicate")
     _open(gate)
     assert second.get(timeout=30) == "finished"
@@ -145,16 +161,55 @@ def test_terminated_holder_is_signalled_within_the_interval_and_fails_the_run(
     assert overlap.second.started_at.timestamp() > terminated_at - 0.5
 
 
+def test_terminate_policy_acts_as_signal_under_gevent(
+    loss, loss_workers, loss_logs, lock_server, recorder, run
+):
+    """What the docs promise for gevent: lock_on_lost='terminate' cannot end a greenlet
+    body, so it acts as 'signal': lock_lost is sent, one WARNING per process says so,
+    the body goes on to its end, and the run still ends FAILURE with LockLostError."""
+    gate = f"gate-{run}"
+    result = loss.hold_gate_terminate.apply_async(
+        (run, gate), queue=loss_workers["gevent"]
+    )
+    key = loss.hold_gate_terminate.lock_key_for(run, gate)
+    pid = wait_until(lambda: holder_pid(lock_server, key), timeout=30, what="the lock")
+    terminated_at = terminate(lock_server, pid)
+    ((_, cause, _, at),) = wait_until(
+        lambda: loss.lost_events(result.id), timeout=10, what="lock_lost"
+    )
+    assert "ended" in cause, cause
+    assert at.timestamp() - terminated_at < INTERVAL * 1.25 + 1.0
+    time.sleep(INTERVAL * 3)  # 'terminate' would have ended the body by now
+    (interval,) = recorder.intervals(run)
+    # Still running: its gate wait keeps refreshing the interval's end.
+    assert interval.ended_at.timestamp() > at.timestamp() + INTERVAL * 2
+    assert result.state == "PENDING"
+    log = (loss_logs / "gevent.log").read_text()
+    assert log.count("lock_on_lost='terminate' cannot end a gevent/eventlet body") == 1
+    # The process's lock session (terminated with the holder's lock) is replaced: another
+    # key locks in the same process while the lost body still runs.
+    other = loss.duplicate.apply_async((f"{run}-other",), queue=loss_workers["gevent"])
+    assert other.get(timeout=30) == "ran"
+    assert result.state == "PENDING"
+    _open(gate)
+    with pytest.raises(LockLostError, match="was lost while its body ran"):
+        result.get(timeout=30)
+    again = loss.duplicate.apply_async((f"{run}-2",), queue=loss_workers["gevent"])
+    assert again.get(timeout=30) == "ran"
+
+
 def _open(gate: str) -> None:
     importlib.import_module("tests.acceptance.app").open_gate(gate)
 
 
-@pytest.mark.parametrize(("pool", "chunk"), [("prefork", 60.0), ("threads", 0.05)])
+@pytest.mark.parametrize(
+    ("pool", "chunk"), [("prefork", 60.0), ("solo", 60.0), ("threads", 0.05)]
+)
 def test_terminate_policy_ends_the_body(
     loss, loss_workers, lock_server, recorder, run, pool, chunk
 ):
-    """lock_on_lost='terminate': prefork interrupts even one long sleep (a signal to the
-    main thread); the threads pool raises at the body's next bytecode."""
+    """lock_on_lost='terminate': prefork and solo interrupt even one long sleep (a
+    signal to the main thread); the threads pool raises at the body's next bytecode."""
     result = loss.hold_terminate.apply_async((run, chunk), queue=loss_workers[pool])
     key = loss.hold_terminate.lock_key_for(run, chunk)
     pid = wait_until(lambda: holder_pid(lock_server, key), timeout=30, what="the lock")
