@@ -789,6 +789,8 @@ def main(argv: list[str] | None = None) -> int:
             f"chaos run: {'short' if args.short else 'full'}, seed {seed}, {plan}",
             flush=True,
         )
+        for line in services.describe():
+            print(line, flush=True)
         logs = Path(tempfile.mkdtemp(prefix="pglock-chaos-"))
         chaos = Chaos(plan, env, logs, seed)
         figures = chaos.run()
