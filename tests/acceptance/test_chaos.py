@@ -40,7 +40,11 @@ def test_short_chaos_run(acceptance_env, tmp_path):
     assert figures_path.exists(), output[-5000:]
     figures = json.loads(figures_path.read_text())
     assert figures["unaccounted"] == 0, figures["unaccounted_ids"]
-    assert figures["sent"] == figures["ran"] + figures["skipped"] + figures["failed"]
+    # Every sent task ended, or was lost by the broker's Redis transport before any worker
+    # received it (a worker SIGKILLed between BRPOP and its unacked record: plain Celery
+    # loses that message too), or is unaccounted (0, asserted above).
+    ended = figures["ran"] + figures["skipped"] + figures["failed"]
+    assert figures["sent"] == ended + figures["lost_by_broker"]
     assert figures["overlaps_unexplained"] == []
     assert figures["partition_overlaps"] == 0
     assert figures["advisory_locks_left"] == 0

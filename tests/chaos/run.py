@@ -63,6 +63,8 @@ PROCESS_TAG = re.compile(r":(\d+)")
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
+    """How much of everything: :data:`SHORT` (CI) or :data:`FULL`."""
+
     tasks: int
     keys: int
     duration: float  #: Seconds over which the main phase sends its tasks.
@@ -97,18 +99,21 @@ FULL = Plan(
 
 @dataclasses.dataclass
 class Fault:
+    """One injected fault, for the loss and recovery figures."""
+
     kind: str
     began: float  #: time.time() before the fault.
     done: float  #: time.time() once it was injected (a restart: when the server was down).
     pids: set[int] = dataclasses.field(default_factory=set)  #: Processes it hit.
     detail: str = ""
-    holders: set[str] = dataclasses.field(
-        default_factory=set
-    )  #: A link's lock holders.
+    #: The task ids holding locks through a link when it froze.
+    holders: set[str] = dataclasses.field(default_factory=set)
     after: str = ""  #: The proxied worker's first task after the link came back.
 
 
 class Chaos:
+    """One chaos run: start everything, run both phases, measure, stop everything."""
+
     def __init__(self, plan: Plan, env: dict[str, str], log_dir: Path, seed: int):
         self.plan = plan
         self.env = env
@@ -336,8 +341,10 @@ class Chaos:
             busy = [row[0] for row in cursor.fetchall() if row[0] in children]
         pid = self.rng.choice(busy or children)
         began = time.time()
-        with contextlib.suppress(ProcessLookupError):
+        try:
             os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return  # it had just exited (a time limit): not a fault of ours
         self.faults.append(Fault("SIGKILL pool child", began, time.time(), {pid}))
 
     def _inject_worker_kill(self) -> None:
@@ -433,7 +440,21 @@ class Chaos:
     def _report(self, started: float) -> dict[str, Any]:
         recorder = self.app.recorder
         outcomes = self._outcomes(time.monotonic() + 90)
-        unaccounted = sorted(set(self.sent) - set(outcomes))
+        missing = [
+            self._trace(task_id) for task_id in sorted(set(self.sent) - set(outcomes))
+        ]
+        # Kombu's Redis transport takes a message off the queue (BRPOP) before it records
+        # it as unacknowledged: a worker SIGKILLed in between loses it, whatever the task.
+        # No worker ever logged it as received, so celery-pglock never saw it.
+        worker_kills = [
+            f.began for f in self.faults if f.kind.startswith("SIGKILL whole")
+        ]
+        broker_lost = [
+            t
+            for t in missing
+            if not t["received"] and any(k >= t["sent_at"] for k in worker_kills)
+        ]
+        unaccounted = [t for t in missing if t not in broker_lost]
         intervals = [
             i
             for part in ("main", "part")
@@ -449,7 +470,9 @@ class Chaos:
         figures = _analyse(self, outcomes, intervals, events, overlaps)
         figures.update(
             unaccounted=len(unaccounted),
-            unaccounted_ids=[self._trace(task_id) for task_id in unaccounted[:20]],
+            unaccounted_ids=unaccounted[:20],
+            lost_by_broker=len(broker_lost),
+            lost_by_broker_ids=broker_lost[:20],
             advisory_locks_left=left,
             wall_seconds=round(time.time() - started, 1),
             **self._from_logs(),
@@ -470,7 +493,9 @@ class Chaos:
             # redelivery that finds the key held stores nothing, assuming its first
             # delivery still runs; when that one was killed, the caller never hears.
             "ignored_redelivery": any(REDELIVERY_SKIP in line for line in lines),
+            "received": any("] received" in line for line in lines),
             "kind": self.sent[task_id],
+            "sent_at": self.sent_at[task_id],
             "sent_at_s": round(self.sent_at[task_id] - self.t0, 2),
             "log": lines[:10],
         }
@@ -715,6 +740,8 @@ def render(figures: dict[str, Any], results: list[tuple[str, bool]]) -> str:
         f"| skipped (lock busy) | {figures['skipped']} |",
         f"| failed, with reason | {figures['failed']} "
         f"({', '.join(f'{k} {v}' for k, v in sorted(figures['failed_reasons'].items())) or '-'}) |",
+        f"| lost by the broker before any worker received it (a worker SIGKILLed "
+        f"between Redis BRPOP and its unacked record) | {figures['lost_by_broker']} |",
         f"| unaccounted | {figures['unaccounted']}{ignored} |",
         f"| task ids whose body ran more than once (redelivered after a kill) | {figures['task_ids_run_more_than_once']} |",
         f"| messages redelivered (acks_late, after a kill) | {figures['redelivered']} |",
@@ -760,6 +787,8 @@ def render(figures: dict[str, Any], results: list[tuple[str, bool]]) -> str:
         lines += ["", f"unexplained overlaps: {figures['overlaps_unexplained'][:10]}"]
     if figures["unaccounted"]:
         lines += ["", f"unaccounted task ids: {figures['unaccounted_ids']}"]
+    if figures["lost_by_broker"]:
+        lines += ["", f"lost by the broker: {figures['lost_by_broker_ids']}"]
     return "\n".join(lines)
 
 
