@@ -34,6 +34,19 @@ class FreezableProxy:
         address); connections already open stay with the old target."""
         self.target = target
 
+    def cut(self) -> None:
+        """Close every forwarded connection (both ends); new ones are still accepted.
+
+        What the server's keepalives do at their deadline: its end of a silent link is
+        closed, and the locks of that session are freed.
+        """
+        sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                sock.close()
+
     def close(self) -> None:
         self._closed.set()
         self._running.set()

@@ -1,0 +1,7 @@
+from __future__ import annotations
+
+import sys
+
+from tests.chaos import run
+
+sys.exit(run.main())

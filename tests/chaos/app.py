@@ -1,0 +1,71 @@
+"""The Celery app of the chaos run (tests/chaos/run.py): loss_app's, plus one task.
+
+It reuses tests.acceptance.loss_app as it is: locks on a PRIVATE PostgreSQL
+(``PGLOCK_TEST_LOCK_DATABASE_URL``), which the chaos restarts and whose backends it
+terminates; the overlap recorder and the ``lock_lost`` events on the shared test
+database, which the chaos never touches. Added here: redeliveries (``acks_late`` with
+``reject_on_worker_lost``, and a short Redis visibility timeout so that a killed worker's
+reserved messages come back within the run), the policy on loss from the environment,
+and ``lock_release_failed`` recorded next to ``lock_lost`` (a body shorter than the watch
+interval learns of its loss only at release).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from celery_pglock import SingletonTask, signals
+from tests.acceptance import loss_app
+from tests.acceptance.app import recorder
+
+ON_LOST_ENV = "PGLOCK_TEST_ON_LOST"
+#: Seconds before Redis hands an unacknowledged message to another worker: longer than
+#: any body plus its wait in the prefetch buffer, short enough for a bounded run.
+VISIBILITY_TIMEOUT = 15
+#: The body refreshes its interval's end this often: a killed body leaves "last seen
+#: alive", at most this much short (tests.acceptance.app.wait_gate does the same).
+HEARTBEAT = 0.2
+#: The cause recorded for a loss learnt at release (lock_release_failed).
+RELEASE_FAILED = "release failed: "
+
+app = loss_app.app
+app.conf.update(
+    pglock_on_lost=os.environ.get(ON_LOST_ENV, "signal"),
+    pglock_error_backoff=0.5,  # a restart is over in seconds: retry soon
+    broker_transport_options={
+        "visibility_timeout": VISIBILITY_TIMEOUT,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
+)
+
+
+def _record_release_failed(sender=None, task_id=None, exception=None, **_):
+    loss_app._record_lost(
+        sender=sender,
+        task_id=task_id,
+        task_name=getattr(sender, "name", None),
+        cause=f"{RELEASE_FAILED}{type(exception).__name__}",
+    )
+
+
+signals.lock_release_failed.connect(_record_release_failed, weak=False)
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    name="chaos.work",
+    lock_args=("run", "key"),
+    acks_late=True,
+    reject_on_worker_lost=True,
+)
+def work(self, run: str, key: str, seconds: float) -> str:
+    """Hold ``key``'s lock for ``seconds``, recording the interval with a heartbeat."""
+    with recorder.record(run, key, self.request.id) as row_id:
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            recorder.end(row_id)
+            time.sleep(min(left, HEARTBEAT))
+    return "ran"
