@@ -34,6 +34,7 @@ class Hold:
         "lost",
         "pid",
         "pooled",
+        "run_ids",
         "sa_connection",
         "session",
         "transaction",
@@ -61,6 +62,8 @@ class Hold:
         self.generation = 0
         #: Why the lock was lost before its release (its session ended), or None.
         self.lost: str | None = None
+        #: The run lock held beside the key (keys.run_key), released with it, or None.
+        self.run_ids: tuple[int, ...] | None = None
 
 
 class LockSession(Protocol):
@@ -79,12 +82,21 @@ class LockSession(Protocol):
         timeout_ms: int | None,
         transaction: bool,
         bound: float = DEFAULT_ROUND_TRIP_TIMEOUT,
+        run: LockKey | None = None,
     ) -> Hold | None:
         """Take ``key``; the hold, or None when another session (or task) holds it.
 
         ``label`` (a task name) goes into the session's application_name. ``bound``
         limits the round trip client-side, beyond a ``timeout_ms`` wait: a frozen link or
-        server gives a DatabaseError instead of a hang.
+        server gives a DatabaseError instead of a hang. ``run``: a run lock to take with
+        the key (``hold.run_ids`` when granted) and to release with it.
+        """
+        ...
+
+    def run_alive(self, run: LockKey, *, bound: float) -> bool | None:
+        """Does some session hold the run lock ``run`` (its run is still going)?
+
+        None when that cannot be found out (never raises).
         """
         ...
 

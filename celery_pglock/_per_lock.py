@@ -36,6 +36,7 @@ class PerLockSessions(_hold.LockSession):
         timeout_ms: int | None,
         transaction: bool,
         bound: float = _hold.DEFAULT_ROUND_TRIP_TIMEOUT,
+        run: LockKey | None = None,
     ) -> _hold.Hold | None:
         prefix = db.engine_info(self.engine)["application_name_prefix"]
         tag = db.process_tag()
@@ -43,11 +44,14 @@ class PerLockSessions(_hold.LockSession):
         # argument values, possibly megabytes) in the cache below.
         holding_name = _application_name(prefix, tag, str(key), label)
         idle_name = _application_name(prefix, tag, "idle")
+        run_ids = None if run is None else run.ids
         if transaction:
             return self._acquire_transaction(
-                key, holding_name, idle_name, timeout_ms, bound
+                key, holding_name, idle_name, timeout_ms, bound, run_ids
             )
-        return self._acquire_session(key, holding_name, idle_name, timeout_ms, bound)
+        return self._acquire_session(
+            key, holding_name, idle_name, timeout_ms, bound, run_ids
+        )
 
     def release(
         self,
@@ -84,6 +88,26 @@ class PerLockSessions(_hold.LockSession):
             pooled.close()
         return None if row is None else row[0]
 
+    def run_alive(self, run: LockKey, *, bound: float) -> bool | None:
+        try:
+            pooled = self.engine.raw_connection()
+        except Exception:
+            logger.debug("Could not check run lock %s", run, exc_info=True)
+            return None
+        try:
+            dbapi: Any = pooled.dbapi_connection
+            dbapi.autocommit = True
+            with _deadline.bounded(dbapi, bound), dbapi.cursor() as cursor:
+                cursor.execute(_sql.RUN_ALIVE, (*run.ids, *run.ids))
+                row = cursor.fetchone()
+        except Exception as exc:
+            logger.debug("Could not check run lock %s", run, exc_info=True)
+            self._discard(pooled, exc)
+            return None
+        finally:
+            pooled.close()
+        return bool(row and row[0])
+
     def _discard(self, pooled: Any, exc: BaseException) -> None:
         """Close ``pooled`` (whose session is in an unknown state) instead of pooling it."""
         self._retire_if_dead(pooled, exc)
@@ -104,6 +128,7 @@ class PerLockSessions(_hold.LockSession):
         idle_name: str,
         timeout_ms: int | None,
         bound: float,
+        run_ids: tuple[int, ...] | None,
     ) -> _hold.Hold | None:
         arity = len(key.ids)
         try:
@@ -121,8 +146,15 @@ class PerLockSessions(_hold.LockSession):
             dbapi.autocommit = True
             with dbapi.cursor() as cursor:
                 if timeout_ms is None:
-                    granted = try_lock(
-                        cursor, _sql.TRY_LOCK_SESSION[arity], key, holding_name, bound
+                    granted, run_granted = try_lock(
+                        cursor,
+                        _sql.TRY_LOCK_SESSION_RUN[arity]
+                        if run_ids
+                        else _sql.TRY_LOCK_SESSION[arity],
+                        key,
+                        holding_name,
+                        bound,
+                        run_ids,
                     )
                 else:
                     granted, discard = wait_lock(
@@ -132,6 +164,9 @@ class PerLockSessions(_hold.LockSession):
                         holding_name,
                         timeout_ms,
                         bound,
+                    )
+                    run_granted = granted and run_lock(
+                        cursor, _sql.RUN_LOCK_SESSION, run_ids, bound
                     )
         except BaseException as exc:
             # Unknown state (e.g. interrupted mid-statement): closing is the only safe release.
@@ -151,6 +186,7 @@ class PerLockSessions(_hold.LockSession):
         hold = _hold.Hold(self, key.ids, idle_name)
         hold.pooled, hold.connection = pooled, dbapi
         hold.holding_name = holding_name
+        hold.run_ids = run_ids if run_granted else None
         return hold
 
     def _release_session(self, hold: _hold.Hold, key: LockKey, timeout: float) -> None:
@@ -164,7 +200,15 @@ class PerLockSessions(_hold.LockSession):
                 _deadline.bounded(hold.connection, timeout) as bound,
                 hold.connection.cursor() as cursor,
             ):
-                cursor.execute(_sql.UNLOCK_SESSION[arity], (*key.ids, hold.idle_name))
+                if hold.run_ids is None:
+                    cursor.execute(
+                        _sql.UNLOCK_SESSION[arity], (*key.ids, hold.idle_name)
+                    )
+                else:
+                    cursor.execute(
+                        _sql.UNLOCK_SESSION_RUN[arity],
+                        (*key.ids, hold.idle_name, *hold.run_ids),
+                    )
                 row = cursor.fetchone()
             unlocked = bool(row and row[0])
         except BaseException as exc:
@@ -199,6 +243,7 @@ class PerLockSessions(_hold.LockSession):
         idle_name: str,
         timeout_ms: int | None,
         bound: float,
+        run_ids: tuple[int, ...] | None,
     ) -> _hold.Hold | None:
         arity = len(key.ids)
         with db.wrap_db_errors(
@@ -215,12 +260,15 @@ class PerLockSessions(_hold.LockSession):
             transaction = connection.begin()
             with dbapi.cursor() as cursor:
                 if timeout_ms is None:
-                    granted = try_lock(
+                    granted, run_granted = try_lock(
                         cursor,
-                        _sql.TRY_LOCK_TRANSACTION[arity],
+                        _sql.TRY_LOCK_TRANSACTION_RUN[arity]
+                        if run_ids
+                        else _sql.TRY_LOCK_TRANSACTION[arity],
                         key,
                         holding_name,
                         bound,
+                        run_ids,
                     )
                 else:
                     granted, _ = wait_lock(
@@ -230,6 +278,9 @@ class PerLockSessions(_hold.LockSession):
                         holding_name,
                         timeout_ms,
                         bound,
+                    )
+                    run_granted = granted and run_lock(
+                        cursor, _sql.RUN_LOCK_TRANSACTION, run_ids, bound
                     )
             if not granted:
                 transaction.rollback()
@@ -247,6 +298,8 @@ class PerLockSessions(_hold.LockSession):
         hold.pooled, hold.connection = pooled, dbapi
         hold.sa_connection, hold.transaction = connection, transaction
         hold.holding_name = holding_name
+        # A transaction-level run lock ends with the transaction: nothing to release.
+        hold.run_ids = run_ids if run_granted else None
         return hold
 
     def _release_transaction(
@@ -306,13 +359,36 @@ def _application_name(prefix: str, *parts: object) -> str:
 
 
 def try_lock(
-    cursor: Any, statement: str, key: LockKey, holding_name: str, bound: float
-) -> bool:
-    """Try once (one round trip, at most ``bound`` seconds); True if granted."""
+    cursor: Any,
+    statement: str,
+    key: LockKey,
+    holding_name: str,
+    bound: float,
+    run_ids: tuple[int, ...] | None = None,
+) -> tuple[bool, bool]:
+    """Try once (one round trip, at most ``bound`` seconds): (granted, run lock granted).
+
+    With ``run_ids`` the statement is a ``*_RUN`` one, answering ARRAY[name, run granted].
+    """
     with _deadline.bounded(cursor.connection, bound):
-        cursor.execute(statement, (*key.ids, holding_name))
+        cursor.execute(statement, (*key.ids, holding_name, *(run_ids or ())))
         row = cursor.fetchone()
-    return row is not None and row[0] is not None
+    value = None if row is None else row[0]
+    if value is None:
+        return False, False
+    return True, run_ids is not None and value[1] == "true"
+
+
+def run_lock(
+    cursor: Any, statement: str, run_ids: tuple[int, ...] | None, bound: float
+) -> bool:
+    """After a granted bounded wait: take the run lock too (True if taken)."""
+    if run_ids is None:
+        return False
+    with _deadline.bounded(cursor.connection, bound):
+        cursor.execute(statement, run_ids)
+        row = cursor.fetchone()
+    return bool(row and row[0])
 
 
 def wait_lock(

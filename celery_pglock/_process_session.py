@@ -47,6 +47,8 @@ class ProcessSession(_hold.LockSession):
         self._shown: str | None = None  # the application_name the session shows
         #: key ids -> the hold of the task of this process holding it.
         self._owners: dict[tuple[int, ...], _hold.Hold] = {}
+        #: run lock ids -> the hold that carries it (see keys.run_key).
+        self._runs: dict[tuple[int, ...], _hold.Hold] = {}
 
     # -- LockSession ----------------------------------------------------------------------
 
@@ -58,6 +60,7 @@ class ProcessSession(_hold.LockSession):
         timeout_ms: int | None,
         transaction: bool,
         bound: float = _hold.DEFAULT_ROUND_TRIP_TIMEOUT,
+        run: LockKey | None = None,
     ) -> _hold.Hold | None:
         if transaction or timeout_ms is not None:
             return self.waits.acquire(
@@ -66,8 +69,13 @@ class ProcessSession(_hold.LockSession):
                 timeout_ms=timeout_ms,
                 transaction=transaction,
                 bound=bound,
+                run=run,
             )
         ids = key.ids
+        # A run lock already held in this process (the same task id running twice in it)
+        # is re-entrant on this session: not taken again, so its release cannot end the
+        # other run's.
+        run_ids = None if run is None or run.ids in self._runs else run.ids
         with self._mutex:
             if ids in self._owners:
                 return None  # held by another task of this process: no round trip
@@ -83,7 +91,7 @@ class ProcessSession(_hold.LockSession):
                 # Bounded: a frozen link or server would otherwise hold the mutex, and
                 # with it every lock statement of the process, for as long as TCP waits.
                 with _deadline.bounded(self._connection, bound):
-                    granted = self._try(cursor, ids, name)
+                    granted, run_granted = self._try(cursor, ids, name, run_ids)
             except BaseException as exc:
                 self._fail(f"acquiring lock {key.name!r} failed: {exc!r}", exc)
                 if isinstance(exc, Exception):
@@ -96,22 +104,42 @@ class ProcessSession(_hold.LockSession):
             hold.connection, hold.generation = self._connection, self._generation
             hold.holding_name = self._shown
             self._owners[ids] = hold
+            if run_granted and run_ids is not None:
+                hold.run_ids = run_ids
+                self._runs[run_ids] = hold
             return hold
 
-    def _try(self, cursor: Any, ids: tuple[int, ...], name: str) -> bool:
-        """One try-lock round trip (under the mutex); True if granted."""
+    def _try(
+        self,
+        cursor: Any,
+        ids: tuple[int, ...],
+        name: str,
+        run_ids: tuple[int, ...] | None,
+    ) -> tuple[bool, bool]:
+        """One try-lock round trip (under the mutex): (granted, run lock granted)."""
+        arity = len(ids)
         if name == self._shown:
             # The session already shows this task: no relabel (relabelling costs the
             # server about as much as the lock statements).
-            cursor.execute(_sql.TRY_LOCK_SESSION_BARE[len(ids)], ids)
+            if run_ids is None:
+                cursor.execute(_sql.TRY_LOCK_SESSION_BARE[arity], ids)
+                row = cursor.fetchone()
+                return row is not None and row[0] is True, False
+            cursor.execute(_sql.TRY_LOCK_SESSION_BARE_RUN[arity], (*ids, *run_ids))
             row = cursor.fetchone()
-            return row is not None and row[0] is True
-        cursor.execute(_sql.TRY_LOCK_SESSION[len(ids)], (*ids, name))
-        row = cursor.fetchone()
+            return row is not None and row[0] is not None, bool(row and row[0])
+        if run_ids is None:
+            cursor.execute(_sql.TRY_LOCK_SESSION[arity], (*ids, name))
+            row = cursor.fetchone()
+            run_granted = False
+        else:
+            cursor.execute(_sql.TRY_LOCK_SESSION_RUN[arity], (*ids, name, *run_ids))
+            row = cursor.fetchone()
+            run_granted = bool(row and row[0] is not None and row[0][1] == "true")
         granted = row is not None and row[0] is not None
         if granted:
             self._shown = name
-        return granted
+        return granted, run_granted
 
     def release(
         self,
@@ -133,12 +161,23 @@ class ProcessSession(_hold.LockSession):
                     name=key.name,
                 )
             del self._owners[ids]
+            run_ids = hold.run_ids
+            if run_ids is not None:
+                del self._runs[run_ids]
             bound: _deadline.Bound | None = None
             try:
                 # Bounded: a cut or frozen link would otherwise block this release, and
                 # with it (the mutex) every lock statement of the process.
                 with _deadline.bounded(self._connection, timeout) as bound:
-                    self._cursor.execute(_sql.UNLOCK_SESSION_KEEP_NAME[len(ids)], ids)
+                    if run_ids is None:
+                        self._cursor.execute(
+                            _sql.UNLOCK_SESSION_KEEP_NAME[len(ids)], ids
+                        )
+                    else:
+                        self._cursor.execute(
+                            _sql.UNLOCK_SESSION_KEEP_NAME_RUN[len(ids)],
+                            (*ids, *run_ids),
+                        )
                     row = self._cursor.fetchone()
             except BaseException as exc:
                 self._fail(f"releasing lock {key.name!r} failed: {exc!r}", exc)
@@ -180,6 +219,23 @@ class ProcessSession(_hold.LockSession):
                     return None
                 return None if row is None else row[0]
         return self.waits.holder_of(key, bound=bound)
+
+    def run_alive(self, run: LockKey, *, bound: float) -> bool | None:
+        with self._mutex:
+            if run.ids in self._runs:
+                return True  # a run of this process (on this session it would re-enter)
+            if self._cursor is not None:
+                try:
+                    with _deadline.bounded(self._connection, bound):
+                        self._cursor.execute(_sql.RUN_ALIVE, (*run.ids, *run.ids))
+                        row = self._cursor.fetchone()
+                except Exception as exc:
+                    logger.debug("Could not check run lock %s", run, exc_info=True)
+                    if self._connection.closed:
+                        self._fail(f"checking run lock {run} failed: {exc!r}", exc)
+                    return None
+                return bool(row and row[0])
+        return self.waits.run_alive(run, bound=bound)
 
     # -- for lock-loss detection and shutdown ---------------------------------------------
 
@@ -248,6 +304,7 @@ class ProcessSession(_hold.LockSession):
         self._generation += 1
         lost = list(self._owners.values())
         self._owners.clear()
+        self._runs.clear()
         for hold in lost:
             hold.lost = cause
         if connection is not None and self.pid == os.getpid():

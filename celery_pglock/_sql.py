@@ -132,3 +132,60 @@ CHECK_HELD = (
     "LEFT JOIN pg_stat_activity a ON a.pid = l.pid "
     "ORDER BY w.i"
 )
+
+# -- run locks ---------------------------------------------------------------------------
+# An acks_late run also holds a lock keyed by its task id (keys.run_key), taken in the same
+# statement as its key and released with it, so that a redelivery of that task which finds
+# the key busy can tell its own first delivery (still running: the run lock is held) from
+# another run (see task.py, _on_busy). Run keys are always in the two-int form.
+
+_RUN = "%s::integer, %s::integer"
+
+#: TRY_LOCK_SESSION_BARE that also takes the run lock when the key is granted. Params: key
+#: ids, run ids. Returns NULL when busy, else whether the run lock was granted too.
+TRY_LOCK_SESSION_BARE_RUN = {
+    arity: f"SELECT CASE WHEN pg_try_advisory_lock({key}) "
+    f"THEN pg_try_advisory_lock({_RUN}) END"
+    for arity, key in _KEY.items()
+}
+
+#: TRY_LOCK_SESSION that also takes the run lock. Params: key ids, application_name, run
+#: ids. Returns NULL when busy, else ARRAY[the new name, run lock granted].
+TRY_LOCK_SESSION_RUN = {
+    arity: f"SELECT CASE WHEN pg_try_advisory_lock({key}) "
+    "THEN ARRAY[set_config('application_name', %s, false), "
+    f"pg_try_advisory_lock({_RUN})::text] END"
+    for arity, key in _KEY.items()
+}
+
+#: TRY_LOCK_TRANSACTION that also takes the run lock (transaction-level: it ends with the
+#: transaction). Params: key ids, application_name, run ids. Returns NULL or an ARRAY.
+TRY_LOCK_TRANSACTION_RUN = {
+    arity: f"SELECT CASE WHEN pg_try_advisory_xact_lock({key}) "
+    "THEN ARRAY[set_config('application_name', %s, true), "
+    f"pg_try_advisory_xact_lock({_RUN})::text] END"
+    for arity, key in _KEY.items()
+}
+
+#: After a bounded wait was granted: the run lock alone. Params: run ids.
+RUN_LOCK_SESSION = f"SELECT pg_try_advisory_lock({_RUN})"
+RUN_LOCK_TRANSACTION = f"SELECT pg_try_advisory_xact_lock({_RUN})"
+
+#: UNLOCK_SESSION_KEEP_NAME and UNLOCK_SESSION with the run lock. Params: key ids,
+#: [the idle application_name,] run ids. Returns (unlocked, ...).
+UNLOCK_SESSION_KEEP_NAME_RUN = {
+    arity: f"SELECT pg_advisory_unlock({key}), pg_advisory_unlock({_RUN})"
+    for arity, key in _KEY.items()
+}
+UNLOCK_SESSION_RUN = {
+    arity: f"SELECT pg_advisory_unlock({key}), set_config('application_name', %s, false), "
+    f"pg_advisory_unlock({_RUN})"
+    for arity, key in _KEY.items()
+}
+
+#: Is a run lock held by any session? Tries it and, if granted, gives it back at once.
+#: Params: run ids twice. Returns true when it is held (that run is alive).
+RUN_ALIVE = (
+    f"SELECT CASE WHEN pg_try_advisory_lock({_RUN}) "
+    f"THEN NOT pg_advisory_unlock({_RUN}) ELSE true END"
+)

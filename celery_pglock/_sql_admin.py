@@ -7,12 +7,15 @@ spliced in is a schema name quoted by :func:`install_sql`.
 
 from __future__ import annotations
 
+from celery_pglock import keys
+
 #: Every advisory lock of the current database, held or awaited, with its session. The
 #: key is rebuilt from (classid, objid, objsubid) as LockKey.__str__ writes it. "since":
 #: a celery-pglock session runs nothing between acquire and release, so the time its
 #: state last changed (or, in transaction scope, its transaction began) is when it got
-#: the lock; for a waiter, pg_locks.waitstart (PostgreSQL >= 14).
-LOCKS = """
+#: the lock; for a waiter, pg_locks.waitstart (PostgreSQL >= 14). Run locks (the task-id
+#: locks an acks_late run holds beside its key, keys.run_key) are left out.
+LOCKS = f"""
 SELECT
   CASE WHEN l.objsubid = 1
        THEN ((l.classid::bigint << 32) | l.objid::bigint)::text
@@ -37,6 +40,7 @@ LEFT JOIN pg_stat_activity a ON a.pid = l.pid
 WHERE l.locktype = 'advisory'
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
   AND l.pid <> pg_backend_pid()
+  AND NOT (l.objsubid = 2 AND l.classid = {keys.RUN_NAMESPACE})
 ORDER BY key, l.granted DESC, since
 """
 

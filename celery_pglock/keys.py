@@ -175,10 +175,35 @@ def explicit_key(name: str, lock_id: object, *, where: str = "lock_id") -> LockK
                 f"{where}={lock_id!r} is out of range: a (namespace, resource) lock id "
                 f"must be two signed 32-bit integers ({INT32_MIN} to {INT32_MAX})."
             )
+        if first == RUN_NAMESPACE:
+            raise exceptions.ConfigurationError(
+                f"{where}={lock_id!r} uses the namespace {RUN_NAMESPACE}, which "
+                "celery-pglock reserves for its run locks; choose another one."
+            )
         return LockKey(name=name, ids=(first, second))
     raise exceptions.ConfigurationError(
         f"{where}={lock_id!r} is not a lock id: expected one signed 64-bit int or a "
         "tuple of two signed 32-bit ints, such as 1001 or (42, 1001)."
+    )
+
+
+#: The first int of every run lock (b"pglr"): reserved, refused in an explicit lock_id.
+RUN_NAMESPACE = 0x70676C72
+#: The lock name run locks carry (for tools that list locks).
+RUN_LOCK_NAME = "celery_pglock.run"
+
+
+def run_key(task_id: str) -> LockKey:
+    """The run lock of a task id: held by an ``acks_late`` run beside its key, so that a
+    redelivery of that task can tell whether its first delivery still runs.
+
+    Two-int form ``(RUN_NAMESPACE, 32 bits of the id's SHA-256)``: a collision (two
+    running tasks among 2**32) can only make a redelivery store no skip record.
+    """
+    digest = hashlib.sha256(f"{KEY_FORMAT}/run\0{task_id}".encode()).digest()
+    return LockKey(
+        name=RUN_LOCK_NAME,
+        ids=(RUN_NAMESPACE, int.from_bytes(digest[:4], "big", signed=True)),
     )
 
 

@@ -101,6 +101,9 @@ class AdvisoryLock:
         self._shadow = False
         #: This hold's fencing token (celery_pglock.fencing), or None when fencing is off.
         self.fencing_token: int | None = None
+        #: A run lock to hold beside the key (keys.run_key; SingletonTask sets it for an
+        #: acks_late run), or None.
+        self.run_key: LockKey | None = None
 
     # -- public verbs -------------------------------------------------------------------
 
@@ -331,6 +334,7 @@ class AdvisoryLock:
             timeout_ms=timeout_ms,
             transaction=self.scope is LockScope.TRANSACTION,
             bound=self.round_trip_timeout,
+            run=self.run_key,
         )
         self._hold = hold
         return hold is not None

@@ -181,6 +181,10 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 label=options.task_name,
             )
             lock.round_trip_timeout = options.check_timeout
+            if task_id is not None and self.acks_late:
+                # Its message may be redelivered while this run goes on: the run lock
+                # tells that redelivery so (see _first_delivery_runs).
+                lock.run_key = keys.run_key(task_id)
             # A retry's run may find its predecessor still unwinding (it keeps its lock
             # until Celery stored RETRY, see retry()): it waits for it, bounded.
             waits = options.on_busy is OnBusy.WAIT or (request.retries and not direct)
@@ -304,16 +308,19 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         )
         skip_result = options.skip_result if action is OnBusy.SKIP else None
         message, details = self._busy_report(lock, task_id, action)
-        redelivered = skip_result in (SkipResult.FAILURE, SkipResult.SUCCESS) and bool(
-            (request.delivery_info or {}).get("redelivered")
+        redelivered = (
+            skip_result in (SkipResult.FAILURE, SkipResult.SUCCESS)
+            and bool((request.delivery_info or {}).get("redelivered"))
+            and self._first_delivery_runs(lock, task_id)
         )
         if redelivered:
-            # Most often this very message, redelivered (a broker visibility timeout)
-            # while its first delivery still runs and holds the lock: storing a skip
-            # under its id would end its caller's wait with the wrong outcome.
+            # This very message, redelivered (a broker visibility timeout, a lost
+            # connection) while its first delivery still runs and holds the lock:
+            # storing a skip under its id would end its caller's wait with the wrong
+            # outcome. The first delivery will store the real one.
             message += (
-                " The message was a redelivery, so no result was stored: its first "
-                "delivery may still be running."
+                " The message was a redelivery whose first delivery is still running, "
+                "so no result was stored."
             )
             skip_result = None
         _outcomes.skipped(
@@ -354,6 +361,21 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 raise busy  # eager retries run inline without the countdown: never spin
             raise self.retry(countdown=options.retry_delay, exc=busy)
         raise busy
+
+    def _first_delivery_runs(self, lock: AdvisoryLock, task_id: str | None) -> bool:
+        """Is the first delivery of this redelivered message still running?
+
+        An acks_late run holds its run lock (keys.run_key) beside its key; any other
+        message was acknowledged when it started, so a redelivery of it never ran. When
+        the run lock cannot be checked, the answer is yes: storing nothing is what the
+        library did before it could tell.
+        """
+        if task_id is None or not self.acks_late:
+            return False
+        alive = lock._session.run_alive(
+            keys.run_key(task_id), bound=lock.round_trip_timeout
+        )
+        return alive is not False
 
     def _busy_report(
         self, lock: AdvisoryLock, task_id: str | None, action: OnBusy

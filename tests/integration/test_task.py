@@ -9,10 +9,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 
 import pytest
 import sqlalchemy as sa
 from celery import Celery
+from celery.app.trace import build_tracer
 from celery.result import AsyncResult
 
 from celery_pglock import (
@@ -29,6 +31,7 @@ from celery_pglock import (
     _per_lock,
     _process_session,
     current_lock,
+    keys,
     signals,
     skip_info,
 )
@@ -241,6 +244,87 @@ def test_a_hot_keys_holder_is_looked_up_once_a_second_on_the_lock_session(
     assert 2 == len(lookups)
     if session_mode == "per_process":
         assert [] == checkouts  # no pooled connection: the lock session itself
+
+
+def trace_delivery(task, task_id, *, redelivered):
+    """Run ``task`` the way a worker's pool runs a message (Celery's tracer, results
+    stored), with the broker's ``redelivered`` flag as given."""
+    tracer = build_tracer(task.name, task, app=task.app)
+    request = {
+        "id": task_id,
+        "root_id": task_id,
+        "correlation_id": task_id,
+        "hostname": "it@localhost",
+        "reply_to": None,
+        "delivery_info": {
+            "exchange": "",
+            "routing_key": "q",
+            "redelivered": redelivered,
+        },
+    }
+    return tracer(task_id, [], {}, request)
+
+
+def test_a_redelivery_whose_first_delivery_died_stores_its_skip(app):
+    """acks_late: the redelivered message finds the key held by another run and no run
+    lock for its task id (its first delivery was killed): its caller gets the skip."""
+    task = define(app, ran, acks_late=True)
+    task_id = str(uuid.uuid4())
+    other = hold(task)  # another run (another task id) holds the key
+    try:
+        trace_delivery(task, task_id, redelivered=True)
+    finally:
+        other.release()
+    stored = AsyncResult(task_id, app=app)
+    assert "FAILURE" == stored.state
+    assert isinstance(stored.result, LockSkipped)
+
+
+def test_a_redelivery_whose_first_delivery_runs_stores_nothing(app):
+    """acks_late: the first delivery still runs (it holds the key and its run lock): the
+    redelivery stores nothing, and the first delivery's outcome is the one stored."""
+    task = define(app, ran, acks_late=True)
+    task_id = str(uuid.uuid4())
+    first = AdvisoryLock(
+        engine=db_module.engine_for(task.app.conf), key=task.lock_key_for()
+    )
+    first.run_key = keys.run_key(task_id)
+    assert first.acquire()
+    try:
+        trace_delivery(task, task_id, redelivered=True)
+        assert "PENDING" == AsyncResult(task_id, app=app).state
+    finally:
+        first.release()
+    trace_delivery(task, task_id, redelivered=False)  # the first delivery's outcome
+    assert "ran" == AsyncResult(task_id, app=app).get(timeout=5)
+
+
+@pytest.mark.parametrize("on_busy", ["skip", "wait"])  # try-lock, bounded-wait paths
+@pytest.mark.parametrize("scope", ["session", "transaction"])
+@pytest.mark.parametrize("acks_late", [True, False])
+def test_an_acks_late_run_holds_its_run_lock_until_it_ends(
+    app, acks_late, scope, on_busy
+):
+    task_id = str(uuid.uuid4())
+    run = keys.run_key(task_id)
+    seen = []
+
+    def body():
+        probe = AdvisoryLock(engine=current_lock().engine, key=run)
+        seen.append(probe.locked())
+
+    task = define(
+        app, body, acks_late=acks_late, lock_scope=scope, lock_on_busy=on_busy
+    )
+    trace_delivery(task, task_id, redelivered=False)
+    probe = AdvisoryLock(engine=db_module.engine_for(app.conf), key=run)
+    assert [acks_late] == seen
+    assert not probe.locked()
+
+
+def test_the_run_lock_namespace_is_refused_as_a_lock_id(app):
+    with pytest.raises(ConfigurationError, match="reserves for its run locks"):
+        define(app, ran, lock_id=(keys.RUN_NAMESPACE, 1))
 
 
 def test_skip_by_a_session_that_is_not_ours_names_its_backend_pid(app, database_url):
