@@ -221,7 +221,10 @@ def _unawaited_release() -> None:
         timeout_ms: Any,
         transaction: bool,
         bound: float = 5.0,
+        run: Any = None,
     ) -> Any:
+        if run is not None:
+            raise NotImplementedError("no run locks (acks_late) in this measurement")
         if transaction or timeout_ms is not None:
             return waits_first(
                 self,
@@ -230,6 +233,7 @@ def _unawaited_release() -> None:
                 timeout_ms=timeout_ms,
                 transaction=transaction,
                 bound=bound,
+                run=run,
             )
         ids = key.ids
         with self._mutex:
