@@ -72,13 +72,13 @@ class ProcessSession(_hold.LockSession):
                 run=run,
             )
         ids = key.ids
-        # A run lock already held in this process (the same task id running twice in it)
-        # is re-entrant on this session: not taken again, so its release cannot end the
-        # other run's.
-        run_ids = None if run is None or run.ids in self._runs else run.ids
         with self._mutex:
             if ids in self._owners:
                 return None  # held by another task of this process: no round trip
+            # A run lock already held in this process (the same task id running twice
+            # in it) would re-enter on this session: not taken again, so that its
+            # release cannot end the other run's.
+            run_ids = None if run is None or run.ids in self._runs else run.ids
             cursor = self._cursor if self._cursor is not None else self._connect(key)
             name = self._names.get(label)
             if name is None:
