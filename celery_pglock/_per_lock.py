@@ -69,44 +69,36 @@ class PerLockSessions(_hold.LockSession):
             self._release_session(hold, key, timeout)
 
     def holder_of(self, key: LockKey, *, bound: float) -> str | None:
-        try:
-            pooled = self.engine.raw_connection()
-        except Exception:
-            logger.debug("Could not look up the holder of %s", key, exc_info=True)
-            return None
-        try:
-            dbapi: Any = pooled.dbapi_connection
-            dbapi.autocommit = True
-            with _deadline.bounded(dbapi, bound), dbapi.cursor() as cursor:
-                cursor.execute(_sql.HOLDER, key.pg_locks_ids)
-                row = cursor.fetchone()
-        except Exception as exc:
-            logger.debug("Could not look up the holder of %s", key, exc_info=True)
-            self._discard(pooled, exc)
-            return None
-        finally:
-            pooled.close()
+        row = self._one_row(_sql.HOLDER, key.pg_locks_ids, bound)
         return None if row is None else row[0]
 
     def run_alive(self, run: LockKey, *, bound: float) -> bool | None:
+        row = self._one_row(_sql.RUN_ALIVE, (*run.ids, *run.ids), bound)
+        return None if row is None else bool(row[0])
+
+    def _one_row(
+        self, statement: str, params: tuple[Any, ...], bound: float
+    ) -> tuple[Any, ...] | None:
+        """One statement on a pooled connection: its row, or None if it failed (logged
+        at DEBUG: these questions only add detail to an outcome, never decide one)."""
         try:
             pooled = self.engine.raw_connection()
         except Exception:
-            logger.debug("Could not check run lock %s", run, exc_info=True)
+            logger.debug("Could not run %s", statement, exc_info=True)
             return None
         try:
             dbapi: Any = pooled.dbapi_connection
             dbapi.autocommit = True
             with _deadline.bounded(dbapi, bound), dbapi.cursor() as cursor:
-                cursor.execute(_sql.RUN_ALIVE, (*run.ids, *run.ids))
-                row = cursor.fetchone()
+                cursor.execute(statement, params)
+                row: tuple[Any, ...] | None = cursor.fetchone()
         except Exception as exc:
-            logger.debug("Could not check run lock %s", run, exc_info=True)
+            logger.debug("Could not run %s", statement, exc_info=True)
             self._discard(pooled, exc)
             return None
         finally:
             pooled.close()
-        return bool(row and row[0])
+        return row
 
     def _discard(self, pooled: Any, exc: BaseException) -> None:
         """Close ``pooled`` (whose session is in an unknown state) instead of pooling it."""

@@ -203,20 +203,12 @@ class ProcessSession(_hold.LockSession):
         # On this session when it is open: a skip then needs no second connection.
         with self._mutex:
             if self._cursor is not None:
-                try:
-                    with _deadline.bounded(self._connection, bound):
-                        self._cursor.execute(_sql.HOLDER, key.pg_locks_ids)
-                        row = self._cursor.fetchone()
-                except Exception as exc:
-                    logger.debug(
-                        "Could not look up the holder of %s", key, exc_info=True
-                    )
-                    if self._connection.closed:  # the session died (or was cut off)
-                        self._fail(
-                            f"looking up the holder of {key.name!r} failed: {exc!r}",
-                            exc,
-                        )
-                    return None
+                row = self._one_row(
+                    f"looking up the holder of {key.name!r}",
+                    _sql.HOLDER,
+                    key.pg_locks_ids,
+                    bound,
+                )
                 return None if row is None else row[0]
         return self.waits.holder_of(key, bound=bound)
 
@@ -225,17 +217,30 @@ class ProcessSession(_hold.LockSession):
             if run.ids in self._runs:
                 return True  # a run of this process (on this session it would re-enter)
             if self._cursor is not None:
-                try:
-                    with _deadline.bounded(self._connection, bound):
-                        self._cursor.execute(_sql.RUN_ALIVE, (*run.ids, *run.ids))
-                        row = self._cursor.fetchone()
-                except Exception as exc:
-                    logger.debug("Could not check run lock %s", run, exc_info=True)
-                    if self._connection.closed:
-                        self._fail(f"checking run lock {run} failed: {exc!r}", exc)
-                    return None
-                return bool(row and row[0])
+                row = self._one_row(
+                    f"checking run lock {run}",
+                    _sql.RUN_ALIVE,
+                    (*run.ids, *run.ids),
+                    bound,
+                )
+                return None if row is None else bool(row[0])
         return self.waits.run_alive(run, bound=bound)
+
+    def _one_row(
+        self, what: str, statement: str, params: tuple[Any, ...], bound: float
+    ) -> tuple[Any, ...] | None:
+        """Under the mutex, on the open session: one statement's row, or None if it
+        failed (logged at DEBUG; a session found dead is ended)."""
+        try:
+            with _deadline.bounded(self._connection, bound):
+                self._cursor.execute(statement, params)
+                row: tuple[Any, ...] | None = self._cursor.fetchone()
+        except Exception as exc:
+            logger.debug("%s failed", what, exc_info=True)
+            if self._connection.closed:  # the session died (or was cut off)
+                self._fail(f"{what} failed: {exc!r}", exc)
+            return None
+        return row
 
     # -- for lock-loss detection and shutdown ---------------------------------------------
 

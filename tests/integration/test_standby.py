@@ -28,6 +28,7 @@ from celery_pglock import (
 from celery_pglock.testing import EmbeddedPostgres, _support
 from celery_pglock.testing.postgres import SUPERUSER
 from tests.acceptance._proxy import FreezableProxy
+from tests.integration.test_lock_loss import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +155,7 @@ def test_failover_to_the_promoted_standby_is_a_lock_loss(
                 query(standby.url(), "SELECT pg_promote(true, 30)")
             proxy.retarget((_support.HOST, standby.port))
             timings["moved"] = time.monotonic() - started
-            _wait(lambda: lock.lost, 10, "the failover to be detected")
+            wait_for(lambda: lock.lost, 10, "the failover to be detected")
             timings["detected"] = time.monotonic() - started
             return "finished"
 
@@ -198,11 +199,3 @@ def _granted(url, pg_locks_ids) -> int:
             return cursor.fetchone()[0]
     finally:
         connection.close()
-
-
-def _wait(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
