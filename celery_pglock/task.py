@@ -308,12 +308,12 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         )
         skip_result = options.skip_result if action is OnBusy.SKIP else None
         message, details = self._busy_report(lock, task_id, action)
-        redelivered = (
+        first_delivery_runs = (
             skip_result in (SkipResult.FAILURE, SkipResult.SUCCESS)
             and bool((request.delivery_info or {}).get("redelivered"))
             and self._first_delivery_runs(lock, task_id)
         )
-        if redelivered:
+        if first_delivery_runs:
             # This very message, redelivered (a broker visibility timeout, a lost
             # connection) while its first delivery still runs and holds the lock:
             # storing a skip under its id would end its caller's wait with the wrong
@@ -333,13 +333,13 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             # Celery's task line carries the message, except for a direct call (no
             # tracer) and a SKIPPED state (Celery only says "ignored").
             celery_logs=not direct
-            and not redelivered
+            and not first_delivery_runs
             and skip_result is not SkipResult.SKIPPED,
         )
         key = lock.key
         if direct:
             raise exceptions.LockBusy(message, key=str(key), name=key.name)
-        if redelivered:
+        if first_delivery_runs:
             raise Ignore(message)
         if skip_result is SkipResult.FAILURE:
             raise exceptions.LockSkipped(message, details)
