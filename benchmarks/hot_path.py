@@ -223,6 +223,18 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
     ]
 
 
+def configure(url: str) -> list[tuple[str, Callable[[], object]]]:
+    """Point bench_app at ``url``; the cases (see :func:`cases`)."""
+    os.environ[bench_app.DATABASE_URL_ENV] = url
+    # Its own lock namespace: another run against the same database must not hold (or
+    # see) this run's keys.
+    bench_app.app.conf.update(
+        pglock_database_url=url,
+        pglock_namespace=f"hot-path-{uuid.uuid4().hex[:8]}",
+    )
+    return cases(Counter())
+
+
 class ServerMeter:
     """CPU seconds of this process's lock-session backends (PostgreSQL on this host).
 
@@ -367,14 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     with database() as url:
-        os.environ[bench_app.DATABASE_URL_ENV] = url
-        # Its own lock namespace: another run against the same database must not hold
-        # (or see) this run's keys.
-        bench_app.app.conf.update(
-            pglock_database_url=url,
-            pglock_namespace=f"hot-path-{uuid.uuid4().hex[:8]}",
-        )
-        table = cases(Counter())
+        table = configure(url)
         started = time.monotonic()
         meter = ServerMeter(url)
         try:

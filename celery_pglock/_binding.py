@@ -89,6 +89,9 @@ class Guard:
             for name in options.lock_args
         ]
         self._engine: tuple[int, sa.Engine] | None = None
+        self._scalar_keys = keys.ScalarKeys(
+            options.namespace, options.name, [a.name for a in self.arguments]
+        )
         self._scalar_key = functools.lru_cache(maxsize=MEMO_ENTRIES)(self._scalar_key)  # type: ignore[method-assign]
 
     def engine(self) -> sa.Engine:
@@ -117,7 +120,9 @@ class Guard:
             return self._scalar_key(tuple((type(value), value) for value in values))
         return self._make_key(values)
 
-    def _make_key(self, values: tuple[Any, ...]) -> keys.LockKey:
+    def _make_key(
+        self, values: tuple[Any, ...], *, short: bool = False
+    ) -> keys.LockKey:
         options = self.config
         material = {
             argument.name: keys.canonical(
@@ -125,10 +130,14 @@ class Guard:
             )
             for argument, value in zip(self.arguments, values, strict=True)
         }
-        return keys.key_for_canonical(options.namespace, options.name, material)
+        return keys.key_for_canonical(
+            options.namespace, options.name, material, short=short
+        )
 
     def _scalar_key(self, typed_values: tuple[tuple[type, Any], ...]) -> keys.LockKey:
-        return self._make_key(tuple(value for _, value in typed_values))
+        values = tuple(value for _, value in typed_values)
+        # Memoisable values are short (MEMO_MAX_CHARS): no need to measure the text.
+        return self._scalar_keys.key(values) or self._make_key(values, short=True)
 
 
 def _memoisable(values: tuple[Any, ...]) -> bool:

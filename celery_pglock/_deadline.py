@@ -40,8 +40,9 @@ class Bound:
         self.fired = False
 
     def __enter__(self) -> Bound:
+        if _reaper is None:
+            _start_reaper()
         with _guard:
-            _ensure_reaper()
             _pending[id(self)] = self
         return self
 
@@ -55,7 +56,8 @@ class Bound:
 
 _pending: dict[int, Bound] = {}
 _guard = threading.Lock()
-_reaper: tuple[int, threading.Thread] | None = None
+#: This process's reaper thread (a forked child starts its own: see _forget_after_fork).
+_reaper: threading.Thread | None = None
 
 
 def bounded(dbapi_connection: Any, seconds: float) -> Bound:
@@ -76,18 +78,36 @@ def explain(bound: Bound | None) -> str:
     return " (no answer in time: the socket was shut down and the session closed)"
 
 
-def _ensure_reaper() -> None:
+def _start_reaper() -> None:
     global _reaper
-    pid = os.getpid()
-    if _reaper is not None and _reaper[0] == pid and _reaper[1].is_alive():
-        return
-    _pending.clear()  # a forked child's copy of its parent's round trips
-    thread = threading.Thread(target=_reap, name="celery-pglock-deadline", daemon=True)
-    thread.start()
-    _reaper = (pid, thread)
+    with _guard:
+        if _reaper is not None:
+            return
+        thread = threading.Thread(
+            target=_reap, name="celery-pglock-deadline", daemon=True
+        )
+        thread.start()
+        _reaper = thread
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: no reaper runs, and the parent's round trips are not ours."""
+    global _reaper, _guard
+    _reaper = None
+    _guard = threading.Lock()  # the parent's may have been held at the fork
+    _pending.clear()
 
 
 def _reap() -> None:
+    global _reaper
+    try:
+        _reap_forever()
+    finally:  # only if something unforeseen killed it: the next round trip restarts it
+        if _reaper is threading.current_thread():
+            _reaper = None
+
+
+def _reap_forever() -> None:
     while True:
         time.sleep(TICK)
         now = time.monotonic()
@@ -107,3 +127,7 @@ def _shutdown(fd: int) -> None:
             sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass  # already closed: nothing is blocked on it any more
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)

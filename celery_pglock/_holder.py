@@ -20,15 +20,16 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import sqlalchemy as sa
-
     from celery_pglock.lock import AdvisoryLock
 
 #: How long a holder found for a key is reused for further skips of that key.
 RECENT_SECONDS = 1.0
 _RECENT_MAX = 1024  # keys remembered per process; cleared when full
 #: (database URL, key ids) -> (time.monotonic() of the lookup, what it found)
-_recent: dict[tuple[sa.URL, tuple[int, ...]], tuple[float, Holder | None]] = {}
+#: (the lock's session strategy, key ids) -> (when, holder). Keyed by the strategy, one
+#: per engine and process: hashing the engine's URL renders it, which cost more than
+#: the rest of a skip.
+_recent: dict[tuple[object, tuple[int, ...]], tuple[float, Holder | None]] = {}
 
 #: "host:pid" as db.process_tag() writes it.
 _PROCESS_TAG = re.compile(r"^[^\s:]+:\d+$")
@@ -92,7 +93,7 @@ def find(lock: AdvisoryLock) -> Holder | None:
     times what the refused try did. Never raises.
     """
     key = lock.key
-    cache_key = (lock.engine.url, key.ids)
+    cache_key = (lock._session, key.ids)
     now = time.monotonic()
     recent = _recent.get(cache_key)
     if recent is not None and now - recent[0] < RECENT_SECONDS:

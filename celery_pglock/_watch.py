@@ -38,7 +38,6 @@ holding, used once to learn the real backend pid behind PgBouncer).
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import logging
 import os
 import signal
@@ -48,6 +47,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import _observer, _outcomes, exceptions
+from celery_pglock.config import OnLost
 
 if TYPE_CHECKING:
     from celery_pglock.config import LockConfig
@@ -64,34 +64,67 @@ MIN_TICK = 0.05
 REPORT_WAIT = 2.0
 
 
-@dataclasses.dataclass(eq=False)
 class Entry:
-    """One watched lock and what to do if it is lost."""
+    """One watched lock and what to do if it is lost.
 
-    lock: AdvisoryLock
-    task: Any
-    task_id: str | None
-    interval: float
-    timeout: float
-    terminate: bool
-    thread_id: int  #: threading.get_ident() of the body's thread.
-    in_main: bool  #: The body runs in the main thread (prefork, solo).
-    checked_at: float  #: time.monotonic() when the lock was last known held.
-    #: The holder's backend pid: lock.backend_pid, or the real one learnt at the first
-    #: check when libpq's is a pooler's (PgBouncer invents the pid it reports).
-    backend_pid: int | None = None
-    pid_confirmed: bool = False  #: backend_pid was seen holding the lock.
-    server_start: str | None = None  #: pg_postmaster_start_time() at the first check.
-    ended: bool = False  #: The body ended: never interrupt it any more.
-    interrupted: bool = False
-    #: Set once the lock was found lost; set() once the loss has been reported.
-    reported: threading.Event | None = None
+    A plain class with slots: one is built per locked run, and a dataclass's keyword
+    __init__ cost more than the rest of watch().
+    """
+
+    __slots__ = (
+        "backend_pid",
+        "checked_at",
+        "ended",
+        "in_main",
+        "interrupted",
+        "interval",
+        "lock",
+        "pid_confirmed",
+        "reported",
+        "server_start",
+        "task",
+        "task_id",
+        "terminate",
+        "thread_id",
+        "timeout",
+    )
+
+    def __init__(
+        self,
+        lock: AdvisoryLock,
+        task: Any,
+        task_id: str | None,
+        options: LockConfig,
+        terminate: bool,
+        thread_id: int,
+        in_main: bool,
+    ) -> None:
+        self.lock = lock
+        self.task = task
+        self.task_id = task_id
+        self.interval: float = options.watch_interval
+        self.timeout: float = options.check_timeout
+        self.terminate = terminate
+        self.thread_id = thread_id  #: threading.get_ident() of the body's thread.
+        self.in_main = in_main  #: The body runs in the main thread (prefork, solo).
+        #: time.monotonic() when the lock was last known held.
+        self.checked_at: float = lock.acquired_at or time.monotonic()
+        #: The holder's backend pid: lock.backend_pid, or the real one learnt at the
+        #: first check when libpq's is a pooler's (PgBouncer invents the pid it reports).
+        self.backend_pid: int | None = lock.backend_pid
+        self.pid_confirmed = False  #: backend_pid was seen holding the lock.
+        #: pg_postmaster_start_time() at the first check.
+        self.server_start: str | None = None
+        self.ended = False  #: The body ended: never interrupt it any more.
+        self.interrupted = False
+        #: Set once the lock was found lost; set() once the loss has been reported.
+        self.reported: threading.Event | None = None
 
 
 _entries: dict[int, Entry] = {}
 _cond = threading.Condition(threading.Lock())
 _idle = False  #: The watcher waits for an entry (notify it on insert).
-_thread: tuple[int, threading.Thread] | None = None
+_thread: threading.Thread | None = None
 _observers: dict[int, _observer.Observer] = {}
 #: The main-thread body to interrupt when SIGNAL arrives.
 _target: Entry | None = None
@@ -104,26 +137,16 @@ def watch(
     """Watch ``lock`` while the body of ``task`` runs (no-op if checks are off)."""
     if not options.watch_interval:
         return
-    thread = threading.current_thread()
-    in_main = thread is threading.main_thread()
-    terminate = options.on_lost.value == "terminate" and not _green()
+    thread_id = threading.get_ident()
+    in_main = thread_id == threading.main_thread().ident
+    terminate = options.on_lost is OnLost.TERMINATE and not _green()
     if terminate and in_main:
         _install_handler()
-    entry = Entry(
-        lock=lock,
-        task=task,
-        task_id=task_id,
-        interval=options.watch_interval,
-        timeout=options.check_timeout,
-        terminate=terminate,
-        thread_id=threading.get_ident(),
-        in_main=in_main,
-        checked_at=lock.acquired_at or time.monotonic(),
-        backend_pid=lock.backend_pid,
-    )
+    entry = Entry(lock, task, task_id, options, terminate, thread_id, in_main)
     global _idle
     with _cond:
-        _ensure_thread()
+        if _thread is None:
+            _start_thread()
         _entries[id(lock)] = entry
         if _idle:
             _idle = False
@@ -155,19 +178,26 @@ def unwatch(lock: AdvisoryLock) -> None:
 # -- the watcher thread -------------------------------------------------------------------
 
 
-def _ensure_thread() -> None:
-    """Start the watcher in this process (call with _cond held)."""
+def _start_thread() -> None:
+    """Start the watcher in this process (call with _cond held; a forked child starts
+    its own, see _forget_in_child)."""
     global _thread, _idle
-    pid = os.getpid()
-    if _thread is not None and _thread[0] == pid and _thread[1].is_alive():
-        return
     _idle = False
     thread = threading.Thread(target=_run, name="celery-pglock-watch", daemon=True)
     thread.start()
-    _thread = (pid, thread)
+    _thread = thread
 
 
 def _run() -> None:
+    global _thread
+    try:
+        _watch_forever()
+    finally:  # only if something unforeseen killed it: the next watch() restarts it
+        if _thread is threading.current_thread():
+            _thread = None
+
+
+def _watch_forever() -> None:
     global _idle
     while True:
         with _cond:

@@ -13,7 +13,6 @@ The process-wide registry of held locks exists only for worker shutdown.
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -23,19 +22,28 @@ if TYPE_CHECKING:
     from celery_pglock.lock import AdvisoryLock
 
 
-@dataclasses.dataclass(eq=False)
 class Execution:
     """One run of a SingletonTask: its lock once granted, and how it ends."""
 
-    task_id: str | None
-    #: The Celery request this execution runs for (identity only: nested-call detection).
-    request: Any = None
-    lock: AdvisoryLock | None = None
-    #: The body published a retry (self.retry()): the lock is released by the
-    #: task_postrun hook, after Celery has stored RETRY, not when the body ends.
-    release_at_postrun: bool = False
-    #: With release_at_postrun: the exception the body ended with (None: it returned).
-    ended_with: BaseException | None = None
+    # A plain class with slots: one is built per run (a dataclass __init__ costs more).
+    __slots__ = ("ended_with", "lock", "release_at_postrun", "request", "task_id")
+
+    def __init__(
+        self,
+        task_id: str | None,
+        request: Any = None,
+        lock: AdvisoryLock | None = None,
+    ) -> None:
+        self.task_id = task_id
+        #: The Celery request this execution runs for (identity only: nested-call
+        #: detection).
+        self.request = request
+        self.lock = lock
+        #: The body published a retry (self.retry()): the lock is released by the
+        #: task_postrun hook, after Celery has stored RETRY, not when the body ends.
+        self.release_at_postrun = False
+        #: With release_at_postrun: the exception the body ended with (None: returned).
+        self.ended_with: BaseException | None = None
 
 
 _current: contextvars.ContextVar[Execution | None] = contextvars.ContextVar(

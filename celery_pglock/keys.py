@@ -26,14 +26,17 @@ import datetime
 import decimal
 import enum
 import hashlib
-import json
+import json.encoder
 import math
 import re
 import uuid
 from collections.abc import Mapping
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from celery_pglock import _keystream, exceptions
+
+#: JSON's string form as ``key_text`` writes it (``ensure_ascii`` off; C when available).
+_encode_string = json.encoder.encode_basestring
 
 #: Bumped only with a migration note: a format change is a rolling-deploy hazard, since old
 #: and new workers would compute different keys for the same work and run it together.
@@ -82,13 +85,14 @@ class LockKey:
 
 def key_text(namespace: str, name: str, material: Json) -> str:
     """Return the canonical key text for already-canonical material."""
-    return json.dumps(
-        [KEY_FORMAT, namespace, name, material],
-        ensure_ascii=False,
-        sort_keys=True,
-        separators=(",", ":"),
-        allow_nan=False,
-    )
+    return _ENCODER.encode([KEY_FORMAT, namespace, name, material])
+
+
+#: ``json.dumps`` with these arguments builds an encoder per call; this one is reused
+#: (encode() keeps no state between calls, so threads may share it).
+_ENCODER = json.JSONEncoder(
+    ensure_ascii=False, sort_keys=True, separators=(",", ":"), allow_nan=False
+)
 
 
 def key_from_text(text: str) -> int:
@@ -129,10 +133,13 @@ def make_key(
     return key_for_canonical(namespace, name, canonical(material, where))
 
 
-def key_for_canonical(namespace: str, name: str, canonical_material: Json) -> LockKey:
+def key_for_canonical(
+    namespace: str, name: str, canonical_material: Json, *, short: bool = False
+) -> LockKey:
     """:func:`make_key` for material that :func:`canonical` already returned (a task's
-    per-argument path canonicalises each argument itself, to name it in errors)."""
-    if _keystream.longer_than(canonical_material, TEXT_MAX):
+    per-argument path canonicalises each argument itself, to name it in errors).
+    ``short``: the caller knows the key text is far below :data:`TEXT_MAX`."""
+    if not short and _keystream.longer_than(canonical_material, TEXT_MAX):
         hasher = hashlib.sha256()
         for piece in _keystream.encoded_pieces(
             [KEY_FORMAT, namespace, name, canonical_material]
@@ -145,6 +152,44 @@ def key_for_canonical(namespace: str, name: str, canonical_material: Json) -> Lo
 
 #: Longest key text kept in :attr:`LockKey.text` (characters); longer ones are streamed.
 TEXT_MAX = 64 * 1024
+
+
+class ScalarKeys:
+    """Keys of one lock for material ``{argument name: scalar}``, built without the
+    JSON encoder: the per-task hot path for the everyday key (a tenant id, a date).
+
+    The text is byte-for-byte :func:`key_text`'s (property-tested against it): the
+    fixed head and the sorted, encoded argument names are computed once.
+    """
+
+    __slots__ = ("_head", "_names", "_order", "name")
+
+    def __init__(self, namespace: str, name: str, argument_names: list[str]) -> None:
+        self.name = name
+        self._head = key_text(namespace, name, None)[: -len("null]")]
+        self._order = sorted(range(len(argument_names)), key=argument_names.__getitem__)
+        self._names = [_encode_string(argument_names[i]) for i in self._order]
+
+    def key(self, values: tuple[Any, ...]) -> LockKey | None:
+        """The key of ``values`` (in argument order; each exactly a str, int, bool or
+        None, the ints of at most :data:`MAX_INT_DIGITS` digits and the texts short),
+        or None for a text :func:`canonical` refuses (the caller lets it say why)."""
+        parts = []
+        for encoded_name, index in zip(self._names, self._order, strict=True):
+            value = values[index]
+            if type(value) is str:
+                if not value.isascii() and _SURROGATE.search(value):
+                    return None
+                text = _encode_string(value)
+            elif value is None:
+                text = "null"
+            elif value is True or value is False:
+                text = "true" if value else "false"
+            else:
+                text = int.__repr__(value)
+            parts.append(f"{encoded_name}:{text}")
+        text = f"{self._head}{{{','.join(parts)}}}]"
+        return LockKey(name=self.name, ids=(key_from_text(text),), text=text)
 
 
 def _key_from_digest(digest: bytes) -> int:

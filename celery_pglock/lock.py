@@ -74,7 +74,7 @@ class AdvisoryLock:
     ) -> None:
         self.engine = engine
         self.key = key
-        self.scope = LockScope(scope)
+        self.scope = scope if type(scope) is LockScope else LockScope(scope)
         self._label = label or key.name
         self._session = _session.for_lock(
             engine, transaction=self.scope is LockScope.TRANSACTION
