@@ -57,6 +57,8 @@ APPLICATION_NAME = "pglock-bench"
 PLAIN = "bench.plain"
 PLAIN_ROUND_TRIPS = "bench.plain_round_trips"
 SESSION = "bench.session"
+#: SingletonTask session with lock_skip_result="success": a skip ends like a run.
+SKIP_SUCCESS = "bench.session_skip_success"
 TRANSACTION = "bench.transaction"
 ONCE = "bench.once"
 SINGLETON = "bench.singleton"
@@ -133,6 +135,15 @@ if contender in ("pglock", UNAWAITED, "all"):
 
     @app.task(name=SESSION, base=SingletonTask, lock_args=("key",))
     def session(key: str, body: float = 0.0) -> None:
+        _body(body)
+
+    @app.task(
+        name=SKIP_SUCCESS,
+        base=SingletonTask,
+        lock_args=("key",),
+        lock_skip_result="success",
+    )
+    def session_skip_success(key: str, body: float = 0.0) -> None:
         _body(body)
 
     @app.task(

@@ -8,8 +8,9 @@ broker), a plain task, SingletonTask in session and transaction scope, celery-on
 celery-singleton (``pip install -e '.[bench]'``) on four workloads: distinct keys, one
 hot key (held by another session the whole time: every message is a skip), a
 per-tenant mix (50 tenants) and a slower body (2 ms). Medians over R repetitions
-(workers started afresh each repetition, contenders in rotating order); ratios to
-plain with the same body; CPU per message of the worker's processes and of the
+(workers started afresh each repetition; each workload drained by every contender back to
+back, in an order that rotates); ratios to plain with the same body and CPU over plain
+paired per repetition; CPU per message of the worker's processes and of the
 PostgreSQL backends of its lock sessions; RSS of the largest task process; lock
 connections. Then a threads worker at concurrency 64 (lock connections sampled while
 64 bodies run) and a memory-flat run (a worker skips N messages, then runs N). It
@@ -63,6 +64,9 @@ class Contender:
     locks_at_publish: bool = False  #: the peers lock when a message is published
 
 
+#: A skip that ends SUCCESS (lock_skip_result="success") instead of FAILURE: what Celery's
+#: failure path costs a skip. Drained with the hot key only.
+SKIP_SUCCESS_ROW = "SingletonTask session, skips end SUCCESS"
 #: Not a library mode: the release's reply read later (unsafe; see bench_app).
 UNAWAITED_ROW = "SingletonTask session (release not awaited; measured only)"
 CONTENDERS = {
@@ -70,6 +74,7 @@ CONTENDERS = {
     "plain + 2 round trips": Contender("plain", bench_app.PLAIN_ROUND_TRIPS),
     "SingletonTask session": Contender("pglock", bench_app.SESSION),
     "SingletonTask transaction": Contender("pglock", bench_app.TRANSACTION),
+    SKIP_SUCCESS_ROW: Contender("pglock", bench_app.SKIP_SUCCESS),
     UNAWAITED_ROW: Contender(bench_app.UNAWAITED, bench_app.SESSION),
     "celery-once 3.0.1": Contender("once", bench_app.ONCE, True),
     "celery-singleton 0.3.1": Contender("singleton", bench_app.SINGLETON, True),
@@ -356,40 +361,49 @@ class Bench:
     # -- the scenarios --------------------------------------------------------------------
 
     def comparison(self) -> dict[tuple[str, str], list[Sample]]:
+        """Each repetition starts one worker per kind, then drains every workload with
+        every contender back to back, in an order that rotates per repetition: the drains
+        compared with each other run seconds apart, not minutes (on a shared machine the
+        speed of everything drifts over minutes; see summarise())."""
         samples: dict[tuple[str, str], list[Sample]] = {}
         chosen = {n: c for n, c in CONTENDERS.items() if n in self.args.contenders}
         kinds = list(dict.fromkeys(c.worker for c in chosen.values()))
         for repetition in range(self.args.repetitions):
-            order = kinds[repetition % len(kinds) :] + kinds[: repetition % len(kinds)]
-            for kind in order:
-                worker, record_dir = self.worker(kind)
-                try:
-                    for name, contender in chosen.items():
-                        if contender.worker != kind:
-                            continue
-                        for workload in self.args.workloads:
-                            if name in (PLAIN, ROUND_TRIPS) and workload in (
-                                "one hot key",
-                                "per-tenant mix",
-                            ):
-                                continue  # no key: the same as distinct keys
-                            sample = self.drain(
-                                worker,
-                                record_dir,
-                                contender,
-                                WORKLOADS[workload],
-                                self.args.messages,
-                            )
-                            samples.setdefault((name, workload), []).append(sample)
-                            print(
-                                f"  rep {repetition + 1} {name:<26} {workload:<16} {describe(sample)}",
-                                flush=True,
-                            )
+            turn = repetition % len(chosen)
+            order = list(chosen.items())[turn:] + list(chosen.items())[:turn]
+            workers: dict[str, tuple[WorkerProcess, Path]] = {}
+            try:
+                for kind in kinds:
+                    workers[kind] = self.worker(kind)
+                for workload in self.args.workloads:
+                    for name, contender in order:
+                        if name in (PLAIN, ROUND_TRIPS) and workload in (
+                            "one hot key",
+                            "per-tenant mix",
+                        ):
+                            continue  # no key: the same as distinct keys
+                        if name == SKIP_SUCCESS_ROW and workload != "one hot key":
+                            continue  # only skips differ from the session row
+                        worker, record_dir = workers[contender.worker]
+                        sample = self.drain(
+                            worker,
+                            record_dir,
+                            contender,
+                            WORKLOADS[workload],
+                            self.args.messages,
+                        )
+                        samples.setdefault((name, workload), []).append(sample)
+                        print(
+                            f"  rep {repetition + 1} {name:<26} {workload:<16} {describe(sample)}",
+                            flush=True,
+                        )
+                for kind, (worker, _) in workers.items():
                     rss_now = rss(worker)
                     for (name, _), runs in samples.items():
                         if CONTENDERS[name].worker == kind:
                             runs[-1].rss = rss_now
-                finally:
+            finally:
+                for worker, _ in workers.values():
                     worker.stop(timeout=30)
         return samples
 
@@ -559,22 +573,26 @@ def summarise(
             "dropped": sum(s.dropped for s in runs),
             "repetitions": len(runs),
         }
-    for (_name, workload), row in rows.items():
-        base = rows.get(
-            (
-                PLAIN,
-                "slow body 2 ms" if workload.startswith("slow") else "distinct keys",
-            )
+    for (name, workload), row in rows.items():
+        base_key = (
+            PLAIN,
+            "slow body 2 ms" if workload.startswith("slow") else "distinct keys",
         )
-        row["ratio"] = (
-            row["rate"] / base["rate"]
-            if base and row["rate"] and base["rate"]
-            else None
+        # Paired per repetition: each ratio and CPU difference compares two drains that
+        # ran seconds apart, and the median is taken over those pairs.
+        pairs = list(
+            zip(samples[name, workload], samples.get(base_key, []), strict=False)
         )
-        row["cpu_over_plain"] = (
-            row["worker_us"] - base["worker_us"]
-            if base and row["worker_us"] is not None and base["worker_us"] is not None
-            else None
+        row["ratio"] = median(
+            [s.rate / b.rate if s.rate and b.rate else None for s, b in pairs]
+        )
+        row["cpu_over_plain"] = median(
+            [
+                s.worker_us - b.worker_us
+                if s.worker_us is not None and b.worker_us is not None
+                else None
+                for s, b in pairs
+            ]
         )
     return rows
 
@@ -629,13 +647,10 @@ def verdicts(
             ratio is not None and all(p is not None and ratio > p for p in peers),
         ),
         (
-            "full contention ≥ distinct keys (msgs/s)",
-            f"{fmt(hot.get('rate'), ',.0f')} vs {fmt(distinct.get('rate'), ',.0f')}",
-            bool(
-                hot.get("rate")
-                and distinct.get("rate")
-                and hot["rate"] >= distinct["rate"]
-            ),
+            "full contention ≥ distinct keys",
+            f"{fmt(hot.get('ratio'), '.3f')}{TIMES} vs {fmt(ratio, '.3f')}{TIMES} plain "
+            f"({fmt(hot.get('rate'), ',.0f')} vs {fmt(distinct.get('rate'), ',.0f')} msgs/s)",
+            bool(hot.get("ratio") and ratio and hot["ratio"] >= ratio),
         ),
         (
             "worker CPU overhead ≤ 80 µs per locked task",
@@ -791,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
             f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end; "
             f"PostgreSQL {services.postgres_version}, Redis broker. Medians over "
             f"{args.repetitions} repetitions of {args.messages:,} messages; ratios to plain "
-            "with the same body"
+            "with the same body and CPU over plain paired per repetition"
             + (
                 f"; threads worker: {threads.peak} bodies at once."
                 if not args.no_threads
