@@ -362,9 +362,10 @@ class Bench:
 
     def comparison(self) -> dict[tuple[str, str], list[Sample]]:
         """Each repetition starts one worker per kind, then drains every workload with
-        every contender back to back, in an order that rotates per repetition: the drains
-        compared with each other run seconds apart, not minutes (on a shared machine the
-        speed of everything drifts over minutes; see summarise())."""
+        every contender back to back, in an order that rotates per repetition: a drain and
+        the plain drain it is compared with run seconds apart (within a minute for the
+        keyed workloads, compared with plain's distinct keys), not minutes (on a shared
+        machine the speed of everything drifts over minutes; see summarise())."""
         samples: dict[tuple[str, str], list[Sample]] = {}
         chosen = {n: c for n, c in CONTENDERS.items() if n in self.args.contenders}
         kinds = list(dict.fromkeys(c.worker for c in chosen.values()))
@@ -580,8 +581,11 @@ def summarise(
         )
         # Paired per repetition: each ratio and CPU difference compares two drains that
         # ran seconds apart, and the median is taken over those pairs.
-        pairs = list(
-            zip(samples[name, workload], samples.get(base_key, []), strict=False)
+        base_runs = samples.get(base_key)  # None when plain was not measured
+        pairs = (
+            list(zip(samples[name, workload], base_runs, strict=True))
+            if base_runs
+            else []
         )
         row["ratio"] = median(
             [s.rate / b.rate if s.rate and b.rate else None for s, b in pairs]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,12 +25,13 @@ if TYPE_CHECKING:
 
 #: How long a holder found for a key is reused for further skips of that key.
 RECENT_SECONDS = 1.0
-_RECENT_MAX = 1024  # keys remembered per process; cleared when full
-#: (database URL, key ids) -> (time.monotonic() of the lookup, what it found)
-#: (the lock's session strategy, key ids) -> (when, holder). Keyed by the strategy, one
-#: per engine and process: hashing the engine's URL renders it, which cost more than
-#: the rest of a skip.
-_recent: dict[tuple[object, tuple[int, ...]], tuple[float, Holder | None]] = {}
+_RECENT_MAX = 1024  # keys remembered per session strategy; cleared when full
+#: The lock's session strategy (one per engine and process) -> {key ids: (time.monotonic()
+#: of the lookup, what it found)}. Not keyed by the engine's URL: hashing a URL renders it,
+#: which cost more than the rest of a skip. Weak: the cache never keeps an engine alive.
+_recent: weakref.WeakKeyDictionary[
+    object, dict[tuple[int, ...], tuple[float, Holder | None]]
+] = weakref.WeakKeyDictionary()
 
 #: "host:pid" as db.process_tag() writes it.
 _PROCESS_TAG = re.compile(r"^[^\s:]+:\d+$")
@@ -93,16 +95,19 @@ def find(lock: AdvisoryLock) -> Holder | None:
     times what the refused try did. Never raises.
     """
     key = lock.key
-    cache_key = (lock._session, key.ids)
+    session = lock._session
+    remembered = _recent.get(session)
+    if remembered is None:
+        remembered = _recent[session] = {}
     now = time.monotonic()
-    recent = _recent.get(cache_key)
+    recent = remembered.get(key.ids)
     if recent is not None and now - recent[0] < RECENT_SECONDS:
         return recent[1]
-    text = lock._session.holder_of(key, bound=lock.round_trip_timeout)
+    text = session.holder_of(key, bound=lock.round_trip_timeout)
     holder = None if text is None else parse_holder(text)
-    if len(_recent) >= _RECENT_MAX:
-        _recent.clear()
-    _recent[cache_key] = (now, holder)
+    if len(remembered) >= _RECENT_MAX:
+        remembered.clear()
+    remembered[key.ids] = (now, holder)
     return holder
 
 
