@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -276,7 +277,9 @@ class ServerMeter:
         self._connection.close()
 
 
-Result = dict[str, list[tuple[float, float, float | None]]]
+#: Per repetition: wall, CPU and server CPU in us per call, and cyclic garbage
+#: collections (any generation) per 1,000 calls.
+Result = dict[str, list[tuple[float, float, float | None, float]]]
 
 
 def measure(
@@ -285,7 +288,7 @@ def measure(
     reps: int,
     meter: ServerMeter,
 ) -> Result:
-    """{label: [(wall, CPU, server CPU) us per call, one per repetition]}, interleaved."""
+    """{label: [(wall, CPU, server CPU, collections), one per repetition]}, interleaved."""
     results: Result = {label: [] for label, _ in table}
     for _label, call in table:  # warm up every path once (imports, first connection)
         for _ in range(20):
@@ -293,25 +296,35 @@ def measure(
     for _rep in range(reps):
         for label, call in table:
             server0 = meter.seconds()
+            collections0 = _collections()
             wall0, cpu0 = time.perf_counter(), time.process_time()
             for _ in range(calls):
                 call()
             wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+            collected = (_collections() - collections0) * 1000 / calls
             server1 = meter.seconds()
             server = (
                 None
                 if server0 is None or server1 is None
                 else (server1 - server0) * 1e6 / calls
             )
-            results[label].append((wall * 1e6 / calls, cpu * 1e6 / calls, server))
+            results[label].append(
+                (wall * 1e6 / calls, cpu * 1e6 / calls, server, collected)
+            )
     return results
+
+
+def _collections() -> int:
+    """Cyclic garbage collections so far, all generations: a path that leaves cycles
+    runs the collector more often (CPU that no single call shows)."""
+    return sum(generation["collections"] for generation in gc.get_stats())
 
 
 def render(results: Result) -> str:
     lines = [
         f"{'case':<40} {'wall us med (min)':>18} {'CPU us med (min)':>17} "
-        f"{'PG CPU us med':>13}",
-        "-" * 91,
+        f"{'PG CPU us med':>13} {'GC/1k':>6}",
+        "-" * 98,
     ]
     for label, samples in results.items():
         walls = [sample[0] for sample in samples]
@@ -320,11 +333,12 @@ def render(results: Result) -> str:
         wall = f"{statistics.median(walls):.1f} ({min(walls):.1f})"
         cpu = f"{statistics.median(cpus):.1f} ({min(cpus):.1f})"
         server = f"{statistics.median(servers):.1f}" if servers else "?"
-        lines.append(f"{label:<40} {wall:>18} {cpu:>17} {server:>13}")
+        collected = statistics.median(sample[3] for sample in samples)
+        lines.append(f"{label:<40} {wall:>18} {cpu:>17} {server:>13} {collected:>6.1f}")
     lines.append(
         "(*) toggling the hooks costs time itself: subtract the next row's figure. "
         "PG CPU: this\nprocess's lock-session backends, read with psutil (10 ms "
-        "clock ticks: a coarse figure)."
+        "clock ticks: a coarse figure).\nGC/1k: cyclic garbage collections per 1,000 calls."
     )
     return "\n".join(lines)
 

@@ -6,6 +6,7 @@ in tests/acceptance; these tests pin down the API and outcome semantics quickly.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -263,6 +264,28 @@ def trace_delivery(task, task_id, *, redelivered):
         },
     }
     return tracer(task_id, [], {}, request)
+
+
+def test_a_skip_leaves_no_cycle_for_the_garbage_collector(app):
+    """A skip through Celery's tracer is freed by reference counting, as a run is: the
+    frames it unwound (holding its lock and execution) must not wait for a collection."""
+    task = define(app, ran, lock_args=())
+    holder = hold(task)
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(5):
+            trace_delivery(task, str(uuid.uuid4()), redelivered=False)
+        gc.collect()
+        left = [type(o).__name__ for o in gc.garbage]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+        holder.release()
+    assert "LockSkipped" not in left
+    assert "AdvisoryLock" not in left
 
 
 def test_a_redelivery_whose_first_delivery_died_stores_its_skip(app):
