@@ -109,6 +109,10 @@ class Fault:
     #: The task ids holding locks through a link when it froze.
     holders: set[str] = dataclasses.field(default_factory=set)
     after: str = ""  #: The proxied worker's first task after the link came back.
+    #: A termination: the advisory locks its backend held, as pg_locks shows them. A
+    #: process also has sessions the fault did not touch (a retry's bounded wait is
+    #: granted on a connection of its own), so only these keys were surely lost.
+    locks: set[tuple[int, int, int]] | None = None
 
 
 class Chaos:
@@ -313,11 +317,26 @@ class Chaos:
             if rows:
                 backend, name = self.rng.choice(rows)
                 tag = PROCESS_TAG.search(name or "")
+                locks = {
+                    (int(classid), int(objid), int(objsubid))
+                    for classid, objid, objsubid in self._lock_query(
+                        "SELECT classid, objid, objsubid FROM pg_locks WHERE pid = %s "
+                        "AND locktype = 'advisory' AND granted",
+                        (backend,),
+                    )
+                }
                 began = time.time()
                 self._lock_query("SELECT pg_terminate_backend(%s)", (backend,))
                 pids = {int(tag.group(1))} if tag else set()
                 self.faults.append(
-                    Fault("terminate", began, time.time(), pids, f"backend {backend}")
+                    Fault(
+                        "terminate",
+                        began,
+                        time.time(),
+                        pids,
+                        f"backend {backend}",
+                        locks=locks,
+                    )
                 )
                 return
             time.sleep(0.1)
@@ -592,6 +611,11 @@ def _analyse(chaos: Chaos, outcomes, intervals, events, overlaps) -> dict[str, A
             and i.ended_at.timestamp() > (fault.began if link else fault.done + 0.1)
             and i.run.endswith("part") == link
             and (not fault.pids or i.pid in fault.pids or link)
+            and (
+                fault.locks is None
+                or chaos.app.work.lock_key_for(i.run, i.key, 0).pg_locks_ids
+                in fault.locks
+            )
         ]
         if link:
             hit = [i for i in hit if i.task_id in chaos.partition_holders]
