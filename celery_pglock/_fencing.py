@@ -26,7 +26,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _sql_fencing, db, exceptions
+from celery_pglock import _driver_errors, _sql_fencing, db, exceptions
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -74,7 +74,7 @@ def ensure_table(engine: sa.Engine) -> None:
         if engine in _ready:
             return
         action = "set up the fencing table"
-        with db.wrap_db_errors(action, engine):
+        with _driver_errors.wrap_db_errors(action, engine):
             pooled: Any = engine.raw_connection()
             try:
                 pooled.dbapi_connection.autocommit = True
@@ -98,7 +98,7 @@ def _create(cursor: Any, engine: sa.Engine) -> None:
     try:
         cursor.execute(_sql_fencing.CREATE.format(schema=""))
     except Exception as exc:
-        if db.sqlstate(exc) != _sql_fencing.INSUFFICIENT_PRIVILEGE:
+        if _driver_errors.sqlstate(exc) != _sql_fencing.INSUFFICIENT_PRIVILEGE:
             raise
         cursor.execute("ROLLBACK")  # autocommit: end the aborted BEGIN by hand
         raise exceptions.DatabaseError(
@@ -114,7 +114,7 @@ def _next_token(lock: AdvisoryLock) -> int:
     # the same token again), and never on a process's shared lock session (that belongs
     # to every task of the process, behind its mutex). The sequence, not the session,
     # makes tokens increase; the lock is held throughout.
-    with db.wrap_db_errors(
+    with _driver_errors.wrap_db_errors(
         f"issue a fencing token for lock {lock.key.name!r}", lock.engine
     ):
         pooled: Any = lock.engine.raw_connection()
@@ -134,7 +134,7 @@ def _issue_on(lock: AdvisoryLock, dbapi: Any) -> int:
             cursor.execute(_sql_fencing.ISSUE, lock.key.pg_locks_ids)
             row = cursor.fetchone()
     except Exception as exc:
-        code = db.sqlstate(exc)
+        code = _driver_errors.sqlstate(exc)
         if code in (_sql_fencing.UNDEFINED_TABLE, _sql_fencing.INSUFFICIENT_PRIVILEGE):
             forget(lock.engine)
             problem = (
@@ -146,7 +146,7 @@ def _issue_on(lock: AdvisoryLock, dbapi: Any) -> int:
                 f"Could not issue a fencing token for lock {lock.key.name!r}: "
                 f"{_sql_fencing.TABLE} {problem}; {FIX}."
             ) from exc
-        with db.wrap_db_errors(
+        with _driver_errors.wrap_db_errors(
             f"issue a fencing token for lock {lock.key.name!r}", lock.engine
         ):
             raise

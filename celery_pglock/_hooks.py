@@ -252,9 +252,12 @@ def _after_task(task: Any = None, retval: Any = None, **_: Any) -> None:
 
 def _release_leftover(lock: Any, where: str) -> None:
     logger.warning(
-        "Lock %s (key %s) was still held at %s; releasing it", lock.key.name, lock.key, where,
+        "Lock %s (key %s) was still held at %s; releasing it",
+        lock.key.name,
+        lock.key,
+        where,
         extra={"action": "lock_leftover_released", "lock_key": str(lock.key)},
-    )  # fmt: skip
+    )
     context.drop(lock)
     try:
         lock.release(commit=False)

@@ -1,4 +1,4 @@
-"""PerLockSessions: a pooled connection pinned per held lock, and the lock statements.
+"""PerLockSessions: a pooled connection pinned per held lock.
 
 Transaction scope always works this way (the body borrows the connection), so do bounded
 waits (a blocking ``pg_advisory_lock`` on the process's shared session would stall every
@@ -12,7 +12,15 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _deadline, _hold, _sql, db, exceptions
+from celery_pglock import (
+    _deadline,
+    _driver_errors,
+    _hold,
+    _sql,
+    _statements,
+    db,
+    exceptions,
+)
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -110,7 +118,7 @@ class PerLockSessions(_hold.LockSession):
 
         Only a dead established session does: a failed connect never reaches here.
         """
-        if db.is_disconnect(exc):
+        if _driver_errors.is_disconnect(exc):
             db.mark_pool_stale(self.engine, pooled, exc)
 
     def _acquire_session(
@@ -122,50 +130,35 @@ class PerLockSessions(_hold.LockSession):
         bound: float,
         run_ids: tuple[int, ...] | None,
     ) -> _hold.Hold | None:
-        arity = len(key.ids)
         try:
             pooled = self.engine.raw_connection()
         except Exception:
-            with db.wrap_db_errors(
+            with _driver_errors.wrap_db_errors(
                 f"acquire lock {key.name!r}", self.engine, connecting=True
             ):
                 raise
-        discard = False
         try:
-            dbapi: Any = (
-                pooled.dbapi_connection
-            )  # psycopg2, typed loosely by SQLAlchemy
+            # psycopg2's connection, which SQLAlchemy types loosely.
+            dbapi: Any = pooled.dbapi_connection
             dbapi.autocommit = True
             with dbapi.cursor() as cursor:
-                if timeout_ms is None:
-                    granted, run_granted = try_lock(
-                        cursor,
-                        _sql.TRY_LOCK_SESSION_RUN[arity]
-                        if run_ids
-                        else _sql.TRY_LOCK_SESSION[arity],
-                        key,
-                        holding_name,
-                        bound,
-                        run_ids,
-                    )
-                else:
-                    granted, discard = wait_lock(
-                        cursor,
-                        _sql.WAIT_LOCK_SESSION[arity],
-                        key,
-                        holding_name,
-                        timeout_ms,
-                        bound,
-                    )
-                    run_granted = granted and run_lock(
-                        cursor, _sql.RUN_LOCK_SESSION, run_ids, bound
-                    )
+                granted, run_granted, discard = _statements.lock(
+                    cursor,
+                    key,
+                    holding_name,
+                    transaction=False,
+                    timeout_ms=timeout_ms,
+                    bound=bound,
+                    run_ids=run_ids,
+                )
         except BaseException as exc:
             # Unknown state (e.g. interrupted mid-statement): closing is the only safe release.
             self._discard(pooled, exc)
             pooled.close()
             if isinstance(exc, Exception):
-                with db.wrap_db_errors(f"acquire lock {key.name!r}", self.engine):
+                with _driver_errors.wrap_db_errors(
+                    f"acquire lock {key.name!r}", self.engine
+                ):
                     raise
             raise
         if not granted:
@@ -208,7 +201,7 @@ class PerLockSessions(_hold.LockSession):
             self._discard(pooled, exc)  # the session's end frees whatever it held
             pooled.close()
             if isinstance(exc, Exception):
-                with db.wrap_db_errors(
+                with _driver_errors.wrap_db_errors(
                     f"release lock {key.name!r}{_deadline.explain(bound)}", self.engine
                 ):
                     raise
@@ -237,43 +230,28 @@ class PerLockSessions(_hold.LockSession):
         bound: float,
         run_ids: tuple[int, ...] | None,
     ) -> _hold.Hold | None:
-        arity = len(key.ids)
-        with db.wrap_db_errors(
+        with _driver_errors.wrap_db_errors(
             f"acquire lock {key.name!r}", self.engine, connecting=True
         ):
             connection = self.engine.connect()
         pooled: Any = None
         try:
             pooled = connection.connection
-            dbapi: Any = (
-                pooled.dbapi_connection
-            )  # psycopg2, typed loosely by SQLAlchemy
+            # psycopg2's connection, which SQLAlchemy types loosely.
+            dbapi: Any = pooled.dbapi_connection
             dbapi.autocommit = False
             transaction = connection.begin()
             with dbapi.cursor() as cursor:
-                if timeout_ms is None:
-                    granted, run_granted = try_lock(
-                        cursor,
-                        _sql.TRY_LOCK_TRANSACTION_RUN[arity]
-                        if run_ids
-                        else _sql.TRY_LOCK_TRANSACTION[arity],
-                        key,
-                        holding_name,
-                        bound,
-                        run_ids,
-                    )
-                else:
-                    granted, _ = wait_lock(
-                        cursor,
-                        _sql.WAIT_LOCK_TRANSACTION[arity],
-                        key,
-                        holding_name,
-                        timeout_ms,
-                        bound,
-                    )
-                    run_granted = granted and run_lock(
-                        cursor, _sql.RUN_LOCK_TRANSACTION, run_ids, bound
-                    )
+                # A failed wait in a transaction is rolled back: nothing to discard.
+                granted, run_granted, _ = _statements.lock(
+                    cursor,
+                    key,
+                    holding_name,
+                    transaction=True,
+                    timeout_ms=timeout_ms,
+                    bound=bound,
+                    run_ids=run_ids,
+                )
             if not granted:
                 transaction.rollback()
                 connection.close()
@@ -283,7 +261,9 @@ class PerLockSessions(_hold.LockSession):
             connection.invalidate()
             connection.close()
             if isinstance(exc, Exception):
-                with db.wrap_db_errors(f"acquire lock {key.name!r}", self.engine):
+                with _driver_errors.wrap_db_errors(
+                    f"acquire lock {key.name!r}", self.engine
+                ):
                     raise
             raise
         hold = _hold.Hold(self, key.ids, idle_name)
@@ -314,7 +294,7 @@ class PerLockSessions(_hold.LockSession):
                     name=key.name,
                 )
             with (
-                db.wrap_db_errors(
+                _driver_errors.wrap_db_errors(
                     f"{'commit' if commit else 'roll back'} lock {key.name!r}",
                     self.engine,
                 ),
@@ -348,69 +328,3 @@ class PerLockSessions(_hold.LockSession):
 def _application_name(prefix: str, *parts: object) -> str:
     # Per-lock hot path (per_lock mode, transaction scope): the same names recur.
     return db.application_name(prefix, *parts)
-
-
-def try_lock(
-    cursor: Any,
-    statement: str,
-    key: LockKey,
-    holding_name: str,
-    bound: float,
-    run_ids: tuple[int, ...] | None = None,
-) -> tuple[bool, bool]:
-    """Try once (one round trip, at most ``bound`` seconds): (granted, run lock granted).
-
-    With ``run_ids`` the statement is a ``*_RUN`` one, answering ARRAY[name, run granted].
-    """
-    with _deadline.bounded(cursor.connection, bound):
-        cursor.execute(statement, (*key.ids, holding_name, *(run_ids or ())))
-        row = cursor.fetchone()
-    value = None if row is None else row[0]
-    if value is None:
-        return False, False
-    return True, run_ids is not None and value[1] == "true"
-
-
-def run_lock(
-    cursor: Any, statement: str, run_ids: tuple[int, ...] | None, bound: float
-) -> bool:
-    """After a granted bounded wait: take the run lock too (True if taken)."""
-    if run_ids is None:
-        return False
-    with _deadline.bounded(cursor.connection, bound):
-        cursor.execute(statement, run_ids)
-        row = cursor.fetchone()
-    return bool(row and row[0])
-
-
-def wait_lock(
-    cursor: Any,
-    statement: str,
-    key: LockKey,
-    holding_name: str,
-    timeout_ms: int,
-    bound: float,
-) -> tuple[bool, bool]:
-    """Run a bounded blocking lock statement: (granted, the session must be discarded)."""
-    try:
-        # lock_timeout bounds the wait server-side; bound, a server that never answers.
-        with _deadline.bounded(cursor.connection, timeout_ms / 1000 + bound):
-            cursor.execute(statement, (str(timeout_ms), holding_name, *key.ids))
-    except Exception as exc:
-        code = db.sqlstate(exc)
-        if code not in (_sql.LOCK_NOT_AVAILABLE, _sql.QUERY_CANCELED):
-            raise
-        if not cursor.connection.autocommit:
-            # Transaction scope: the rollback ends the transaction and the wait.
-            cursor.connection.rollback()
-            return False, False
-        if code == _sql.QUERY_CANCELED:
-            # A cancel (statement_timeout, pg_cancel_backend) may land after the session
-            # lock was granted, and a session lock outlives the aborted transaction: this
-            # session cannot be trusted. The caller closes it.
-            return False, True
-        # lock_timeout fired inside pg_advisory_lock: nothing was granted. psycopg2's
-        # rollback() is a no-op in autocommit mode, so end the aborted BEGIN by hand.
-        cursor.execute(_sql.ROLLBACK)
-        return False, False
-    return True, False

@@ -16,7 +16,15 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _deadline, _hold, _per_lock, _sql, db, exceptions
+from celery_pglock import (
+    _deadline,
+    _driver_errors,
+    _hold,
+    _per_lock,
+    _sql,
+    db,
+    exceptions,
+)
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -95,7 +103,9 @@ class ProcessSession(_hold.LockSession):
             except BaseException as exc:
                 self._fail(f"acquiring lock {key.name!r} failed: {exc!r}", exc)
                 if isinstance(exc, Exception):
-                    with db.wrap_db_errors(f"acquire lock {key.name!r}", self.engine):
+                    with _driver_errors.wrap_db_errors(
+                        f"acquire lock {key.name!r}", self.engine
+                    ):
                         raise
                 raise
             if not granted:
@@ -182,7 +192,7 @@ class ProcessSession(_hold.LockSession):
             except BaseException as exc:
                 self._fail(f"releasing lock {key.name!r} failed: {exc!r}", exc)
                 if isinstance(exc, Exception):
-                    with db.wrap_db_errors(
+                    with _driver_errors.wrap_db_errors(
                         f"release lock {key.name!r}{_deadline.explain(bound)}",
                         self.engine,
                     ):
@@ -281,7 +291,7 @@ class ProcessSession(_hold.LockSession):
             dbapi.autocommit = True
             cursor = dbapi.cursor()
         except Exception:
-            with db.wrap_db_errors(
+            with _driver_errors.wrap_db_errors(
                 f"acquire lock {key.name!r}", self.engine, connecting=True
             ):
                 raise
@@ -297,7 +307,7 @@ class ProcessSession(_hold.LockSession):
         next checkout, the next of which may be this session's replacement.
         """
         self._close(cause)
-        if db.is_disconnect(exc):
+        if _driver_errors.is_disconnect(exc):
             # Detached from the pool, this connection cannot say when it was opened:
             # every pooled connection opened until now is retired (once per death).
             db.mark_pool_stale(self.engine, None, exc)

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from celery_pglock import config, db, exceptions
+from celery_pglock import _driver_errors, config, db, exceptions
 from celery_pglock.config import LockScope
 
 if TYPE_CHECKING:
@@ -184,7 +184,7 @@ def _bounded(engine: sa.Engine, timeout: float, action: str) -> ServerFacts:
         import psycopg2  # the only supported driver
 
         # Caused by a driver OperationalError, as an expired connect_timeout would be, so
-        # that db.is_transient() (lock_on_error='retry') treats it as an outage.
+        # that _driver_errors.is_transient() (lock_on_error='retry') treats it as an outage.
         raise exceptions.DatabaseError(
             f"Could not {action} on {masked}: the server probe had no answer within "
             f"{timeout:g} s."
@@ -193,7 +193,7 @@ def _bounded(engine: sa.Engine, timeout: float, action: str) -> ServerFacts:
     if isinstance(result, BaseException):
         if isinstance(result, exceptions.PgLockError):
             raise result
-        with db.wrap_db_errors(action, engine):
+        with _driver_errors.wrap_db_errors(action, engine):
             raise result
     return result
 
@@ -312,10 +312,12 @@ def facts_for(
             _facts[engine] = facts
             logger.debug(
                 "celery-pglock: lock database %s: PostgreSQL %s, standby=%s, pooling=%s",
-                facts.masked_url, facts.server_version, facts.is_standby,
+                facts.masked_url,
+                facts.server_version,
+                facts.is_standby,
                 facts.pooling.value,
                 extra={"action": "lock_server_probed"},
-            )  # fmt: skip
+            )
         return facts
 
 

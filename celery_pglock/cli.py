@@ -24,6 +24,7 @@ import click
 
 from celery_pglock import (
     _checks,
+    _driver_errors,
     _holder,
     _sql_admin,
     config,
@@ -147,7 +148,10 @@ def _load_app(path: str | None) -> Any:
 def locks(target: Target, as_json: bool) -> None:
     engine = target.engine()
     try:
-        with db.wrap_db_errors("read pg_locks", engine), engine.connect() as connection:
+        with (
+            _driver_errors.wrap_db_errors("read pg_locks", engine),
+            engine.connect() as connection,
+        ):
             rows = connection.exec_driver_sql(_sql_admin.LOCKS).mappings().all()
     except exceptions.DatabaseError as error:
         raise click.ClickException(str(error)) from None
@@ -445,7 +449,7 @@ def sql(
     engine = target.engine()
     try:
         with (
-            db.wrap_db_errors("install the SQL functions", engine),
+            _driver_errors.wrap_db_errors("install the SQL functions", engine),
             engine.begin() as connection,
         ):
             connection.exec_driver_sql(text)
@@ -480,7 +484,7 @@ def _fencing_sql(target: Target, *, apply_: bool, uninstall: bool, schema: str) 
 def _apply(target: Target, text: str, action: str) -> None:
     engine = target.engine()
     try:
-        with db.wrap_db_errors(action, engine):
+        with _driver_errors.wrap_db_errors(action, engine):
             # Autocommit: the SQL carries its own BEGIN/COMMIT.
             connection: Any = engine.raw_connection()
             try:

@@ -36,7 +36,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from celery_pglock import _hold, _server, _session, _sql, db, exceptions
+from celery_pglock import _driver_errors, _hold, _server, _session, _sql, db, exceptions
 from celery_pglock.config import LockScope
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ class AdvisoryLock:
         except exceptions.DatabaseError as error:
             # A failed connect (refused, too many clients) had no session to lose: not
             # retried here (lock_on_error retries the run later, with backoff).
-            if not db.is_dead_session(error):
+            if not _driver_errors.is_dead_session(error):
                 raise
             # The session was already dead (server restart, failover, idle timeout, cut
             # network), so it held nothing: try once more on a fresh connection, instead
@@ -271,7 +271,7 @@ class AdvisoryLock:
     def locked(self) -> bool:
         """True if any session in this database holds the key (one ``pg_locks`` query)."""
         with (
-            db.wrap_db_errors("read pg_locks", self.engine),
+            _driver_errors.wrap_db_errors("read pg_locks", self.engine),
             self.engine.connect() as connection,
         ):
             result = connection.exec_driver_sql(

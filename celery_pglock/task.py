@@ -35,6 +35,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from celery_pglock import (
     _binding,
+    _driver_errors,
     _fencing,
     _holder,
     _hooks,
@@ -42,7 +43,6 @@ from celery_pglock import (
     _watch,
     config,
     context,
-    db,
     exceptions,
     keys,
     metrics,
@@ -245,9 +245,14 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         docs/guide/retries.md.
         """
         retry_options = {
-            "args": args, "kwargs": kwargs, "exc": exc, "eta": eta,
-            "countdown": countdown, "max_retries": max_retries, **options,
-        }  # fmt: skip
+            "args": args,
+            "kwargs": kwargs,
+            "exc": exc,
+            "eta": eta,
+            "countdown": countdown,
+            "max_retries": max_retries,
+            **options,
+        }
         execution = context.current_execution()
         lock = execution.lock if execution is not None else None
         if (
@@ -272,7 +277,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             direct
             or request.is_eager
             or options.on_error is OnError.RAISE
-            or not db.is_transient(error.__cause__)
+            or not _driver_errors.is_transient(error.__cause__)
             or request.retries >= options.error_retries
         ):
             raise error

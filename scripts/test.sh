@@ -19,6 +19,11 @@ if [ "${PGLOCK_SKIP_LINT:-0}" != 1 ]; then
   echo "== ruff"
   "$venv/bin/ruff" check celery_pglock tests examples benchmarks
   "$venv/bin/ruff" format --check celery_pglock tests examples benchmarks
+  # The formatter owns layout: no opt-outs (house style).
+  if grep -rnE "fmt: (skip|off)" celery_pglock tests examples benchmarks; then
+    echo "FAILED: remove the fmt: skip/off above; let ruff format lay it out" >&2
+    exit 1
+  fi
   echo "== mypy --strict"
   "$venv/bin/mypy"
   "$venv/bin/mypy" tests/typing  # the public API, as users call it, must type-check

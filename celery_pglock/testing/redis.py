@@ -108,14 +108,21 @@ class EmbeddedRedis:
         log_path = root / "redis.log"
         command = [
             str(redis_server_binary()),
-            "--bind", _support.HOST,
-            "--port", str(self.port),
-            "--save", "",  # no RDB snapshots
-            "--appendonly", "no",
-            "--dir", str(root),
-            "--daemonize", "no",
-            "--logfile", str(log_path),
-        ]  # fmt: skip
+            "--bind",
+            _support.HOST,
+            "--port",
+            str(self.port),
+            "--save",
+            "",  # no RDB snapshots
+            "--appendonly",
+            "no",
+            "--dir",
+            str(root),
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(log_path),
+        ]
         process = self._process = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,

@@ -22,7 +22,14 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy import event
 
-from celery_pglock import AdvisoryLock, DatabaseError, _session, db, keys
+from celery_pglock import (
+    AdvisoryLock,
+    DatabaseError,
+    _driver_errors,
+    _session,
+    db,
+    keys,
+)
 from celery_pglock.testing import _support
 from celery_pglock.testing import postgres as embedded
 
@@ -234,8 +241,8 @@ def test_b_full_server_and_a_stopped_one_are_not_dead_sessions(
                 )
                 with pytest.raises(DatabaseError, match=expected) as caught:
                     lock.acquire()
-                assert db.is_transient(caught.value.__cause__)
-                assert not db.is_dead_session(caught.value)
+                assert _driver_errors.is_transient(caught.value.__cause__)
+                assert not _driver_errors.is_dead_session(caught.value)
                 assert not lock.owned()
             reconnects = [
                 r

@@ -18,19 +18,49 @@ from celery_pglock.exceptions import ConfigurationError, LockKeyError
 #: rolling-deploy hazard (old and new workers would not exclude each other), so it needs a
 #: new KEY_FORMAT and a migration note, never a silent edit of these numbers.
 VECTORS = [
-    ("default", "billing.daily_settlement", None,
-     '["celery_pglock/1","default","billing.daily_settlement",null]', 330713264628809466),
-    ("default", "exports.build_tenant_export", {"tenant_id": 7},
-     '["celery_pglock/1","default","exports.build_tenant_export",{"tenant_id":7}]', 4690220028534471837),
-    ("default", "exports.build_tenant_export", {"tenant_id": "7"},
-     '["celery_pglock/1","default","exports.build_tenant_export",{"tenant_id":"7"}]', 8094861082609616090),
-    ("acme", "exports.build_tenant_export", {"tenant_id": 7},
-     '["celery_pglock/1","acme","exports.build_tenant_export",{"tenant_id":7}]', 8071966892187253879),
-    ("default", "t", {"name": "Zürich"},
-     '["celery_pglock/1","default","t",{"name":"Zürich"}]', -5258013937716352565),
-    ("default", "t", [1, 2.5, True, None, "x"],
-     '["celery_pglock/1","default","t",[1,2.5,true,null,"x"]]', 6691227350830464112),
-]  # fmt: skip
+    (
+        "default",
+        "billing.daily_settlement",
+        None,
+        '["celery_pglock/1","default","billing.daily_settlement",null]',
+        330713264628809466,
+    ),
+    (
+        "default",
+        "exports.build_tenant_export",
+        {"tenant_id": 7},
+        '["celery_pglock/1","default","exports.build_tenant_export",{"tenant_id":7}]',
+        4690220028534471837,
+    ),
+    (
+        "default",
+        "exports.build_tenant_export",
+        {"tenant_id": "7"},
+        '["celery_pglock/1","default","exports.build_tenant_export",{"tenant_id":"7"}]',
+        8094861082609616090,
+    ),
+    (
+        "acme",
+        "exports.build_tenant_export",
+        {"tenant_id": 7},
+        '["celery_pglock/1","acme","exports.build_tenant_export",{"tenant_id":7}]',
+        8071966892187253879,
+    ),
+    (
+        "default",
+        "t",
+        {"name": "Zürich"},
+        '["celery_pglock/1","default","t",{"name":"Zürich"}]',
+        -5258013937716352565,
+    ),
+    (
+        "default",
+        "t",
+        [1, 2.5, True, None, "x"],
+        '["celery_pglock/1","default","t",[1,2.5,true,null,"x"]]',
+        6691227350830464112,
+    ),
+]
 
 
 @pytest.mark.parametrize(("namespace", "name", "material", "text", "key"), VECTORS)

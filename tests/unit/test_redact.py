@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from celery_pglock import ConfigurationError, DatabaseError, _redact, db
+from celery_pglock import ConfigurationError, DatabaseError, _driver_errors, _redact, db
 
 MARKER = re.compile("leak", re.IGNORECASE)
 
@@ -257,7 +257,10 @@ def test_wrap_db_errors_scrubs_the_whole_chain():
     )
     wrapped = sa.exc.OperationalError("connect", {}, driver_error)
     wrapped.__cause__ = driver_error
-    with pytest.raises(DatabaseError) as caught, db.wrap_db_errors("connect", engine):
+    with (
+        pytest.raises(DatabaseError) as caught,
+        _driver_errors.wrap_db_errors("connect", engine),
+    ):
         raise wrapped
     rendered = "".join(traceback.format_exception(caught.value))
     assert "Could not connect" in rendered
