@@ -13,7 +13,7 @@ import inspect
 import os
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import config, db, exceptions, keys
+from celery_pglock import _peers, config, db, exceptions, keys
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -165,7 +165,7 @@ def option_attributes(cls: type, reserved: set[str]) -> dict[str, Any]:
             if (
                 name.startswith("lock_")
                 and (name in config.TASK_OPTIONS or name not in reserved)
-            ) or name in config.PEER_OPTIONS:
+            ) or name in _peers.PEER_OPTIONS:
                 value = inspect.getattr_static(cls, name)
                 if isinstance(value, staticmethod):
                     value = value.__func__
