@@ -15,7 +15,6 @@ or connection error.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import os
 from typing import TYPE_CHECKING, Any
@@ -24,8 +23,9 @@ import click
 
 from celery_pglock import (
     _checks,
+    _cli_key,
+    _cli_locks,
     _driver_errors,
-    _holder,
     _sql_admin,
     config,
     db,
@@ -123,7 +123,7 @@ def _build(*, standalone: bool) -> click.Group:
             metavar="APP",
             help="The Celery app (module or module:attribute), for task names and settings.",
         )(group)
-    for command in (locks, key, check, sql):
+    for command in (_cli_locks.locks, _cli_key.key, check, sql):
         group.add_command(command)
     return group
 
@@ -137,248 +137,6 @@ def _load_app(path: str | None) -> Any:
         return find_app(path)
     except Exception as exc:
         raise click.UsageError(f"Cannot load the app {path!r}: {exc}") from exc
-
-
-# -- locks ------------------------------------------------------------------------------
-
-
-@click.command(help="Every advisory lock held or awaited in the lock database.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
-@click.pass_obj
-def locks(target: Target, as_json: bool) -> None:
-    engine = target.engine()
-    try:
-        with (
-            _driver_errors.wrap_db_errors("read pg_locks", engine),
-            engine.connect() as connection,
-        ):
-            rows = connection.exec_driver_sql(_sql_admin.LOCKS).mappings().all()
-    except exceptions.DatabaseError as error:
-        raise click.ClickException(str(error)) from None
-    finally:
-        engine.dispose()
-    entries = describe_locks([dict(row) for row in rows], target)
-    if as_json:
-        click.echo(json.dumps(entries, indent=2, default=str))
-        return
-    if not entries:
-        click.echo("No advisory locks are held or awaited in this database.")
-        return
-    header = ("KEY", "LOCK", "TASK", "HOLDER", "BACKEND", "SINCE", "HELD", "WAITING")
-    table = [
-        (
-            entry["key"],
-            entry["lock_name"]
-            or ("-" if entry["celery_pglock"] else "(not celery-pglock)"),
-            entry["task"] or "-",
-            entry["holder"] or entry["application_name"] or "-",
-            str(entry["backend_pid"] or "-"),
-            entry["since"] or "-",
-            _duration(entry["held_seconds"]),
-            ", ".join(
-                f"{w['holder'] or w['application_name'] or '?'} (backend {w['backend_pid']}, {_duration(w['waiting_seconds'])})"
-                for w in entry["waiters"]
-            )
-            or "-",
-        )
-        for entry in entries
-    ]
-    widths = [
-        max(len(str(row[i])) for row in [header, *table]) for i in range(len(header))
-    ]
-    for row in [header, *table]:
-        click.echo(
-            "  ".join(
-                str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)
-            ).rstrip()
-        )
-
-
-def describe_locks(rows: list[dict[str, Any]], target: Target) -> list[dict[str, Any]]:
-    """Group pg_locks rows by key: the holder with human names, and who waits."""
-    prefix = target.lock_prefix() + " "
-    fixed = {
-        str(task.lock_config.fixed_key): (task.name, task.lock_config.name)
-        for task in target.singleton_tasks()
-        if task.lock_config.fixed_key is not None
-    }
-    names: list[str] = [str(task.name) for task in target.singleton_tasks()]
-
-    def full_name(task: str | None) -> str | None:
-        # application_name keeps only the tail of a long task name ("~app.tasks.x").
-        if task and task.startswith("~"):
-            matches = [name for name in names if name.endswith(task[1:])]
-            if len(matches) == 1:
-                return matches[0]
-        return task
-
-    by_key: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        application_name = row.get("application_name") or None
-        ours = bool(application_name and application_name.startswith(prefix))
-        process, task = (
-            _holder.parse_application_name(application_name) if ours else (None, None)
-        )
-        seconds = (
-            (row["now"] - row["since"]).total_seconds()
-            if row.get("since") is not None
-            else None
-        )
-        session = {
-            "backend_pid": row["backend_pid"],
-            "holder": process,
-            "task": full_name(task),
-            "application_name": application_name,
-            "client_addr": row.get("client_addr"),
-            "celery_pglock": ours,
-            "since": _iso(row.get("since")),
-        }
-        entry = by_key.setdefault(
-            row["key"],
-            {
-                "key": row["key"],
-                "lock_name": None,
-                "waiters": [],
-                "held_seconds": None,
-                "backend_pid": None,
-                "holder": None,
-                "task": None,
-                "application_name": None,
-                "client_addr": None,
-                "celery_pglock": False,
-                "since": None,
-            },
-        )
-        if row["granted"]:
-            entry.update(session, held_seconds=seconds)
-            known = fixed.get(row["key"])
-            # Only keys that do not depend on arguments can be named from the key alone.
-            if known is not None:  # the full task name (application_name may cut it)
-                entry["task"] = known[0]
-                entry["lock_name"] = known[1]
-        else:
-            entry["waiters"].append({**session, "waiting_seconds": seconds})
-    return list(by_key.values())
-
-
-def _iso(value: Any) -> str | None:
-    if isinstance(value, datetime.datetime):
-        return value.isoformat(timespec="seconds")
-    return None if value is None else str(value)
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    if seconds < 3600:
-        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
-    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
-
-
-# -- key --------------------------------------------------------------------------------
-
-
-@click.command(help="The advisory key a call of TASK would lock (no database needed).")
-@click.argument("task_name", metavar="TASK")
-@click.option(
-    "--args",
-    "args_json",
-    default="[]",
-    metavar="JSON",
-    help="Positional arguments, e.g. '[7]'.",
-)
-@click.option(
-    "--kwargs",
-    "kwargs_json",
-    default="{}",
-    metavar="JSON",
-    help="Keyword arguments, e.g. '{\"tenant_id\": 7}'.",
-)
-@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
-@click.pass_obj
-def key(
-    target: Target, task_name: str, args_json: str, kwargs_json: str, as_json: bool
-) -> None:
-    if target.app is None:
-        raise click.UsageError(
-            "`key` needs the app: celery -A proj pglock key ..., or --app."
-        )
-    task = target.app.tasks.get(task_name)
-    if task is None or task not in target.singleton_tasks():
-        known = ", ".join(sorted(t.name for t in target.singleton_tasks())) or "none"
-        raise click.UsageError(
-            f"{task_name!r} is not a SingletonTask of this app (SingletonTasks: {known})."
-        )
-    try:
-        args = json.loads(args_json)
-        kwargs = json.loads(kwargs_json)
-    except json.JSONDecodeError as exc:
-        raise click.UsageError(f"--args/--kwargs must be JSON: {exc}") from None
-    if not isinstance(args, list) or not isinstance(kwargs, dict):
-        raise click.UsageError(
-            "--args must be a JSON array and --kwargs a JSON object."
-        )
-    try:
-        lock_key = task.lock_key_for(*args, **kwargs)
-    except exceptions.PgLockError as error:
-        raise click.ClickException(str(error)) from None
-    click.echo(
-        json.dumps(key_forms(task, lock_key), indent=2)
-        if as_json
-        else _key_text(key_forms(task, lock_key))
-    )
-
-
-def key_forms(task: Any, lock_key: Any) -> dict[str, Any]:
-    """Every form of ``lock_key``: as the worker computes it (SingletonTask.lock_key_for)."""
-    classid, objid, objsubid = lock_key.pg_locks_ids
-    forms: dict[str, Any] = {
-        "task": task.name,
-        "lock_name": lock_key.name,
-        "namespace": task.lock_config.namespace,
-        "key": str(lock_key),
-        "ids": list(lock_key.ids),
-        "pg_locks": {"classid": classid, "objid": objid, "objsubid": objsubid},
-        "key_text": lock_key.text,
-        "find_sql": (
-            "SELECT l.pid, l.granted, a.application_name FROM pg_locks l "
-            "LEFT JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
-            f"AND l.classid = {classid} AND l.objid = {objid} AND l.objsubid = {objsubid};"
-        ),
-        "key_sql": None,
-    }
-    if lock_key.text is not None:
-        material = json.loads(lock_key.text)[3]
-        forms["key_sql"] = (
-            f"SELECT celery_pglock_key({_literal(task.lock_config.namespace)}, "
-            f"{_literal(lock_key.name)}, {_literal(json.dumps(material, ensure_ascii=False))});"
-        )
-    return forms
-
-
-def _literal(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
-
-
-def _key_text(forms: dict[str, Any]) -> str:
-    lines = [
-        f"task:       {forms['task']}",
-        f"lock name:  {forms['lock_name']}",
-        f"namespace:  {forms['namespace']}",
-        f"key:        {forms['key']}"
-        + ("  (bigint)" if len(forms["ids"]) == 1 else "  (int, int)"),
-        "pg_locks:   classid={classid} objid={objid} objsubid={objsubid}".format(
-            **forms["pg_locks"]
-        ),
-    ]
-    if forms["key_text"] is not None:
-        lines.append(f"key text:   {forms['key_text']}")
-    lines.append(f"find it:    {forms['find_sql']}")
-    if forms["key_sql"]:
-        lines.append(f"in SQL:     {forms['key_sql']}  -- after `pglock sql --apply`")
-    return "\n".join(lines)
 
 
 # -- check ------------------------------------------------------------------------------
@@ -446,17 +204,7 @@ def sql(
     if not apply_:
         click.echo(text)
         return
-    engine = target.engine()
-    try:
-        with (
-            _driver_errors.wrap_db_errors("install the SQL functions", engine),
-            engine.begin() as connection,
-        ):
-            connection.exec_driver_sql(text)
-    except exceptions.DatabaseError as error:
-        raise click.ClickException(str(error)) from None
-    finally:
-        engine.dispose()
+    _apply(target, text, "install the SQL functions")
     done = "Dropped" if uninstall else "Created"
     click.echo(
         f"{done} {schema}.celery_pglock_key(), {schema}.celery_pglock_canonical() and the view {schema}.celery_pglock_locks."
