@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from celery_pglock import fencing, metrics, signals
+from celery_pglock._busy import SKIPPED, skip_info
 from celery_pglock.config import (
     LockConfig,
     LockScope,
@@ -29,7 +30,7 @@ from celery_pglock.exceptions import (
 )
 from celery_pglock.keys import KEY_FORMAT, LockKey, make_key
 from celery_pglock.lock import AdvisoryLock
-from celery_pglock.task import SKIPPED, SingletonTask, skip_info
+from celery_pglock.task import SingletonTask
 
 __all__ = [
     "KEY_FORMAT",

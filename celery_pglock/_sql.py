@@ -137,7 +137,7 @@ CHECK_HELD = (
 # An acks_late run also holds a lock keyed by its task id (keys.run_key), taken in the same
 # statement as its key and released with it, so that a redelivery of that task which finds
 # the key busy can tell its own first delivery (still running: the run lock is held) from
-# another run (see task.py, _on_busy). Run keys are always in the two-int form.
+# another run (see _busy.py, _first_delivery_runs). Run keys are always in the two-int form.
 
 _RUN = "%s::integer, %s::integer"
 

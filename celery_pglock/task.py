@@ -35,9 +35,9 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from celery_pglock import (
     _binding,
+    _busy,
     _driver_errors,
     _fencing,
-    _holder,
     _hooks,
     _outcomes,
     _watch,
@@ -55,11 +55,6 @@ if TYPE_CHECKING:
 
 
 logger = logging.getLogger(__name__)
-
-#: The result state of a skipped run under ``lock_skip_result='skipped'``.
-SKIPPED = "SKIPPED"
-#: The key marking a skip record (the result value under ``lock_skip_result='success'``).
-SKIP_MARKER = "celery_pglock"
 
 
 class SingletonTask(celery.Task):  # type: ignore[type-arg]
@@ -201,7 +196,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             if not granted:
                 if options.shadow:
                     return self._run_shadowed(execution, lock, task_id, args, kwargs)
-                return self._on_busy(lock, task_id, direct=direct)
+                return _busy.apply_policy(self, lock, task_id, direct=direct)
             execution.lock = lock
             context.hold(lock)
             try:
@@ -295,134 +290,6 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         limit = self.max_retries if max_retries is None else max_retries
         return limit is None or self.request.retries + 1 <= limit
 
-    # -- outcomes -----------------------------------------------------------------------
-
-    def _on_busy(self, lock: AdvisoryLock, task_id: str | None, *, direct: bool) -> Any:
-        """Apply lock_on_busy to a run whose lock is held.
-
-        Raises (LockSkipped, LockBusy, Retry or Ignore), except under
-        ``lock_skip_result='success'``, where it returns the skip record as the value.
-        """
-        options = self._guard().config
-        request = self.request
-        # A direct call has no message to skip or re-queue: whatever the policy, it raises.
-        action = (
-            OnBusy.RAISE
-            if direct and options.on_busy is not OnBusy.WAIT
-            else options.on_busy
-        )
-        skip_result = options.skip_result if action is OnBusy.SKIP else None
-        message, details = self._busy_report(lock, task_id, action)
-        first_delivery_runs = (
-            skip_result in (SkipResult.FAILURE, SkipResult.SUCCESS)
-            and bool((request.delivery_info or {}).get("redelivered"))
-            and self._first_delivery_runs(lock, task_id)
-        )
-        if first_delivery_runs:
-            # This very message, redelivered (a broker visibility timeout, a lost
-            # connection) while its first delivery still runs and holds the lock:
-            # storing a skip under its id would end its caller's wait with the wrong
-            # outcome. The first delivery will store the real one.
-            message += (
-                " The message was a redelivery whose first delivery is still running, "
-                "so no result was stored."
-            )
-            skip_result = None
-        _outcomes.skipped(
-            self,
-            task_id,
-            lock,
-            action=action.value,
-            message=message,
-            details=details,
-            # Celery's task line carries the message, except for a direct call (no
-            # tracer) and a SKIPPED state (Celery only says "ignored").
-            celery_logs=not direct
-            and not first_delivery_runs
-            and skip_result is not SkipResult.SKIPPED,
-        )
-        key = lock.key
-        if direct:
-            raise exceptions.LockBusy(message, key=str(key), name=key.name)
-        if first_delivery_runs:
-            raise Ignore(message)
-        if skip_result is SkipResult.FAILURE:
-            raise exceptions.LockSkipped(message, details)
-        if skip_result is SkipResult.SUCCESS:
-            # Not a real success: the next link of a chain and link callbacks must not
-            # run with a skip record as their argument. A chord still counts the part.
-            request.callbacks = None
-            request.chain = None
-            return {SKIP_MARKER: "skipped", **details}
-        if skip_result is SkipResult.SKIPPED:
-            if task_id is not None and not (
-                self.ignore_result or request.ignore_result
-            ):
-                self.update_state(task_id=task_id, state=SKIPPED, meta=details)
-            raise Ignore(message)
-        busy = exceptions.LockBusy(message, key=str(key), name=key.name)
-        if action is OnBusy.RETRY:
-            if request.is_eager and self.max_retries is None:
-                raise busy  # eager retries run inline without the countdown: never spin
-            raise self.retry(countdown=options.retry_delay, exc=busy)
-        raise busy
-
-    def _first_delivery_runs(self, lock: AdvisoryLock, task_id: str | None) -> bool:
-        """Is the first delivery of this redelivered message still running?
-
-        An acks_late run holds its run lock (keys.run_key) beside its key; any other
-        message was acknowledged when it started, so a redelivery of it never ran. When
-        the run lock cannot be checked, the answer is yes: storing nothing is what the
-        library did before it could tell.
-        """
-        if task_id is None or not self.acks_late:
-            return False
-        alive = lock._session.run_alive(
-            keys.run_key(task_id), bound=lock.round_trip_timeout
-        )
-        return alive is not False
-
-    def _busy_report(
-        self, lock: AdvisoryLock, task_id: str | None, action: OnBusy
-    ) -> tuple[str, dict[str, Any]]:
-        """The sentence and the plain-data record of a busy run, naming its holder.
-
-        Costs one more round trip (the holder lookup, see _holder.find) on the busy
-        path only. Carries names and numbers only, never argument values.
-        """
-        options = self._guard().config
-        key = lock.key
-        holder = _holder.find(lock)
-        details: dict[str, Any] = {
-            "reason": "lock_busy",
-            "task": self.name,
-            "lock": key.name,
-            "key": str(key),
-            "policy": action.value,
-            "holder": None,
-            "holder_pid": None,
-            "holder_task": None,
-        }
-        if holder is None:
-            by = "another session"
-        else:
-            details.update(holder.as_details())
-            if holder.process is None:
-                by = f"PostgreSQL backend {holder.backend_pid} (not a celery-pglock session)"
-            else:
-                running = f"{holder.task}, " if holder.task else ""
-                by = f"{holder.process} ({running}backend {holder.backend_pid})"
-        waited = (
-            f" after waiting {options.wait_timeout:g}s"
-            if action is OnBusy.WAIT and not options.shadow
-            else ""
-        )
-        message = (
-            f"Lock {key.name!r} (key {key}) is held by {by}{waited}; "
-            f"{self.name}[{task_id}] did not run."
-        )
-        return message, details
-
     def _run_shadowed(
         self,
         execution: context.Execution,
@@ -433,7 +300,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     ) -> Any:
         """Shadow mode, lock busy: report the would-be outcome, then run the body unlocked."""
         action = self._guard().config.on_busy
-        message, details = self._busy_report(lock, task_id, action)
+        message, details = _busy.report(self, lock, task_id, action)
         _outcomes.skipped(
             self,
             task_id,
@@ -528,22 +395,6 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 _outcomes.release_failed(self, task_id, lock, error)
             return error
         return None
-
-
-def skip_info(outcome: object) -> dict[str, Any] | None:
-    """The skip record if ``outcome`` is a skipped run's result, else None.
-
-    ``outcome`` is what ``AsyncResult.get(propagate=False)`` or ``.result`` gives: a
-    ``LockSkipped`` (``lock_skip_result='failure'``), a skip record dict (``'success'``,
-    and the meta of a ``'skipped'`` state), or anything else (not a skip).
-    """
-    if isinstance(outcome, exceptions.LockSkipped):
-        return dict(outcome.details)
-    if isinstance(outcome, dict) and (
-        outcome.get(SKIP_MARKER) == "skipped" or outcome.get("reason") == "lock_busy"
-    ):
-        return {k: v for k, v in outcome.items() if k != SKIP_MARKER}
-    return None
 
 
 def _state_of(exc: BaseException | None) -> str:
