@@ -26,20 +26,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-import psutil
 import redis
 
 from celery_pglock.testing import Services, WorkerProcess, _support, start_services
@@ -49,154 +45,33 @@ REPO = HERE.parent
 os.environ.setdefault("BENCH_CONTENDER", "all")
 sys.path.insert(0, str(HERE))
 import bench_app  # noqa: E402 - configured by the environment set above
-
-MiB = 1024 * 1024
-TENANTS = 50
-SLOW_BODY = 0.002
-TIMES = "\N{MULTIPLICATION SIGN}"  # the table is Markdown for people
-BEGIN, END = "<!-- benchmark:begin -->", "<!-- benchmark:end -->"
-
-
-@dataclasses.dataclass(frozen=True)
-class Contender:
-    worker: str  #: BENCH_CONTENDER of its worker
-    task: str  #: task name
-    locks_at_publish: bool = False  #: the peers lock when a message is published
-
-
-#: A skip that ends SUCCESS (lock_skip_result="success") instead of FAILURE: what Celery's
-#: failure path costs a skip. Drained with the hot key only.
-SKIP_SUCCESS_ROW = "SingletonTask session, skips end SUCCESS"
-#: Not a library mode: the release's reply read later (unsafe; see bench_app).
-UNAWAITED_ROW = "SingletonTask session (release not awaited; measured only)"
-CONTENDERS = {
-    "plain": Contender("plain", bench_app.PLAIN),
-    "plain + 2 round trips": Contender("plain", bench_app.PLAIN_ROUND_TRIPS),
-    "SingletonTask session": Contender("pglock", bench_app.SESSION),
-    "SingletonTask transaction": Contender("pglock", bench_app.TRANSACTION),
-    SKIP_SUCCESS_ROW: Contender("pglock", bench_app.SKIP_SUCCESS),
-    UNAWAITED_ROW: Contender(bench_app.UNAWAITED, bench_app.SESSION),
-    "celery-once 3.0.1": Contender("once", bench_app.ONCE, True),
-    "celery-singleton 0.3.1": Contender("singleton", bench_app.SINGLETON, True),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    keys: str  #: "distinct", "hot" (held by another session throughout) or "tenants"
-    body: float = 0.0  #: seconds each body sleeps
-
-
-WORKLOADS = {
-    "distinct keys": Workload("distinct"),
-    "one hot key": Workload("hot"),
-    "per-tenant mix": Workload("tenants"),
-    "slow body 2 ms": Workload("distinct", SLOW_BODY),
-}
-#: The threads-64 run: bodies long enough for 64 locks to be held at once.
-THREADS = Workload("distinct", 0.1)
-SESSION, PLAIN, ROUND_TRIPS = "SingletonTask session", "plain", "plain + 2 round trips"
-
-
-@dataclasses.dataclass
-class Sample:
-    queued: int
-    dropped: int  #: refused at publish (peers)
-    peak: int = 0  #: most bodies running at the same instant
-    ran: int = 0
-    skipped: int = 0
-    rate: float | None = None  #: messages handled per second
-    worker_us: float | None = None  #: worker CPU per handled message
-    worker_sys_us: float | None = None  #: the kernel's share of it
-    pg_us: float | None = None  #: lock-session backends' CPU per handled message
-    connections: int = 0
-    rss: float | None = None  #: MiB, largest task process, after the worker's drains
-
-
-class BenchError(Exception):
-    pass
-
-
-# -- measuring ----------------------------------------------------------------------------
-
-
-class Probe:
-    """Reads CPU of a worker's processes and of its lock sessions' backends."""
-
-    def __init__(self, services: Services) -> None:
-        self.connection = _support.connect(
-            services.database_url, application_name="pglock-bench probe"
-        )
-        self.connection.autocommit = True
-
-    def lock_backends(self, worker: WorkerProcess) -> list[int]:
-        pids = {worker.pid, *worker.child_pids()}
-        with self.connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT pid, application_name FROM pg_stat_activity WHERE application_name LIKE %s",
-                (bench_app.APPLICATION_NAME + " %",),
-            )
-            rows = cursor.fetchall()
-        found = []
-        for backend, name in rows:
-            tag = name.split(" ")[1] if " " in name else ""
-            if tag.rpartition(":")[2].isdigit() and int(tag.rpartition(":")[2]) in pids:
-                found.append(backend)
-        return found
-
-    def cpu(self, worker: WorkerProcess) -> tuple[float, float, float | None]:
-        """(worker CPU s, of which system s, lock backends' CPU s or None if unreadable)."""
-        total = system = 0.0
-        for pid in (worker.pid, *worker.child_pids()):
-            with contextlib.suppress(psutil.Error):
-                times = psutil.Process(pid).cpu_times()
-                total += times.user + times.system
-                system += times.system
-        server: float | None = 0.0
-        for backend in self.lock_backends(worker):
-            try:
-                times = psutil.Process(backend).cpu_times()
-            except psutil.Error:  # PostgreSQL on another host
-                server = None
-                break
-            server = (server or 0.0) + times.user + times.system
-        return total, system, server
-
-    def close(self) -> None:
-        self.connection.close()
-
-
-def rss(worker: WorkerProcess) -> float:
-    """RSS in MiB of the largest task process (threads/solo: the main process)."""
-    sizes = []
-    for pid in worker.child_pids() or [worker.pid]:
-        with contextlib.suppress(psutil.Error):
-            sizes.append(psutil.Process(pid).memory_info().rss / MiB)
-    return max(sizes, default=0.0)
-
-
-def records(directory: Path) -> list[tuple[int, int, int]]:
-    found = []
-    for path in directory.glob("*.rec"):
-        data = path.read_bytes()
-        size = bench_app.RECORD.size
-        found.extend(
-            bench_app.RECORD.unpack_from(data, offset)
-            for offset in range(0, len(data) - len(data) % size, size)
-        )
-    return found
-
+import compare_report  # noqa: E402
+import compare_runs  # noqa: E402
+import measuring  # noqa: E402
+from contenders import (  # noqa: E402
+    CONTENDERS,
+    PLAIN,
+    ROUND_TRIPS,
+    SKIP_SUCCESS_ROW,
+    TENANTS,
+    WORKLOADS,
+    Contender,
+    Sample,
+    Workload,
+)
 
 # -- one worker ---------------------------------------------------------------------------
 
 
 class Bench:
+    """One benchmark run: its services, its app, and the workers it starts and drains."""
+
     def __init__(self, services: Services, args: argparse.Namespace) -> None:
         self.services = services
         self.args = args
         self.run_id = uuid.uuid4().hex[:8]
         self.namespace = f"bench-{self.run_id}"
-        self.probe = Probe(services)
+        self.probe = measuring.Probe(services)
         self.redis: Any = redis.Redis.from_url(services.broker_url, socket_timeout=10)
         self.app = bench_app.app
         self.app.conf.update(
@@ -245,7 +120,9 @@ class Bench:
             lambda: len(list(record_dir.glob("*.warm"))) >= warm, timeout=60
         ):
             worker.kill()
-            raise BenchError(f"{kind} worker never warmed up; log: {worker.log_path}")
+            raise measuring.BenchError(
+                f"{kind} worker never warmed up; log: {worker.log_path}"
+            )
         return worker, record_dir
 
     def publish(
@@ -289,7 +166,7 @@ class Bench:
         key = self.app.tasks[contender.task].lock_key_for("hot", 0.0)
         lock = AdvisoryLock(engine=engine, key=key)
         if not lock.acquire():
-            raise BenchError("the hot key is held by someone else")
+            raise measuring.BenchError("the hot key is held by someone else")
         try:
             yield
         finally:
@@ -308,7 +185,7 @@ class Bench:
         count: int,
     ) -> Sample:
         queue = f"bench-{self.run_id}-{uuid.uuid4().hex[:6]}"
-        before = len(records(record_dir))
+        before = len(measuring.records(record_dir))
         try:
             with self.hot_key_held(contender, workload):
                 queued, dropped = self.publish(contender, workload, count, queue)
@@ -317,9 +194,9 @@ class Bench:
                     queue, destination=[worker.hostname], reply=True, timeout=10
                 )
                 deadline = time.monotonic() + max(60.0, queued / 100)
-                while len(records(record_dir)) - before < queued:
+                while len(measuring.records(record_dir)) - before < queued:
                     if time.monotonic() > deadline or not worker.running:
-                        raise BenchError(
+                        raise measuring.BenchError(
                             f"{contender.task} {workload}: drain incomplete; log {worker.log_path}"
                         )
                     time.sleep(0.05)
@@ -330,7 +207,7 @@ class Bench:
                 queue, destination=[worker.hostname], reply=True, timeout=10
             )
             self.forget(queue)
-        mine = records(record_dir)
+        mine = measuring.records(record_dir)
         mine.sort(key=lambda record: record[1])
         mine = mine[len(mine) - queued :] if queued else []
         sample = Sample(queued=queued, dropped=dropped, connections=connections)
@@ -395,11 +272,11 @@ class Bench:
                         )
                         samples.setdefault((name, workload), []).append(sample)
                         print(
-                            f"  rep {repetition + 1} {name:<26} {workload:<16} {describe(sample)}",
+                            f"  rep {repetition + 1} {name:<26} {workload:<16} {compare_report.describe(sample)}",
                             flush=True,
                         )
                 for kind, (worker, _) in workers.items():
-                    rss_now = rss(worker)
+                    rss_now = measuring.rss(worker)
                     for (name, _), runs in samples.items():
                         if CONTENDERS[name].worker == kind:
                             runs[-1].rss = rss_now
@@ -408,309 +285,9 @@ class Bench:
                     worker.stop(timeout=30)
         return samples
 
-    def threads64(self) -> tuple[int, Sample]:
-        """Lock connections of a threads worker at concurrency 64, sampled during a drain."""
-        worker, record_dir = self.worker("pglock", pool="threads", concurrency=64)
-        probe = Probe(self.services)  # its own connection: used from the sampler thread
-        peak = 0
-        stop = threading.Event()
-
-        def sample() -> None:
-            nonlocal peak
-            deadline = time.monotonic() + 300
-            while not stop.is_set() and time.monotonic() < deadline:
-                with contextlib.suppress(Exception):
-                    peak = max(peak, len(probe.lock_backends(worker)))
-                time.sleep(0.02)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        try:
-            count = max(640, self.args.messages // 2)
-            result = self.drain(worker, record_dir, CONTENDERS[SESSION], THREADS, count)
-        finally:
-            stop.set()
-            sampler.join(timeout=10)
-            probe.close()
-            worker.stop(timeout=30)
-        return peak, result
-
-    def flat(self) -> dict[str, float]:
-        """Skip N messages, then run N; RSS of the task processes along the way."""
-        count = self.args.flat
-        worker, record_dir = self.worker("pglock")
-        contender = CONTENDERS[SESSION]
-        task = self.app.tasks[contender.task]
-        queue = f"bench-{self.run_id}-flat"
-        marks: dict[str, float] = {}
-        chunk = 5000
-        try:
-            self.app.control.add_consumer(
-                queue, destination=[worker.hostname], reply=True, timeout=10
-            )
-            for phase in ("skip", "run"):
-                held = self.hot_key_held(
-                    contender,
-                    WORKLOADS["one hot key" if phase == "skip" else "distinct keys"],
-                )
-                with held, self.app.producer_or_acquire() as producer:
-                    done_before = len(records(record_dir))
-                    deadline = time.monotonic() + max(120.0, count / 50)
-                    for start in range(0, count, chunk):
-                        for i in range(start, min(start + chunk, count)):
-                            key = "hot" if phase == "skip" else f"{self.run_id}-f{i}"
-                            task.apply_async((key, 0.0), queue=queue, producer=producer)
-                        # Keep the queue short: wait until all but a chunk is consumed.
-                        while (
-                            len(records(record_dir)) - done_before
-                            < min(start + chunk, count) - chunk
-                        ):
-                            if time.monotonic() > deadline:
-                                raise BenchError(
-                                    f"flat run too slow; log {worker.log_path}"
-                                )
-                            time.sleep(0.1)
-                        if (
-                            phase == "skip"
-                            and "warm" not in marks
-                            and start + chunk >= count // 10
-                        ):
-                            marks["warm"] = rss(worker)
-                    while len(records(record_dir)) - done_before < count:
-                        if time.monotonic() > deadline:
-                            raise BenchError(
-                                f"flat run too slow; log {worker.log_path}"
-                            )
-                        time.sleep(0.1)
-                    marks[f"after {phase}"] = rss(worker)
-            outcomes = [record[2] for record in records(record_dir)]
-            marks["skipped"] = float(outcomes.count(bench_app.SKIPPED))
-            marks["ran"] = float(outcomes.count(bench_app.RAN))
-        finally:
-            self.app.control.cancel_consumer(
-                queue, destination=[worker.hostname], reply=True, timeout=10
-            )
-            self.forget(queue)
-            worker.stop(timeout=30)
-        return marks
-
-    def profile(self) -> str:
-        """One untimed drain per contender, pool children under cProfile."""
-        import pstats
-
-        out = []
-        for name in ("plain", SESSION):
-            contender = CONTENDERS[name]
-            directory = Path(tempfile.mkdtemp(dir=self.tmp, prefix="profile-"))
-            worker, record_dir = self.worker(contender.worker, profile_dir=directory)
-            try:
-                self.drain(
-                    worker,
-                    record_dir,
-                    contender,
-                    WORKLOADS[self.args.profile],
-                    self.args.messages,
-                )
-            finally:
-                worker.stop(timeout=30)
-            stats: Any = pstats.Stats(*map(str, directory.glob("*.prof")))
-            rows = sorted(
-                (
-                    (
-                        own,
-                        cum,
-                        f"{where[0].split('site-packages/')[-1]}:{where[1]}({where[2]})",
-                    )
-                    for where, (_, _, own, cum, _) in stats.stats.items()
-                ),
-                reverse=True,
-            )[:20]
-            per = self.args.messages
-            out.append(
-                f"{name}: own / cumulative CPU µs per message (cProfile inflates small calls)"
-            )
-            out.extend(
-                f"  {own * 1e6 / per:7.1f} {cum * 1e6 / per:8.1f}  {where}"
-                for own, cum, where in rows
-            )
-        return "\n".join(out)
-
     def close(self) -> None:
         self.probe.close()
         self.redis.close()
-
-
-# -- reporting ----------------------------------------------------------------------------
-
-
-def describe(sample: Sample) -> str:
-    rate = f"{sample.rate:7.0f}/s" if sample.rate else "     n/a"
-    cpu = (
-        f"{sample.worker_us:6.0f} us (sys {sample.worker_sys_us or 0:4.0f})"
-        if sample.worker_us
-        else "     n/a"
-    )
-    return f"{rate} wk {cpu} ran {sample.ran} skip {sample.skipped} dropped {sample.dropped}"
-
-
-def median(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
-def summarise(
-    samples: dict[tuple[str, str], list[Sample]],
-) -> dict[tuple[str, str], dict[str, Any]]:
-    rows: dict[tuple[str, str], dict[str, Any]] = {}
-    for (name, workload), runs in samples.items():
-        rows[name, workload] = {
-            "rate": median([s.rate for s in runs]),
-            "worker_us": median([s.worker_us for s in runs]),
-            "pg_us": median([s.pg_us for s in runs]),
-            "rss": median([s.rss for s in runs]),
-            "connections": max(s.connections for s in runs),
-            "ran": sum(s.ran for s in runs),
-            "skipped": sum(s.skipped for s in runs),
-            "dropped": sum(s.dropped for s in runs),
-            "repetitions": len(runs),
-        }
-    for (name, workload), row in rows.items():
-        base_key = (
-            PLAIN,
-            "slow body 2 ms" if workload.startswith("slow") else "distinct keys",
-        )
-        # Paired per repetition: each ratio and CPU difference compares two drains that
-        # ran seconds apart, and the median is taken over those pairs.
-        base_runs = samples.get(base_key)  # None when plain was not measured
-        pairs = (
-            list(zip(samples[name, workload], base_runs, strict=True))
-            if base_runs
-            else []
-        )
-        row["ratio"] = median(
-            [s.rate / b.rate if s.rate and b.rate else None for s, b in pairs]
-        )
-        row["cpu_over_plain"] = median(
-            [
-                s.worker_us - b.worker_us
-                if s.worker_us is not None and b.worker_us is not None
-                else None
-                for s, b in pairs
-            ]
-        )
-    return rows
-
-
-def fmt(value: float | None, pattern: str) -> str:
-    return "n/a" if value is None else format(value, pattern)
-
-
-def table(rows: dict[tuple[str, str], dict[str, Any]]) -> str:
-    lines = [
-        f"| workload | contender | msgs/s | {TIMES} plain | worker CPU µs/msg | PostgreSQL CPU µs/msg | RSS MiB | lock conns | ran / skipped / dropped at publish |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for workload in WORKLOADS:
-        for name in CONTENDERS:
-            row = rows.get((name, workload))
-            if row is None:
-                continue
-            lines.append(
-                f"| {workload} | {name} | {fmt(row['rate'], ',.0f')} | {fmt(row['ratio'], '.3f')} "
-                f"| {fmt(row['worker_us'], ',.0f')} | {fmt(row['pg_us'], ',.0f')} | {fmt(row['rss'], '.0f')} "
-                f"| {row['connections']} | {row['ran']} / {row['skipped']} / {row['dropped']} |"
-            )
-    return "\n".join(lines)
-
-
-def verdicts(
-    rows: dict[tuple[str, str], dict[str, Any]],
-    connections: int,
-    flat: dict[str, float],
-    args: argparse.Namespace,
-) -> list[tuple[str, str, bool]]:
-    distinct = rows.get((SESSION, "distinct keys"), {})
-    hot = rows.get((SESSION, "one hot key"), {})
-    peers = [
-        rows.get((name, "distinct keys"), {}).get("ratio")
-        for name in CONTENDERS
-        if CONTENDERS[name].locks_at_publish
-    ]
-    ratio = distinct.get("ratio")
-    growth = flat.get("after run", 0.0) - flat.get("warm", 0.0)
-    return [
-        (
-            f"distinct keys ≥ 0.95{TIMES} plain",
-            f"{fmt(ratio, '.3f')}{TIMES}",
-            ratio is not None and ratio >= 0.95,
-        ),
-        (
-            "distinct keys above both peers",
-            f"{fmt(ratio, '.3f')}{TIMES} vs "
-            + " / ".join(f"{fmt(p, '.3f')}{TIMES}" for p in peers),
-            ratio is not None and all(p is not None and ratio > p for p in peers),
-        ),
-        (
-            "full contention ≥ distinct keys",
-            f"{fmt(hot.get('ratio'), '.3f')}{TIMES} vs {fmt(ratio, '.3f')}{TIMES} plain "
-            f"({fmt(hot.get('rate'), ',.0f')} vs {fmt(distinct.get('rate'), ',.0f')} msgs/s)",
-            bool(hot.get("ratio") and ratio and hot["ratio"] >= ratio),
-        ),
-        (
-            "worker CPU overhead ≤ 80 µs per locked task",
-            f"{fmt(distinct.get('cpu_over_plain'), '+.0f')} µs",
-            distinct.get("cpu_over_plain") is not None
-            and distinct["cpu_over_plain"] <= 80,
-        ),
-        (
-            "PostgreSQL CPU ≤ 60 µs per task",
-            f"{fmt(distinct.get('pg_us'), '.0f')} µs",
-            distinct.get("pg_us") is not None and distinct["pg_us"] <= 60,
-        ),
-        (
-            "lock connections ≤ 2, threads worker at concurrency 64",
-            str(connections),
-            connections <= 2,
-        ),
-        (
-            f"memory flat: {int(flat.get('skipped', 0)):,} skipped + {int(flat.get('ran', 0)):,} run, growth ≤ 10 MiB",
-            f"{fmt(flat.get('warm'), '.1f')} → {fmt(flat.get('after skip'), '.1f')} → {fmt(flat.get('after run'), '.1f')} MiB ({growth:+.1f})",
-            bool(flat) and growth <= 10.0,
-        ),
-    ]
-
-
-def round_trip_note(rows: dict[tuple[str, str], dict[str, Any]]) -> str:
-    """SingletonTask against the floor of two awaited round trips, in the same run."""
-    floor = rows.get((ROUND_TRIPS, "distinct keys"), {})
-    locked = rows.get((SESSION, "distinct keys"), {})
-    needed = ("ratio", "cpu_over_plain")
-    if not all(floor.get(k) is not None and locked.get(k) is not None for k in needed):
-        return "(the two-round-trip floor: not measured in this run)"
-    return (
-        "The floor of a lock taken before the body and released, awaited, after it: a "
-        f"plain task with a blocking `SELECT 1` before and after its body ran at "
-        f"{floor['ratio']:.3f}{TIMES} plain, {floor['cpu_over_plain']:+,.0f} µs of worker "
-        f"CPU and {fmt(floor.get('pg_us'), '.0f')} µs of PostgreSQL CPU per message in "
-        f"this run; SingletonTask (session, distinct keys): {locked['ratio']:.3f}{TIMES}, "
-        f"{locked['cpu_over_plain']:+,.0f} µs, {fmt(locked.get('pg_us'), '.0f')} µs."
-    )
-
-
-def write_docs(path: Path, text: str) -> None:
-    """Replace only the generated section of the docs page (create the page if missing)."""
-    block = f"{BEGIN}\n{text}\n{END}"
-    if path.exists():
-        current = path.read_text(encoding="utf-8")
-        if BEGIN in current and END in current:
-            head, _, rest = current.partition(BEGIN)
-            _, _, tail = rest.partition(END)
-            path.write_text(head + block + tail, encoding="utf-8")
-            return
-        path.write_text(current.rstrip("\n") + "\n\n" + block + "\n", encoding="utf-8")
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("# Benchmarks\n\n" + block + "\n", encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -768,16 +345,16 @@ def main(argv: list[str] | None = None) -> int:
         bench = Bench(services, args)
         try:
             if args.profile:
-                print(bench.profile(), flush=True)
+                print(compare_runs.profile(bench), flush=True)
             print(
-                f"comparison: {args.messages} messages {TIMES} {args.repetitions} repetitions, prefork concurrency {args.concurrency}",
+                f"comparison: {args.messages} messages {compare_report.TIMES} {args.repetitions} repetitions, prefork concurrency {args.concurrency}",
                 flush=True,
             )
-            rows = summarise(bench.comparison())
+            rows = compare_report.summarise(bench.comparison())
             connections, threads = 999, Sample(queued=0, dropped=0)
             if not args.no_threads:
                 print("threads worker, concurrency 64", flush=True)
-                connections, threads = bench.threads64()
+                connections, threads = compare_runs.threads64(bench)
                 print(
                     f"  lock connections at most {connections} with {threads.peak} bodies at once",
                     flush=True,
@@ -788,16 +365,16 @@ def main(argv: list[str] | None = None) -> int:
                     f"memory-flat run: {args.flat:,} skips then {args.flat:,} runs",
                     flush=True,
                 )
-                flat = bench.flat()
+                flat = compare_runs.flat(bench)
         finally:
             bench.close()
-    checks = verdicts(rows, connections, flat, args)
+    checks = compare_report.verdicts(rows, connections, flat, args)
     elapsed = time.monotonic() - started
     markdown = "\n".join(
         [
-            table(rows),
+            compare_report.table(rows),
             "",
-            round_trip_note(rows),
+            compare_report.round_trip_note(rows),
             "",
             "| target (issue 7) | measured | verdict |",
             "|---|---|---|",
@@ -821,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(markdown)
     if not args.no_docs:
-        write_docs(args.docs, markdown)
+        compare_report.write_docs(args.docs, markdown)
         print(f"\nwritten to {args.docs}")
     if args.json:
         args.json.write_text(

@@ -1,2 +1,4 @@
-"""The chaos run (issue 8): ``python -m tests.chaos``; see tests/chaos/run.py (the run),
-faults.py (what it injects) and report.py (what it checks)."""
+"""The chaos run (issue 8): ``python -m tests.chaos``.
+
+run.py runs it, faults.py injects the faults, report.py checks the outcome.
+"""

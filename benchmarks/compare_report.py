@@ -1,0 +1,191 @@
+"""compare.py's results.
+
+Medians, ratios paired per repetition, the Markdown table, the verdict on each target of
+issue 7, and the generated section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import TYPE_CHECKING, Any
+
+from contenders import CONTENDERS, PLAIN, ROUND_TRIPS, SESSION, WORKLOADS
+
+if TYPE_CHECKING:
+    import argparse
+    from pathlib import Path
+
+    from contenders import Sample
+
+TIMES = "\N{MULTIPLICATION SIGN}"  # the table is Markdown for people
+BEGIN, END = "<!-- benchmark:begin -->", "<!-- benchmark:end -->"
+
+
+def describe(sample: Sample) -> str:
+    rate = f"{sample.rate:7.0f}/s" if sample.rate else "     n/a"
+    cpu = (
+        f"{sample.worker_us:6.0f} us (sys {sample.worker_sys_us or 0:4.0f})"
+        if sample.worker_us
+        else "     n/a"
+    )
+    return f"{rate} wk {cpu} ran {sample.ran} skip {sample.skipped} dropped {sample.dropped}"
+
+
+def median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def summarise(
+    samples: dict[tuple[str, str], list[Sample]],
+) -> dict[tuple[str, str], dict[str, Any]]:
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for (name, workload), runs in samples.items():
+        rows[name, workload] = {
+            "rate": median([s.rate for s in runs]),
+            "worker_us": median([s.worker_us for s in runs]),
+            "pg_us": median([s.pg_us for s in runs]),
+            "rss": median([s.rss for s in runs]),
+            "connections": max(s.connections for s in runs),
+            "ran": sum(s.ran for s in runs),
+            "skipped": sum(s.skipped for s in runs),
+            "dropped": sum(s.dropped for s in runs),
+            "repetitions": len(runs),
+        }
+    for (name, workload), row in rows.items():
+        base_key = (
+            PLAIN,
+            "slow body 2 ms" if workload.startswith("slow") else "distinct keys",
+        )
+        # Paired per repetition: each ratio and CPU difference compares two drains that
+        # ran seconds apart, and the median is taken over those pairs.
+        base_runs = samples.get(base_key)  # None when plain was not measured
+        pairs = (
+            list(zip(samples[name, workload], base_runs, strict=True))
+            if base_runs
+            else []
+        )
+        row["ratio"] = median(
+            [s.rate / b.rate if s.rate and b.rate else None for s, b in pairs]
+        )
+        row["cpu_over_plain"] = median(
+            [
+                s.worker_us - b.worker_us
+                if s.worker_us is not None and b.worker_us is not None
+                else None
+                for s, b in pairs
+            ]
+        )
+    return rows
+
+
+def fmt(value: float | None, pattern: str) -> str:
+    return "n/a" if value is None else format(value, pattern)
+
+
+def table(rows: dict[tuple[str, str], dict[str, Any]]) -> str:
+    lines = [
+        f"| workload | contender | msgs/s | {TIMES} plain | worker CPU µs/msg | PostgreSQL CPU µs/msg | RSS MiB | lock conns | ran / skipped / dropped at publish |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for workload in WORKLOADS:
+        for name in CONTENDERS:
+            row = rows.get((name, workload))
+            if row is None:
+                continue
+            lines.append(
+                f"| {workload} | {name} | {fmt(row['rate'], ',.0f')} | {fmt(row['ratio'], '.3f')} "
+                f"| {fmt(row['worker_us'], ',.0f')} | {fmt(row['pg_us'], ',.0f')} | {fmt(row['rss'], '.0f')} "
+                f"| {row['connections']} | {row['ran']} / {row['skipped']} / {row['dropped']} |"
+            )
+    return "\n".join(lines)
+
+
+def verdicts(
+    rows: dict[tuple[str, str], dict[str, Any]],
+    connections: int,
+    flat: dict[str, float],
+    args: argparse.Namespace,
+) -> list[tuple[str, str, bool]]:
+    distinct = rows.get((SESSION, "distinct keys"), {})
+    hot = rows.get((SESSION, "one hot key"), {})
+    peers = [
+        rows.get((name, "distinct keys"), {}).get("ratio")
+        for name in CONTENDERS
+        if CONTENDERS[name].locks_at_publish
+    ]
+    ratio = distinct.get("ratio")
+    growth = flat.get("after run", 0.0) - flat.get("warm", 0.0)
+    return [
+        (
+            f"distinct keys ≥ 0.95{TIMES} plain",
+            f"{fmt(ratio, '.3f')}{TIMES}",
+            ratio is not None and ratio >= 0.95,
+        ),
+        (
+            "distinct keys above both peers",
+            f"{fmt(ratio, '.3f')}{TIMES} vs "
+            + " / ".join(f"{fmt(p, '.3f')}{TIMES}" for p in peers),
+            ratio is not None and all(p is not None and ratio > p for p in peers),
+        ),
+        (
+            "full contention ≥ distinct keys",
+            f"{fmt(hot.get('ratio'), '.3f')}{TIMES} vs {fmt(ratio, '.3f')}{TIMES} plain "
+            f"({fmt(hot.get('rate'), ',.0f')} vs {fmt(distinct.get('rate'), ',.0f')} msgs/s)",
+            bool(hot.get("ratio") and ratio and hot["ratio"] >= ratio),
+        ),
+        (
+            "worker CPU overhead ≤ 80 µs per locked task",
+            f"{fmt(distinct.get('cpu_over_plain'), '+.0f')} µs",
+            distinct.get("cpu_over_plain") is not None
+            and distinct["cpu_over_plain"] <= 80,
+        ),
+        (
+            "PostgreSQL CPU ≤ 60 µs per task",
+            f"{fmt(distinct.get('pg_us'), '.0f')} µs",
+            distinct.get("pg_us") is not None and distinct["pg_us"] <= 60,
+        ),
+        (
+            "lock connections ≤ 2, threads worker at concurrency 64",
+            str(connections),
+            connections <= 2,
+        ),
+        (
+            f"memory flat: {int(flat.get('skipped', 0)):,} skipped + {int(flat.get('ran', 0)):,} run, growth ≤ 10 MiB",
+            f"{fmt(flat.get('warm'), '.1f')} → {fmt(flat.get('after skip'), '.1f')} → {fmt(flat.get('after run'), '.1f')} MiB ({growth:+.1f})",
+            bool(flat) and growth <= 10.0,
+        ),
+    ]
+
+
+def round_trip_note(rows: dict[tuple[str, str], dict[str, Any]]) -> str:
+    """SingletonTask against the floor of two awaited round trips, in the same run."""
+    floor = rows.get((ROUND_TRIPS, "distinct keys"), {})
+    locked = rows.get((SESSION, "distinct keys"), {})
+    needed = ("ratio", "cpu_over_plain")
+    if not all(floor.get(k) is not None and locked.get(k) is not None for k in needed):
+        return "(the two-round-trip floor: not measured in this run)"
+    return (
+        "The floor of a lock taken before the body and released, awaited, after it: a "
+        f"plain task with a blocking `SELECT 1` before and after its body ran at "
+        f"{floor['ratio']:.3f}{TIMES} plain, {floor['cpu_over_plain']:+,.0f} µs of worker "
+        f"CPU and {fmt(floor.get('pg_us'), '.0f')} µs of PostgreSQL CPU per message in "
+        f"this run; SingletonTask (session, distinct keys): {locked['ratio']:.3f}{TIMES}, "
+        f"{locked['cpu_over_plain']:+,.0f} µs, {fmt(locked.get('pg_us'), '.0f')} µs."
+    )
+
+
+def write_docs(path: Path, text: str) -> None:
+    """Replace only the generated section of the docs page (create the page if missing)."""
+    block = f"{BEGIN}\n{text}\n{END}"
+    if path.exists():
+        current = path.read_text(encoding="utf-8")
+        if BEGIN in current and END in current:
+            head, _, rest = current.partition(BEGIN)
+            _, _, tail = rest.partition(END)
+            path.write_text(head + block + tail, encoding="utf-8")
+            return
+        path.write_text(current.rstrip("\n") + "\n\n" + block + "\n", encoding="utf-8")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# Benchmarks\n\n" + block + "\n", encoding="utf-8")
