@@ -270,9 +270,8 @@ def _unawaited_release() -> None:
         with self._mutex:
             del self._owners[hold.ids]
             self._cursor.execute(_sql.UNLOCK_SESSION_KEEP_NAME[len(hold.ids)], hold.ids)
-            wait(
-                self._connection, until_sent=True
-            )  # on the wire; the reply is read later
+            # On the wire; the reply is read later.
+            wait(self._connection, until_sent=True)
             self._pending = True
 
     def holder_of(self: Any, key: Any, *, bound: float) -> Any:

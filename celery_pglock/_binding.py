@@ -180,6 +180,4 @@ def call_parameters(cls: type) -> list[inspect.Parameter]:
     run = inspect.getattr_static(cls, "run")
     if isinstance(run, staticmethod):  # @app.task without bind=True
         return config.task_parameters(run.__func__, drop_self=False)
-    return config.task_parameters(
-        run, drop_self=True
-    )  # bind=True or a class-based task
+    return config.task_parameters(run, drop_self=True)  # bind=True, or a class

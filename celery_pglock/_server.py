@@ -83,9 +83,8 @@ class Pooling(str, enum.Enum):
 class ServerFacts:
     """What one probe of the lock database found."""
 
-    server_version: (
-        str  #: ``server_version``, e.g. ``"15.10 (Debian 15.10-0+deb12u1)"``.
-    )
+    #: ``server_version``, e.g. ``"15.10 (Debian 15.10-0+deb12u1)"``.
+    server_version: str
     server_version_num: int  #: ``server_version_num``, e.g. ``150010``.
     is_standby: bool  #: ``pg_is_in_recovery()``: a hot standby, not a primary.
     pooling: Pooling  #: Multiplexing seen between the client and the server.

@@ -162,9 +162,8 @@ class LockConfig:
     on_busy: OnBusy = OnBusy.SKIP  #: What to do when the lock is held.
     scope: LockScope = LockScope.SESSION  #: Session or transaction lifetime.
     retry_delay: float = DEFAULT_RETRY_DELAY  #: Seconds before a RETRY re-run.
-    wait_timeout: float = (
-        DEFAULT_WAIT_TIMEOUT  #: Seconds a WAIT may block (server-side).
-    )
+    #: Seconds a WAIT may block (server-side).
+    wait_timeout: float = DEFAULT_WAIT_TIMEOUT
     #: How a skipped run ends (on_busy=skip only).
     skip_result: SkipResult = SkipResult.FAILURE
     #: Shadow mode: try the lock and report every outcome, but always run the body.

@@ -171,9 +171,8 @@ class AdvisoryLock:
             self.backend_pid = hold.connection.get_backend_pid()
             self.owner_pid = os.getpid()
             self.lost_cause = None
-            self.fencing_token = (
-                None  # issued after the grant, by celery_pglock.fencing
-            )
+            # Issued after the grant, by celery_pglock.fencing.
+            self.fencing_token = None
         return granted
 
     def release(self, *, commit: bool = True) -> None:

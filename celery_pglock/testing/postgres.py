@@ -98,9 +98,7 @@ class EmbeddedPostgres:
         self._port = port
         self._port_fixed = port is not None
         self._root: Path | None = None
-        self._user: pwd.struct_passwd | None = (
-            None  # the server's user, when we are root
-        )
+        self._user: pwd.struct_passwd | None = None  # the server's user, as root
         self._version: str | None = None
 
     # -- public API -------------------------------------------------------------------
@@ -270,9 +268,7 @@ class EmbeddedPostgres:
         if _root.is_root():
             user = self._user or _root.server_user()
             self._bin = _root.readable_install(package_dir(), user) / "bin"
-            _root.hand_over(
-                user, self._root, socket_dir, log_path
-            )  # ours: created here
+            _root.hand_over(user, self._root, socket_dir, log_path)  # created here
             _root.require_reachable(user, socket_dir, "TMPDIR")
             _root.require_reachable(user, data_dir, "the data_dir argument")
             _root.hand_over(user, data_dir)

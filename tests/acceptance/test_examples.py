@@ -263,9 +263,8 @@ def test_tenant_export_writes_one_file_and_one_row_per_tenant(
     ]
     assert {busy, other} == {tenant for tenant, _ in done}
     names = {tenant: value["object_name"] for tenant, value in done}
-    assert all(
-        names[tenant] == value["object_name"] for tenant, value in done
-    )  # deterministic
+    # Deterministic names.
+    assert all(names[tenant] == value["object_name"] for tenant, value in done)
     for tenant in (busy, other):
         assert re.fullmatch(rf"tenant-{tenant}-\d{{4}}-\d\d-\d\d\.csv", names[tenant])
         assert 1 == sum(value["recorded"] for t, value in done if t == tenant)

@@ -148,9 +148,8 @@ def test_send_task_by_name_is_locked_too(acceptance, workers, recorder, run):
     wait_until(
         lambda: recorder.count(run, "k") == 1, timeout=30, what="the first run to start"
     )
-    second = acceptance.app.send_task(
-        name, args=(run,), kwargs={"key": "k"}
-    )  # keyword form, same key
+    # The keyword form: the same key.
+    second = acceptance.app.send_task(name, args=(run,), kwargs={"key": "k"})
     wait_until(
         lambda: skipped(second),
         timeout=30,

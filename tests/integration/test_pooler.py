@@ -224,9 +224,8 @@ def test_probe_is_bounded_in_time(pgbouncer_factory):
         ) as late:
             _server.probe(bouncer.url(), timeout=1.0)
         assert time.monotonic() - started < 3.0
-        assert _driver_errors.is_transient(
-            late.value.__cause__
-        )  # lock_on_error retries it
+        # lock_on_error retries it.
+        assert _driver_errors.is_transient(late.value.__cause__)
     finally:
         holder.close()
 

@@ -472,9 +472,8 @@ def test_retry_policy_retries_then_fails_when_retries_run_out(app, events):
         holder.release()
     assert [] == ran
     assert isinstance(result.result, LockBusy)
-    assert 3 == sum(
-        1 for name, _ in events if name == "lock_skipped"
-    )  # first try + 2 retries
+    # The first try and 2 retries.
+    assert 3 == sum(1 for name, _ in events if name == "lock_skipped")
 
 
 def test_self_retry_releases_before_the_next_attempt(app, events):
@@ -488,9 +487,8 @@ def test_self_retry_releases_before_the_next_attempt(app, events):
         return "done"
 
     task = define(app, flaky, bind=True, max_retries=3)
-    result = (
-        task.apply()
-    )  # eager: the retry runs inline, while the first attempt is unwinding
+    # Eager: the retry runs inline, while the first attempt is unwinding.
+    result = task.apply()
     assert "done" == result.get()
     assert [0, 1] == attempts
     failed = [kw for name, kw in events if name == "lock_failed"]
@@ -810,9 +808,8 @@ def test_a_body_calling_its_own_task_directly_is_a_direct_call(app):
     result = walk_task.apply(args=("root",))
     assert "root" == result.get()
     assert {"inner": "busy", "child": "leaf"} == seen
-    assert (
-        SKIPPED != AsyncResult(result.id, app=app).state
-    )  # nothing stored against the outer id
+    # Nothing was stored against the outer id.
+    assert SKIPPED != AsyncResult(result.id, app=app).state
     assert not is_held(walk_task, "root")
 
 
