@@ -1,6 +1,6 @@
 """Outcome reporting: each lock outcome, once, to signals, the log and metrics.
 
-``task.py`` decides what happens to a run (Celery semantics); it then calls one function
+``task.py`` and ``_busy.py`` decide what happens to a run (Celery semantics); they call one function
 here per outcome - :func:`acquired`, :func:`skipped`, :func:`released`,
 :func:`release_failed`, :func:`database_error`, :func:`lost` - and this module fans it out: the public signals (only when
 someone listens), one log record (only when its level is enabled) and the process's

@@ -233,7 +233,8 @@ def _apply(target: Target, text: str, action: str) -> None:
     engine = target.engine()
     try:
         with _driver_errors.wrap_db_errors(action, engine):
-            # Autocommit: the SQL carries its own BEGIN/COMMIT.
+            # Autocommit: the text goes as one simple query, which PostgreSQL runs as one
+            # transaction unless it has its own BEGIN/COMMIT (the fencing SQL does).
             connection: Any = engine.raw_connection()
             try:
                 connection.dbapi_connection.autocommit = True

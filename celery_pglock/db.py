@@ -339,6 +339,9 @@ def _unlock_leftovers(dbapi_connection: Any, record: Any) -> None:
 #: Public (``celery_pglock.db.is_transient``): does an error's cause say the lock database
 #: is unavailable for now (worth retrying later) rather than that the caller is wrong?
 is_transient = _driver_errors.is_transient
+#: Public (``celery_pglock.db.is_connect_failure``): does an error look like a failure to
+#: open a connection (refused, unknown host, authentication, too many clients)?
+is_connect_failure = _driver_errors.is_connect_failure
 
 
 def mark_pool_stale(

@@ -19,8 +19,8 @@ Where things happen, and why there (each line is a bug in an existing library):
   task's ``throws``: logged at INFO without a traceback, ignored by error trackers), so
   ``get()`` returns, monitors get a terminal event and chains and chords end. See
   docs/guide/skipped-results.md for the alternatives and their effect on canvases.
-- Outcomes are reported (signals, log, metrics) by ``_outcomes.py``; this module only
-  decides them.
+- Outcomes are reported (signals, log, metrics) by ``_outcomes.py``; this module (and
+  ``_busy.py``, for a run whose lock is held) only decides them.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             lock.round_trip_timeout = options.check_timeout
             if task_id is not None and self.acks_late:
                 # Its message may be redelivered while this run goes on: the run lock
-                # tells that redelivery so (see _first_delivery_runs).
+                # tells that redelivery so (see _busy.py).
                 lock.run_key = keys.run_key(task_id)
             # A retry's run may find its predecessor still unwinding (it keeps its lock
             # until Celery stored RETRY, see retry()): it waits for it, bounded.
