@@ -1,10 +1,10 @@
 """Outcome reporting: each lock outcome, once, to signals, the log and metrics.
 
-``task.py`` and ``_busy.py`` decide what happens to a run (Celery semantics); they call one function
-here per outcome - :func:`acquired`, :func:`skipped`, :func:`released`,
-:func:`release_failed`, :func:`database_error`, :func:`lost` - and this module fans it out: the public signals (only when
-someone listens), one log record (only when its level is enabled) and the process's
-metrics sink (``metrics.current()``). The hot path (acquired + released) builds no dict
+``task.py`` and ``_busy.py`` decide what happens to a run (Celery semantics); they call
+one function here per outcome - :func:`acquired`, :func:`skipped`, :func:`released`,
+:func:`release_failed`, :func:`database_error`, :func:`lost` - and this module fans it
+out: the public signals (only when someone listens), one log record (only when its level
+is enabled) and the process's metrics sink (``metrics.current()``). The hot path (acquired + released) builds no dict
 and formats no string unless a receiver or DEBUG logging asks for it.
 
 Logging rule: celery-pglock logs at INFO or above only what Celery does not already log.
