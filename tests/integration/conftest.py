@@ -1,0 +1,47 @@
+"""Fixtures of the SingletonTask tests (test_task*.py).
+
+An app per test (in both session modes), and the celery_pglock signals it sent.
+test_fencing.py has an app fixture of its own.
+"""
+
+from __future__ import annotations
+
+import pytest
+from celery import Celery
+
+from celery_pglock import signals
+
+
+@pytest.fixture
+def app(database_url, broker_url, result_backend_url, namespace, session_mode):
+    app = Celery(
+        "it", broker=broker_url, backend=result_backend_url, set_as_current=False
+    )
+    app.conf.pglock_database_url = database_url
+    app.conf.pglock_namespace = namespace
+    app.conf.pglock_session_mode = session_mode
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def events():
+    """Every celery_pglock signal sent during the test, as (signal name, kwargs)."""
+    seen = []
+    receivers = []
+    for name in (
+        "lock_acquired",
+        "lock_skipped",
+        "lock_completed",
+        "lock_failed",
+        "lock_release_failed",
+    ):
+
+        def receiver(sender=None, signal=None, _name=name, **kwargs):
+            seen.append((_name, kwargs))
+
+        getattr(signals, name).connect(receiver, weak=False)
+        receivers.append((getattr(signals, name), receiver))
+    yield seen
+    for signal, receiver in receivers:
+        signal.disconnect(receiver)

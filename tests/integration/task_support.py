@@ -1,0 +1,59 @@
+"""Helpers of the SingletonTask tests (test_task*.py): define a task, hold its key."""
+
+from __future__ import annotations
+
+from celery.app.trace import build_tracer
+
+from celery_pglock import AdvisoryLock, SingletonTask
+from celery_pglock import db as db_module
+
+
+def define(app, fun, **options):
+    task = app.task(
+        base=SingletonTask, name=f"it.{fun.__name__}", shared=False, **options
+    )(fun)
+    app.finalize(auto=True)
+    return app.tasks[task.name]
+
+
+def ran():
+    return "ran"
+
+
+def hold(task, *args, **kwargs):
+    """Hold the key a call would take, from another session (a 'running duplicate')."""
+    lock = AdvisoryLock(
+        engine=db_module.engine_for(task.app.conf),
+        key=task.lock_key_for(*args, **kwargs),
+    )
+    assert lock.acquire()
+    return lock
+
+
+def current_engine(app):
+    return db_module.engine_for(app.conf)
+
+
+def trace_delivery(task, task_id, *, redelivered):
+    """Run ``task`` the way a worker's pool runs a message (Celery's tracer, results
+    stored), with the broker's ``redelivered`` flag as given."""
+    tracer = build_tracer(task.name, task, app=task.app)
+    request = {
+        "id": task_id,
+        "root_id": task_id,
+        "correlation_id": task_id,
+        "hostname": "it@localhost",
+        "reply_to": None,
+        "delivery_info": {
+            "exchange": "",
+            "routing_key": "q",
+            "redelivered": redelivered,
+        },
+    }
+    return tracer(task_id, [], {}, request)
+
+
+def is_held(task, *args):
+    return AdvisoryLock(
+        engine=current_engine(task.app), key=task.lock_key_for(*args)
+    ).locked()

@@ -1,0 +1,195 @@
+"""When a SingletonTask run's lock is released, and by whom, in-process.
+
+Retries that keep the lock for their fallback, nested and same-id runs, Ignore and
+Reject, a release that fails, a body calling its own task, a failing metrics sink.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from celery.result import AsyncResult
+
+from celery_pglock import SKIPPED, LockBusy, current_lock
+from tests.integration.task_support import current_engine, define, hold, is_held, ran
+
+
+def test_last_retry_keeps_the_lock_for_the_fallback(app):
+    """When retry() will not publish (no retries left), the lock stays for the handler."""
+    from celery.exceptions import MaxRetriesExceededError
+
+    seen = {}
+
+    def settle(self, day):
+        try:
+            raise self.retry(countdown=1, max_retries=2)
+        except MaxRetriesExceededError:
+            seen["held"] = is_held(self, day) and current_lock().owned()
+            return "fallback"
+
+    task = define(app, settle, bind=True, lock_args=("day",))
+    assert "fallback" == task.apply(args=(1,), retries=2).get()
+    assert seen["held"]
+
+
+def test_a_nested_busy_retry_does_not_release_the_outer_lock(app):
+    """A body calling another SingletonTask eagerly: the inner retry touches only its own lock."""
+    seen = {}
+
+    def child(item):
+        return item
+
+    def parent(self, order):
+        seen["child"] = inner.apply(args=(5,)).state
+        seen["outer_held"] = is_held(self, order) and current_lock().owned()
+        return "done"
+
+    inner = define(app, child, lock_args=("item",), lock_on_busy="retry", max_retries=0)
+    outer = define(app, parent, bind=True, lock_args=("order",))
+    holder = hold(inner, 5)
+    try:
+        assert "done" == outer.apply(args=(1,)).get()
+    finally:
+        holder.release()
+    assert "FAILURE" == seen["child"]
+    assert seen["outer_held"]
+
+
+def test_same_task_id_duplicate_does_not_release_the_holder(app):
+    """Two executions sharing a task id (redelivery, explicit task_id): the skipped one's
+    task_postrun must not release the running one's lock."""
+    inside, go = threading.Event(), threading.Event()
+    states = {}
+
+    def settle(day):
+        inside.set()
+        go.wait(10)
+        return "ok"
+
+    task = define(app, settle, lock_args=("day",))
+    first = threading.Thread(
+        target=lambda: states.setdefault(
+            "first", task.apply(args=("d",), task_id="same-id").state
+        )
+    )
+    first.start()
+    try:
+        assert inside.wait(10)
+        assert "FAILURE" == task.apply(args=("d",), task_id="same-id").state
+        assert is_held(task, "d")
+        assert "FAILURE" == task.apply(args=("d",)).state
+    finally:
+        go.set()
+        first.join(10)
+    assert "SUCCESS" == states["first"]
+
+
+@pytest.mark.parametrize(
+    ("exception", "state"), [("ignore", "IGNORED"), ("reject", "REJECTED")]
+)
+def test_ignore_and_reject_from_the_body_release_the_lock(
+    app, events, exception, state
+):
+    """Ignore/Reject skip Celery's after_return; the lock is still released and reported."""
+    from celery.exceptions import Ignore, Reject
+
+    def stop(kind):
+        raise Ignore() if kind == "ignore" else Reject("no", requeue=False)
+
+    task = define(app, stop, lock_args=("kind",))
+    assert state == task.apply(args=(exception,)).state
+    assert not is_held(task, exception)
+    failed = [kw for name, kw in events if name == "lock_failed"]
+    assert [state] == [kw["state"] for kw in failed]
+
+
+def test_transaction_scope_leaves_nothing_on_the_pooled_session(app, namespace):
+    """The body had the connection: its SETs and its own advisory locks do not outlive the run."""
+    seen = []
+
+    def work(tenant):
+        connection = current_lock().connection
+        seen.append(connection.exec_driver_sql("SHOW search_path").scalar())
+        connection.exec_driver_sql(f"SET search_path TO tenant_{tenant}")
+        connection.exec_driver_sql(
+            "SELECT pg_advisory_lock(hashtext(%s))", (namespace,)
+        )
+        return tenant
+
+    task = define(app, work, lock_args=("tenant",), lock_scope="transaction")
+    assert 7 == task.apply(args=(7,)).get()
+    assert 8 == task.apply(args=(8,)).get()
+    assert "tenant_7" not in seen[1]
+    with current_engine(app).connect() as connection:
+        taken = connection.exec_driver_sql(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = (hashtext(%s)::bigint & 4294967295)",
+            (namespace,),
+        ).scalar()
+    assert 0 == taken
+
+
+def test_release_failure_is_reported_and_the_run_keeps_its_outcome(app, events):
+    """Session scope: if the unlock finds the lock gone, the run stays SUCCESS and
+    lock_release_failed says what happened."""
+
+    def lose_it():
+        lock = current_lock()
+        with (
+            lock._hold.connection.cursor() as cursor
+        ):  # someone unlocks behind our back
+            cursor.execute("SELECT pg_advisory_unlock(%s)", lock.key.ids)
+        return "done"
+
+    task = define(app, lose_it)
+    result = task.apply()
+    assert "done" == result.get()
+    names = [name for name, _ in events]
+    assert ["lock_acquired", "lock_release_failed", "lock_completed"] == names
+    failure = events[1][1]
+    assert "LockNotOwnedError" == type(failure["exception"]).__name__
+    assert result.id == failure["task_id"]
+
+
+def test_a_body_calling_its_own_task_directly_is_a_direct_call(app):
+    """Recursion: the inner call is a direct call (busy -> LockBusy), never a SKIPPED store
+    against the outer run's task id, and the outer run is unaffected."""
+    seen = {}
+
+    def walk(self, node):
+        if node == "root":
+            try:
+                walk_task("root")  # same key: busy, held by this very run
+            except LockBusy:
+                seen["inner"] = "busy"
+            seen["child"] = walk_task("leaf")  # another key: runs, under its own lock
+        return node
+
+    walk_task = define(app, walk, bind=True, lock_args=("node",))
+    result = walk_task.apply(args=("root",))
+    assert "root" == result.get()
+    assert {"inner": "busy", "child": "leaf"} == seen
+    # Nothing was stored against the outer id.
+    assert SKIPPED != AsyncResult(result.id, app=app).state
+    assert not is_held(walk_task, "root")
+
+
+def test_a_failing_metrics_sink_never_fails_a_task(app):
+    """A Metrics implementation that raises is logged, and the run's outcome stands."""
+
+    class Broken:
+        def __getattr__(self, name):
+            def fail(*args, **kwargs):
+                raise RuntimeError("sink down")
+
+            return fail
+
+    from celery_pglock import metrics
+
+    task = define(app, ran)
+    metrics.install(Broken())
+    try:
+        assert "ran" == task.apply().get()
+    finally:
+        metrics.install(metrics.NullMetrics())
+    assert not is_held(task)

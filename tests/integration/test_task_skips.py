@@ -1,0 +1,289 @@
+"""A SingletonTask run whose lock is held, in-process against real PostgreSQL and Redis.
+
+How a skip ends for its caller (lock_skip_result), who is named as the holder, a
+redelivered message, the run lock of acks_late tasks, and shadow mode.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import uuid
+
+import pytest
+import sqlalchemy as sa
+from celery.result import AsyncResult
+
+from celery_pglock import (
+    SKIPPED,
+    AdvisoryLock,
+    ConfigurationError,
+    LockBusy,
+    LockSkipped,
+    _holder,
+    _per_lock,
+    _process_session,
+    current_lock,
+    keys,
+    skip_info,
+)
+from celery_pglock import db as db_module
+from tests.integration.task_support import (
+    current_engine,
+    define,
+    hold,
+    ran,
+    trace_delivery,
+)
+
+
+def test_skip_ends_as_failure_with_lock_skipped_naming_the_holder(app, events, caplog):
+    """Default lock_skip_result='failure': the busy run is ready at once, FAILURE with
+    LockSkipped (an expected exception: in throws), naming the holder's host:pid; the
+    body never runs."""
+    ran = []
+
+    def report(tenant_id):
+        ran.append(tenant_id)
+
+    task = define(app, report, lock_args=("tenant_id",))
+    holder = hold(task, 3)
+    try:
+        with caplog.at_level(logging.INFO):
+            result = task.apply(args=(3,))
+    finally:
+        holder.release()
+    assert [] == ran
+    assert "FAILURE" == result.state
+    assert LockSkipped in task.throws
+    assert result.ready()  # stored and ready for a real caller: tests/acceptance
+    with pytest.raises(LockSkipped) as raised:
+        result.get(timeout=5)
+    skip = raised.value
+    assert isinstance(skip, LockBusy)  # `except LockBusy` catches skips too
+    assert str(holder.key) == skip.key
+    assert db_module.process_tag() == skip.holder  # this process holds it
+    details = skip_info(skip)
+    assert {
+        "reason": "lock_busy",
+        "task": "it.report",
+        "lock": "it.report",
+        "key": str(holder.key),
+        "policy": "skip",
+        "holder": db_module.process_tag(),
+        "holder_task": "it.report",
+    } == {k: v for k, v in details.items() if k != "holder_pid"}
+    assert isinstance(details["holder_pid"], int)
+    assert db_module.process_tag() in str(skip)
+    assert [("lock_skipped", "skip")] == [(name, kw["action"]) for name, kw in events]
+    assert db_module.process_tag() == events[0][1]["holder"]
+    # One line at INFO per skip: Celery's expected-failure line, carrying our message.
+    lines = [r for r in caplog.records if r.levelno >= logging.INFO]
+    assert 1 == len(lines), [r.getMessage() for r in lines]
+    assert "raised expected" in lines[0].getMessage()
+    assert db_module.process_tag() in lines[0].getMessage()
+    assert app.conf.pglock_database_url not in lines[0].getMessage()
+
+
+def test_skip_result_success_returns_a_skip_record_and_runs_no_callback(app, events):
+    """lock_skip_result='success': SUCCESS with a skip record as the value; link
+    callbacks do not run."""
+    task = define(app, ran, lock_skip_result="success")
+    holder = hold(task)
+    try:
+        result = task.apply(link=task.si())
+    finally:
+        holder.release()
+    assert "SUCCESS" == result.state
+    record = result.get(timeout=5)
+    assert "skipped" == record["celery_pglock"]
+    assert "lock_busy" == skip_info(record)["reason"]
+    assert str(holder.key) == record["key"]
+    assert None is skip_info("ran")
+    assert [("lock_skipped", "skip")] == [(name, kw["action"]) for name, kw in events]
+
+
+def test_skip_result_skipped_keeps_the_old_skipped_state(app, events):
+    """lock_skip_result='skipped': the state SKIPPED with the skip record as meta."""
+    task = define(app, ran, lock_skip_result="skipped", lock_args=())
+    holder = hold(task)
+    try:
+        result = task.apply()
+    finally:
+        holder.release()
+    assert "IGNORED" == result.state  # what Celery's tracer reports for Ignore
+    stored = AsyncResult(result.id, app=app)
+    assert SKIPPED == stored.state
+    assert not stored.ready()
+    assert "lock_busy" == stored.info["reason"]
+    assert str(holder.key) == stored.info["key"]
+
+
+def test_a_hot_keys_holder_is_looked_up_once_a_second_on_the_lock_session(
+    app, session_mode, monkeypatch
+):
+    """Full contention: every message of a hot key is a skip. The holder is looked up
+    on the first and reused for RECENT_SECONDS; a process's lock session looks it up on
+    itself (no pooled connection)."""
+    lookups = []
+    strategy = (
+        _process_session.ProcessSession
+        if session_mode == "per_process"
+        else _per_lock.PerLockSessions
+    )
+    original = strategy.holder_of
+
+    def counted(self, key, *, bound):
+        lookups.append(key)
+        return original(self, key, bound=bound)
+
+    monkeypatch.setattr(strategy, "holder_of", counted)
+    task = define(app, ran)
+    holder = hold(task)
+    checkouts = []
+    sa.event.listen(current_engine(app), "checkout", lambda *_: checkouts.append(1))
+    try:
+        skips = [task.apply().result for _ in range(5)]
+        monkeypatch.setattr(_holder, "RECENT_SECONDS", 0.0)
+        skips.append(task.apply().result)
+    finally:
+        holder.release()
+    assert all(isinstance(skip, LockSkipped) for skip in skips)
+    assert {db_module.process_tag()} == {skip.holder for skip in skips}
+    assert 2 == len(lookups)
+    if session_mode == "per_process":
+        assert [] == checkouts  # no pooled connection: the lock session itself
+
+
+def test_a_skip_leaves_no_cycle_for_the_garbage_collector(app):
+    """A skip through Celery's tracer is freed by reference counting, as a run is: the
+    frames it unwound (holding its lock and execution) must not wait for a collection."""
+    task = define(app, ran, lock_args=())
+    holder = hold(task)
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(5):
+            info = trace_delivery(task, str(uuid.uuid4()), redelivered=False)[1]
+            assert isinstance(info.retval, LockSkipped)  # each run was a skip
+        gc.collect()
+        left = [type(o).__name__ for o in gc.garbage]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+        holder.release()
+    assert "LockSkipped" not in left
+    assert "AdvisoryLock" not in left
+
+
+def test_a_redelivery_whose_first_delivery_died_stores_its_skip(app):
+    """acks_late: the redelivered message finds the key held by another run and no run
+    lock for its task id (its first delivery was killed): its caller gets the skip."""
+    task = define(app, ran, acks_late=True)
+    task_id = str(uuid.uuid4())
+    other = hold(task)  # another run (another task id) holds the key
+    try:
+        trace_delivery(task, task_id, redelivered=True)
+    finally:
+        other.release()
+    stored = AsyncResult(task_id, app=app)
+    assert "FAILURE" == stored.state
+    assert isinstance(stored.result, LockSkipped)
+
+
+def test_a_redelivery_whose_first_delivery_runs_stores_nothing(app):
+    """acks_late: the first delivery still runs (it holds the key and its run lock): the
+    redelivery stores nothing, and the first delivery's outcome is the one stored."""
+    task = define(app, ran, acks_late=True)
+    task_id = str(uuid.uuid4())
+    first = AdvisoryLock(
+        engine=db_module.engine_for(task.app.conf), key=task.lock_key_for()
+    )
+    first.run_key = keys.run_key(task_id)
+    assert first.acquire()
+    try:
+        trace_delivery(task, task_id, redelivered=True)
+        assert "PENDING" == AsyncResult(task_id, app=app).state
+    finally:
+        first.release()
+    trace_delivery(task, task_id, redelivered=False)  # the first delivery's outcome
+    assert "ran" == AsyncResult(task_id, app=app).get(timeout=5)
+
+
+@pytest.mark.parametrize("on_busy", ["skip", "wait"])  # try-lock, bounded-wait paths
+@pytest.mark.parametrize("scope", ["session", "transaction"])
+@pytest.mark.parametrize("acks_late", [True, False])
+def test_an_acks_late_run_holds_its_run_lock_until_it_ends(
+    app, acks_late, scope, on_busy
+):
+    task_id = str(uuid.uuid4())
+    run = keys.run_key(task_id)
+    seen = []
+
+    def body():
+        probe = AdvisoryLock(engine=current_lock().engine, key=run)
+        seen.append(probe.locked())
+
+    task = define(
+        app, body, acks_late=acks_late, lock_scope=scope, lock_on_busy=on_busy
+    )
+    trace_delivery(task, task_id, redelivered=False)
+    probe = AdvisoryLock(engine=db_module.engine_for(app.conf), key=run)
+    assert [acks_late] == seen
+    assert not probe.locked()
+
+
+def test_the_run_lock_namespace_is_refused_as_a_lock_id(app):
+    with pytest.raises(ConfigurationError, match="reserves for its run locks"):
+        define(app, ran, lock_id=(keys.RUN_NAMESPACE, 1))
+
+
+def test_skip_by_a_session_that_is_not_ours_names_its_backend_pid(app, database_url):
+    """A lock held by some other program: the skip names its backend pid only."""
+    task = define(app, ran)
+    key = task.lock_key_for()
+    other = sa.create_engine(database_url, poolclass=sa.pool.NullPool)
+    with other.connect() as connection:
+        connection.exec_driver_sql("SET application_name = 'psql'")
+        connection.exec_driver_sql("SELECT pg_advisory_lock(%s)", key.ids)
+        backend = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        result = task.apply()
+        connection.exec_driver_sql("SELECT pg_advisory_unlock_all()")
+    other.dispose()
+    skip = result.result
+    assert isinstance(skip, LockSkipped)
+    assert None is skip.holder
+    assert backend == skip.details["holder_pid"]
+    assert f"backend {backend} (not a celery-pglock session)" in str(skip)
+
+
+def test_shadow_mode_reports_the_would_be_skip_and_runs_the_body(app, events):
+    """lock_shadow=True: the busy run is reported as skipped, and its body runs anyway."""
+    seen = []
+
+    def shadowed(tenant_id):
+        seen.append(current_lock().owned())
+        return tenant_id
+
+    task = define(app, shadowed, lock_args=("tenant_id",), lock_shadow=True)
+    holder = hold(task, 1)
+    try:
+        assert 1 == task.apply(args=(1,)).get()
+    finally:
+        holder.release()
+    assert 2 == task.apply(args=(2,)).get()
+    assert [False, True] == seen
+    names = [(name, kw.get("shadow")) for name, kw in events]
+    assert [
+        ("lock_skipped", True),
+        ("lock_acquired", None),
+        ("lock_completed", None),
+    ] == names
+
+
+def test_shadow_mode_refuses_transaction_scope(app):
+    """A shadowed busy run would have no lock transaction for its body: refused at bind."""
+    with pytest.raises(ConfigurationError, match="lock_shadow=True is invalid"):
+        define(app, ran, lock_shadow=True, lock_scope="transaction")
