@@ -1,7 +1,8 @@
-"""Fixtures of the SingletonTask tests (test_task*.py).
+"""Fixtures shared by the SingletonTask and lock-loss tests of this directory.
 
-An app per test (in both session modes), and the celery_pglock signals it sent.
-test_fencing.py has an app fixture of its own.
+``app`` (test_task*.py): an app per test, in both session modes; test_fencing.py has
+an app fixture of its own. ``events``: the celery_pglock signals a test sent.
+``lost_events`` (test_lock_loss*.py): the lock_lost signals.
 """
 
 from __future__ import annotations
@@ -45,3 +46,16 @@ def events():
     yield seen
     for signal, receiver in receivers:
         signal.disconnect(receiver)
+
+
+@pytest.fixture
+def lost_events():
+    """Every lock_lost signal sent during the test (its kwargs)."""
+    seen: list[dict] = []
+
+    def receiver(sender=None, signal=None, **kwargs):
+        seen.append(kwargs)
+
+    signals.lock_lost.connect(receiver, weak=False)
+    yield seen
+    signals.lock_lost.disconnect(receiver)

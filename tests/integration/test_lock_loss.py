@@ -7,8 +7,6 @@ restart or freeze the server use a private embedded PostgreSQL, never the shared
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -16,64 +14,24 @@ import textwrap
 import threading
 import time
 
-import psycopg2
 import pytest
-from celery import Celery
 
 from celery_pglock import (
     AdvisoryLock,
     ConfigurationError,
     LockLostError,
-    LockScope,
     SingletonTask,
     _observer,
-    _session,
     _watch,
     current_lock,
-    keys,
-    signals,
 )
 from celery_pglock import db as db_module
-
-
-def _dsn(url: str) -> str:
-    return url.replace("postgresql+psycopg2://", "postgresql://")
-
-
-@pytest.fixture
-def lost_events():
-    seen: list[dict] = []
-
-    def receiver(sender=None, signal=None, **kwargs):
-        seen.append(kwargs)
-
-    signals.lock_lost.connect(receiver, weak=False)
-    yield seen
-    signals.lock_lost.disconnect(receiver)
-
-
-def make_app(url, broker_url, result_backend_url, namespace, **conf):
-    app = Celery(
-        "loss", broker=broker_url, backend=result_backend_url, set_as_current=False
-    )
-    app.conf.pglock_database_url = url
-    app.conf.pglock_namespace = namespace
-    app.conf.update(conf)
-    return app
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
-
-
-def terminate_backend(url: str, pid: int) -> None:
-    with psycopg2.connect(_dsn(url)) as connection, connection.cursor() as cursor:
-        cursor.execute("SELECT pg_terminate_backend(%s)", (pid,))
-    connection.close()
+from tests.integration.loss_support import (
+    holder_pid,
+    make_app,
+    terminate_backend,
+    wait_for,
+)
 
 
 @pytest.mark.parametrize("scope", ["session", "transaction"])
@@ -265,189 +223,6 @@ def test_settings_are_validated_at_bind(
     assert allowed.lock_config.watch_interval == 50
 
 
-def test_postgres_restart_during_a_body_is_detected(
-    private_postgres, broker_url, result_backend_url, namespace, lost_events
-):
-    url = private_postgres.url()
-    app = make_app(
-        url,
-        broker_url,
-        result_backend_url,
-        namespace,
-        pglock_watch_interval=0.3,
-    )
-
-    @app.task(base=SingletonTask, shared=False)
-    def body():
-        lock = current_lock()
-        time.sleep(0.8)  # one successful check first: the server's start time is known
-        private_postgres.restart()
-        wait_for(lambda: lock.lost, 10, "the restart to be detected")
-        return "finished"
-
-    result = body.apply()
-    assert isinstance(result.result, LockLostError)
-    (event,) = lost_events
-    assert "restarted" in event["cause"] or "ended" in event["cause"], event["cause"]
-
-
-def test_server_idle_session_timeout_ending_the_holder_is_detected(
-    private_postgres, broker_url, result_backend_url, namespace, lost_events
-):
-    """idle_session_timeout ends a session-scope holder that sits idle while its body
-    runs: the watcher reports it (the watcher's own session is never idle that long)."""
-    url = private_postgres.url()
-    connection = psycopg2.connect(_dsn(url))
-    connection.autocommit = True
-    with connection.cursor() as cursor:
-        cursor.execute("ALTER SYSTEM SET idle_session_timeout = '1s'")
-        cursor.execute("SELECT pg_reload_conf()")
-    connection.close()
-    app = make_app(
-        url, broker_url, result_backend_url, namespace, pglock_watch_interval=0.3
-    )
-
-    @app.task(base=SingletonTask, shared=False)
-    def body():
-        lock = current_lock()
-        wait_for(lambda: lock.lost, 10, "the idle timeout to be detected")
-        return "finished"
-
-    result = body.apply()
-    assert isinstance(result.result, LockLostError)
-    (event,) = lost_events
-    assert "ended" in event["cause"], event["cause"]
-
-
-def test_frozen_server_is_unverifiable_before_the_keepalive_deadline(
-    private_postgres, broker_url, result_backend_url, namespace, lost_events
-):
-    """SIGSTOP the whole server: nothing answers. The watcher reports the lock as
-    unverifiable within interval + check timeout, and the release does not block."""
-    url = private_postgres.url()
-    app = make_app(
-        url,
-        broker_url,
-        result_backend_url,
-        namespace,
-        pglock_watch_interval=0.3,
-        pglock_check_timeout=1.5,
-    )
-    postmaster = private_postgres._postmaster_pid()
-    assert postmaster
-    times = {}
-
-    @app.task(base=SingletonTask, shared=False)
-    def body():
-        lock = current_lock()
-        time.sleep(0.8)
-        _stop_server(postmaster, signal.SIGSTOP)
-        times["frozen"] = time.monotonic()
-        wait_for(lambda: lock.lost, 10, "the frozen link to be noticed")
-        times["noticed"] = time.monotonic()
-        return "finished"
-
-    try:
-        started = time.monotonic()
-        result = body.apply()
-        ended = time.monotonic()
-    finally:
-        _stop_server(postmaster, signal.SIGCONT)
-    assert isinstance(result.result, LockLostError)
-    assert times["noticed"] - times["frozen"] < 0.3 + 1.5 + 1.0
-    (event,) = lost_events
-    assert event["cause"].startswith("unverifiable"), event["cause"]
-    # The release met the frozen server too: bounded by lock_check_timeout, not blocked.
-    assert ended - times["noticed"] < 1.5 + 1.0, (started, times, ended)
-
-
-@pytest.mark.parametrize("scope", ["session", "transaction"])
-def test_a_release_into_a_frozen_server_is_bounded(private_postgres, namespace, scope):
-    """AdvisoryLock.release() on a server that does not answer gives up after
-    round_trip_timeout: the socket is shut down, the session closed, DatabaseError says
-    why; the worker is not blocked (25-214 s before)."""
-    from celery_pglock import DatabaseError, _deadline
-
-    engine = db_module.create_engine(private_postgres.url())
-    lock = AdvisoryLock(
-        engine=engine, key=keys.make_key(namespace, "frozen"), scope=scope
-    )
-    assert lock.acquire()
-    lock.round_trip_timeout = 0.5
-    postmaster = private_postgres._postmaster_pid()
-    assert postmaster
-    _stop_server(postmaster, signal.SIGSTOP)
-    try:
-        started = time.monotonic()
-        with pytest.raises(DatabaseError, match="no answer in time"):
-            lock.release()
-        took = time.monotonic() - started
-    finally:
-        _stop_server(postmaster, signal.SIGCONT)
-    assert took < 0.5 + _deadline.TICK + 0.5, took
-    assert not lock.owned()
-    engine.dispose()
-
-
-@pytest.mark.parametrize("scope", [LockScope.SESSION, LockScope.TRANSACTION])
-def test_an_acquire_from_a_frozen_server_is_bounded(
-    private_postgres, namespace, scope, session_mode
-):
-    """acquire() on a server that does not answer gives up after round_trip_timeout
-    with DatabaseError (lock_on_error then re-queues the run): no hang, and on the
-    process's shared lock session no mutex held for as long as TCP waits."""
-    from celery_pglock import DatabaseError, _deadline, config
-
-    engine = db_module.create_engine(
-        private_postgres.url(),
-        {
-            config.SESSION_MODE_SETTING: session_mode,
-            "pglock_engine_options": {"connect_args": {"connect_timeout": 2}},
-        },
-    )
-    warm = AdvisoryLock(
-        engine=engine, key=keys.make_key(namespace, "warm"), scope=scope
-    )
-    assert warm.acquire()  # the session (or pooled connection) exists and answers
-    warm.release()
-    lock = AdvisoryLock(
-        engine=engine, key=keys.make_key(namespace, "frozen-acquire"), scope=scope
-    )
-    lock.round_trip_timeout = 0.5
-    postmaster = private_postgres._postmaster_pid()
-    assert postmaster
-    _stop_server(postmaster, signal.SIGSTOP)
-    try:
-        started = time.monotonic()
-        with pytest.raises(DatabaseError):
-            lock.acquire()
-        took = time.monotonic() - started
-    finally:
-        _stop_server(postmaster, signal.SIGCONT)
-    # The bounded try, then one reconnect (a dead session is replaced once), bounded by
-    # connect_timeout (2 s here).
-    assert took < 0.5 + _deadline.TICK + 2 + 1.5, took
-    assert not lock.owned()
-    _session.close_for(engine)
-    engine.dispose()
-
-
-def _stop_server(postmaster: int, signum: int) -> None:
-    """Send ``signum`` to the postmaster and all its backends."""
-    out = subprocess.run(
-        ["ps", "-o", "pid=", "--ppid", str(postmaster)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=10,
-    ).stdout
-    for pid in [postmaster, *(int(p) for p in out.split())]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
-
-
-# -- forks ---------------------------------------------------------------------------------
-
 _FORK_SCRIPT = textwrap.dedent(
     """
     import gc, os, sys
@@ -505,25 +280,6 @@ def test_a_forked_child_never_touches_the_parents_lock_session(
     )
 
 
-def test_a_bounded_round_trip_is_cut_at_its_deadline(database_url):
-    """_deadline.bounded shuts the socket down: a blocked statement returns at once."""
-    from celery_pglock import _deadline
-
-    connection = psycopg2.connect(_dsn(database_url))
-    try:
-        started = time.monotonic()
-        cursor = connection.cursor()
-        with (
-            _deadline.bounded(connection, 0.5) as bound,
-            pytest.raises(psycopg2.OperationalError),
-        ):
-            cursor.execute("SELECT pg_sleep(30)")
-        assert time.monotonic() - started < 0.5 + _deadline.TICK + 0.5
-        assert bound.fired
-    finally:
-        connection.close()
-
-
 @pytest.mark.pgbouncer
 def test_no_false_loss_through_pgbouncer_session_pooling(
     database_url,
@@ -552,7 +308,7 @@ def test_no_false_loss_through_pgbouncer_session_pooling(
         time.sleep(1.0)  # several checks
         if not terminate:
             return lock.lost
-        holder = _holder_pid(database_url, lock.key)
+        holder = holder_pid(database_url, lock.key)
         assert holder != lock.backend_pid  # libpq's pid is PgBouncer's
         terminate_backend(database_url, holder)
         wait_for(lambda: lock.lost, 5, "the loss to be detected")
@@ -563,18 +319,6 @@ def test_no_false_loss_through_pgbouncer_session_pooling(
     result = body.apply(args=(True,))
     assert isinstance(result.result, LockLostError)
     assert len(lost_events) == 1
-
-
-def _holder_pid(url: str, key) -> int:
-    with psycopg2.connect(_dsn(url)) as connection, connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
-            "AND classid = %s::oid AND objid = %s::oid AND objsubid = %s::int2",
-            key.pg_locks_ids,
-        )
-        (pid,) = cursor.fetchone()
-    connection.close()
-    return pid
 
 
 def test_ensure_held_never_stops_a_shadowed_body(
