@@ -39,8 +39,12 @@ def run(*args, expect=0):
 
 @pytest.fixture
 def schema(database_url):
-    """A schema of this test's own for the installed SQL; dropped afterwards."""
-    name = f"pglock_cli_{uuid.uuid4().hex[:8]}"
+    """A schema of this test's own for the installed SQL; dropped afterwards.
+
+    Its name has a ``%``: `sql --apply` once sent the SQL with an empty parameter list,
+    and psycopg2 then read the ``%`` as a placeholder (TypeError).
+    """
+    name = f"pglock_cli_{uuid.uuid4().hex[:8]}_%"
     connection = _support.connect(database_url, application_name="cli test schema")
     with connection.cursor() as cursor:
         cursor.execute(f'CREATE SCHEMA "{name}"')

@@ -1,0 +1,74 @@
+"""The library's exceptions and skip records. No I/O.
+
+Pickling, JSON result backends, and the holder read back from an application_name.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+
+from celery_pglock import (
+    ConfigurationError,
+    LockBusy,
+    LockNotOwnedError,
+    LockSkipped,
+    _holder,
+)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        LockBusy("busy", key="1", name="t"),
+        LockNotOwnedError("gone", key="1,2", name="t"),
+    ],
+)
+def test_lock_errors_survive_pickling(error):
+    """Result backends pickle exceptions; message, key and name must survive."""
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(error) is type(copy)
+    assert (error.message, error.key, error.name) == (copy.message, copy.key, copy.name)
+
+
+def test_configuration_error_is_also_a_value_error():
+    """Callers catching ValueError for bad settings keep working."""
+    assert issubclass(ConfigurationError, ValueError)
+
+
+def test_lock_skipped_round_trips_like_a_json_result_backend():
+    """A JSON result backend rebuilds an exception as cls(*args): details survive."""
+    skip = LockSkipped("busy", {"key": "1", "lock": "t", "holder": "h:1"})
+    rebuilt = type(skip)(*json.loads(json.dumps(skip.args)))
+    copy = pickle.loads(pickle.dumps(skip))
+    for again in (rebuilt, copy):
+        assert ("busy", "1", "t", "h:1") == (
+            again.message,
+            again.key,
+            again.name,
+            again.holder,
+        )
+    assert "LockSkipped('busy')" == repr(skip)
+    assert isinstance(skip, LockBusy)
+
+
+@pytest.mark.parametrize(
+    ("application_name", "expected"),
+    [
+        (
+            "pglock web-1:4242 -4311986427365126397 billing.settle",
+            ("web-1:4242", "billing.settle"),
+        ),
+        ("pglock web-1:4242 42,1001 ~ng.settle", ("web-1:4242", "~ng.settle")),
+        ("pglock web-1:4242 billing.settle", ("web-1:4242", "billing.settle")),
+        ("pglock web-1:4242 idle", ("web-1:4242", None)),
+        ("pglock web-1:4242", ("web-1:4242", None)),
+        ("psql", (None, None)),
+        (None, (None, None)),
+    ],
+)
+def test_holder_is_read_from_application_name(application_name, expected):
+    """The holder's host:pid and task name come from its application_name."""
+    assert expected == _holder.parse_application_name(application_name)
