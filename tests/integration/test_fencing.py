@@ -28,6 +28,7 @@ from celery_pglock import (
     fencing,
     keys,
 )
+from tests.integration.task_support import define
 
 
 @pytest.fixture
@@ -39,14 +40,6 @@ def app(database_url, broker_url, result_backend_url, namespace):
     app.conf.pglock_namespace = namespace
     yield app
     app.close()
-
-
-def define(app, fun, **options):
-    task = app.task(
-        base=SingletonTask, name=f"fence.{fun.__name__}", shared=False, **options
-    )(fun)
-    app.finalize(auto=True)
-    return app.tasks[task.name]
 
 
 def take(engine, key, scope=LockScope.SESSION):
