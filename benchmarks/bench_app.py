@@ -355,9 +355,11 @@ def _warm_up() -> None:
     elif contender == "plain" and os.environ.get(DATABASE_URL_ENV):
         plain_round_trips("warm")  # opens this process's connection
     elif contender == "once":
-        app.tasks[ONCE].once_backend.redis.ping()
+        once_task: Any = app.tasks[ONCE]  # celery-once is untyped
+        once_task.once_backend.redis.ping()
     elif contender == "singleton":
-        app.tasks[SINGLETON].singleton_backend.redis.ping()
+        singleton_task: Any = app.tasks[SINGLETON]  # celery-singleton is untyped
+        singleton_task.singleton_backend.redis.ping()
     if _record_dir:
         path = os.path.join(_record_dir, f"{os.getpid()}{WARM_SUFFIX}")
         with open(path, "w", encoding="ascii") as marker:

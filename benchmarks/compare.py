@@ -163,7 +163,8 @@ class Bench:
         from celery_pglock import AdvisoryLock, db
 
         engine = db.create_engine(self.services.database_url)
-        key = self.app.tasks[contender.task].lock_key_for("hot", 0.0)
+        task: Any = self.app.tasks[contender.task]  # a SingletonTask
+        key = task.lock_key_for("hot", 0.0)
         lock = AdvisoryLock(engine=engine, key=key)
         if not lock.acquire():
             raise measuring.BenchError("the hot key is held by someone else")

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOCKED_CASE = "trace session, distinct keys"
 SKIP_CASE = "trace session, skip (key held elsewhere)"
+SKIP_SUCCESS_CASE = "trace session, skip ending SUCCESS"
+FAILURE_CASE = "trace plain, raising LockSkipped"
 HELD = "held"  # the argument whose key a separate session holds during the run
 _HOLDERS: list[object] = []
 
@@ -79,7 +81,7 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
     """(label, one call) for every case; bench_app must be imported with a database."""
     from celery.app.trace import build_tracer
 
-    from celery_pglock import _hooks, _sql, db
+    from celery_pglock import _hooks, _sql, db, exceptions
     from celery_pglock.lock import AdvisoryLock
     from celery_pglock.testing import _support
 
@@ -154,8 +156,10 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
         engine.url.render_as_string(hide_password=False),
         application_name="celery_pglock bench holder",
     )
+    skip_success: Any = app.tasks[bench_app.SKIP_SUCCESS]  # a SingletonTask
     with holder.cursor() as cursor:
-        cursor.execute(_sql.TRY_LOCK_SESSION_BARE[1], locked.lock_key_for(HELD).ids)
+        for task in (locked, skip_success):
+            cursor.execute(_sql.TRY_LOCK_SESSION_BARE[1], task.lock_key_for(HELD).ids)
     _HOLDERS.append(holder)  # closing it (garbage) would free the key
     holding = db.application_name("pglock-bench", db.process_tag(), key, "bench")
     idle = db.application_name("pglock-bench", db.process_tag(), "idle")
@@ -173,6 +177,28 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
 
     ids = key.ids
 
+    # Celery's failure path alone, for the skip: a plain task whose body raises the
+    # LockSkipped a skip ends with (same message and record), so the SKIP_CASE row minus
+    # this one is what celery_pglock adds to a skip.
+    skip_details = {
+        "reason": "lock_busy",
+        "task": locked.name,
+        "lock": key.name,
+        "key": str(key),
+        "policy": "skip",
+        "holder": None,
+        "holder_pid": 4242,
+        "holder_task": None,
+    }
+    skip_message = (
+        f"Lock {key.name!r} (key {key}) is held by PostgreSQL backend 4242 (not a "
+        "celery-pglock session); bench.session[<id>] did not run."
+    )
+
+    @app.task(name="bench.plain_raising_skipped", throws=(exceptions.LockSkipped,))
+    def plain_raising_skipped(key: str, body: float = 0.0) -> None:
+        raise exceptions.LockSkipped(skip_message, skip_details)
+
     def celery_call() -> object:
         # Task.__call__ (pushes a copy of the request) instead of calling run directly,
         # which is what the tracer does for a task without a custom __call__.
@@ -185,6 +211,8 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
         (LOCKED_CASE, tracer(locked)),
         ("trace session, one key (key cached)", tracer(locked, same_key="7")),
         (SKIP_CASE, tracer(locked, same_key=HELD)),
+        (FAILURE_CASE, tracer(plain_raising_skipped)),
+        (SKIP_SUCCESS_CASE, tracer(skip_success, same_key=HELD)),
         ("trace transaction, distinct keys", tracer(xact)),
         ("  key: lock_key_for(i)", lambda: locked.lock_key_for(str(counter.next()))),
         (

@@ -32,6 +32,8 @@ CASES = {
     "  SQL: SELECT 1 twice (floor)": "two round trips alone (SELECT 1)",
     "trace session, distinct keys": "SingletonTask, distinct keys",
     "trace session, skip (key held elsewhere)": "SingletonTask, skipped",
+    "trace plain, raising LockSkipped": "plain task raising LockSkipped",
+    "trace session, skip ending SUCCESS": "SingletonTask, skip ending SUCCESS",
 }
 _COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
 

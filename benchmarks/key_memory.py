@@ -20,11 +20,15 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from celery_pglock.testing import WorkerProcess, start_services  # noqa: E402
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 MIB = 1024 * 1024
 ALLOCATORS = {
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="pglock-key-memory-"))
     try:
         for allocator, malloc_env in ALLOCATORS.items():
-            figures = []
+            figures: list[str] = []
             for label, task in (
                 ("SingletonTask", security_app.locked_blob),
                 ("plain task", security_app.plain_blob),
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _growth(app_module, task, count: int, mb: int) -> int:
+def _growth(app_module: ModuleType, task: Any, count: int, mb: int) -> int:
     task.delay("warm-up").get(timeout=60)
     before = app_module.rss.delay().get(timeout=60)
     for index in range(count):

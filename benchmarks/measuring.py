@@ -43,7 +43,7 @@ class Probe:
                 (bench_app.APPLICATION_NAME + " %",),
             )
             rows = cursor.fetchall()
-        found = []
+        found: list[int] = []
         for backend, name in rows:
             tag = name.split(" ")[1] if " " in name else ""
             if tag.rpartition(":")[2].isdigit() and int(tag.rpartition(":")[2]) in pids:
@@ -82,7 +82,7 @@ def rss(worker: WorkerProcess) -> float:
 
 
 def records(directory: Path) -> list[tuple[int, int, int]]:
-    found = []
+    found: list[tuple[int, int, int]] = []
     for path in directory.glob("*.rec"):
         data = path.read_bytes()
         size = bench_app.RECORD.size

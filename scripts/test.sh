@@ -27,6 +27,7 @@ if [ "${PGLOCK_SKIP_LINT:-0}" != 1 ]; then
   echo "== mypy --strict"
   "$venv/bin/mypy"
   "$venv/bin/mypy" tests/typing  # the public API, as users call it, must type-check
+  "$venv/bin/mypy" benchmarks tests/chaos  # the harnesses whose figures the docs quote
 fi
 
 echo "== pytest"

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 import billiard
 from celery import Celery
@@ -72,7 +73,13 @@ def lost_events(task_id: str) -> list[tuple]:
         return cursor.fetchall()
 
 
-def _record_lost(sender=None, task_id=None, task_name=None, cause=None, **_):
+def _record_lost(
+    sender: Any = None,
+    task_id: str | None = None,
+    task_name: str | None = None,
+    cause: str | None = None,
+    **_: Any,
+) -> None:
     # Sent from the lock watcher thread of the process that ran the task.
     with _events_cursor() as cursor:
         cursor.execute(

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from celery_pglock import SingletonTask, signals
-from tests.acceptance import loss_app
-from tests.acceptance.app import recorder
+
+# Re-exported: the chaos run reaches both through this module, imported once its
+# environment is set.
+from tests.acceptance import loss_app as loss_app
+from tests.acceptance.app import recorder as recorder
 
 ON_LOST_ENV = "PGLOCK_TEST_ON_LOST"
 #: Seconds before Redis hands an unacknowledged message to another worker: longer than
@@ -41,7 +45,12 @@ app.conf.update(
 )
 
 
-def _record_release_failed(sender=None, task_id=None, exception=None, **_):
+def _record_release_failed(
+    sender: Any = None,
+    task_id: str | None = None,
+    exception: BaseException | None = None,
+    **_: Any,
+) -> None:
     loss_app._record_lost(
         sender=sender,
         task_id=task_id,
@@ -61,7 +70,7 @@ signals.lock_release_failed.connect(_record_release_failed, weak=False)
     acks_late=True,
     reject_on_worker_lost=True,
 )
-def work(self, run: str, key: str, seconds: float) -> str:
+def work(self: Any, run: str, key: str, seconds: float) -> str:
     """Hold ``key``'s lock for ``seconds``, recording the interval with a heartbeat."""
     with recorder.record(run, key, self.request.id) as row_id:
         deadline = time.monotonic() + seconds

@@ -10,6 +10,7 @@ from tests.chaos import faults
 from tests.chaos.plan import CUT_AFTER, INTERVAL, PARTITION_CHECK_TIMEOUT
 
 if TYPE_CHECKING:
+    from celery_pglock.testing.overlap import Interval, Overlap
     from tests.chaos.plan import Plan
     from tests.chaos.run import Chaos
 
@@ -158,8 +159,14 @@ def _from_logs(chaos: Chaos) -> dict[str, int]:
     }
 
 
-def _analyse(chaos: Chaos, outcomes, intervals, events, overlaps) -> dict[str, Any]:
-    by_task: dict[str, list[Any]] = {}
+def _analyse(
+    chaos: Chaos,
+    outcomes: dict[str, tuple[str, str]],
+    intervals: list[Interval],
+    events: dict[str, list[tuple[str, float]]],
+    overlaps: list[Overlap],
+) -> dict[str, Any]:
+    by_task: dict[str | None, list[Any]] = {}
     for interval in intervals:
         by_task.setdefault(interval.task_id, []).append(interval)
     counts = {"ran": 0, "skipped": 0, "failed": 0}
@@ -169,14 +176,21 @@ def _analyse(chaos: Chaos, outcomes, intervals, events, overlaps) -> dict[str, A
         if reason:
             reasons[reason] = reasons.get(reason, 0) + 1
 
-    def lost_at(task_id: str, after: float) -> tuple[str, float] | None:
+    def lost_at(task_id: str | None, after: float) -> tuple[str, float] | None:
+        if task_id is None:
+            return None
         found = [e for e in events.get(task_id, []) if e[1] >= after - 0.05]
         return min(found, key=lambda e: e[1]) if found else None
 
     # Overlaps: explained when the earlier run's loss was signalled.
-    explained, unexplained, windows = [], [], []
+    explained: list[dict[str, Any]] = []
+    unexplained: list[dict[str, Any]] = []
+    windows: list[float] = []
     for overlap in overlaps:
         first, second = overlap.first, overlap.second
+        # overlaps() pairs finished intervals only: both have an end.
+        assert first.ended_at is not None
+        assert second.ended_at is not None
         window = (
             min(first.ended_at, second.ended_at) - second.started_at
         ).total_seconds()
@@ -219,7 +233,8 @@ def _analyse(chaos: Chaos, outcomes, intervals, events, overlaps) -> dict[str, A
             event = lost_at(interval.task_id, interval.started_at.timestamp())
             killed_first = (
                 interval.pid in killed
-                or outcomes.get(interval.task_id, ("", ""))[1] == "TimeLimitExceeded"
+                or outcomes.get(interval.task_id or "", ("", ""))[1]
+                == "TimeLimitExceeded"
             )
             losses.append(
                 {

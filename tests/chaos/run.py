@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tests.chaos import faults
 from tests.chaos import report as reporting
@@ -50,6 +50,11 @@ from tests.chaos.plan import (
     SHORT,
     Plan,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from celery_pglock.testing import WorkerProcess
 
 
 class Chaos:
@@ -74,7 +79,7 @@ class Chaos:
 
     def _worker(
         self, pool: str, concurrency: int, env: dict[str, str], queues: list[str]
-    ):
+    ) -> WorkerProcess:
         from celery_pglock.testing import WorkerProcess
 
         name = f"chaos-{pool}-{len(self.specs)}"
@@ -234,9 +239,11 @@ class Chaos:
                 self._send("part-holder", key, PARTITION_HOLD, self.part_queue)
                 for key in keys
             }
-            if not _wait(
-                lambda keys=keys: sum(recorder.count(run, k) for k in keys) >= 2, 30
-            ):
+
+            def both_held(keys: list[str] = keys) -> bool:
+                return sum(recorder.count(run, k) for k in keys) >= 2
+
+            if not _wait(both_held, 30):
                 raise RuntimeError("the partitioned worker never took its locks")
             time.sleep(INTERVAL * 3)  # its locks were checked through the link
             proxy.freeze()
@@ -262,7 +269,7 @@ class Chaos:
             self.partition_holders |= holders
 
 
-def _wait(condition, timeout: float) -> bool:
+def _wait(condition: Callable[[], bool], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
