@@ -46,12 +46,21 @@ class Bound:
             _pending[id(self)] = self
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
         # Under the guard, so the reaper never shuts down a socket (or a reused fd
         # number) after the round trip has returned.
         with _guard:
             self.done = True
             _pending.pop(id(self), None)
+        if self.fired and exc_type is None:
+            # The answer came, but after the reaper had shut the socket down (this
+            # thread was descheduled in between): the server is ending the session and
+            # everything it holds. A dead session, however well the statement went.
+            import psycopg2  # the only supported driver; imported lazily
+
+            raise psycopg2.OperationalError(
+                "no answer in time: the socket was shut down and the session closed"
+            )
 
 
 _pending: dict[int, Bound] = {}

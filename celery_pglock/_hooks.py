@@ -233,10 +233,8 @@ def _after_task(task: Any = None, retval: Any = None, **_: Any) -> None:
     execution = getattr(request, "_pglock_execution", None)
     if execution is None:
         return
-    # Break the request <-> execution cycle now: it would keep the request, and with it
-    # the call's arguments, alive until the next garbage collection.
+    # The request is done with: a nested call can no longer be mistaken for this run.
     request._pglock_execution = None
-    execution.request = None
     lock = execution.lock
     if execution.release_at_postrun and lock is not None:
         # The run published a retry; Celery has now stored its RETRY state.

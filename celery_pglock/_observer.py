@@ -13,7 +13,7 @@ import select
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _forks, _options, _redact, _sql, db
+from celery_pglock import _forks, _options, _redact, _server, _sql, db
 
 if TYPE_CHECKING:
     from celery_pglock._watch import Entry
@@ -98,10 +98,13 @@ class Observer:
             if (
                 holder is not None
                 and not entry.pid_confirmed
+                and self._pids_invented()
                 and holder_name == getattr(entry.lock, "_holding_name", None)
             ):
                 # Through PgBouncer libpq's backend pid is the pooler's invention: the
                 # session showing this lock's own application_name is ours. Learnt once.
+                # Never where libpq's pid is the real one: there another session of
+                # this process (same name) may have taken the key after ours ended.
                 entry.backend_pid, entry.pid_confirmed = holder, True
                 continue
             if restarted or entry.server_start != start:
@@ -122,6 +125,11 @@ class Observer:
                     "it (unlocked, or its transaction ended)"
                 )
         return losses
+
+    def _pids_invented(self) -> bool:
+        """May libpq's backend pids be a pooler's invention here? (Yes if unknown.)"""
+        facts = _server.known_facts(self.engine)
+        return facts is None or not facts.reports_backend_pid
 
     def _connect(self, deadline: float) -> None:
         import psycopg2  # the only supported driver; imported lazily

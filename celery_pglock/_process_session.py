@@ -100,6 +100,17 @@ class ProcessSession(_hold.LockSession):
                 # with it every lock statement of the process, for as long as TCP waits.
                 with _deadline.bounded(self._connection, bound):
                     granted, run_granted = self._try(cursor, ids, name, run_ids)
+                if not granted:
+                    return None
+                # Recorded inside the try: an exception landing here (a soft time
+                # limit) must not leave a granted key that nobody in the process knows.
+                hold = _hold.Hold(self, ids)
+                hold.connection, hold.generation = self._connection, self._generation
+                hold.holding_name = self._shown
+                self._owners[ids] = hold
+                if run_granted and run_ids is not None:
+                    hold.run_ids = run_ids
+                    self._runs[run_ids] = hold
             except BaseException as exc:
                 self._fail(f"acquiring lock {key.name!r} failed: {exc!r}", exc)
                 if isinstance(exc, Exception):
@@ -108,15 +119,6 @@ class ProcessSession(_hold.LockSession):
                     ):
                         raise
                 raise
-            if not granted:
-                return None
-            hold = _hold.Hold(self, ids)
-            hold.connection, hold.generation = self._connection, self._generation
-            hold.holding_name = self._shown
-            self._owners[ids] = hold
-            if run_granted and run_ids is not None:
-                hold.run_ids = run_ids
-                self._runs[run_ids] = hold
             return hold
 
     def _try(
@@ -247,8 +249,8 @@ class ProcessSession(_hold.LockSession):
                 row: tuple[Any, ...] | None = self._cursor.fetchone()
         except Exception as exc:
             logger.debug("%s failed", what, exc_info=True)
-            if self._connection.closed:  # the session died (or was cut off)
-                self._fail(f"{what} failed: {exc!r}", exc)
+            if self._connection.closed or _driver_errors.is_disconnect(exc):
+                self._fail(f"{what} failed: {exc!r}", exc)  # the session died
             return None
         return row
 

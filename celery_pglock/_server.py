@@ -93,6 +93,9 @@ class ServerFacts:
     proxied: bool | None
     evidence: str  #: What the pooling verdict rests on, in words (for messages).
     masked_url: str  #: The probed URL, password masked.
+    #: libpq's backend pid (``get_backend_pid()``) is the server's ``pg_backend_pid()``.
+    #: False behind PgBouncer, which invents the pid it reports.
+    reports_backend_pid: bool = True
 
     def refusal(self, scope: LockScope | str) -> str | None:
         """Why locks of ``scope`` cannot work here (a sentence naming the fix), or None."""
@@ -222,6 +225,7 @@ def _probe(engine: sa.Engine, opened: list[Any], masked: str) -> ServerFacts:
             proxied=proxied,
             evidence=evidence,
             masked_url=masked,
+            reports_backend_pid=first.get_backend_pid() == pid,
         )
     finally:
         for connection in opened:
@@ -318,6 +322,11 @@ def facts_for(
                 extra={"action": "lock_server_probed"},
             )
         return facts
+
+
+def known_facts(engine: sa.Engine) -> ServerFacts | None:
+    """The facts of ``engine``'s server if a probe found them already (no I/O)."""
+    return _facts.get(engine)
 
 
 def check(engine: sa.Engine, scope: LockScope, lock_name: str = "") -> None:

@@ -105,5 +105,11 @@ def _forget_after_fork() -> None:
     _process_pid = os.getpid()
 
 
+def _after_fork_in_child() -> None:
+    global _registry_guard
+    _registry_guard = threading.Lock()  # another thread of the parent may have held it
+    _forget_after_fork()
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_after_fork)
+    os.register_at_fork(after_in_child=_after_fork_in_child)

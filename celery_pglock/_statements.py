@@ -112,6 +112,7 @@ def wait_lock(
             return False, True
         # lock_timeout fired inside pg_advisory_lock: nothing was granted. psycopg2's
         # rollback() is a no-op in autocommit mode, so end the aborted BEGIN by hand.
-        cursor.execute(_sql.ROLLBACK)
+        with _deadline.bounded(cursor.connection, bound):
+            cursor.execute(_sql.ROLLBACK)
         return False, False
     return True, False

@@ -122,7 +122,12 @@ class Entry:
 
 
 _entries: dict[int, Entry] = {}
-_cond = threading.Condition(threading.Lock())
+#: Guards _entries and every Entry. A body's thread takes the bare lock (C code: an
+#: asynchronous LockLostError cannot land between taking it and the with block that
+#: gives it back, as it can inside Condition.__enter__, which is Python); the watcher
+#: waits on _cond, the same lock.
+_mutex = threading.Lock()
+_cond = threading.Condition(_mutex)
 _idle = False  #: The watcher waits for an entry (notify it on insert).
 _thread: threading.Thread | None = None
 _observers: dict[int, _observer.Observer] = {}
@@ -158,8 +163,12 @@ def unwatch(lock: AdvisoryLock) -> None:
 
     If the lock was found lost, wait (bounded) until the loss has been reported, so
     ``lock_lost`` always comes before the run's own outcome.
+
+    Under ``lock_on_lost='terminate'`` the interrupt may still land here, as the body
+    returns (the watcher decided while this thread waited for the lock): it then raises
+    LockLostError, with the entry still registered; call again to unwatch.
     """
-    with _cond:
+    with _mutex:
         entry = _entries.pop(id(lock), None)
         if entry is None:
             return
@@ -335,13 +344,14 @@ def _interrupt(entry: Entry) -> None:
 
 def _forget_in_child() -> None:
     """A forked child watches nothing of its parent's (its sockets are neutered)."""
-    global _thread, _target, _idle, _cond
+    global _thread, _target, _idle, _cond, _mutex
     _entries.clear()
     _observers.clear()
     _thread = None
     _target = None
     _idle = False
-    _cond = threading.Condition(threading.Lock())  # the parent's may be held
+    _mutex = threading.Lock()  # the parent's may be held
+    _cond = threading.Condition(_mutex)
 
 
 if hasattr(os, "register_at_fork"):

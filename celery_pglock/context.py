@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from celery_pglock import exceptions
 
@@ -26,18 +26,10 @@ class Execution:
     """One run of a SingletonTask: its lock once granted, and how it ends."""
 
     # A plain class with slots: one is built per run (a dataclass __init__ costs more).
-    __slots__ = ("ended_with", "lock", "release_at_postrun", "request", "task_id")
+    __slots__ = ("ended_with", "lock", "release_at_postrun", "task_id")
 
-    def __init__(
-        self,
-        task_id: str | None,
-        request: Any = None,
-        lock: AdvisoryLock | None = None,
-    ) -> None:
+    def __init__(self, task_id: str | None, lock: AdvisoryLock | None = None) -> None:
         self.task_id = task_id
-        #: The Celery request this execution runs for (identity only: nested-call
-        #: detection).
-        self.request = request
         self.lock = lock
         #: The body published a retry (self.retry()): the lock is released by the
         #: task_postrun hook, after Celery has stored RETRY, not when the body ends.
@@ -75,11 +67,9 @@ def current_execution() -> Execution | None:
     return _current.get()
 
 
-def begin(
-    task_id: str | None, request: Any = None
-) -> tuple[Execution, contextvars.Token[Execution | None]]:
+def begin(task_id: str | None) -> tuple[Execution, contextvars.Token[Execution | None]]:
     """Open an execution; pass the token to :func:`end`."""
-    execution = Execution(task_id, request)
+    execution = Execution(task_id)
     return execution, _current.set(execution)
 
 

@@ -387,5 +387,11 @@ def dispose_all() -> None:
         _engines.clear()
 
 
+def _after_fork_in_child() -> None:
+    global _engines_lock
+    _engines_lock = threading.Lock()  # another thread of the parent may have held it
+    _forget_engines_after_fork()
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_engines_after_fork)
+    os.register_at_fork(after_in_child=_after_fork_in_child)

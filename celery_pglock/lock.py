@@ -167,8 +167,13 @@ class AdvisoryLock:
         if granted and hold is not None:
             self.acquired_at = asked_at + self.wait_seconds
             self.released_at = None
-            # Lock-loss watching: no round trip (libpq knows its backend pid).
-            self.backend_pid = hold.connection.get_backend_pid()
+            # Lock-loss watching: no round trip (libpq knows its backend pid). None if
+            # another thread's failure closed the shared session meanwhile: the lock is
+            # lost then (hold.lost), and the watcher's first check says so.
+            try:
+                self.backend_pid = hold.connection.get_backend_pid()
+            except Exception:
+                self.backend_pid = None
             self.owner_pid = os.getpid()
             self.lost_cause = None
             # Issued after the grant, by celery_pglock.fencing.

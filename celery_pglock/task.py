@@ -7,13 +7,14 @@ Where things happen, and why there (each line is a bug in an existing library):
   duplicate. Being worker-side, it also covers ``send_task``, beat without the task
   imported, and producers in other services.
 - The lock is released by ``__call__`` itself, around the body, for every outcome
-  (SUCCESS, FAILURE, RETRY, IGNORED, REJECTED) and *before* Celery stores the result and
-  sends chain callbacks: a client that saw the result can send the next run at once.
+  (SUCCESS, FAILURE, IGNORED, REJECTED) and *before* Celery stores the result and sends
+  chain callbacks: a client that saw the result can send the next run at once.
   ``task_postrun`` (per execution, never by task id) and worker shutdown are idempotent
   safety nets (see ``_hooks.py``). A killed pool child needs no hook: its session ends
   and PostgreSQL frees the lock.
-- ``self.retry()`` publishes the retry message only after the attempt has released its
-  lock, so the retry never meets its own predecessor's lock (docs/guide/retries.md).
+- ``self.retry()`` publishes the retry at once; the attempt keeps its lock until
+  ``task_postrun``, after Celery stored RETRY, and the retry's run waits for it, bounded
+  (see :meth:`SingletonTask.retry` and docs/guide/retries.md).
 - A skipped run never runs its body and ends at once for its caller, as
   ``lock_skip_result`` says: by default FAILURE with ``LockSkipped`` (listed in the
   task's ``throws``: logged at INFO without a traceback, ignored by error trackers), so
@@ -155,14 +156,16 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         guard = self._guard()
         options = guard.config
         request = self.request
-        outer = context.current_execution()
-        # A body calling its own task directly (recursion) sees the outer run's request
-        # on the stack: treat it as the direct call it is, not as a run of that message.
-        direct = request.called_directly or (
-            outer is not None and outer.request is request
+        # A body calling its own task directly, itself or through other tasks' direct
+        # calls, finds the running message's request on the task's stack, already
+        # carrying that run's execution: it is the direct call it looks like, not a
+        # second run of that message (which would take over its request).
+        direct = (
+            request.called_directly
+            or getattr(request, "_pglock_execution", None) is not None
         )
         task_id: str | None = None if direct else request.id
-        execution, token = context.begin(task_id, request)
+        execution, token = context.begin(task_id)
         if not direct:
             # task_postrun finds this execution's lock on the tracer's request: per
             # execution and per thread, never by task id (see context.py).
@@ -176,13 +179,20 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 label=options.task_name,
             )
             lock.round_trip_timeout = options.check_timeout
+            # Known to the execution before it is granted: if an exception (a soft time
+            # limit) lands between the grant and the body, task_postrun still finds the
+            # lock owned and releases it.
+            execution.lock = lock
             if task_id is not None and self.acks_late:
                 # Its message may be redelivered while this run goes on: the run lock
                 # tells that redelivery so (see _busy.py).
                 lock.run_key = keys.run_key(task_id)
             # A retry's run may find its predecessor still unwinding (it keeps its lock
-            # until Celery stored RETRY, see retry()): it waits for it, bounded.
-            waits = options.on_busy is OnBusy.WAIT or (request.retries and not direct)
+            # until Celery stored RETRY, see retry()): it waits for it, bounded. An
+            # eager retry's predecessor released its lock before retrying: no wait.
+            waits = options.on_busy is OnBusy.WAIT or (
+                request.retries and not direct and not request.is_eager
+            )
             try:
                 granted = lock.acquire(
                     timeout=options.wait_timeout
@@ -197,7 +207,6 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 if options.shadow:
                     return self._run_shadowed(execution, lock, task_id, args, kwargs)
                 return _busy.apply_policy(self, lock, task_id, direct=direct)
-            execution.lock = lock
             context.hold(lock)
             try:
                 _outcomes.acquired(self, task_id, lock)
@@ -280,9 +289,15 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             options.error_backoff * 2**request.retries, config.MAX_ERROR_COUNTDOWN
         )
         _outcomes.database_error(self, request.id, error, countdown)
-        raise self.retry(
-            countdown=countdown, exc=error, max_retries=options.error_retries
-        )
+        try:
+            raise self.retry(
+                countdown=countdown, exc=error, max_retries=options.error_retries
+            )
+        finally:
+            # Celery's retry(max_retries=...) leaves the limit on the task object,
+            # where autoretry_for would apply it to every later run of the task in
+            # this process; Celery's own autoretry removes it the same way.
+            vars(self).pop("override_max_retries", None)
 
     def _retry_publishes(self, max_retries: int | None) -> bool:
         """Are retries left, so that Celery's retry() will publish? (Its own check; the
@@ -329,7 +344,13 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         state, so the retry's own outcome can never be overwritten by it; the
         task_postrun hook then calls :meth:`_finish_run`.
         """
-        _watch.unwatch(lock)  # first: a loss found from now on never interrupts
+        try:
+            _watch.unwatch(lock)  # first: a loss found from now on never interrupts
+        except exceptions.LockLostError as interrupted:
+            # lock_on_lost='terminate' interrupted the body just as it returned: the run
+            # ends as an interrupted one, and its lock is still released below.
+            exc = exc if exc is not None else interrupted
+            _watch.unwatch(lock)
         if execution.release_at_postrun:
             execution.ended_with = exc
             return

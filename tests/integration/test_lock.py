@@ -380,3 +380,31 @@ def test_dead_pooled_connection_is_replaced_transparently(
     assert lock.acquire()
     assert idle_pid != lock._hold.connection.get_backend_pid()
     lock.release()
+
+
+@pytest.mark.parametrize("session_mode", ["per_process"], indirect=True)
+def test_an_interrupt_between_the_grant_and_its_record_frees_the_lock(
+    lock_engine, namespace, monkeypatch
+):
+    """A soft time limit (or SIGINT) landing after PostgreSQL granted the key but before
+    the process recorded it: the key must not stay granted on the process's session,
+    where no one would release it and a later run of the process would re-enter it."""
+    from celery_pglock import _hold
+
+    record = _hold.Hold
+
+    def interrupted(*args, **kwargs):
+        monkeypatch.setattr(_hold, "Hold", record)  # once
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_hold, "Hold", interrupted)
+    key = make_key(namespace, "interrupted")
+    lock = AdvisoryLock(engine=lock_engine, key=key)
+    with pytest.raises(KeyboardInterrupt):
+        lock.acquire()
+    assert not lock.owned()
+    assert [] == pg_locks_rows(lock_engine, key)
+    again = AdvisoryLock(engine=lock_engine, key=key)
+    assert again.acquire()
+    again.release()
+    assert [] == pg_locks_rows(lock_engine, key)

@@ -341,3 +341,112 @@ def test_ensure_held_never_stops_a_shadowed_body(
     finally:
         holder.release()
         engine.dispose()
+
+
+def test_a_loss_is_reported_when_another_session_of_the_process_took_the_key(
+    database_url, broker_url, result_backend_url, namespace, session_mode
+):
+    """A's session ends before A's first check, and another run of this process takes
+    the key on a new session showing the same application_name: A's check must report
+    the loss, not take that session for A's (as it may behind PgBouncer, whose backend
+    pids are invented)."""
+    app = make_app(
+        database_url,
+        broker_url,
+        result_backend_url,
+        namespace,
+        pglock_watch_interval=1.0,
+        pglock_session_mode=session_mode,
+    )
+    terminated = threading.Event()
+    ran = []
+
+    @app.task(base=SingletonTask, shared=False)
+    def body(who, seconds):
+        ran.append(who)
+        if who == "A":
+            terminate_backend(database_url, current_lock().backend_pid)
+            terminated.set()
+        time.sleep(seconds)
+        return who
+
+    outcomes = {}
+
+    def run(who, seconds):
+        outcomes[who] = body.apply(args=(who, seconds))
+
+    first = threading.Thread(target=run, args=("A", 3.0))
+    first.start()
+    assert terminated.wait(10)
+    # A duplicate: its lookup of the holder finds the process session dead (per_process
+    # mode, where it is refused in-process), or it takes the free key (per_lock).
+    run("C1", 0.0)
+    second = threading.Thread(target=run, args=("C2", 2.5))
+    second.start()
+    first.join(15)
+    second.join(15)
+    assert "C2" in ran  # it took the key while A's body still ran
+    assert "C2" == outcomes["C2"].get()
+    assert "FAILURE" == outcomes["A"].state
+    assert isinstance(outcomes["A"].result, LockLostError)
+
+
+@pytest.mark.parametrize("in_main", [True, False], ids=["main-thread", "pool-thread"])
+def test_a_terminate_landing_as_the_body_returns_still_releases_the_lock(
+    database_url, broker_url, result_backend_url, namespace, monkeypatch, in_main
+):
+    """lock_on_lost='terminate': the watcher decides to interrupt while the body, just
+    returned, waits for it in unwatch(). The interrupt lands there: the run still ends
+    FAILURE with LockLostError, its lock is released, and the watcher keeps working
+    (a pool thread's interrupt used to land inside the lock it had just taken)."""
+    app = make_app(
+        database_url,
+        broker_url,
+        result_backend_url,
+        namespace,
+        pglock_watch_interval=0.2,
+        pglock_on_lost="terminate",
+    )
+    deciding = threading.Event()
+
+    def unverifiable(self, entries, deadline):
+        return {id(entry): "unverifiable: simulated" for entry in entries}
+
+    interrupt = _watch._interrupt
+
+    def late_interrupt(entry):
+        deciding.set()
+        time.sleep(0.3)  # the body returns meanwhile, and waits in unwatch()
+        interrupt(entry)
+
+    monkeypatch.setattr(_observer.Observer, "check", unverifiable)
+    monkeypatch.setattr(_watch, "_interrupt", late_interrupt)
+
+    @app.task(base=SingletonTask, shared=False)
+    def body(name):
+        deciding.wait(5)
+        return name
+
+    def call(name, outcome):
+        try:
+            outcome["value"] = body(name)  # a direct call: no task_postrun net
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    outcome: dict = {}
+    if in_main:
+        call("first", outcome)
+    else:
+        thread = threading.Thread(target=call, args=("first", outcome))
+        thread.start()
+        thread.join(10)
+    assert isinstance(outcome.get("error"), LockLostError), outcome
+    probe = AdvisoryLock(engine=db_module.engine_for(app.conf), key=body.lock_key_for())
+    assert not probe.locked()
+    assert not _watch._mutex.locked()
+    monkeypatch.undo()
+    later: dict = {}
+    thread = threading.Thread(target=call, args=("later", later), daemon=True)
+    thread.start()
+    thread.join(5)
+    assert {"value": "later"} == later

@@ -218,11 +218,72 @@ def test_a_bounded_round_trip_is_cut_at_its_deadline(database_url):
         started = time.monotonic()
         cursor = connection.cursor()
         with (
-            _deadline.bounded(connection, 0.5) as bound,
             pytest.raises(psycopg2.OperationalError),
+            _deadline.bounded(connection, 0.5) as bound,
         ):
             cursor.execute("SELECT pg_sleep(30)")
         assert time.monotonic() - started < 0.5 + _deadline.TICK + 0.5
         assert bound.fired
     finally:
         connection.close()
+
+
+def test_a_bound_that_fired_after_the_answer_still_fails_the_round_trip(database_url):
+    """The answer came, but this thread was descheduled until the reaper had shut the
+    socket down: the server is ending the session, so the round trip must fail like a
+    dead session, not report success."""
+    from celery_pglock import _deadline
+
+    connection = psycopg2.connect(dsn(database_url))
+    try:
+        cursor = connection.cursor()
+        bounds = []
+
+        def answer_then_stall():
+            with _deadline.bounded(connection, 0.2) as bound:
+                bounds.append(bound)
+                cursor.execute("SELECT 1")
+                assert (1,) == cursor.fetchone()
+                time.sleep(0.2 + _deadline.TICK + 0.3)  # the stall after the answer
+
+        with pytest.raises(psycopg2.OperationalError, match="no answer in time"):
+            answer_then_stall()
+        assert bounds[0].fired
+        with pytest.raises(psycopg2.Error):
+            cursor.execute("SELECT 1")
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("session_mode", ["per_process"], indirect=True)
+def test_an_acquire_whose_bound_fired_after_the_grant_is_not_a_held_lock(
+    lock_engine, database_url, namespace, monkeypatch
+):
+    """The same stall after a granted try-lock: acquire() must not return True for a lock
+    whose session the reaper has just cut (PostgreSQL frees it). The session is
+    replaced once, as for any dead session, and the lock is really held after."""
+    from celery_pglock import _deadline, _process_session
+
+    try_once = _process_session.ProcessSession._try
+    stalls = []
+
+    def stalled_try(self, *args, **kwargs):
+        answer = try_once(self, *args, **kwargs)
+        if not stalls:
+            stalls.append(1)
+            time.sleep(0.2 + _deadline.TICK + 0.3)  # the stall after the answer
+        return answer
+
+    monkeypatch.setattr(_process_session.ProcessSession, "_try", stalled_try)
+    lock = AdvisoryLock(engine=lock_engine, key=keys.make_key(namespace, "stall"))
+    lock.round_trip_timeout = 0.2
+    assert lock.acquire()
+    try:
+        assert stalls
+        with contextlib.closing(psycopg2.connect(dsn(database_url))) as probe:
+            probe.autocommit = True
+            with probe.cursor() as cursor:
+                cursor.execute("SELECT pg_try_advisory_lock(%s)", lock.key.ids)
+                assert cursor.fetchone()[0] is False  # really held
+    finally:
+        lock.release()

@@ -65,6 +65,7 @@ def test_probe_of_a_direct_connection_sees_no_pooler(database_url):
     facts = _server.probe(database_url)
     assert _server.Pooling.NONE == facts.pooling
     assert facts.proxied is False
+    assert facts.reports_backend_pid is True  # the watcher trusts libpq's pid
     assert facts.is_standby is False
     assert facts.server_version_num >= 100000
     assert facts.refusal("session") is None
@@ -80,6 +81,7 @@ def test_probe_tells_the_pgbouncer_pool_mode(pgbouncer_factory, mode, round_robi
     facts = _server.probe(bouncer.url())
     assert POOLING[mode] == facts.pooling
     assert facts.proxied is True
+    assert facts.reports_backend_pid is False  # PgBouncer invents the pid it reports
     assert facts.is_standby is False
 
 

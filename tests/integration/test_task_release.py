@@ -7,8 +7,10 @@ Reject, a release that fails, a body calling its own task, a failing metrics sin
 from __future__ import annotations
 
 import threading
+import uuid
 
 import pytest
+from celery.app.trace import build_tracer
 from celery.result import AsyncResult
 
 from celery_pglock import SKIPPED, LockBusy, current_lock
@@ -193,3 +195,78 @@ def test_a_failing_metrics_sink_never_fails_a_task(app):
     finally:
         metrics.install(metrics.NullMetrics())
     assert not is_held(task)
+
+
+def test_a_call_of_the_running_task_through_another_task_is_a_direct_call(app):
+    """a's run calls b directly, and b calls a directly: the inner a is a direct call
+    (its own lock, LockBusy on a's key), never a second run of a's message, so a's
+    retry still releases a's lock once Celery has stored RETRY."""
+    calls = {}
+
+    def b(n):
+        try:
+            return calls["a"](n)
+        except LockBusy as busy:
+            return type(busy).__name__
+
+    def a(self, n):
+        if n == 0:
+            calls["inner"] = [calls["b"](1), calls["b"](0)]
+            raise self.retry(countdown=3600, queue=f"it-never-{uuid.uuid4().hex}")
+        return "inner"
+
+    calls["b"] = define(app, b, lock_name="it.b-of-a")
+    calls["a"] = task = define(app, a, bind=True, lock_args=("n",), max_retries=3)
+    task_id = str(uuid.uuid4())
+    tracer = build_tracer(task.name, task, app=app)
+    tracer(task_id, [0], {}, {"id": task_id, "delivery_info": {"redelivered": False}})
+    # a(1) ran under its own lock; a(0) found a's own key held: LockBusy, not a skip.
+    assert ["inner", "LockBusy"] == calls["inner"]
+    assert "RETRY" == AsyncResult(task_id, app=app).state
+    assert not is_held(task, 0)
+    assert not is_held(task, 1)
+
+
+def test_a_skip_of_a_nested_direct_call_leaves_the_outer_callbacks_alone(app):
+    """lock_skip_result='success': the inner direct call raises LockBusy; the outer run's
+    link callbacks are untouched (a skip record clears only its own run's)."""
+    calls, seen = {}, {}
+
+    def b():
+        try:
+            return calls["a"](0)
+        except LockBusy as busy:
+            return type(busy).__name__
+
+    def a(self, n):
+        seen["inner"] = calls["b"]()
+        seen["callbacks"] = self.request.callbacks
+        return "outer"
+
+    calls["b"] = define(app, b, lock_name="it.b-of-a")
+    calls["a"] = task = define(
+        app, a, bind=True, lock_args=("n",), lock_skip_result="success"
+    )
+    link = {"task": "it.never", "args": [], "kwargs": {}, "options": {}}
+    task_id = str(uuid.uuid4())
+    tracer = build_tracer(task.name, task, app=app)
+    # Celery sends the link after the run: to a queue nobody reads.
+    link["options"] = {"queue": f"it-never-{uuid.uuid4().hex}"}
+    tracer(task_id, [0], {}, {"id": task_id, "callbacks": [link], "delivery_info": {}})
+    assert "LockBusy" == seen["inner"]
+    assert [link] == seen["callbacks"]
+    assert "outer" == AsyncResult(task_id, app=app).get(timeout=5)
+
+
+def test_a_database_error_requeue_leaves_the_tasks_retry_limit_alone(app, database_url):
+    """lock_on_error='retry' re-queues through Celery's retry(max_retries=...), which
+    leaves that limit on the task object; it must not outlive the re-queue, or the
+    task's autoretry_for would use lock_error_retries in every later run."""
+    app.conf.pglock_database_url = database_url.replace(":5432/", ":1/", 1)
+    task = define(app, ran, max_retries=10)
+    task_id = str(uuid.uuid4())
+    tracer = build_tracer(task.name, task, app=app)
+    queue = f"it-never-{uuid.uuid4().hex}"  # the re-queued message goes nowhere
+    tracer(task_id, [], {}, {"id": task_id, "delivery_info": {"routing_key": queue}})
+    assert "RETRY" == AsyncResult(task_id, app=app).state
+    assert "override_max_retries" not in vars(task)
