@@ -4,16 +4,14 @@
 (:func:`report`, one more round trip on this path only), reports the outcome and ends
 the run as the policy and ``lock_skip_result`` say: ``LockSkipped`` (FAILURE), a skip
 record (SUCCESS), the state ``SKIPPED``, ``LockBusy``, or Celery's retry. A redelivery
-whose first delivery still runs (or has just finished) stores nothing (``Ignore``),
-whatever the policy. :func:`skip_info` reads a skip back from a result.
+whose first delivery still runs stores nothing (``Ignore``), whatever the policy.
+:func:`skip_info` reads a skip back from a result.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
-from celery import states
 from celery.exceptions import Ignore
 
 from celery_pglock import _holder, _outcomes, exceptions, keys
@@ -21,8 +19,6 @@ from celery_pglock.config import OnBusy, SkipResult
 
 if TYPE_CHECKING:
     from celery_pglock.lock import AdvisoryLock
-
-logger = logging.getLogger(__name__)
 
 #: The result state of a skipped run under ``lock_skip_result='skipped'``.
 SKIPPED = "SKIPPED"
@@ -55,13 +51,13 @@ def apply_policy(
     )
     if first_delivery_runs:
         # This very message, redelivered (a broker visibility timeout, a lost
-        # connection) while its first delivery still runs and holds the lock, or has
-        # just finished: whatever the policy, storing anything under its id (a skip,
-        # LockBusy, a retry that would run the body again) would overwrite its real
-        # outcome, which the first delivery stores.
+        # connection) while its first delivery still runs and holds the lock: whatever
+        # the policy, storing anything under its id (a skip, LockBusy, a retry that
+        # would run the body again) would end its caller's wait with the wrong outcome.
+        # The first delivery will store the real one.
         message += (
-            " The message was a redelivery whose first delivery is running or has "
-            "just finished, so no result was stored."
+            " The message was a redelivery whose first delivery is still running, "
+            "so no result was stored."
         )
         skip_result = None
     _outcomes.skipped(
@@ -103,38 +99,19 @@ def apply_policy(
 
 
 def _first_delivery_runs(task: Any, lock: AdvisoryLock, task_id: str | None) -> bool:
-    """Is the first delivery of this redelivered message running, or just finished?
+    """Is the first delivery of this redelivered message still running?
 
     An acks_late run holds its run lock (keys.run_key) beside its key; any other
     message was acknowledged when it started, so a redelivery of it never ran. When
     the run lock cannot be checked, the answer is yes: storing nothing is what the
-    library did before it could tell. A first delivery that finished after this run
-    found the key busy has released its run lock too: its stored outcome tells.
+    library did before it could tell.
     """
     if task_id is None or not task.acks_late:
         return False
     alive = lock._session.run_alive(
         keys.run_key(task_id), bound=lock.round_trip_timeout
     )
-    return alive is not False or _outcome_stored(task, task_id)
-
-
-def _outcome_stored(task: Any, task_id: str) -> bool:
-    """Has a run of ``task_id`` already stored a final state? (False if unknown.)"""
-    from celery.backends.rpc import RPCBackend
-
-    if (
-        task.ignore_result
-        or task.request.ignore_result
-        # rpc:// stores nothing to read back: its results are messages to the caller.
-        or isinstance(task.backend, RPCBackend)
-    ):
-        return False
-    try:
-        return task.AsyncResult(task_id).state in states.READY_STATES
-    except Exception:  # a result backend down must not change how a skip ends
-        logger.debug("Reading the state of %s failed", task_id, exc_info=True)
-        return False
+    return alive is not False
 
 
 def report(

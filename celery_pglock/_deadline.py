@@ -31,13 +31,14 @@ class Bound:
     """One bounded round trip (a context manager, see :func:`bounded`); ``fired`` tells
     the caller why its connection died."""
 
-    __slots__ = ("deadline", "done", "fd", "fired")
+    __slots__ = ("deadline", "done", "fd", "fired", "late_answer_fails")
 
-    def __init__(self, fd: int, deadline: float) -> None:
+    def __init__(self, fd: int, deadline: float, late_answer_fails: bool) -> None:
         self.fd = fd
         self.deadline = deadline
         self.done = False
         self.fired = False
+        self.late_answer_fails = late_answer_fails
 
     def __enter__(self) -> Bound:
         if _reaper is None:
@@ -52,7 +53,7 @@ class Bound:
         with _guard:
             self.done = True
             _pending.pop(id(self), None)
-        if self.fired and exc_type is None:
+        if self.fired and exc_type is None and self.late_answer_fails:
             # The answer came, but after the reaper had shut the socket down (this
             # thread was descheduled in between): the server is ending the session and
             # everything it holds. A dead session, however well the statement went.
@@ -69,15 +70,22 @@ _guard = threading.Lock()
 _reaper: threading.Thread | None = None
 
 
-def bounded(dbapi_connection: Any, seconds: float) -> Bound:
+def bounded(
+    dbapi_connection: Any, seconds: float, *, late_answer_fails: bool = True
+) -> Bound:
     """Shut the connection's socket down if the ``with`` block has not ended after
     ``seconds``.
 
     Only for a connection this process owns, used by one thread at a time. After a
-    fired bound the connection is dead: the caller must close (invalidate) it. (A
-    class, not a generator context manager: this runs twice per task.)
+    fired bound the connection is dead: the caller must close (invalidate) it. A block
+    that ended without an error after its bound fired raises OperationalError on exit,
+    unless ``late_answer_fails`` is False (the caller then checks ``fired``): an answer
+    is no success for a statement whose effect lives in the session. (A class, not a
+    generator context manager: this runs twice per task.)
     """
-    return Bound(dbapi_connection.fileno(), time.monotonic() + seconds)
+    return Bound(
+        dbapi_connection.fileno(), time.monotonic() + seconds, late_answer_fails
+    )
 
 
 def explain(bound: Bound | None) -> str:

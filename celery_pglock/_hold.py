@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from celery_pglock import exceptions
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import sqlalchemy as sa
 
     from celery_pglock.keys import LockKey
@@ -83,13 +85,17 @@ class LockSession(Protocol):
         transaction: bool,
         bound: float = DEFAULT_ROUND_TRIP_TIMEOUT,
         run: LockKey | None = None,
+        on_granted: Callable[[Hold], None] | None = None,
     ) -> Hold | None:
         """Take ``key``; the hold, or None when another session (or task) holds it.
 
         ``label`` (a task name) goes into the session's application_name. ``bound``
         limits the round trip client-side, beyond a ``timeout_ms`` wait: a frozen link or
         server gives a DatabaseError instead of a hang. ``run``: a run lock to take with
-        the key (``hold.run_ids`` when granted) and to release with it.
+        the key (``hold.run_ids`` when granted) and to release with it. ``on_granted``
+        gets the hold as soon as it is recorded, inside the strategy's own failure
+        handling: an exception landing before ``acquire`` returns (a soft time limit)
+        cannot leave a granted key its owner does not know.
         """
         ...
 

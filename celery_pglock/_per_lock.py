@@ -23,6 +23,8 @@ from celery_pglock import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import sqlalchemy as sa
 
     from celery_pglock.keys import LockKey
@@ -45,6 +47,7 @@ class PerLockSessions(_hold.LockSession):
         transaction: bool,
         bound: float = _hold.DEFAULT_ROUND_TRIP_TIMEOUT,
         run: LockKey | None = None,
+        on_granted: Callable[[_hold.Hold], None] | None = None,
     ) -> _hold.Hold | None:
         prefix = db.engine_info(self.engine)["application_name_prefix"]
         tag = db.process_tag()
@@ -54,12 +57,17 @@ class PerLockSessions(_hold.LockSession):
         idle_name = _application_name(prefix, tag, "idle")
         run_ids = None if run is None else run.ids
         if transaction:
-            return self._acquire_transaction(
+            hold = self._acquire_transaction(
                 key, holding_name, idle_name, timeout_ms, bound, run_ids
             )
-        return self._acquire_session(
-            key, holding_name, idle_name, timeout_ms, bound, run_ids
-        )
+        else:
+            hold = self._acquire_session(
+                key, holding_name, idle_name, timeout_ms, bound, run_ids
+            )
+        # Here a pinned connection that nobody knows is unlocked at its pool check-in.
+        if hold is not None and on_granted is not None:
+            on_granted(hold)
+        return hold
 
     def release(
         self,
@@ -298,20 +306,21 @@ class PerLockSessions(_hold.LockSession):
                     f"{'commit' if commit else 'roll back'} lock {key.name!r}",
                     self.engine,
                 ),
-                # Bounded: on a cut or frozen link the socket is shut down.
-                _deadline.bounded(hold.connection, timeout) as bound,
+                # Bounded: on a cut or frozen link the socket is shut down. An answer
+                # that came late still counts: the transaction did commit (or roll back),
+                # which is what released the lock.
+                _deadline.bounded(
+                    hold.connection, timeout, late_answer_fails=False
+                ) as bound,
             ):
                 if commit:
                     transaction.commit()
                 else:
                     transaction.rollback()
-                if hold.lent:
-                    # The body had this connection: wipe what it may have left on the
-                    # session (SET search_path, its own advisory locks, temp tables)
-                    # before pooling it. Not needed (one round trip saved) otherwise.
-                    hold.connection.autocommit = True
-                    with hold.connection.cursor() as cursor:
-                        cursor.execute(_sql.DISCARD_ALL)
+            if bound.fired:
+                connection.invalidate()  # the socket was shut down: the session ends
+            elif hold.lent:
+                self._discard_all(hold, timeout)
         except BaseException as exc:
             self._retire_if_dead(hold.pooled, exc.__cause__ or exc)
             connection.invalidate()
@@ -322,6 +331,23 @@ class PerLockSessions(_hold.LockSession):
             raise
         finally:
             connection.close()
+
+    def _discard_all(self, hold: _hold.Hold, timeout: float) -> None:
+        """After a transaction-scope run whose body had the connection: wipe what it may
+        have left on the session (SET search_path, its own advisory locks, temp tables)
+        before pooling it. Not needed (one round trip saved) otherwise. A failure only
+        costs the connection: the transaction, and with it the lock, already ended."""
+        connection = hold.sa_connection
+        try:
+            with _deadline.bounded(hold.connection, timeout):
+                hold.connection.autocommit = True
+                with hold.connection.cursor() as cursor:
+                    cursor.execute(_sql.DISCARD_ALL)
+        except Exception as exc:
+            logger.debug("DISCARD ALL after lock %s failed", hold.ids, exc_info=True)
+            self._retire_if_dead(hold.pooled, exc)
+            if connection is not None:
+                connection.invalidate()
 
 
 @functools.lru_cache(maxsize=4096)

@@ -27,6 +27,8 @@ from celery_pglock import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import sqlalchemy as sa
 
     from celery_pglock.keys import LockKey
@@ -69,6 +71,7 @@ class ProcessSession(_hold.LockSession):
         transaction: bool,
         bound: float = _hold.DEFAULT_ROUND_TRIP_TIMEOUT,
         run: LockKey | None = None,
+        on_granted: Callable[[_hold.Hold], None] | None = None,
     ) -> _hold.Hold | None:
         if transaction or timeout_ms is not None:
             return self.waits.acquire(
@@ -78,6 +81,7 @@ class ProcessSession(_hold.LockSession):
                 transaction=transaction,
                 bound=bound,
                 run=run,
+                on_granted=on_granted,
             )
         ids = key.ids
         with self._mutex:
@@ -102,8 +106,9 @@ class ProcessSession(_hold.LockSession):
                     granted, run_granted = self._try(cursor, ids, name, run_ids)
                 if not granted:
                     return None
-                # Recorded inside the try: an exception landing here (a soft time
-                # limit) must not leave a granted key that nobody in the process knows.
+                # Recorded (and handed to on_granted) inside the try: an exception
+                # landing here (a soft time limit) must not leave a granted key that
+                # nobody in the process knows.
                 hold = _hold.Hold(self, ids)
                 hold.connection, hold.generation = self._connection, self._generation
                 hold.holding_name = self._shown
@@ -111,6 +116,8 @@ class ProcessSession(_hold.LockSession):
                 if run_granted and run_ids is not None:
                     hold.run_ids = run_ids
                     self._runs[run_ids] = hold
+                if on_granted is not None:
+                    on_granted(hold)
             except BaseException as exc:
                 self._fail(f"acquiring lock {key.name!r} failed: {exc!r}", exc)
                 if isinstance(exc, Exception):

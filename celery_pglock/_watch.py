@@ -149,7 +149,9 @@ def watch(
         _install_handler()
     entry = Entry(lock, task, task_id, options, terminate, thread_id, in_main)
     global _idle
-    with _cond:
+    # The bare lock, as in unwatch(): an outer body's interrupt may land here too (a
+    # terminate-mode body calling another SingletonTask).
+    with _mutex:
         if _thread is None:
             _start_thread()
         _entries[id(lock)] = entry

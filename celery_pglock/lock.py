@@ -339,6 +339,11 @@ class AdvisoryLock:
             transaction=self.scope is LockScope.TRANSACTION,
             bound=self.round_trip_timeout,
             run=self.run_key,
+            on_granted=self._granted,
         )
         self._hold = hold
         return hold is not None
+
+    def _granted(self, hold: _hold.Hold) -> None:
+        # Owned from the moment the session recorded the grant (see LockSession.acquire).
+        self._hold = hold

@@ -408,3 +408,43 @@ def test_an_interrupt_between_the_grant_and_its_record_frees_the_lock(
     assert again.acquire()
     again.release()
     assert [] == pg_locks_rows(lock_engine, key)
+
+
+@pytest.mark.parametrize("session_mode", ["per_process"], indirect=True)
+def test_an_interrupt_as_the_grant_is_returned_leaves_the_lock_owned(
+    lock_engine, namespace
+):
+    """The same interrupt, landing once the process has recorded the grant, as the
+    session's mutex is given back: the AdvisoryLock already owns the lock, so whoever
+    handles the interrupt (task_postrun for a task) can release it."""
+    key = make_key(namespace, "interrupted-late")
+    lock = AdvisoryLock(engine=lock_engine, key=key)
+    session = lock._session
+    mutex = session._mutex
+
+    class InterruptedOnExit:
+        """The session's mutex, with a signal handler raising as it is given back."""
+
+        def __enter__(self):
+            return mutex.__enter__()
+
+        def __exit__(self, *exc_info):
+            mutex.__exit__(*exc_info)
+            if exc_info[0] is None:
+                session._mutex = mutex  # once
+                raise KeyboardInterrupt
+
+    session._mutex = InterruptedOnExit()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lock.acquire()
+    finally:
+        session._mutex = mutex
+    assert lock.owned()
+    ((_, granted),) = pg_locks_rows(lock_engine, key)
+    assert granted
+    lock.release()
+    assert [] == pg_locks_rows(lock_engine, key)
+    again = AdvisoryLock(engine=lock_engine, key=key)
+    assert again.acquire()
+    again.release()

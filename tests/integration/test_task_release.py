@@ -7,9 +7,11 @@ Reject, a release that fails, a body calling its own task, a failing metrics sin
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import pytest
+import sqlalchemy as sa
 from celery.app.trace import build_tracer
 from celery.result import AsyncResult
 
@@ -270,3 +272,49 @@ def test_a_database_error_requeue_leaves_the_tasks_retry_limit_alone(app, databa
     tracer(task_id, [], {}, {"id": task_id, "delivery_info": {"routing_key": queue}})
     assert "RETRY" == AsyncResult(task_id, app=app).state
     assert "override_max_retries" not in vars(task)
+
+
+@pytest.mark.parametrize("session_mode", ["per_process"], indirect=True)
+def test_a_commit_answered_after_its_bound_fired_still_succeeds(
+    app, database_url, monkeypatch
+):
+    """Transaction scope: PostgreSQL answered the COMMIT, then the thread stalled past the
+    round-trip bound and the reaper shut the socket down. The work is committed and the
+    lock ended with the transaction: the run succeeds, and the dead connection is not
+    pooled."""
+    from sqlalchemy.engine import base
+
+    from celery_pglock import _deadline
+
+    table = f"it_late_commit_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(database_url, poolclass=sa.pool.NullPool)
+    with admin.begin() as connection:
+        connection.exec_driver_sql(f"CREATE TABLE {table} (v int)")
+    app.conf.pglock_check_timeout = 0.2
+
+    def body():
+        current_lock().connection.exec_driver_sql(f"INSERT INTO {table} VALUES (1)")
+        return "done"
+
+    task = define(app, body, lock_scope="transaction")
+    commit = base.RootTransaction.commit
+
+    def commit_then_stall(self, *args, **kwargs):
+        answer = commit(self, *args, **kwargs)
+        time.sleep(0.2 + _deadline.TICK + 0.3)  # the stall after the answer
+        return answer
+
+    monkeypatch.setattr(base.RootTransaction, "commit", commit_then_stall)
+    try:
+        result = task.apply()
+        monkeypatch.undo()
+        after = task.apply()  # the next run gets a live connection
+    finally:
+        monkeypatch.undo()
+        with admin.begin() as connection:
+            rows = connection.exec_driver_sql(f"SELECT count(*) FROM {table}").scalar()
+            connection.exec_driver_sql(f"DROP TABLE {table}")
+        admin.dispose()
+    assert "done" == result.get(timeout=5)
+    assert "done" == after.get(timeout=5)
+    assert 2 == rows
