@@ -233,6 +233,7 @@ def _unawaited_release() -> None:
         transaction: bool,
         bound: float = 5.0,
         run: Any = None,
+        on_granted: Any = None,
     ) -> Any:
         if run is not None:
             raise NotImplementedError("no run locks (acks_late) in this measurement")
@@ -245,6 +246,7 @@ def _unawaited_release() -> None:
                 transaction=transaction,
                 bound=bound,
                 run=run,
+                on_granted=on_granted,
             )
         ids = key.ids
         with self._mutex:
@@ -260,6 +262,8 @@ def _unawaited_release() -> None:
             hold = _hold.Hold(self, ids)
             hold.connection = self._connection
             self._owners[ids] = hold
+            if on_granted is not None:
+                on_granted(hold)
             return hold
 
     def release(

@@ -148,7 +148,6 @@ def watch(
     if terminate and in_main:
         _install_handler()
     entry = Entry(lock, task, task_id, options, terminate, thread_id, in_main)
-    global _idle
     # The bare lock, as in unwatch(): an outer body's interrupt may land here too (a
     # terminate-mode body calling another SingletonTask).
     with _mutex:
@@ -156,7 +155,8 @@ def watch(
             _start_thread()
         _entries[id(lock)] = entry
         if _idle:
-            _idle = False
+            # The watcher clears _idle itself once awake: an interrupt landing before
+            # this notify() leaves it set, and the next watch() wakes the watcher.
             _cond.notify()
 
 
@@ -190,13 +190,15 @@ def unwatch(lock: AdvisoryLock) -> None:
 
 
 def _start_thread() -> None:
-    """Start the watcher in this process (call with _cond held; a forked child starts
+    """Start the watcher in this process (call with _mutex held; a forked child starts
     its own, see _forget_in_child)."""
     global _thread, _idle
     _idle = False
     thread = threading.Thread(target=_run, name="celery-pglock-watch", daemon=True)
-    thread.start()
+    # Recorded first: an interrupt landing after start() must not make the next
+    # watch() start a second watcher.
     _thread = thread
+    thread.start()
 
 
 def _run() -> None:
@@ -215,6 +217,7 @@ def _watch_forever() -> None:
             if not _entries:
                 _idle = True
                 _cond.wait()
+                _idle = False
             entries = list(_entries.values())
         now = time.monotonic()
         due = [
