@@ -264,7 +264,11 @@ def test_a_database_error_requeue_leaves_the_tasks_retry_limit_alone(app, databa
     """lock_on_error='retry' re-queues through Celery's retry(max_retries=...), which
     leaves that limit on the task object; it must not outlive the re-queue, or the
     task's autoretry_for would use lock_error_retries in every later run."""
-    app.conf.pglock_database_url = database_url.replace(":5432/", ":1/", 1)
+    # Nothing listens on port 1: every acquire fails to connect (a transient error).
+    unreachable = sa.engine.make_url(database_url).set(
+        host="127.0.0.1", port=1, query={}
+    )
+    app.conf.pglock_database_url = unreachable.render_as_string(hide_password=False)
     task = define(app, ran, max_retries=10)
     task_id = str(uuid.uuid4())
     tracer = build_tracer(task.name, task, app=app)
