@@ -34,6 +34,19 @@ from tests.integration.loss_support import (
 )
 
 
+@pytest.fixture
+def terminate_app(database_url, broker_url, result_backend_url, namespace):
+    """An app whose lost locks end their bodies, checked every 0.2 s."""
+    return make_app(
+        database_url,
+        broker_url,
+        result_backend_url,
+        namespace,
+        pglock_watch_interval=0.2,
+        pglock_on_lost="terminate",
+    )
+
+
 @pytest.mark.parametrize("scope", ["session", "transaction"])
 def test_terminated_holder_is_detected_signalled_and_fails_the_run(
     database_url, broker_url, result_backend_url, namespace, lost_events, scope
@@ -110,17 +123,10 @@ def test_interval_zero_turns_checks_off(
 
 
 def test_terminate_policy_ends_a_body_in_another_thread(
-    database_url, broker_url, result_backend_url, namespace, lost_events
+    database_url, terminate_app, lost_events
 ):
     """A threads-pool body: an asynchronous LockLostError at its next bytecode."""
-    app = make_app(
-        database_url,
-        broker_url,
-        result_backend_url,
-        namespace,
-        pglock_watch_interval=0.2,
-        pglock_on_lost="terminate",
-    )
+    app = terminate_app
     progress = {"steps": 0}
 
     @app.task(base=SingletonTask, shared=False)
@@ -146,18 +152,9 @@ def test_terminate_policy_ends_a_body_in_another_thread(
     assert len(lost_events) == 1
 
 
-def test_terminate_policy_ends_a_sleeping_main_thread_body(
-    database_url, broker_url, result_backend_url, namespace
-):
+def test_terminate_policy_ends_a_sleeping_main_thread_body(database_url, terminate_app):
     """Prefork/solo bodies run in the main thread: a signal interrupts even a long sleep."""
-    app = make_app(
-        database_url,
-        broker_url,
-        result_backend_url,
-        namespace,
-        pglock_watch_interval=0.2,
-        pglock_on_lost="terminate",
-    )
+    app = terminate_app
 
     @app.task(base=SingletonTask, shared=False)
     def body():
@@ -393,20 +390,13 @@ def test_a_loss_is_reported_when_another_session_of_the_process_took_the_key(
 
 @pytest.mark.parametrize("in_main", [True, False], ids=["main-thread", "pool-thread"])
 def test_a_terminate_landing_as_the_body_returns_still_releases_the_lock(
-    database_url, broker_url, result_backend_url, namespace, monkeypatch, in_main
+    terminate_app, monkeypatch, in_main
 ):
     """lock_on_lost='terminate': the watcher decides to interrupt while the body, just
     returned, waits for it in unwatch(). The interrupt lands there: the run still ends
     FAILURE with LockLostError, its lock is released, and the watcher keeps working
     (a pool thread's interrupt used to land inside the lock it had just taken)."""
-    app = make_app(
-        database_url,
-        broker_url,
-        result_backend_url,
-        namespace,
-        pglock_watch_interval=0.2,
-        pglock_on_lost="terminate",
-    )
+    app = terminate_app
     deciding = threading.Event()
 
     def unverifiable(self, entries, deadline):
