@@ -91,6 +91,8 @@ class OverlapRecorder:
         self._connection: Any = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
+        #: row id -> server time this process last read while the row's body ran.
+        self._alive: dict[int, datetime.datetime] = {}
 
     def setup(self) -> None:
         """Create the table and its index if they do not exist (safe to run concurrently)."""
@@ -117,11 +119,13 @@ class OverlapRecorder:
         """Record that a body for ``key`` starts now; returns the row id for :meth:`end`."""
         row = self._execute(
             f"INSERT INTO {self.table} (run, key, task_id, pid, started_at) "
-            "VALUES (%s, %s, %s, %s, clock_timestamp()) RETURNING id",
+            "VALUES (%s, %s, %s, %s, clock_timestamp()) RETURNING id, started_at",
             (run, key, task_id, os.getpid()),
             fetch=True,
         )
-        return int(row[0][0])
+        row_id = int(row[0][0])
+        self._alive[row_id] = row[0][1]
+        return row_id
 
     def end(self, row_id: int) -> None:
         """Record that the body of row ``row_id`` ends now."""
@@ -129,6 +133,26 @@ class OverlapRecorder:
             f"UPDATE {self.table} SET ended_at = clock_timestamp() WHERE id = %s",
             (row_id,),
         )
+        self._alive.pop(row_id, None)
+
+    def heartbeat(self, row_id: int) -> None:
+        """Move the end of a running body's row to the last instant it is known alive.
+
+        Call it periodically from a body that may be killed: its row then ends shortly
+        before its death instead of staying unfinished. What is written is the server
+        time of the *previous* heartbeat (or of :meth:`begin`), which this process lived
+        to read, never the current time: a statement in flight when the process is
+        killed can still execute after its death, once its lock was freed and taken by
+        the next run, and would record an overlap that never happened.
+        """
+        rows = self._execute(
+            f"UPDATE {self.table} SET ended_at = COALESCE(%s, ended_at, started_at) "
+            "WHERE id = %s RETURNING clock_timestamp()",
+            (self._alive.get(row_id), row_id),
+            fetch=True,
+        )
+        if rows:
+            self._alive[row_id] = rows[0][0]
 
     @contextlib.contextmanager
     def record(self, run: str, key: str, task_id: str | None = None) -> Iterator[int]:

@@ -93,7 +93,7 @@ def wait_gate(name: str, row_id: int) -> None:
     """
     deadline = time.monotonic() + GATE_TIMEOUT
     while time.monotonic() < deadline:
-        recorder.end(row_id)
+        recorder.heartbeat(row_id)
         with _gate_cursor() as cursor:
             cursor.execute(f"SELECT 1 FROM {GATES_TABLE} WHERE name = %s", (name,))
             if cursor.fetchone():

@@ -28,7 +28,8 @@ ON_LOST_ENV = "PGLOCK_TEST_ON_LOST"
 #: any body plus its wait in the prefetch buffer, short enough for a bounded run.
 VISIBILITY_TIMEOUT = 15
 #: The body refreshes its interval's end this often: a killed body leaves "last seen
-#: alive", at most this much short (tests.acceptance.app.wait_gate does the same).
+#: alive", at most about twice this short (OverlapRecorder.heartbeat; the acceptance
+#: app's wait_gate does the same).
 HEARTBEAT = 0.2
 #: The cause recorded for a loss learnt at release (lock_release_failed).
 RELEASE_FAILED = "release failed: "
@@ -75,6 +76,6 @@ def work(self: Any, run: str, key: str, seconds: float) -> str:
     with recorder.record(run, key, self.request.id) as row_id:
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
-            recorder.end(row_id)
+            recorder.heartbeat(row_id)
             time.sleep(min(left, HEARTBEAT))
     return "ran"

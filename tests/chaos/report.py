@@ -201,6 +201,20 @@ def _analyse(
             "signal": event[0] if event else None,
             "run": "part" if first.run.endswith("part") else "main",
         }
+        if not event:
+            # Enough to find both runs in the kept worker logs.
+            row["runs"] = [
+                {
+                    "task": i.task_id,
+                    "pid": i.pid,
+                    "kind": chaos.sent.get(i.task_id or ""),
+                    "outcome": _outcome(outcomes, i.task_id or ""),
+                    "at_s": round(i.started_at.timestamp() - chaos.t0, 3),
+                    "to_s": round(i.ended_at.timestamp() - chaos.t0, 3),
+                }
+                for i in (first, second)
+                if i.ended_at is not None
+            ]
         (explained if event else unexplained).append(row)
         windows.append(window)
 

@@ -354,6 +354,29 @@ def test_overlap_recorder_reports_unfinished_intervals(overlap, namespace):
     assert [] == overlap.overlaps(namespace)
 
 
+def test_overlap_recorder_heartbeat_writes_only_instants_the_body_read_back(
+    overlap, namespace
+):
+    """A heartbeat ends the row at the server time the previous one returned, never at its
+    own: one in flight when its worker is killed can execute after the death, once the
+    next run took the freed lock, and would record an overlap that never happened."""
+    row = overlap.begin(namespace, "k", "body")
+    overlap.heartbeat(row)
+    (body,) = overlap.intervals(namespace)
+    assert body.started_at == body.ended_at  # only begin()'s time was read back yet
+
+    # A later begin() is a server instant after the first heartbeat's reply was read.
+    clock = overlap.begin(namespace, "clock")
+    overlap.heartbeat(row)
+    body, marker = overlap.intervals(namespace)
+    assert body.started_at < body.ended_at < marker.started_at
+
+    overlap.end(row)  # a body that ends normally records the current time
+    body, marker = overlap.intervals(namespace)
+    assert marker.started_at < body.ended_at
+    overlap.end(clock)
+
+
 # -- WorkerProcess ------------------------------------------------------------------------
 
 
