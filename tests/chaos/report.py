@@ -182,8 +182,24 @@ def _analyse(
         found = [e for e in events.get(task_id, []) if e[1] >= after - 0.05]
         return min(found, key=lambda e: e[1]) if found else None
 
-    # Overlaps: explained when the earlier run's loss was signalled.
+    # Processes SIGKILLed (pid -> when), and runs a hard time limit killed.
+    killed = {
+        pid: f.began for f in chaos.faults if "SIGKILL" in f.kind for pid in f.pids
+    }
+    limit_killed = {
+        task_id
+        for task_id, (_, reason) in outcomes.items()
+        if reason == "TimeLimitExceeded"
+    }
+
+    def killed_after(interval: Interval, instant: float) -> bool:
+        return interval.task_id in limit_killed or killed.get(interval.pid, 0) > instant
+
+    # Overlaps: explained when the earlier run's loss was signalled, or when a fault took
+    # its lock and its process was then killed before the loss could be detected (a dead
+    # process signals nothing; its body still ran until its last heartbeat).
     explained: list[dict[str, Any]] = []
+    killed_first: list[dict[str, Any]] = []
     unexplained: list[dict[str, Any]] = []
     windows: list[float] = []
     for overlap in overlaps:
@@ -195,31 +211,44 @@ def _analyse(
             min(first.ended_at, second.ended_at) - second.started_at
         ).total_seconds()
         event = lost_at(first.task_id, first.started_at.timestamp())
-        row = {
+        row: dict[str, Any] = {
             "key": first.key,
             "window_s": round(window, 3),
             "signal": event[0] if event else None,
             "run": "part" if first.run.endswith("part") else "main",
         }
-        if not event:
-            # Enough to find both runs in the kept worker logs.
-            row["runs"] = [
-                {
-                    "task": i.task_id,
-                    "pid": i.pid,
-                    "kind": chaos.sent.get(i.task_id or ""),
-                    "outcome": _outcome(outcomes, i.task_id or ""),
-                    "at_s": round(i.started_at.timestamp() - chaos.t0, 3),
-                    "to_s": round(i.ended_at.timestamp() - chaos.t0, 3),
-                }
-                for i in (first, second)
-                if i.ended_at is not None
-            ]
-        (explained if event else unexplained).append(row)
         windows.append(window)
+        if event:
+            explained.append(row)
+            continue
+        # Enough to find both runs in the kept worker logs.
+        row["runs"] = [
+            {
+                "task": i.task_id,
+                "pid": i.pid,
+                "kind": chaos.sent.get(i.task_id or ""),
+                "outcome": _outcome(outcomes, i.task_id or ""),
+                "at_s": round(i.started_at.timestamp() - chaos.t0, 3),
+                "to_s": round(i.ended_at.timestamp() - chaos.t0, 3),
+            }
+            for i in (first, second)
+            if i.ended_at is not None
+        ]
+        taken_by = [
+            fault
+            for fault in chaos.faults
+            if fault.kind.startswith(("restart", "terminate"))
+            and second.started_at.timestamp() > fault.began
+            and _took_lock(chaos, fault, first, alive_after=fault.began)
+            and killed_after(first, fault.began)
+        ]
+        if taken_by:
+            row["fault"] = taken_by[-1].kind
+            killed_first.append(row)
+        else:
+            unexplained.append(row)
 
     # Losses injected (runs whose lock the fault surely took away) vs detected.
-    killed = {pid for f in chaos.faults if "SIGKILL" in f.kind for pid in f.pids}
     losses = []
     for fault in chaos.faults:
         if not (fault.kind.startswith(("restart", "terminate", "link"))):
@@ -228,28 +257,16 @@ def _analyse(
         hit = [
             i
             for i in intervals
-            if i.started_at.timestamp() < fault.began
-            and i.ended_at is not None
             # A frozen link makes the lock unverifiable at once; a restart or a
             # termination surely took it once the fault was done.
-            and i.ended_at.timestamp() > (fault.began if link else fault.done + 0.1)
-            and i.run.endswith("part") == link
-            and (not fault.pids or i.pid in fault.pids or link)
-            and (
-                fault.locks is None
-                or chaos.app.work.lock_key_for(i.run, i.key, 0).pg_locks_ids
-                in fault.locks
+            if _took_lock(
+                chaos, fault, i, alive_after=fault.began if link else fault.done + 0.1
             )
         ]
         if link:
             hit = [i for i in hit if i.task_id in chaos.partition_holders]
         for interval in hit:
             event = lost_at(interval.task_id, interval.started_at.timestamp())
-            killed_first = (
-                interval.pid in killed
-                or outcomes.get(interval.task_id or "", ("", ""))[1]
-                == "TimeLimitExceeded"
-            )
             losses.append(
                 {
                     "fault": fault.kind,
@@ -258,7 +275,8 @@ def _analyse(
                     if event is None
                     else round(event[1] - fault.began, 3),
                     "signal": None if event is None else event[0],
-                    "killed_before_detection": event is None and killed_first,
+                    "killed_before_detection": event is None
+                    and killed_after(interval, fault.began),
                 }
             )
 
@@ -302,10 +320,11 @@ def _analyse(
         **counts,
         "failed_reasons": reasons,
         "overlaps_explained": explained,
+        "overlaps_killed_first": killed_first,
         "overlaps_unexplained": unexplained,
         "overlap_window_max_s": round(max(windows), 3) if windows else 0.0,
         "partition_overlaps": sum(
-            1 for o in explained + unexplained if o["run"] == "part"
+            1 for o in explained + killed_first + unexplained if o["run"] == "part"
         ),
         "losses": losses,
         "faults": recoveries,
@@ -313,6 +332,26 @@ def _analyse(
         "task_ids_run_more_than_once": reruns,
         "keys": chaos.plan.keys,
     }
+
+
+def _took_lock(
+    chaos: Chaos, fault: faults.Fault, interval: Interval, *, alive_after: float
+) -> bool:
+    """``fault`` (a restart, termination or frozen link) took the lock of ``interval``'s
+    run: its body started before the fault and was still alive at ``alive_after``."""
+    link = fault.kind.startswith("link")
+    return (
+        interval.started_at.timestamp() < fault.began
+        and interval.ended_at is not None
+        and interval.ended_at.timestamp() > alive_after
+        and interval.run.endswith("part") == link
+        and (not fault.pids or interval.pid in fault.pids or link)
+        and (
+            fault.locks is None
+            or chaos.app.work.lock_key_for(interval.run, interval.key, 0).pg_locks_ids
+            in fault.locks
+        )
+    )
 
 
 def _outcome(outcomes: dict[str, tuple[str, str]], task_id: str) -> str:
@@ -392,6 +431,7 @@ def render(figures: dict[str, Any], results: list[tuple[str, bool]]) -> str:
         "|---|---|",
         f"| after a detected, signalled loss | {len(figures['overlaps_explained'])} "
         f"(window max {figures['overlap_window_max_s']:.3f}s) |",
+        f"| after a loss, its holder killed before the loss was detected | {len(figures['overlaps_killed_first'])} |",
         f"| unexplained | {len(figures['overlaps_unexplained'])} |",
         f"| in the partition phase (lock_on_lost=terminate) | {figures['partition_overlaps']} |",
         f"| advisory locks left at the end | {figures['advisory_locks_left']} |",
