@@ -1,4 +1,4 @@
-"""The chaos run's verdict on overlaps (tests/chaos/report.py), on made-up figures.
+"""The chaos run's verdict on overlaps (tests/chaos/analysis.py), on made-up figures.
 
 The chaos run fails CI on one unexplained overlap, so what it calls explained must be
 exactly the overlaps a fault caused: a loss that was signalled, or a fault that took the
@@ -11,7 +11,7 @@ import datetime
 import types
 
 from celery_pglock.testing.overlap import Interval, Overlap
-from tests.chaos import faults, report
+from tests.chaos import analysis, faults
 
 T0 = datetime.datetime(2026, 12, 1, 12, 0, tzinfo=datetime.timezone.utc)
 RUN = "r1-main"
@@ -69,7 +69,7 @@ OUTCOMES = {"first": ("failed", "WorkerLostError"), "second": ("ran", "")}
 
 
 def verdict(run: types.SimpleNamespace, events: dict | None = None) -> dict:
-    return report._analyse(
+    return analysis.analyse(
         run,  # type: ignore[arg-type]
         OUTCOMES,
         [FIRST, SECOND],
