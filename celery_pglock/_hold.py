@@ -28,7 +28,6 @@ class Hold:
 
     __slots__ = (
         "connection",
-        "generation",
         "holding_name",
         "idle_name",
         "ids",
@@ -60,8 +59,6 @@ class Hold:
         self.sa_connection: sa.Connection | None = None
         self.transaction: sa.RootTransaction | None = None
         self.lent = False
-        #: ProcessSession: the session generation the lock was granted on.
-        self.generation = 0
         #: Why the lock was lost before its release (its session ended), or None.
         self.lost: str | None = None
         #: The run lock held beside the key (keys.run_key), released with it, or None.

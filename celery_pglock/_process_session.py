@@ -51,7 +51,6 @@ class ProcessSession(_hold.LockSession):
         self._pooled: Any = None  # the detached pool proxy owning the connection
         self._connection: Any = None
         self._cursor: Any = None
-        self._generation = 0
         self._prefix = db.engine_info(engine)["application_name_prefix"]
         self._names: dict[str, str] = {}  # task label -> application_name
         self._shown: str | None = None  # the application_name the session shows
@@ -110,7 +109,7 @@ class ProcessSession(_hold.LockSession):
                 # landing here (a soft time limit) must not leave a granted key that
                 # nobody in the process knows.
                 hold = _hold.Hold(self, ids)
-                hold.connection, hold.generation = self._connection, self._generation
+                hold.connection = self._connection
                 hold.holding_name = self._shown
                 self._owners[ids] = hold
                 if run_granted and run_ids is not None:
@@ -325,7 +324,6 @@ class ProcessSession(_hold.LockSession):
         """Under the mutex: end the session; every hold on it is lost."""
         connection, self._connection = self._connection, None
         self._pooled = self._cursor = None
-        self._generation += 1
         lost = list(self._owners.values())
         self._owners.clear()
         self._runs.clear()
