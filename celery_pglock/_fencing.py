@@ -1,37 +1,36 @@
-"""Issuing fencing tokens: one committed statement, right after the grant.
+"""Issuing fencing tokens: only to a session that holds the key at that very moment.
 
-Hazard: a token must be issued while the lock is held and be durable before the body
-can use it. Issued before the grant, a waiter's older token would reach the resource
-after a newer holder's and be refused although it then holds the lock. Issued inside an
-uncommitted transaction, the sequence step reaches the WAL only at commit: a server crash
-before that (the very fault fencing exists for) makes PostgreSQL issue the same token
-again after recovery, to the next holder, while the cut-off body may still write with
-it. So:
+The invariant, and why this design guarantees it, is in docs/guide/fencing.md ("Why a
+stale run never gets a token"). In short:
 
-- session scope: on the lock's own session (autocommit): the statement commits at once,
-  with ``synchronous_commit`` on, before the body starts;
-- transaction scope: on a second pooled session, in autocommit, while the lock's
-  transaction holds the lock; the token is durable before the body starts, and neither
-  it nor the row is undone when the run rolls back (``nextval`` never is).
+- session scope: the token is issued on the lock's own session, in one autocommit
+  statement that also checks (``pg_locks``, ``pid = pg_backend_pid()``) that this session
+  holds the key. A session can only lose its lock by ending, which aborts the statement,
+  so every committed token was issued while its session held the key, and tokens of one
+  key are issued in the order of its grants.
+- transaction scope: the lock's transaction cannot commit early (the token would not be
+  durable before the body uses it), so the token is issued on a second, autocommit
+  session, which first locks the key's row of the table and then checks that the lock's
+  transaction (its virtual transaction id) still holds the key.
 
-The table is created on first use in a process (a separate short connection, once per
-engine), unless it exists already; a role that cannot create it gets an error naming
-the fix.
+Either way the token is committed with ``synchronous_commit`` on before the client can
+read it: a crash cannot make PostgreSQL issue it again. The table is created on first
+use in a process (once per engine) unless it exists; a role that cannot create it gets
+an error naming the fix.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _driver_errors, _sql_fencing, db, exceptions
+from celery_pglock import _deadline, _driver_errors, _sql_fencing, db, exceptions
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
 
-    from celery_pglock.lock import AdvisoryLock
+    from celery_pglock.keys import LockKey
 
 #: Engines whose fencing table this process has seen (weak: engines come and go in tests).
 _ready: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
@@ -43,27 +42,6 @@ FIX = (
     "SELECT, INSERT, UPDATE on celery_pglock_fencing and USAGE on "
     "celery_pglock_fencing_token_seq (docs/operations/security.md)"
 )
-
-
-def issue(lock: AdvisoryLock) -> int:
-    """Give ``lock`` (held) its next fencing token and return it.
-
-    On failure the lock is released (a fenced run never runs without its token) and
-    DatabaseError says why and, for a missing table or privilege, how to fix it.
-    """
-    if not lock.owned():
-        raise exceptions.PgLockError(
-            f"Lock {lock.key.name!r} (key {lock.key}) is not held: a fencing token is "
-            "only issued to the holder."
-        )
-    try:
-        ensure_table(lock.engine)
-        token = _next_token(lock)
-    except BaseException:
-        _release_quietly(lock)
-        raise
-    lock.fencing_token = token
-    return token
 
 
 def ensure_table(engine: sa.Engine) -> None:
@@ -108,19 +86,39 @@ def _create(cursor: Any, engine: sa.Engine) -> None:
         ) from exc
 
 
-def _next_token(lock: AdvisoryLock) -> int:
-    # Always on a pooled connection of its own, in its own committed statement: never
-    # inside a transaction-scope lock's transaction (a crash before its commit would give
-    # the same token again), and never on a process's shared lock session (that belongs
-    # to every task of the process, behind its mutex). The sequence, not the session,
-    # makes tokens increase; the lock is held throughout.
-    with _driver_errors.wrap_db_errors(
-        f"issue a fencing token for lock {lock.key.name!r}", lock.engine
-    ):
-        pooled: Any = lock.engine.raw_connection()
+def issue_on_holder(cursor: Any, key: LockKey, engine: sa.Engine) -> int | None:
+    """Session scope: issue on the lock's own ``cursor`` (autocommit), under its session's
+    serialisation. The token, or None if this session does not hold ``key``."""
+    return _issue(cursor, _sql_fencing.ISSUE_ON_HOLDER, _ids(key), key, engine)
+
+
+def issue_for_transaction(
+    cursor: Any, key: LockKey, engine: sa.Engine, bound: float
+) -> int | None:
+    """Transaction scope: learn on the lock's ``cursor`` which transaction holds ``key``,
+    then issue on a pooled connection of ``engine`` if that transaction still holds it.
+    The token, or None if the lock's transaction does not hold ``key``."""
+    params = _ids(key)
+    cursor.execute(_sql_fencing.HOLDING_TRANSACTION, params)
+    row = cursor.fetchone()
+    if row is None:
+        return None
+    params["vxid"] = row[0]
+    action = f"issue a fencing token for lock {key.name!r}"
+    with _driver_errors.wrap_db_errors(action, engine):
+        pooled: Any = engine.raw_connection()
     try:
-        pooled.dbapi_connection.autocommit = True
-        return _issue_on(lock, pooled.dbapi_connection)
+        dbapi = pooled.dbapi_connection
+        dbapi.autocommit = True
+        # Wrapped here: this session's failure is no news about the lock's session.
+        with (
+            _driver_errors.wrap_db_errors(action, engine),
+            _deadline.bounded(dbapi, bound),
+            dbapi.cursor() as issuing,
+        ):
+            return _issue(
+                issuing, _sql_fencing.ISSUE_FOR_TRANSACTION, params, key, engine
+            )
     except BaseException:
         pooled.invalidate()  # unknown state: never pool it
         raise
@@ -128,42 +126,44 @@ def _next_token(lock: AdvisoryLock) -> int:
         pooled.close()
 
 
-def _issue_on(lock: AdvisoryLock, dbapi: Any) -> int:
+def _ids(key: LockKey) -> dict[str, Any]:
+    classid, objid, objsubid = key.pg_locks_ids
+    return {"classid": classid, "objid": objid, "objsubid": objsubid}
+
+
+def _issue(
+    cursor: Any,
+    statement: str,
+    params: dict[str, Any],
+    key: LockKey,
+    engine: sa.Engine,
+) -> int | None:
     try:
-        with dbapi.cursor() as cursor:
-            cursor.execute(_sql_fencing.ISSUE, lock.key.pg_locks_ids)
-            row = cursor.fetchone()
+        cursor.execute(statement, params)
+        row = cursor.fetchone()
     except Exception as exc:
         code = _driver_errors.sqlstate(exc)
         if code in (_sql_fencing.UNDEFINED_TABLE, _sql_fencing.INSUFFICIENT_PRIVILEGE):
-            forget(lock.engine)
+            forget(engine)
             problem = (
                 "does not exist (dropped since this process checked?)"
                 if code == _sql_fencing.UNDEFINED_TABLE
                 else "is not writable by this role"
             )
             raise exceptions.DatabaseError(
-                f"Could not issue a fencing token for lock {lock.key.name!r}: "
+                f"Could not issue a fencing token for lock {key.name!r}: "
                 f"{_sql_fencing.TABLE} {problem}; {FIX}."
             ) from exc
-        with _driver_errors.wrap_db_errors(
-            f"issue a fencing token for lock {lock.key.name!r}", lock.engine
-        ):
-            raise
-    if row is None:
+        raise
+    held, token = row if row is not None else (False, None)
+    if not held:
+        return None
+    if token is None:
         raise exceptions.DatabaseError(
-            f"Could not issue a fencing token for lock {lock.key.name!r} (key "
-            f"{lock.key}): {_sql_fencing.SEQUENCE} gave a token below the last one "
+            f"Could not issue a fencing token for lock {key.name!r} (key "
+            f"{key}): {_sql_fencing.SEQUENCE} gave a token below the last one "
             "issued for this key (was it reset with setval, or given a CACHE above 1?). "
             "Tokens never go back: set CACHE 1 and the sequence past max(token) of "
             f"{_sql_fencing.TABLE}."
         )
-    return int(row[0])
-
-
-def _release_quietly(lock: AdvisoryLock) -> None:
-    """Give the lock back after a failed issue; a failing release closes the session."""
-    if lock.owned():
-        # A failing release has closed the connection, which ends the lock too.
-        with contextlib.suppress(exceptions.PgLockError):
-            lock.release(commit=False)
+    return int(token)

@@ -118,6 +118,14 @@ class LockSession(Protocol):
         """
         ...
 
+    def issue_token(self, hold: Hold, key: LockKey, *, bound: float) -> int | None:
+        """Issue ``key``'s next fencing token to ``hold`` if its session holds ``key`` now.
+
+        None when it does not (the lock was lost since its grant); raises DatabaseError
+        when the token could not be issued (see :mod:`celery_pglock._fencing`).
+        """
+        ...
+
     def holder_of(self, key: LockKey, *, bound: float) -> str | None:
         """``"<backend pid> <application_name>"`` of the session holding ``key`` now.
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from celery_pglock import (
     _deadline,
     _driver_errors,
+    _fencing,
     _hold,
     _sql,
     _statements,
@@ -83,6 +84,28 @@ class PerLockSessions(_hold.LockSession):
             self._release_transaction(hold, key, commit, timeout)
         else:
             self._release_session(hold, key, timeout)
+
+    def issue_token(
+        self, hold: _hold.Hold, key: LockKey, *, bound: float
+    ) -> int | None:
+        connection = hold.connection
+        if hold.lost is not None or connection is None or connection.closed:
+            return None
+        try:
+            with _deadline.bounded(connection, bound), connection.cursor() as cursor:
+                if hold.sa_connection is None:
+                    return _fencing.issue_on_holder(cursor, key, self.engine)
+                return _fencing.issue_for_transaction(cursor, key, self.engine, bound)
+        except BaseException as exc:
+            if connection.closed or _driver_errors.is_disconnect(exc):
+                # The lock's session ended: it holds nothing, and no token was committed
+                # for it. Its release will say so and discard the connection.
+                return None
+            with _driver_errors.wrap_db_errors(
+                f"issue a fencing token for lock {key.name!r}", self.engine
+            ):
+                raise
+            raise
 
     def holder_of(self, key: LockKey, *, bound: float) -> str | None:
         row = self._one_row(_sql.HOLDER, key.pg_locks_ids, bound)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from celery_pglock import (
     _deadline,
     _driver_errors,
+    _fencing,
     _hold,
     _per_lock,
     _sql,
@@ -216,6 +217,31 @@ class ProcessSession(_hold.LockSession):
                 key=str(key),
                 name=key.name,
             )
+
+    def issue_token(
+        self, hold: _hold.Hold, key: LockKey, *, bound: float
+    ) -> int | None:
+        with self._mutex:
+            if (
+                self._owners.get(hold.ids) is not hold
+                or hold.lost is not None
+                or hold.connection is not self._connection
+            ):
+                return None  # the session that was granted the key has ended
+            try:
+                with _deadline.bounded(self._connection, bound):
+                    return _fencing.issue_on_holder(self._cursor, key, self.engine)
+            except BaseException as exc:
+                if self._connection.closed or _driver_errors.is_disconnect(exc):
+                    # The session ended under the statement: its locks are gone, and so
+                    # is any token the statement might have issued (never committed).
+                    self._fail(f"issuing a fencing token failed: {exc!r}", exc)
+                    return None
+                with _driver_errors.wrap_db_errors(
+                    f"issue a fencing token for lock {key.name!r}", self.engine
+                ):
+                    raise
+                raise
 
     def holder_of(self, key: LockKey, *, bound: float) -> str | None:
         # On this session when it is open: a skip then needs no second connection.

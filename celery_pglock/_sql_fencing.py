@@ -61,19 +61,68 @@ EXISTS = (
     "to_regclass('celery_pglock_fencing_token_seq') IS NOT NULL"
 )
 
-#: Issue the next token for a key, in autocommit, while the lock is held (see
-#: _fencing.py for which session). Params: classid, objid, objsubid (LockKey.pg_locks_ids).
-#: Returns one row (token), or no row if the sequence is behind the row (someone reset
-#: it: refuse, never go back). synchronous_commit is forced on for this one statement's
-#: transaction, so the token is on disk before anyone can use it.
-ISSUE = (
+# pg_locks rows of the key granted in this database (whose: each statement adds it).
+_GRANTED = (
+    "locktype = 'advisory' AND granted "
+    "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "AND classid = %(classid)s::oid AND objid = %(objid)s::oid "
+    "AND objsubid = %(objsubid)s::smallint"
+)
+
+#: Session scope, on the lock's own session (autocommit), right after the grant: issue
+#: the next token for the key if, and only if, this very session holds it. Params (dict):
+#: classid, objid, objsubid (LockKey.pg_locks_ids). One row: (held, token); token is NULL
+#: when not held, or when the sequence is behind the row (someone reset it: refuse, never
+#: go back). synchronous_commit is forced on for this one statement's transaction, so the
+#: token is on disk before the client can read it. docs/guide/fencing.md has the argument.
+ISSUE_ON_HOLDER = (
     "SELECT set_config('synchronous_commit', 'on', true); "
+    "WITH held AS (SELECT EXISTS (SELECT 1 FROM pg_locks "
+    f"WHERE {_GRANTED} AND pid = pg_backend_pid()) AS held), "
+    "issued AS ("
     "INSERT INTO celery_pglock_fencing AS f (classid, objid, objsubid, token) "
-    "VALUES (%s::oid, %s::oid, %s::smallint, nextval('celery_pglock_fencing_token_seq')) "
+    "SELECT %(classid)s::oid, %(objid)s::oid, %(objsubid)s::smallint, "
+    "nextval('celery_pglock_fencing_token_seq') FROM held WHERE held.held "
     "ON CONFLICT (classid, objid, objsubid) "
     "DO UPDATE SET token = excluded.token, issued_at = now() "
     "WHERE f.token < excluded.token "
-    "RETURNING f.token"
+    "RETURNING f.token) "
+    "SELECT held.held, (SELECT token FROM issued) FROM held"
+)
+
+#: Transaction scope, step 1, on the lock's connection inside the lock's transaction:
+#: the virtual transaction id holding the key (NULL row: not held). A vxid is never
+#: reused while its transaction lives, and a transaction never regains a lost lock.
+HOLDING_TRANSACTION = (
+    f"SELECT virtualtransaction FROM pg_locks WHERE {_GRANTED} "
+    "AND pid = pg_backend_pid() LIMIT 1"
+)
+
+#: Transaction scope, step 2, on a second session in autocommit (one implicit
+#: transaction): create the key's row if missing, lock it, then issue the next token if,
+#: and only if, the transaction ``vxid`` still holds the key. The row lock is taken before
+#: the check, so two issues for one key are serialised: whichever checks second sees the
+#: holder of that moment. Params (dict): classid, objid, objsubid, vxid. One row: (held,
+#: token) as for ISSUE_ON_HOLDER.
+ISSUE_FOR_TRANSACTION = (
+    "SELECT set_config('synchronous_commit', 'on', true); "
+    "INSERT INTO celery_pglock_fencing (classid, objid, objsubid, token) "
+    "SELECT %(classid)s::oid, %(objid)s::oid, %(objsubid)s::smallint, 0 "
+    f"WHERE EXISTS (SELECT 1 FROM pg_locks WHERE {_GRANTED} "
+    "AND virtualtransaction = %(vxid)s) "
+    "ON CONFLICT (classid, objid, objsubid) DO NOTHING; "
+    "SELECT 1 FROM celery_pglock_fencing WHERE classid = %(classid)s::oid "
+    "AND objid = %(objid)s::oid AND objsubid = %(objsubid)s::smallint FOR UPDATE; "
+    "WITH held AS (SELECT EXISTS (SELECT 1 FROM pg_locks "
+    f"WHERE {_GRANTED} AND virtualtransaction = %(vxid)s) AS held), "
+    "next AS (SELECT nextval('celery_pglock_fencing_token_seq') AS token "
+    "FROM held WHERE held.held), "
+    "issued AS (UPDATE celery_pglock_fencing AS f "
+    "SET token = next.token, issued_at = now() FROM next "
+    "WHERE f.classid = %(classid)s::oid AND f.objid = %(objid)s::oid "
+    "AND f.objsubid = %(objsubid)s::smallint AND f.token < next.token "
+    "RETURNING f.token) "
+    "SELECT held.held, (SELECT token FROM issued) FROM held"
 )
 
 #: The last token issued for a key (None if none). Params: classid, objid, objsubid.

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 
-from celery_pglock import _fencing, _sql_admin, _sql_fencing, exceptions
+from celery_pglock import _sql_admin, _sql_fencing, exceptions
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -42,13 +42,16 @@ def issue_token(lock: AdvisoryLock) -> int:
 
     SingletonTask does this itself under ``lock_fencing=True``; call it after
     ``AdvisoryLock.acquire()`` when using the lock directly. Costs one statement on the
-    lock's connection (and, once per process, a check that the table exists).
+    lock's own session (transaction scope: one there and one on a pooled connection),
+    and once per process a check that the table exists.
 
     Raises:
         PgLockError: ``lock`` is not held.
+        LockLostError: ``lock``'s session no longer held the key (it was lost since
+            the grant): no token; the lock was released.
         DatabaseError: the token could not be issued; the lock was released.
     """
-    return _fencing.issue(lock)
+    return lock.issue_fencing_token()
 
 
 def fenced_update(

@@ -36,7 +36,16 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from celery_pglock import _driver_errors, _hold, _server, _session, _sql, db, exceptions
+from celery_pglock import (
+    _driver_errors,
+    _fencing,
+    _hold,
+    _server,
+    _session,
+    _sql,
+    db,
+    exceptions,
+)
 from celery_pglock.config import LockScope
 
 if TYPE_CHECKING:
@@ -217,6 +226,48 @@ class AdvisoryLock:
         finally:
             self.released_at = time.monotonic()
 
+    def issue_fencing_token(self) -> int:
+        """Issue this held lock its next fencing token (``fencing.issue_token`` calls this).
+
+        The token is issued only while the lock's own session holds the key, so a run
+        that lost its lock since the grant never gets one (docs/guide/fencing.md).
+
+        Raises:
+            PgLockError: the lock is not held by this object.
+            LockLostError: its session no longer held the key; the lock is released.
+            DatabaseError: the token could not be issued; the lock is released.
+        """
+        hold = self._hold
+        if hold is None:
+            raise exceptions.PgLockError(
+                f"Lock {self.key.name!r} (key {self.key}) is not held: a fencing token is "
+                "only issued to the holder."
+            )
+        try:
+            _fencing.ensure_table(self.engine)
+            token = hold.session.issue_token(
+                hold, self.key, bound=self.round_trip_timeout
+            )
+        except BaseException:
+            self._release_quietly()  # a fenced run never runs without its token
+            raise
+        if token is None:
+            self._mark_lost(
+                "its session no longer held it when its fencing token was issued, "
+                "before the body started"
+            )
+            error = exceptions.LockLostError(
+                f"Lock {self.key.name!r} (key {self.key}) was lost between its grant and "
+                "its fencing token (its session ended); no token was issued, and the "
+                "body did not run.",
+                key=str(self.key),
+                name=self.key.name,
+            )
+            self._release_quietly()
+            raise error
+        self.fencing_token = token
+        return token
+
     def owned(self) -> bool:
         """True while this object holds the lock (no database round trip)."""
         return self._hold is not None
@@ -343,6 +394,14 @@ class AdvisoryLock:
         )
         self._hold = hold
         return hold is not None
+
+    def _release_quietly(self) -> None:
+        """Give the lock back after a failed token; a lost session has freed it anyway."""
+        if self.owned():
+            try:
+                self.release(commit=False)
+            except exceptions.PgLockError:
+                logger.debug("Release after a failed fencing token", exc_info=True)
 
     def _granted(self, hold: _hold.Hold) -> None:
         # Owned from the moment the session recorded the grant (see LockSession.acquire).

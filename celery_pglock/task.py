@@ -38,7 +38,6 @@ from celery_pglock import (
     _binding,
     _busy,
     _driver_errors,
-    _fencing,
     _hooks,
     _outcomes,
     _watch,
@@ -200,9 +199,14 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                     else None
                 )
                 if granted and options.fencing:
-                    _fencing.issue(lock)  # releases the lock if it cannot
+                    lock.issue_fencing_token()  # releases the lock if it cannot
             except exceptions.DatabaseError as error:
                 return self._on_database_error(error, direct=direct)
+            except exceptions.LockLostError:
+                # Lost between the grant and the token: reported like any loss, and the
+                # run fails without its body (another run may hold the key now).
+                _outcomes.lost(self, task_id, lock, lock.lost_cause or "unknown")
+                raise
             if not granted:
                 if options.shadow:
                     return self._run_shadowed(execution, lock, task_id, args, kwargs)

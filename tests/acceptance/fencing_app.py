@@ -13,7 +13,13 @@ import sqlalchemy as sa
 from celery_pglock import SingletonTask, current_lock, fencing
 from tests.acceptance.app import app, database_url, recorder, wait_gate
 
-__all__ = ["app", "fenced", "fenced_in_transaction", "fenced_write"]
+__all__ = [
+    "app",
+    "fenced",
+    "fenced_in_transaction",
+    "fenced_write",
+    "fenced_write_waiting",
+]
 
 WRITES_TABLE = "pglock_test_fenced_writes"
 _writes: dict[str, sa.Engine] = {}
@@ -80,3 +86,27 @@ def fenced_write(self, run: str, key: str, body: str, gate: str | None = None) -
                 values={"body": body},
                 token=token,
             )
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    lock_args=("run", "key"),
+    lock_fencing=True,
+    lock_on_busy="wait",
+    lock_wait_timeout=60,
+)
+def fenced_write_waiting(self, run: str, key: str, body: str) -> bool:
+    """fenced_write's body under the wait policy: waits for the key, then writes."""
+    token = current_lock().fencing_token
+    with (
+        recorder.record(run, key, f"{self.request.id}:{token}"),
+        writes_engine().begin() as connection,
+    ):
+        return fencing.fenced_upsert(
+            connection,
+            WRITES_TABLE,
+            key={"run": run},
+            values={"body": body},
+            token=token,
+        )

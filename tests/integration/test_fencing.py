@@ -7,6 +7,8 @@ Cross-process order on real workers: tests/acceptance/test_fencing.py.
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 
 import psycopg2
@@ -18,6 +20,7 @@ from celery_pglock import (
     AdvisoryLock,
     ConfigurationError,
     DatabaseError,
+    LockLostError,
     LockScope,
     PgLockError,
     SingletonTask,
@@ -323,6 +326,87 @@ def test_the_guard_refuses_a_paused_holders_late_write(
                 f"SELECT body, fencing_token FROM {reports} WHERE tenant = 7"
             ).one()
         )
+    _session.close_for(other_process)
+    other_process.dispose()
+
+
+def hold_outside(engine, key):
+    """A session outside the library holding ``key`` (session level); returns it open."""
+    connection = engine.raw_connection()
+    connection.dbapi_connection.autocommit = True
+    with connection.dbapi_connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_lock(%s)", key.ids)
+    return connection
+
+
+def wait_for_waiter(engine, key, timeout=10.0):
+    """The backend pid waiting (not granted) for ``key``, once there is one."""
+    deadline = time.monotonic() + timeout
+    with engine.connect() as connection:
+        while time.monotonic() < deadline:
+            pid = connection.exec_driver_sql(
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                "AND classid = %s::oid AND objid = %s::oid AND objsubid = %s::smallint",
+                key.pg_locks_ids,
+            ).scalar()
+            connection.rollback()
+            if pid is not None:
+                return pid
+            time.sleep(0.02)
+    raise AssertionError(f"nobody waited for {key} within {timeout}s")
+
+
+@pytest.mark.parametrize("scope", [LockScope.SESSION, LockScope.TRANSACTION])
+@pytest.mark.parametrize("path", ["try", "wait"])
+def test_a_run_that_lost_its_lock_after_the_grant_gets_no_token(
+    lock_engine, namespace, reports, database_url, session_mode, scope, path
+):
+    """Issue 20's sequence: run A is granted the key (at once, or after waiting for a
+    session outside the library), then stalls before its token; its session is ended and
+    run B takes the key, gets a token and writes. When A goes on, it gets no token
+    (LockLostError, lock released): B's write stands, and B keeps writing."""
+    other_process = db.create_engine(
+        database_url, {config.SESSION_MODE_SETTING: session_mode}
+    )
+    with lock_engine.begin() as connection:
+        connection.exec_driver_sql(f"INSERT INTO {reports} VALUES (7, 'none', NULL)")
+    key = keys.make_key(namespace, f"fence-lost-{path}-{scope.value}")
+    run_a = AdvisoryLock(engine=lock_engine, key=key, scope=scope)
+    if path == "try":
+        assert run_a.acquire()
+    else:
+        outside = hold_outside(lock_engine, key)
+        granted: list[bool] = []
+        waiter = threading.Thread(
+            target=lambda: granted.append(run_a.acquire(timeout=30))
+        )
+        waiter.start()
+        wait_for_waiter(lock_engine, key)
+        with outside.dbapi_connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_unlock(%s)", key.ids)
+        outside.close()
+        waiter.join(30)
+        assert [True] == granted
+    # A stalls here (a pause, SIGSTOP, GC); the server ends its session meanwhile.
+    terminate(lock_engine, run_a.backend_pid)
+    run_b, token_b = take(other_process, key, scope)
+    with lock_engine.begin() as connection:
+        assert fencing.fenced_update(
+            connection, reports, key={"tenant": 7}, values={"body": "B"}, token=token_b
+        )
+    with pytest.raises(LockLostError, match="no token was issued"):
+        fencing.issue_token(run_a)  # A goes on: its token would be the newest
+    assert run_a.fencing_token is None
+    assert not run_a.owned()
+    assert run_a.lost
+    with lock_engine.begin() as connection:  # the real holder still writes
+        assert fencing.fenced_update(
+            connection, reports, key={"tenant": 7}, values={"body": "B2"}, token=token_b
+        )
+    run_b.release()
+    run_c, token_c = take(other_process, key, scope)  # and tokens go on rising
+    assert token_b < token_c
+    run_c.release()
     _session.close_for(other_process)
     other_process.dispose()
 
