@@ -291,8 +291,9 @@ def resolve(
             source,
             shadow,
             "False with lock_scope='transaction' (a shadowed run that finds the lock "
-            "busy has no lock transaction to lend its body; shadow with "
-            "lock_scope='session', then switch)",
+            "busy has no lock transaction to lend its body). Set lock_shadow=False on "
+            "this task to keep it out of shadow mode (an app-wide pglock_shadow then "
+            "applies to the other tasks), or shadow it with lock_scope='session' first",
         )
 
     on_error = _validate.choice(

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 
-from celery_pglock import _sql_admin, _sql_fencing, exceptions
+from celery_pglock import _sql_admin, _sql_fencing, context, exceptions
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -74,23 +74,29 @@ def fenced_update(
         table: ``name`` or ``schema.name`` (plain identifiers).
         key: Column -> value equalities that pick the row(s).
         values: Column -> new value.
-        token: ``current_lock().fencing_token``.
+        token: ``current_lock().fencing_token``. None only in a shadow-mode run that
+            did not get the lock: the write is then applied unfenced, as without the
+            library, and the stored token is left alone (docs/guide/fencing.md).
         token_column: The bigint column holding the highest token seen.
 
     Returns:
         True if the write was applied; False if the row holds a newer token (this holder
         is stale) or no row matched ``key``.
     """
-    _check(token, key, values)
+    fenced = _check(token, key, values)
     target, token_col = _table(connection, table), _quote(connection, token_column)
     params, sets = _assignments(connection, "v", values)
     where = [f"{_quote(connection, c)} = :k{i}" for i, c in enumerate(key)]
     params.update({f"k{i}": v for i, v in enumerate(key.values())})
-    params["fencing_token"] = token
+    if fenced:
+        params["fencing_token"] = token
+        sets.append(f"{token_col} = :fencing_token")
+        where.append(f"({token_col} IS NULL OR {token_col} <= :fencing_token)")
+    # An unfenced write of no values sets a key column to itself: still one statement
+    # whose row count says whether the row exists.
+    sets = sets or [f"{_quote(connection, next(iter(key)))} = :k0"]
     statement = sa.text(
-        f"UPDATE {target} SET {', '.join([*sets, f'{token_col} = :fencing_token'])} "
-        f"WHERE {' AND '.join(where)} "
-        f"AND ({token_col} IS NULL OR {token_col} <= :fencing_token)"
+        f"UPDATE {target} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
     )
     return connection.execute(statement, params).rowcount > 0
 
@@ -114,21 +120,28 @@ def fenced_upsert(
         True if a row was inserted or updated; False if the stored row holds a newer
         token (this holder is stale: nothing was written).
     """
-    _check(token, key, values)
+    fenced = _check(token, key, values)
     target, token_col = _table(connection, table), _quote(connection, token_column)
     columns = [*key, *values]
     quoted = [_quote(connection, c) for c in columns]
     params: dict[str, object] = {
         f"c{i}": v for i, v in enumerate([*key.values(), *values.values()])
     }
-    params["fencing_token"] = token
+    placeholders = [f":c{i}" for i in range(len(columns))]
     updates = [f"{q} = excluded.{q}" for q in quoted[len(key) :]]
-    updates.append(f"{token_col} = excluded.{token_col}")
+    guard = ""
+    if fenced:
+        params["fencing_token"] = token
+        quoted.append(token_col)
+        placeholders.append(":fencing_token")
+        updates.append(f"{token_col} = excluded.{token_col}")
+        guard = f" WHERE t.{token_col} IS NULL OR t.{token_col} <= excluded.{token_col}"
+    updates = updates or [f"{quoted[0]} = excluded.{quoted[0]}"]  # as in fenced_update
     statement = sa.text(
-        f"INSERT INTO {target} AS t ({', '.join([*quoted, token_col])}) "
-        f"VALUES ({', '.join([*(f':c{i}' for i in range(len(columns))), ':fencing_token'])}) "
-        f"ON CONFLICT ({', '.join(quoted[: len(key)])}) DO UPDATE SET {', '.join(updates)} "
-        f"WHERE t.{token_col} IS NULL OR t.{token_col} <= excluded.{token_col}"
+        f"INSERT INTO {target} AS t ({', '.join(quoted)}) "
+        f"VALUES ({', '.join(placeholders)}) "
+        f"ON CONFLICT ({', '.join(quoted[: len(key)])}) "
+        f"DO UPDATE SET {', '.join(updates)}{guard}"
     )
     return connection.execute(statement, params).rowcount > 0
 
@@ -162,8 +175,14 @@ def grant_sql(role: str, schema: str = "public") -> str:
 
 def _check(
     token: int | None, key: Mapping[str, object], values: Mapping[str, object]
-) -> None:
+) -> bool:
+    """Validate a fenced write's arguments; False: write unfenced (a shadowed run)."""
     if token is None:
+        if _in_shadowed_run():
+            # Shadow mode runs this body as if the library were not there: its write is
+            # applied as it would be without fencing, and leaves the stored token alone.
+            _check_columns(key, values)
+            return False
         raise exceptions.ConfigurationError(
             "token=None: this run has no fencing token; set lock_fencing=True on the task "
             "(or call celery_pglock.fencing.issue_token() after acquire)."
@@ -172,6 +191,11 @@ def _check(
         raise exceptions.ConfigurationError(
             f"token must be an int (current_lock().fencing_token), got a {type(token).__name__}."
         )
+    _check_columns(key, values)
+    return True
+
+
+def _check_columns(key: Mapping[str, object], values: Mapping[str, object]) -> None:
     if not key:
         raise exceptions.ConfigurationError(
             "key must name at least one column: a fenced write without a key would touch every row."
@@ -181,6 +205,13 @@ def _check(
         raise exceptions.ConfigurationError(
             f"Columns {sorted(overlap)} are in both key and values; a column is one or the other."
         )
+
+
+def _in_shadowed_run() -> bool:
+    execution = context.current_execution()
+    return (
+        execution is not None and execution.lock is not None and execution.lock.shadowed
+    )
 
 
 def _quote(connection: sa.Connection, name: str) -> str:

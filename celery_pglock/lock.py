@@ -106,8 +106,9 @@ class AdvisoryLock:
         #: Longest one lock round trip (acquire beyond its ``timeout``, or release) may
         #: wait on the database before its socket is shut down (_deadline.py).
         self.round_trip_timeout: float = _hold.DEFAULT_ROUND_TRIP_TIMEOUT
-        #: Shadow mode ran the body without this lock: ensure_held() must not stop it.
-        self._shadow = False
+        #: True in a shadow-mode run that did not get this lock and runs its body anyway:
+        #: ensure_held() does not stop it, and fenced writes apply unfenced.
+        self.shadowed = False
         #: This hold's fencing token (celery_pglock.fencing), or None when fencing is off.
         self.fencing_token: int | None = None
         #: A run lock to hold beside the key (keys.run_key; SingletonTask sets it for an
@@ -292,7 +293,7 @@ class AdvisoryLock:
         """
         if self.lost_cause is not None:
             raise self._lost_error()
-        if self._shadow:
+        if self.shadowed:
             return  # shadow mode promises to run the body whatever the lock says
         if not self.owned() or self.owner_pid != os.getpid():
             raise exceptions.LockNotOwnedError(

@@ -331,7 +331,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             shadow=True,
         )
         # current_lock() answers with the lock that was tried: owned() is False.
-        lock._shadow = True  # and its ensure_held() lets the body go on
+        lock.shadowed = True  # ensure_held() lets the body go on; fenced writes apply
         execution.lock = lock
         body = super().__call__ if execution.task_id is None else self.run
         return body(*args, **kwargs)

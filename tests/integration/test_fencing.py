@@ -31,7 +31,7 @@ from celery_pglock import (
     fencing,
     keys,
 )
-from tests.integration.task_support import define
+from tests.integration.task_support import define, hold
 
 
 @pytest.fixture
@@ -409,6 +409,59 @@ def test_a_run_that_lost_its_lock_after_the_grant_gets_no_token(
     run_c.release()
     _session.close_for(other_process)
     other_process.dispose()
+
+
+def test_shadow_mode_applies_a_would_be_skips_writes_unfenced(app, reports):
+    """lock_fencing=True under shadow mode: the run that gets the lock gets a token; a
+    would-be skip runs its body without one (fencing_token None), and the fenced helpers
+    apply its writes as they would without the library, leaving the stored token as it
+    was, instead of failing the body."""
+    with db.engine_for(app.conf).begin() as connection:
+        connection.exec_driver_sql(f"INSERT INTO {reports} VALUES (1, 'none', NULL)")
+    seen = []
+
+    def shadowed(tenant, body):
+        token = current_lock().fencing_token
+        with db.engine_for(app.conf).begin() as connection:
+            applied = (
+                fencing.fenced_update(
+                    connection,
+                    reports,
+                    key={"tenant": tenant},
+                    values={"body": body},
+                    token=token,
+                ),
+                fencing.fenced_upsert(
+                    connection,
+                    reports,
+                    key={"tenant": tenant + 1},
+                    values={"body": body},
+                    token=token,
+                ),
+            )
+        seen.append((token, applied))
+
+    task = define(
+        app, shadowed, lock_args=("tenant",), lock_fencing=True, lock_shadow=True
+    )
+    task.apply((1, "holder")).get()
+    held = hold(task, 1, "x")  # a running duplicate holds the key
+    try:
+        task.apply((1, "shadow")).get()
+    finally:
+        held.release()
+    (holder_token, holder_applied), (shadow_token, shadow_applied) = seen
+    assert isinstance(holder_token, int)
+    assert (True, True) == holder_applied
+    assert shadow_token is None
+    assert (True, True) == shadow_applied
+    with db.engine_for(app.conf).connect() as connection:
+        rows = connection.exec_driver_sql(
+            f"SELECT tenant, body, fencing_token FROM {reports} ORDER BY tenant"
+        ).all()
+    assert [(1, "shadow", holder_token), (2, "shadow", holder_token)] == [
+        tuple(row) for row in rows
+    ]
 
 
 def test_upsert_inserts_a_missing_row_and_update_reports_it(lock_engine, reports):

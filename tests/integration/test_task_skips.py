@@ -301,3 +301,19 @@ def test_shadow_mode_refuses_transaction_scope(app):
     """A shadowed busy run would have no lock transaction for its body: refused at bind."""
     with pytest.raises(ConfigurationError, match="lock_shadow=True is invalid"):
         define(app, ran, lock_shadow=True, lock_scope="transaction")
+
+
+def test_app_wide_shadow_names_the_per_task_opt_out(app):
+    """pglock_shadow = True with a transaction-scope task: the error names the setting
+    and the task's way out (lock_shadow=False), which then works."""
+    app.conf.pglock_shadow = True
+    with pytest.raises(
+        ConfigurationError, match=r"app\.conf\.pglock_shadow.*lock_shadow=False on this"
+    ):
+        define(app, ran, lock_scope="transaction")
+
+    def opted_out():
+        return "ran"
+
+    task = define(app, opted_out, lock_scope="transaction", lock_shadow=False)
+    assert "ran" == task.apply().get()

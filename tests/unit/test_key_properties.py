@@ -271,10 +271,12 @@ def _nested(depth, make=lambda child: [child]):
     ids=["list-100k", "dict-100k", "just-over"],
 )
 def test_deep_nesting_is_a_clear_error_not_a_recursion_crash(value):
-    started = time.perf_counter()
+    # CPU time: it stops at the bound instead of walking the whole value, and a loaded
+    # machine cannot fail it.
+    started = time.process_time()
     with pytest.raises(LockKeyError, match=f"nested more than {keys.MAX_DEPTH} levels"):
         keys.make_key("n", "t", value, where="argument 'x'")
-    assert time.perf_counter() - started < 1.0
+    assert time.process_time() - started < 1.0
 
 
 def test_nesting_up_to_the_bound_is_accepted():
@@ -311,19 +313,21 @@ def test_a_nearly_full_stack_gives_a_lock_key_error():
 
 
 @pytest.mark.parametrize("char", ["x", "é", "€", "😀"])
-def test_a_50_mb_string_is_keyed_in_well_under_a_second_in_constant_memory(char):
-    """Linear time (about 0.15 s on the 2-core CI machine); the text is streamed, so the
-    transient memory is a few slices (about 1 MB), and the key keeps nothing of it."""
+def test_a_50_mb_string_is_keyed_in_linear_time_and_constant_memory(char):
+    """The text is streamed, so the transient memory is a few slices (about 1 MB), and the
+    key keeps nothing of it. Its speed is a benchmark's business (benchmarks/); the CPU
+    bound here only catches a superlinear algorithm (about 0.15 s of CPU here; a
+    quadratic one takes minutes), and is CPU time, so a loaded machine cannot fail it."""
     value = char * (50_000_000 // len(char.encode()))
     tracemalloc.start()
     try:
-        started = time.perf_counter()
+        started = time.process_time()
         lock_key = keys.make_key("n", "t", {"blob": value})
-        elapsed = time.perf_counter() - started
+        cpu_seconds = time.process_time() - started
         current, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert elapsed < 2.0
+    assert cpu_seconds < 10.0
     assert peak < 4_000_000
     assert current < 100_000
     assert lock_key.text is None
