@@ -15,6 +15,7 @@ from celery_pglock import exceptions
 
 if TYPE_CHECKING:
     from celery_pglock.cli import Target
+    from celery_pglock.keys import LockKey
 
 
 @click.command(help="The advisory key a call of TASK would lock (no database needed).")
@@ -38,9 +39,22 @@ if TYPE_CHECKING:
 def key(
     target: Target, task_name: str, args_json: str, kwargs_json: str, as_json: bool
 ) -> None:
+    task, lock_key = task_key(target, task_name, args_json, kwargs_json, verb="key")
+    click.echo(
+        json.dumps(key_forms(task, lock_key), indent=2)
+        if as_json
+        else _key_text(key_forms(task, lock_key))
+    )
+
+
+def task_key(
+    target: Target, task_name: str, args_json: str, kwargs_json: str, *, verb: str
+) -> tuple[Any, LockKey]:
+    """The SingletonTask named ``task_name`` and the key its call with these arguments
+    would lock, as the worker computes it; usage errors name what is wrong."""
     if target.app is None:
         raise click.UsageError(
-            "`key` needs the app: celery -A proj pglock key ..., or --app."
+            f"`{verb}` needs the app: celery -A proj pglock {verb} ..., or --app."
         )
     task = target.app.tasks.get(task_name)
     if task is None or task not in target.singleton_tasks():
@@ -58,14 +72,9 @@ def key(
             "--args must be a JSON array and --kwargs a JSON object."
         )
     try:
-        lock_key = task.lock_key_for(*args, **kwargs)
+        return task, task.lock_key_for(*args, **kwargs)
     except exceptions.PgLockError as error:
         raise click.ClickException(str(error)) from None
-    click.echo(
-        json.dumps(key_forms(task, lock_key), indent=2)
-        if as_json
-        else _key_text(key_forms(task, lock_key))
-    )
 
 
 def key_forms(task: Any, lock_key: Any) -> dict[str, Any]:

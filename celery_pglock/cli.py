@@ -1,4 +1,5 @@
-"""The ``pglock`` command for incidents: who holds what, a call's key, a health check, SQL.
+"""The ``pglock`` command for incidents: who holds what, a call's key, releasing a stuck
+lock, a health check, SQL.
 
 Two entry points share these verbs:
 
@@ -25,6 +26,7 @@ from celery_pglock import (
     _checks,
     _cli_key,
     _cli_locks,
+    _cli_release,
     _driver_errors,
     _sql_admin,
     config,
@@ -96,7 +98,7 @@ def _resolve_url(app: Any, given: str | None) -> str | None:
 def _build(*, standalone: bool) -> click.Group:
     @click.group(
         name="celery-pglock" if standalone else "pglock",
-        help="Inspect celery-pglock advisory locks: locks, key, check, sql.",
+        help="Inspect celery-pglock advisory locks: locks, key, release, check, sql.",
     )
     @click.option(
         "--database-url",
@@ -123,7 +125,7 @@ def _build(*, standalone: bool) -> click.Group:
             metavar="APP",
             help="The Celery app (module or module:attribute), for task names and settings.",
         )(group)
-    for command in (_cli_locks.locks, _cli_key.key, check, sql):
+    for command in (_cli_locks.locks, _cli_key.key, _cli_release.release, check, sql):
         group.add_command(command)
     return group
 

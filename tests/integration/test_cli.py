@@ -16,8 +16,18 @@ import uuid
 import pytest
 from click.testing import CliRunner
 
-from celery_pglock import AdvisoryLock, cli, db
+from celery_pglock import (
+    AdvisoryLock,
+    LockLostError,
+    PgLockError,
+    SingletonTask,
+    _session,
+    cli,
+    current_lock,
+    db,
+)
 from celery_pglock.testing import EmbeddedPostgres, _support
+from tests.integration.loss_support import make_app, wait_for
 
 APP = "tests.integration.cli_app:app"
 
@@ -346,3 +356,69 @@ def test_sql_fencing_prints_and_applies_the_fencing_table(
             assert (True,) == cursor.fetchone()
     finally:
         connection.close()
+
+
+# -- release ----------------------------------------------------------------------------
+
+
+def test_release_ends_the_holder_which_reports_lock_lost(
+    database_url, broker_url, result_backend_url, namespace, lost_events
+):
+    """`release --key` shows the holder, ends its session, and the run that held the
+    lock learns it from its watcher: lock_lost, and FAILURE with LockLostError."""
+    app = make_app(
+        database_url,
+        broker_url,
+        result_backend_url,
+        namespace,
+        pglock_watch_interval=0.2,
+    )
+    started = threading.Event()
+
+    @app.task(base=SingletonTask, shared=False, lock_args=("tenant",))
+    def stuck(tenant):
+        started.set()
+        wait_for(lambda: current_lock().lost, 15, "the loss to be detected")
+        current_lock().ensure_held()
+
+    results = []
+    runner = threading.Thread(target=lambda: results.append(stuck.apply((7,))))
+    runner.start()
+    assert started.wait(15)
+    key = stuck.lock_key_for(7)
+    output = run("--database-url", database_url, "release", "--key", str(key), "--yes")
+    runner.join(20)
+    assert f"lock {key} is held by backend" in output
+    assert "Released lock" in output
+    assert "ended by" in output
+    (result,) = results
+    assert "FAILURE" == result.state
+    assert isinstance(result.result, LockLostError)
+    (event,) = lost_events
+    assert key == event["key"]
+    assert not AdvisoryLock(engine=db.engine_for(app.conf), key=key).locked()
+
+
+def test_release_by_task_and_arguments_asks_first(cli_app, database_url):
+    """By task and arguments: the key the worker would lock; a 'no' leaves it held, a
+    'yes' frees it; a key nobody holds and a malformed key are told apart."""
+    engine = db.create_engine(database_url)
+    key = cli_app.export.lock_key_for(7, spec={"b": 1})
+    lock = AdvisoryLock(engine=engine, key=key)
+    assert lock.acquire()
+    call = ("--app", APP, "release", "tests.integration.cli_app.export")
+    call += ("--args", "[7]", "--kwargs", '{"spec": {"b": 1}}')
+    result = CliRunner().invoke(cli.standalone_command, list(call), input="n\n")
+    assert 1 == result.exit_code, result.output
+    assert "of tests.integration.cli_app.export is held by backend" in result.output
+    assert lock.locked()
+    result = CliRunner().invoke(cli.standalone_command, list(call), input="y\n")
+    assert 0 == result.exit_code, result.output
+    assert not lock.locked()
+    with pytest.raises(PgLockError):
+        lock.release()  # its session was ended
+    assert "Nobody holds" in run(*call, "--yes", expect=1)
+    assert "is invalid" in run("--app", APP, "release", "--key", "1,x", expect=2)
+    assert "either TASK" in run("--app", APP, "release", expect=2)
+    _session.close_for(engine)
+    engine.dispose()
