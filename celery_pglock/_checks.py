@@ -114,12 +114,13 @@ def run_checks(
         )
         findings.append(
             Finding("OK", "server", f"version {version}")
-            if version_num >= 110000
+            if version_num >= 140000
             else Finding(
                 "WARN",
                 "server",
-                f"version {version}: the SQL key function needs PostgreSQL >= 11",
-                "upgrade PostgreSQL to use `pglock sql`",
+                f"version {version}: celery-pglock supports PostgreSQL >= 14 (`pglock "
+                "locks` reads pg_locks.waitstart; the SQL key function needs >= 11)",
+                "upgrade PostgreSQL (13 is end-of-life)",
             )
         )
         findings.append(
