@@ -33,7 +33,6 @@ class Observer:
         self.engine = engine
         self.connection: Any = None
         self.server_start: str | None = None
-        self.drop_options = False  #: The server (a pooler) refused our options.
 
     def check(self, entries: list[Entry], deadline: float) -> dict[int, str]:
         """{id(entry): cause} for each lock found lost; every entry if unverifiable."""
@@ -142,22 +141,25 @@ class Observer:
             "watch",
         )
         params["connect_timeout"] = timeout
-        if self.drop_options:
-            params.pop("options", None)
+        # What the engine learnt its server accepts (a pooler, an older server).
+        fallback = _options.fallback_of(self.engine)
+        if fallback is not None and params.get("options") == fallback.ours:
+            options = fallback.current()
+            if options is None:
+                params.pop("options", None)
+            else:
+                params["options"] = options
         connection = psycopg2.connect(**params, async_=1)
         _forks.adopt(connection)  # a forked child must not touch it either
         self.connection = connection
         try:
             wait(connection, deadline)
         except psycopg2.OperationalError as error:
-            # A pooler refusing the library's keepalive options (see _options.py): the
-            # lock sessions connect without them, and so does the watcher.
-            if params.get("options") != db.SERVER_KEEPALIVE_OPTIONS or not any(
-                text in str(error) for text in _options.OPTIONS_REJECTED
-            ):
+            # Refused options (see _options.py): the lock sessions connect without the
+            # refused part, and so does the watcher.
+            if fallback is None or not fallback.learn(error):
                 raise
             self.close()
-            self.drop_options = True
             self._connect(deadline)
             return
         cursor = connection.cursor()
@@ -166,6 +168,12 @@ class Observer:
             "SELECT set_config('statement_timeout', %s, false)", (f"{timeout}s",)
         )
         wait(connection, deadline)
+        if fallback is None or not fallback.carries_settings():
+            # Idle between checks: never ended by a role's idle_session_timeout.
+            names = [name for name, _ in db.SESSION_SETTINGS]
+            values = [value for _, value in db.SESSION_SETTINGS]
+            cursor.execute(_options.APPLY_SESSION_SETTINGS, (names, values))
+            wait(connection, deadline)
         cursor.close()
 
     def close(self) -> None:
