@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from celery_pglock import _forks, _options, _redact, _server, _sql, db
 
 if TYPE_CHECKING:
+    from celery_pglock._process_session import ProcessSession
     from celery_pglock._watch import Entry
 
 #: Statements run by observers in this process (tests prove short tasks run none).
@@ -34,8 +35,37 @@ class Observer:
         self.connection: Any = None
         self.server_start: str | None = None
 
-    def check(self, entries: list[Entry], deadline: float) -> dict[int, str]:
-        """{id(entry): cause} for each lock found lost; every entry if unverifiable."""
+    def check(
+        self,
+        entries: list[Entry],
+        deadline: float,
+        session: ProcessSession | None = None,
+    ) -> dict[int, str]:
+        """{id(entry): cause} for each lock found lost; every entry if unverifiable.
+
+        With ``session`` (this process's open lock session of the engine) the check runs
+        there, and the process needs no connection of its own for it. Only if that
+        session cannot answer (it died: a restart, a failover, a terminated backend, a
+        cut link) does the check connect here, to tell why, and close again.
+        """
+        diagnosing = False
+        if session is not None:
+            try:
+                rows = session.run_check(_sql.CHECK_HELD, _params(entries), deadline)
+            except Exception:
+                diagnosing = True  # the session is gone (or stuck): ask the server why
+            else:
+                if rows is not None:
+                    self._counted()
+                    return self._evaluate(entries, rows)
+        try:
+            return self._check_here(entries, deadline)
+        finally:
+            if diagnosing:
+                self.close()
+
+    def _check_here(self, entries: list[Entry], deadline: float) -> dict[int, str]:
+        """The check on the observer's own session (connected on demand)."""
         last_error: BaseException | None = None
         while True:
             try:
@@ -57,25 +87,26 @@ class Observer:
         )
         return {id(entry): cause for entry in entries}
 
-    def _check_once(self, entries: list[Entry], deadline: float) -> dict[int, str]:
+    @staticmethod
+    def _counted() -> None:
         global checks_run
+        checks_run += 1
+
+    def _check_once(self, entries: list[Entry], deadline: float) -> dict[int, str]:
         if self.connection is None:
             self._connect(deadline)
-        ids = [entry.lock.key.pg_locks_ids for entry in entries]
         cursor = self.connection.cursor()
-        cursor.execute(
-            _sql.CHECK_HELD,
-            (
-                [classid for classid, _, _ in ids],
-                [objid for _, objid, _ in ids],
-                [objsubid for _, _, objsubid in ids],
-                [entry.backend_pid or 0 for entry in entries],
-            ),
-        )
-        checks_run += 1
+        cursor.execute(_sql.CHECK_HELD, _params(entries))
+        self._counted()
         wait(self.connection, deadline)
         rows = cursor.fetchall()
         cursor.close()
+        return self._evaluate(entries, rows)
+
+    def _evaluate(
+        self, entries: list[Entry], rows: list[tuple[Any, ...]]
+    ) -> dict[int, str]:
+        """{id(entry): cause} from the rows of CHECK_HELD for ``entries``."""
         start, standby = rows[0][4], rows[0][5]
         restarted = self.server_start is not None and start != self.server_start
         self.server_start = start
@@ -181,6 +212,17 @@ class Observer:
         if connection is not None:
             with contextlib.suppress(Exception):  # it is dead already, most often
                 connection.close()
+
+
+def _params(entries: list[Entry]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """CHECK_HELD's parameters for ``entries``."""
+    ids = [entry.lock.key.pg_locks_ids for entry in entries]
+    return (
+        [classid for classid, _, _ in ids],
+        [objid for _, objid, _ in ids],
+        [objsubid for _, _, objsubid in ids],
+        [entry.backend_pid or 0 for entry in entries],
+    )
 
 
 def wait(connection: Any, deadline: float) -> None:

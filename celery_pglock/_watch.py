@@ -46,7 +46,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _observer, _outcomes, exceptions
+from celery_pglock import _observer, _outcomes, _session, exceptions
 from celery_pglock.config import OnLost
 
 if TYPE_CHECKING:
@@ -250,7 +250,10 @@ def _check(due: list[Entry]) -> None:
             observer = _observers[id(engine)] = _observer.Observer(engine)
         started = time.monotonic()
         timeout = min(entry.timeout for entry in entries)
-        losses = observer.check(entries, started + timeout)
+        # On the process's own lock session when it has one (no second connection).
+        losses = observer.check(
+            entries, started + timeout, _session.open_process_session(engine)
+        )
         for entry in entries:
             cause = losses.get(id(entry))
             if cause is None:
