@@ -1,6 +1,12 @@
-"""The lock watcher's own session to one lock database, and its one check statement.
+"""The lock watcher's check of one lock database, and its own session there.
 
-Asynchronous (psycopg2 ``async_``): every connect and query waits in ``poll()`` until the
+The check runs on the process's lock session when it has one (``ProcessSession.run_check``:
+that session is idle while bodies run, so a prefork child keeps one connection). A process
+without one (transaction scope, whose connection the body uses; bounded waits; per_lock
+mode) checks on the observer's own session, and so does the diagnosis of a lock session
+that stopped answering (to name a restart, a failover or a standby), closed again after.
+
+The observer's own session is asynchronous (psycopg2 ``async_``): every connect and query waits in ``poll()`` until the
 check's deadline, so a frozen link or a frozen server can never block the watcher. A
 check that cannot complete in time raises nothing: it answers "unverifiable" for every
 lock it was asked about (see ``_watch.py`` for what happens then).

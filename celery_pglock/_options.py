@@ -1,7 +1,7 @@
 """The lock sessions' own settings: sent as startup options, or applied at connect.
 
 A lock connection sends its settings as the ``options`` startup parameter
-(``db.server_options()``: server keepalives and ``idle_session_timeout=0``), which costs no
+(``db.SERVER_OPTIONS``: server keepalives and ``idle_session_timeout=0``), which costs no
 round trip and survives ``DISCARD ALL`` (a ``RESET`` returns to the startup value). Two
 kinds of server refuse them, and would fail every connection:
 
@@ -13,7 +13,7 @@ kinds of server refuse them, and would fail every connection:
   ``tcp_user_timeout`` 12+): that one setting is left out from then on.
 
 A ``do_connect`` hook (:class:`OptionsFallback`) does both; the lock watcher's own session
-connects through :func:`adjust` and :func:`learn` with the same knowledge.
+connects with the same knowledge (``OptionsFallback.current`` and ``learn``).
 
 Hazard: only the library's own options are ever dropped. Options a user set in
 ``pglock_engine_options["connect_args"]`` fail loudly, as they should; the session

@@ -67,17 +67,12 @@ CLIENT_KEEPALIVES: dict[str, Any] = {
 }
 
 
-def server_options(*, keepalives: bool = True) -> str:
-    """The ``options`` startup parameter of a lock connection: our settings, which cost
-    no round trip this way (``-c name=value`` each)."""
-    settings = (
-        (*SERVER_KEEPALIVES, *SESSION_SETTINGS) if keepalives else SESSION_SETTINGS
-    )
-    return " ".join(f"-c {name}={value}" for name, value in settings)
-
-
-#: The default ``options`` of a lock connection.
-SERVER_OPTIONS = server_options()
+#: The ``options`` startup parameter of a lock connection: our settings, which cost no
+#: round trip this way. Without it (``pglock_server_keepalives = False``, a pooler that
+#: refuses it, the user's own), SESSION_SETTINGS are set by a statement at connect.
+SERVER_OPTIONS = " ".join(
+    f"-c {name}={value}" for name, value in (*SERVER_KEEPALIVES, *SESSION_SETTINGS)
+)
 #: Seconds a new lock connection may take (libpq ``connect_timeout``), unless
 #: ``pglock_engine_options`` sets ``connect_args={"connect_timeout": ...}``.
 CONNECT_TIMEOUT = 10
@@ -194,12 +189,13 @@ def engine_for(conf: Mapping[str, Any]) -> sa.Engine:
 
 
 def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
-    """Create a lock engine: keepalives, an idle application_name and the check-in net.
+    """Create a lock engine: keepalives and session settings, an idle application_name
+    and the check-in net.
 
     ``app.conf.pglock_engine_options`` (a dict) is passed to ``sqlalchemy.create_engine``
-    and wins over our defaults; ``pglock_server_keepalives = False`` drops the server-side
-    keepalive startup options. A pooler that refuses them (PgBouncer) gets a second
-    connect without them (see ``_options``).
+    and wins over our defaults; ``pglock_server_keepalives = False`` drops the startup
+    options (SESSION_SETTINGS are then set by a statement at connect). A pooler that
+    refuses them (PgBouncer) gets a second connect without them (see ``_options``).
     """
     conf = conf or {}
     parsed = check_url(url)
@@ -236,8 +232,8 @@ def _drop_options_if_refused(engine: sa.Engine, options: Mapping[str, Any]) -> N
     from celery_pglock import _options  # imports this module
 
     given = options["connect_args"].get("options")
-    ours = given in (server_options(keepalives=True), server_options(keepalives=False))
-    _options.install_fallback(engine, mask_url(engine.url), given if ours else None)
+    ours = given if given == SERVER_OPTIONS else None
+    _options.install_fallback(engine, mask_url(engine.url), ours)
 
 
 def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
@@ -249,9 +245,8 @@ def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
         "connect_timeout": CONNECT_TIMEOUT,
         "application_name": application_name(prefix, process_tag(), "idle"),
     }
-    connect_args["options"] = server_options(
-        keepalives=bool(conf.get("pglock_server_keepalives", True))
-    )
+    if conf.get("pglock_server_keepalives", True):
+        connect_args["options"] = SERVER_OPTIONS
     extra = conf.get("pglock_engine_options") or {}
     if not isinstance(extra, Mapping):
         raise exceptions.ConfigurationError(

@@ -346,3 +346,26 @@ def test_sql_fencing_prints_and_applies_the_fencing_table(
             assert (True,) == cursor.fetchone()
     finally:
         connection.close()
+
+
+@pytest.mark.parametrize(
+    ("scope", "count"),
+    [("session", 1), ("transaction", 2)],
+)
+def test_check_counts_the_lock_connections_a_process_holds(database_url, scope, count):
+    """What tests/acceptance/test_sessions.py measures in real workers: 1 connection
+    per process for session scope (the watcher checks on the lock session), 2 for
+    transaction scope (the body uses its lock's connection)."""
+    output = run(
+        "--database-url",
+        database_url,
+        "check",
+        "--processes",
+        "3",
+        "--scope",
+        scope,
+    )
+    assert (
+        f"{3 * count} lock connection(s) needed at most (3 process(es) x {count}:"
+        in (" ".join(output.split()))
+    ), output
