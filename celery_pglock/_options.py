@@ -56,14 +56,18 @@ APPLY_SESSION_SETTINGS = (
 
 
 def apply_session_settings(dbapi_connection: Any) -> None:
-    """Set db.SESSION_SETTINGS on a psycopg2 connection (one round trip, and a commit
-    unless it is in autocommit mode): a session whose startup options went without them."""
+    """Set db.SESSION_SETTINGS on a psycopg2 connection (one round trip, outside any
+    transaction): a session whose startup options went without them."""
     names = [name for name, _ in db.SESSION_SETTINGS]
     values = [value for _, value in db.SESSION_SETTINGS]
-    with dbapi_connection.cursor() as cursor:
-        cursor.execute(APPLY_SESSION_SETTINGS, (names, values))
-    if not dbapi_connection.autocommit:
-        dbapi_connection.commit()
+    previous = dbapi_connection.autocommit
+    # Autocommit: a statement pooler refuses the BEGIN psycopg2 would send first.
+    dbapi_connection.autocommit = True
+    try:
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute(APPLY_SESSION_SETTINGS, (names, values))
+    finally:
+        dbapi_connection.autocommit = previous
 
 
 class OptionsFallback:
