@@ -146,8 +146,11 @@ def report(
         else:
             running = f"{holder.task}, " if holder.task else ""
             by = f"{holder.process} ({running}backend {holder.backend_pid})"
+    # The time it really waited, measured around the wait: a server setting, or a
+    # cancel, may end a wait before lock_wait_timeout, and the message must not claim it.
     waited = (
-        f" after waiting {options.wait_timeout:g}s"
+        f" after waiting {lock.wait_seconds or 0.0:.1f}s"
+        f" (lock_wait_timeout {options.wait_timeout:g}s)"
         if action is OnBusy.WAIT and not options.shadow
         else ""
     )

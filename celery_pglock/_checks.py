@@ -149,7 +149,14 @@ def run_checks(
         )
         findings.append(_pooler_finding(engine, scopes))
         findings.append(
-            _capacity_finding(target, processes, max_connections, reserved, in_use)
+            _capacity_finding(
+                target,
+                processes,
+                _connections_per_process(target, scopes),
+                max_connections,
+                reserved,
+                in_use,
+            )
         )
     finally:
         engine.dispose()
@@ -202,9 +209,40 @@ def _pooler_finding(engine: sa.Engine, scopes: set[str]) -> Finding:
     return Finding("OK", "pooler", f"no pooler or proxy detected ({facts.evidence})")
 
 
+def _connections_per_process(target: Target, scopes: set[str]) -> tuple[int, str]:
+    """Lock connections one worker process holds while its bodies run, and why.
+
+    Measured in real workers (tests/acceptance/test_sessions.py): a process whose locks
+    all live on its lock session holds 1 (the lock watcher checks them there). A lock
+    on a pooled connection of its own (transaction scope, whose connection the body
+    uses; a bounded wait; pglock_session_mode='per_lock') is checked by the watcher on
+    a connection of its own: 2.
+    """
+    pooled: list[str] = []
+    if "transaction" in scopes:
+        pooled.append("transaction scope")
+    if any(
+        task.lock_config.on_busy is config.OnBusy.WAIT
+        for task in target.singleton_tasks()
+    ):
+        pooled.append("lock_on_busy='wait'")
+    if (
+        target.app is not None
+        and config.session_mode(target.app.conf) is config.SessionMode.PER_LOCK
+    ):
+        pooled.append("pglock_session_mode='per_lock'")
+    if pooled:
+        return (
+            2,
+            f"a pooled lock connection and the lock watcher's, for {', '.join(pooled)}",
+        )
+    return 1, "its lock session, which the lock watcher checks too"
+
+
 def _capacity_finding(
     target: Target,
     processes: int | None,
+    per_process: tuple[int, str],
     max_connections: int,
     reserved: int,
     in_use: int,
@@ -217,11 +255,16 @@ def _capacity_finding(
         )
         processes = int(configured or os.cpu_count() or 1)
     available = max_connections - reserved - in_use
-    # One lock session per worker process/thread that runs a locked task at once.
-    detail = f"{processes} lock session(s) needed at most; max_connections={max_connections}, {reserved} reserved, {in_use} in use, {available} free"
+    count, why = per_process
+    needed = processes * count
+    detail = (
+        f"{needed} lock connection(s) needed at most ({processes} process(es) x {count}: "
+        f"{why}); max_connections={max_connections}, {reserved} reserved, {in_use} in use, "
+        f"{available} free"
+    )
     fix = "raise max_connections, lower worker concurrency, or pool lock sessions through PgBouncer in session mode"
-    if processes > available:
+    if needed > available:
         return Finding("FAIL", "capacity", detail, fix)
-    if processes > 0.8 * available:
+    if needed > 0.8 * available:
         return Finding("WARN", "capacity", detail + " (over 80% of what is free)", fix)
     return Finding("OK", "capacity", detail)

@@ -1,6 +1,12 @@
-"""The lock watcher's own session to one lock database, and its one check statement.
+"""The lock watcher's check of one lock database, and its own session there.
 
-Asynchronous (psycopg2 ``async_``): every connect and query waits in ``poll()`` until the
+The check runs on the process's lock session when it has one (``ProcessSession.run_check``:
+that session is idle while bodies run, so a prefork child keeps one connection). A process
+without one (transaction scope, whose connection the body uses; bounded waits; per_lock
+mode) checks on the observer's own session, and so does the diagnosis of a lock session
+that stopped answering (to name a restart, a failover or a standby), closed again after.
+
+The observer's own session is asynchronous (psycopg2 ``async_``): every connect and query waits in ``poll()`` until the
 check's deadline, so a frozen link or a frozen server can never block the watcher. A
 check that cannot complete in time raises nothing: it answers "unverifiable" for every
 lock it was asked about (see ``_watch.py`` for what happens then).
@@ -16,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from celery_pglock import _forks, _options, _redact, _server, _sql, db
 
 if TYPE_CHECKING:
+    from celery_pglock._process_session import ProcessSession
     from celery_pglock._watch import Entry
 
 #: Statements run by observers in this process (tests prove short tasks run none).
@@ -33,10 +40,38 @@ class Observer:
         self.engine = engine
         self.connection: Any = None
         self.server_start: str | None = None
-        self.drop_options = False  #: The server (a pooler) refused our options.
 
-    def check(self, entries: list[Entry], deadline: float) -> dict[int, str]:
-        """{id(entry): cause} for each lock found lost; every entry if unverifiable."""
+    def check(
+        self,
+        entries: list[Entry],
+        deadline: float,
+        session: ProcessSession | None = None,
+    ) -> dict[int, str]:
+        """{id(entry): cause} for each lock found lost; every entry if unverifiable.
+
+        With ``session`` (this process's open lock session of the engine) the check runs
+        there, and the process needs no connection of its own for it. Only if that
+        session cannot answer (it died: a restart, a failover, a terminated backend, a
+        cut link) does the check connect here, to tell why, and close again.
+        """
+        diagnosing = False
+        if session is not None:
+            try:
+                rows = session.run_check(_sql.CHECK_HELD, _params(entries), deadline)
+            except Exception:
+                diagnosing = True  # the session is gone (or stuck): ask the server why
+            else:
+                if rows is not None:
+                    self._counted()
+                    return self._evaluate(entries, rows)
+        try:
+            return self._check_here(entries, deadline)
+        finally:
+            if diagnosing:
+                self.close()
+
+    def _check_here(self, entries: list[Entry], deadline: float) -> dict[int, str]:
+        """The check on the observer's own session (connected on demand)."""
         last_error: BaseException | None = None
         while True:
             try:
@@ -58,25 +93,26 @@ class Observer:
         )
         return {id(entry): cause for entry in entries}
 
-    def _check_once(self, entries: list[Entry], deadline: float) -> dict[int, str]:
+    @staticmethod
+    def _counted() -> None:
         global checks_run
+        checks_run += 1
+
+    def _check_once(self, entries: list[Entry], deadline: float) -> dict[int, str]:
         if self.connection is None:
             self._connect(deadline)
-        ids = [entry.lock.key.pg_locks_ids for entry in entries]
         cursor = self.connection.cursor()
-        cursor.execute(
-            _sql.CHECK_HELD,
-            (
-                [classid for classid, _, _ in ids],
-                [objid for _, objid, _ in ids],
-                [objsubid for _, _, objsubid in ids],
-                [entry.backend_pid or 0 for entry in entries],
-            ),
-        )
-        checks_run += 1
+        cursor.execute(_sql.CHECK_HELD, _params(entries))
+        self._counted()
         wait(self.connection, deadline)
         rows = cursor.fetchall()
         cursor.close()
+        return self._evaluate(entries, rows)
+
+    def _evaluate(
+        self, entries: list[Entry], rows: list[tuple[Any, ...]]
+    ) -> dict[int, str]:
+        """{id(entry): cause} from the rows of CHECK_HELD for ``entries``."""
         start, standby = rows[0][4], rows[0][5]
         restarted = self.server_start is not None and start != self.server_start
         self.server_start = start
@@ -142,22 +178,25 @@ class Observer:
             "watch",
         )
         params["connect_timeout"] = timeout
-        if self.drop_options:
-            params.pop("options", None)
+        # What the engine learnt its server accepts (a pooler, an older server).
+        fallback = _options.fallback_of(self.engine)
+        if fallback is not None and params.get("options") == fallback.ours:
+            options = fallback.current()
+            if options is None:
+                params.pop("options", None)
+            else:
+                params["options"] = options
         connection = psycopg2.connect(**params, async_=1)
         _forks.adopt(connection)  # a forked child must not touch it either
         self.connection = connection
         try:
             wait(connection, deadline)
         except psycopg2.OperationalError as error:
-            # A pooler refusing the library's keepalive options (see _options.py): the
-            # lock sessions connect without them, and so does the watcher.
-            if params.get("options") != db.SERVER_KEEPALIVE_OPTIONS or not any(
-                text in str(error) for text in _options.OPTIONS_REJECTED
-            ):
+            # Refused options (see _options.py): the lock sessions connect without the
+            # refused part, and so does the watcher.
+            if fallback is None or not fallback.learn(error):
                 raise
             self.close()
-            self.drop_options = True
             self._connect(deadline)
             return
         cursor = connection.cursor()
@@ -166,6 +205,12 @@ class Observer:
             "SELECT set_config('statement_timeout', %s, false)", (f"{timeout}s",)
         )
         wait(connection, deadline)
+        if fallback is None or not fallback.carries_settings():
+            # Idle between checks: never ended by a role's idle_session_timeout.
+            names = [name for name, _ in db.SESSION_SETTINGS]
+            values = [value for _, value in db.SESSION_SETTINGS]
+            cursor.execute(_options.APPLY_SESSION_SETTINGS, (names, values))
+            wait(connection, deadline)
         cursor.close()
 
     def close(self) -> None:
@@ -173,6 +218,17 @@ class Observer:
         if connection is not None:
             with contextlib.suppress(Exception):  # it is dead already, most often
                 connection.close()
+
+
+def _params(entries: list[Entry]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """CHECK_HELD's parameters for ``entries``."""
+    ids = [entry.lock.key.pg_locks_ids for entry in entries]
+    return (
+        [classid for classid, _, _ in ids],
+        [objid for _, objid, _ in ids],
+        [objsubid for _, _, objsubid in ids],
+        [entry.backend_pid or 0 for entry in entries],
+    )
 
 
 def wait(connection: Any, deadline: float) -> None:

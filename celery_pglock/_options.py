@@ -1,26 +1,36 @@
-"""Startup options a pooler refuses: connect again without ours, and say so once.
+"""The lock sessions' own settings: sent as startup options, or applied at connect.
 
-The lock engine sends server keepalive settings as the ``options`` startup parameter
-(``db.SERVER_KEEPALIVE_OPTIONS``), so that PostgreSQL frees a vanished worker's locks in
-about a minute. PgBouncer refuses that parameter, which would fail every connection. A
-``do_connect`` hook catches that one refusal and connects without the options from then
-on: the defaults work through PgBouncer without hand-tuning.
+A lock connection sends its settings as the ``options`` startup parameter
+(``db.SERVER_OPTIONS``: server keepalives and ``idle_session_timeout=0``), which costs no
+round trip and survives ``DISCARD ALL`` (a ``RESET`` returns to the startup value). Two
+kinds of server refuse them, and would fail every connection:
+
+- a pooler: PgBouncer refuses the parameter (before 1.20: any ``options``; from 1.20:
+  settings it does not track). The engine connects without our options from then on,
+  says so once at INFO, and applies the session settings with one statement per new
+  connection instead (never per task).
+- an older PostgreSQL, which does not know a setting (``idle_session_timeout`` is 14+,
+  ``tcp_user_timeout`` 12+): that one setting is left out from then on.
+
+A ``do_connect`` hook (:class:`OptionsFallback`) does both; the lock watcher's own session
+connects with the same knowledge (``OptionsFallback.current`` and ``learn``).
 
 Hazard: only the library's own options are ever dropped. Options a user set in
-``pglock_engine_options["connect_args"]`` fail loudly, as they should.
+``pglock_engine_options["connect_args"]`` fail loudly, as they should; the session
+settings are then applied by the statement at connect.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+import re
+import weakref
+from typing import Any
 
+import sqlalchemy as sa
 from sqlalchemy import event
 
 from celery_pglock import db
-
-if TYPE_CHECKING:
-    import sqlalchemy as sa
 
 logger = logging.getLogger(__name__)
 
@@ -30,48 +40,145 @@ OPTIONS_REJECTED = (
     "unsupported startup parameter: options",
     "unsupported options startup parameter",
 )
+#: PostgreSQL's answer to a setting it does not know (an older server).
+_UNKNOWN = re.compile(r'unrecognized configuration parameter "([a-z_]+)"')
+#: One ``-c name=value`` of an options string the library built.
+_SETTING = re.compile(r"-c ([a-z_]+)=(\S+)")
+
+#: Applies db.SESSION_SETTINGS on a connection made without them, in one statement.
+#: pg_settings filters out what the server does not know (idle_session_timeout < 14).
+#: Params: names (text[]), values (text[]).
+APPLY_SESSION_SETTINGS = (
+    "SELECT count(set_config(s.name, w.value, false)) "
+    "FROM unnest(%s::text[], %s::text[]) AS w(name, value) "
+    "JOIN pg_settings s ON s.name = w.name"
+)
+
+
+def apply_session_settings(dbapi_connection: Any) -> None:
+    """Set db.SESSION_SETTINGS on a psycopg2 connection (one round trip, outside any
+    transaction): a session whose startup options went without them."""
+    names = [name for name, _ in db.SESSION_SETTINGS]
+    values = [value for _, value in db.SESSION_SETTINGS]
+    previous = dbapi_connection.autocommit
+    # Autocommit: a statement pooler refuses the BEGIN psycopg2 would send first.
+    dbapi_connection.autocommit = True
+    try:
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute(APPLY_SESSION_SETTINGS, (names, values))
+    finally:
+        dbapi_connection.autocommit = previous
 
 
 class OptionsFallback:
-    """``do_connect`` hook: when a pooler refuses our keepalive ``options``, drop them.
+    """``do_connect`` hook: connect with our ``options`` where accepted, else without the
+    refused part, and make sure every lock session carries db.SESSION_SETTINGS.
 
-    Only the library's own :data:`db.SERVER_KEEPALIVE_OPTIONS` are dropped, never
-    options the user set. After the first refusal the engine connects without them
-    straight away, and says so once at INFO.
+    ``ours`` is the ``options`` value the library set (None if none): a connection
+    asked for with another value (the user's own) is made as asked, then given the
+    session settings by a statement.
     """
 
-    def __init__(self, masked_url: str) -> None:
+    def __init__(self, masked_url: str, ours: str | None) -> None:
         self.masked_url = masked_url
-        self.dropped = False
+        self.ours = ours
+        self.dropped = False  #: A pooler refused the options parameter itself.
+        self.unknown: set[str] = set()  #: Settings the server does not know.
+
+    def current(self) -> str | None:
+        """Our options as this server accepts them (None: send none)."""
+        if self.dropped or self.ours is None:
+            return None
+        kept = [
+            f"-c {name}={value}"
+            for name, value in _SETTING.findall(self.ours)
+            if name not in self.unknown
+        ]
+        return " ".join(kept) or None
+
+    def carries_settings(self) -> bool:
+        """Does a connection made with :meth:`current` carry every session setting the
+        server knows?"""
+        current = self.current()
+        return current is not None and all(
+            f"-c {name}={value}" in current or name in self.unknown
+            for name, value in db.SESSION_SETTINGS
+        )
+
+    def learn(self, error: BaseException) -> bool:
+        """A connect with :meth:`current` failed with ``error``: True if a retry without
+        the refused part may succeed (and remember it), False if the error is another."""
+        text = str(error)
+        if self.current() is None:
+            return False
+        if any(refused in text for refused in OPTIONS_REJECTED):
+            self.dropped = True
+            logger.info(
+                "celery-pglock: %s refused the server keepalive settings sent as the options "
+                "startup parameter (PgBouncer does); connecting without them, and setting "
+                "idle_session_timeout=0 by a statement on each new connection. Set "
+                "tcp_keepalives_* on the PostgreSQL server and the pooler's tcp_keep* "
+                "settings instead, or pglock_server_keepalives = False to skip this try.",
+                self.masked_url,
+                extra={"action": "lock_options_dropped"},
+            )
+            return True
+        match = _UNKNOWN.search(text)
+        if match is None or match.group(1) in self.unknown:
+            return False
+        if f"-c {match.group(1)}=" not in (self.current() or ""):
+            return False
+        self.unknown.add(match.group(1))
+        logger.info(
+            "celery-pglock: %s does not know the setting %s (an older PostgreSQL); "
+            "lock connections go without it",
+            self.masked_url,
+            match.group(1),
+            extra={"action": "lock_option_unknown"},
+        )
+        return True
 
     def __call__(
         self, dialect: Any, record: Any, cargs: list[Any], cparams: dict[str, Any]
     ) -> Any:
-        if cparams.get("options") != db.SERVER_KEEPALIVE_OPTIONS:
-            return None
-        if self.dropped:
-            del cparams["options"]
-            return None
         import psycopg2  # the only supported driver
 
-        try:
-            return dialect.connect(*cargs, **cparams)
-        except psycopg2.OperationalError as exc:
-            if not any(text in str(exc) for text in OPTIONS_REJECTED):
-                raise
-        self.dropped = True
-        del cparams["options"]
-        logger.info(
-            "celery-pglock: %s refused the server keepalive settings sent as the options "
-            "startup parameter (PgBouncer does); connecting without them. Set "
-            "tcp_keepalives_* on the PostgreSQL server and the pooler's tcp_keep* "
-            "settings instead, or pglock_server_keepalives = False to skip this try.",
-            self.masked_url,
-            extra={"action": "lock_options_dropped"},
-        )
-        return dialect.connect(*cargs, **cparams)
+        if cparams.get("options") != self.ours:
+            connection = dialect.connect(*cargs, **cparams)  # the user's own: as asked
+            apply_session_settings(connection)
+            return connection
+        # Bounded: each retry drops one more setting (or all of them).
+        for _ in range(len(db.SERVER_KEEPALIVES) + len(db.SESSION_SETTINGS) + 1):
+            options = self.current()
+            if options is None:
+                cparams.pop("options", None)
+            else:
+                cparams["options"] = options
+            try:
+                connection = dialect.connect(*cargs, **cparams)
+            except psycopg2.OperationalError as exc:
+                if not self.learn(exc):
+                    raise
+                continue
+            if not self.carries_settings():
+                apply_session_settings(connection)
+            return connection
+        raise AssertionError(
+            "unreachable: every option was dropped"
+        )  # pragma: no cover
 
 
-def install_fallback(engine: sa.Engine, masked_url: str) -> None:
+def install_fallback(engine: sa.Engine, masked_url: str, ours: str | None) -> None:
     """Add :class:`OptionsFallback` to a lock engine (db.create_engine calls this)."""
-    event.listen(engine, "do_connect", OptionsFallback(masked_url))
+    fallback = _fallbacks[engine] = OptionsFallback(masked_url, ours)
+    event.listen(engine, "do_connect", fallback)
+
+
+_fallbacks: weakref.WeakKeyDictionary[sa.Engine, OptionsFallback] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def fallback_of(engine: sa.Engine) -> OptionsFallback | None:
+    """The engine's :class:`OptionsFallback` (what its server accepts), if it has one."""
+    return _fallbacks.get(engine)

@@ -17,6 +17,7 @@ from celery_pglock import (
     _driver_errors,
     _fencing,
     _hold,
+    _options,
     _sql,
     _statements,
     db,
@@ -366,6 +367,11 @@ class PerLockSessions(_hold.LockSession):
                 hold.connection.autocommit = True
                 with hold.connection.cursor() as cursor:
                     cursor.execute(_sql.DISCARD_ALL)
+                fallback = _options.fallback_of(self.engine)
+                if fallback is None or not fallback.carries_settings():
+                    # DISCARD ALL returns every setting to its startup value: ours
+                    # were set by a statement, not at startup (see _options.py).
+                    _options.apply_session_settings(hold.connection)
         except Exception as exc:
             logger.debug("DISCARD ALL after lock %s failed", hold.ids, exc_info=True)
             self._retire_if_dead(hold.pooled, exc)

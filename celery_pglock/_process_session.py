@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import (
@@ -287,6 +288,37 @@ class ProcessSession(_hold.LockSession):
         return row
 
     # -- for lock-loss detection and shutdown ---------------------------------------------
+
+    def run_check(
+        self, statement: str, params: tuple[Any, ...], deadline: float
+    ) -> list[tuple[Any, ...]] | None:
+        """For the lock watcher: one read-only statement on this session, by ``deadline``
+        (``time.monotonic()``): its rows, or None if the session is not open.
+
+        The session is idle while bodies run, so checking its locks here costs the
+        process no second connection (issue 16). Raises TimeoutError if the session
+        stayed busy until the deadline. A statement that fails, or gets no answer in
+        time, ends the session (its holds are lost), as a lock statement's would, and
+        its error is raised.
+        """
+        if not self._mutex.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(
+                "the process's lock session stayed busy until the check's deadline"
+            )
+        try:
+            if self._cursor is None or self.pid != os.getpid():
+                return None
+            try:
+                remaining = max(0.001, deadline - time.monotonic())
+                with _deadline.bounded(self._connection, remaining):
+                    self._cursor.execute(statement, params)
+                    rows: list[tuple[Any, ...]] = self._cursor.fetchall()
+            except BaseException as exc:
+                self._fail(f"checking its locks failed: {exc!r}", exc)
+                raise
+            return rows
+        finally:
+            self._mutex.release()
 
     def holds(self) -> list[_hold.Hold]:
         """The locks held on this session right now."""

@@ -67,6 +67,16 @@ def process_session(engine: sa.Engine) -> _process_session.ProcessSession:
         return session
 
 
+def open_process_session(
+    engine: sa.Engine,
+) -> _process_session.ProcessSession | None:
+    """This process's session for ``engine`` if it has one (never creates it): the lock
+    watcher checks locks on it, instead of a connection of its own."""
+    if _process_pid != os.getpid():
+        return None
+    return _process.get(engine)
+
+
 def sessions() -> list[_process_session.ProcessSession]:
     """This process's lock sessions (for lock-loss detection and shutdown)."""
     with _registry_guard:

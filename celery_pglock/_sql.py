@@ -41,11 +41,15 @@ _HOLDER_TEXT = (
 )
 
 #: Wait for a session lock for at most lock_timeout. The explicit transaction makes the
-#: SET LOCAL end at COMMIT, so the timeout never leaks onto the pooled connection; the
-#: session lock itself outlives the transaction. Params: timeout in ms, application_name,
-#: key ids. Raises SQLSTATE 55P03 (lock_not_available) on timeout.
+#: SET LOCALs end at COMMIT, so neither leaks onto the pooled connection; the session lock
+#: itself outlives the transaction. statement_timeout is 0 for the wait (a role's or
+#: database's statement_timeout would otherwise end it early, and lock_timeout is the
+#: wait's bound; PostgreSQL 13+ times each statement of a query string separately, so
+#: the setting applies to the statements after it). Params: timeout in ms,
+#: application_name, key ids. Raises SQLSTATE 55P03 (lock_not_available) on timeout.
 WAIT_LOCK_SESSION = {
-    arity: "BEGIN; SELECT set_config('lock_timeout', %s, true); "
+    arity: "BEGIN; SELECT set_config('lock_timeout', %s, true), "
+    "set_config('statement_timeout', '0', true); "
     f"SELECT set_config('application_name', %s, false), pg_advisory_lock({key}); COMMIT"
     for arity, key in _KEY.items()
 }
@@ -65,21 +69,30 @@ UNLOCK_SESSION_KEEP_NAME = {
 }
 
 #: Try to take a transaction lock inside the caller's open transaction; the label is
-#: transaction-local too, so COMMIT/ROLLBACK undo both. Params: key ids, application_name.
+#: transaction-local too, so COMMIT/ROLLBACK undo both. So is
+#: idle_in_transaction_session_timeout = 0: the lock's transaction sits idle whenever its
+#: body is not running a statement, and a role's or database's timeout must not end it
+#: (the body may still set its own). Params: key ids, application_name.
 TRY_LOCK_TRANSACTION = {
     arity: f"SELECT CASE WHEN pg_try_advisory_xact_lock({key}) "
-    "THEN set_config('application_name', %s, true) END"
+    "THEN set_config('application_name', %s, true) "
+    "|| left(set_config('idle_in_transaction_session_timeout', '0', true), 0) END"
     for arity, key in _KEY.items()
 }
 
-#: Wait for a transaction lock for at most lock_timeout, then put lock_timeout back to
-#: what it was, so the task body's own statements are not affected by our bound.
-#: Params: timeout in ms, application_name, key ids.
+#: Wait for a transaction lock for at most lock_timeout (statement_timeout 0 meanwhile,
+#: as in WAIT_LOCK_SESSION), then put both back to what they were, so the task body's own
+#: statements keep their bounds. idle_in_transaction_session_timeout = 0 for the rest of
+#: the transaction, as in TRY_LOCK_TRANSACTION. Params: timeout in ms, application_name,
+#: key ids.
 WAIT_LOCK_TRANSACTION = {
-    arity: "SELECT set_config('celery_pglock.saved_lock_timeout', current_setting('lock_timeout'), true); "
-    "SELECT set_config('lock_timeout', %s, true); "
+    arity: "SELECT set_config('celery_pglock.saved_lock_timeout', current_setting('lock_timeout'), true), "
+    "set_config('celery_pglock.saved_statement_timeout', current_setting('statement_timeout'), true), "
+    "set_config('idle_in_transaction_session_timeout', '0', true); "
+    "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', '0', true); "
     f"SELECT set_config('application_name', %s, true), pg_advisory_xact_lock({key}); "
-    "SELECT set_config('lock_timeout', current_setting('celery_pglock.saved_lock_timeout'), true)"
+    "SELECT set_config('lock_timeout', current_setting('celery_pglock.saved_lock_timeout'), true), "
+    "set_config('statement_timeout', current_setting('celery_pglock.saved_statement_timeout'), true)"
     for arity, key in _KEY.items()
 }
 
@@ -162,7 +175,8 @@ TRY_LOCK_SESSION_RUN = {
 #: transaction). Params: key ids, application_name, run ids. Returns NULL or an ARRAY.
 TRY_LOCK_TRANSACTION_RUN = {
     arity: f"SELECT CASE WHEN pg_try_advisory_xact_lock({key}) "
-    "THEN ARRAY[set_config('application_name', %s, true), "
+    "THEN ARRAY[set_config('application_name', %s, true) "
+    "|| left(set_config('idle_in_transaction_session_timeout', '0', true), 0), "
     f"pg_try_advisory_xact_lock({_RUN})::text] END"
     for arity, key in _KEY.items()
 }

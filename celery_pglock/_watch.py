@@ -11,15 +11,17 @@ How (docs/operations/lock-loss.md has the full story and the deadline arithmetic
   lock (and again in a forked child). It does not need the task's thread: a prefork
   child's body may sleep or sit in C code.
 - Every lock older than its ``lock_watch_interval`` is checked, all of a database's locks
-  in ONE query per tick, on the watcher's own session (never the holder's: a
-  transaction-scope body may be using that connection). The query (``_sql.CHECK_HELD``)
+  in ONE query per tick, on the process's lock session when it has one (idle while bodies
+  run: no second connection), else on the watcher's own session (never on a pooled lock
+  connection: a transaction-scope body may be using it). The query (``_sql.CHECK_HELD``)
   reads ``pg_locks`` for who holds each key now, plus the postmaster start time (a
   restart, or a failover to a promoted standby: the two look alike) and
   ``pg_is_in_recovery()`` (the address now reaches a standby). A body shorter than the
   interval costs one dict insert and one removal, and no query.
-- The watcher's session (``_observer.py``) is asynchronous: every connect and query waits
-  until the check's deadline (``lock_check_timeout``) at most, so a frozen link or a frozen
-  server cannot block it. A check that cannot complete in time means the lock can
+- The watcher's own session (``_observer.py``) is asynchronous: every connect and query
+  waits until the check's deadline (``lock_check_timeout``) at most, so a frozen link or a
+  frozen server cannot block it; a check on the lock session is bounded the same way
+  (``_deadline``), and one that gets no answer ends that session. A check that cannot complete in time means the lock can
   no longer be verified: it is reported as lost ("unverifiable"), because the server will
   free it through its keepalives soon anyway (see config.SERVER_KEEPALIVE_DEADLINE).
 - On loss: ``lock.lost_cause`` is set (``current_lock().lost``, ``ensure_held()``), the loss
@@ -46,7 +48,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _observer, _outcomes, exceptions
+from celery_pglock import _observer, _outcomes, _session, exceptions
 from celery_pglock.config import OnLost
 
 if TYPE_CHECKING:
@@ -250,7 +252,10 @@ def _check(due: list[Entry]) -> None:
             observer = _observers[id(engine)] = _observer.Observer(engine)
         started = time.monotonic()
         timeout = min(entry.timeout for entry in entries)
-        losses = observer.check(entries, started + timeout)
+        # On the process's own lock session when it has one (no second connection).
+        losses = observer.check(
+            entries, started + timeout, _session.open_process_session(engine)
+        )
         for entry in entries:
             cause = losses.get(id(entry))
             if cause is None:

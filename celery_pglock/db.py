@@ -40,12 +40,24 @@ IDLE_NAME = "celery_pglock.idle_name"
 APPLICATION_NAME_MAX = 63
 DEFAULT_APPLICATION_NAME = "pglock"
 
-#: Server-side TCP keepalive settings sent as startup options, so that PostgreSQL notices a
-#: vanished worker host (power loss, partition) within about idle + interval * count
-#: seconds and frees its locks, instead of after the kernel default of two hours.
-SERVER_KEEPALIVE_OPTIONS = (
-    "-c tcp_keepalives_idle=30 -c tcp_keepalives_interval=10 -c tcp_keepalives_count=3"
+#: Server-side TCP settings, so that PostgreSQL notices a vanished worker host (power loss,
+#: partition) and frees its locks within 30 to 60 s of the link breaking, instead of after
+#: the kernel defaults (two hours idle; some 15 minutes of retransmissions for an answer
+#: sent into the void). Idle, the session is probed after 30 s, then 3 times 10 s apart;
+#: ``tcp_user_timeout`` (60 s = idle + interval x count, so it never shortens that) bounds
+#: unacknowledged data, which keepalives do not cover. See docs/operations/lock-loss.md.
+SERVER_KEEPALIVES: tuple[tuple[str, str], ...] = (
+    ("tcp_keepalives_idle", "30"),
+    ("tcp_keepalives_interval", "10"),
+    ("tcp_keepalives_count", "3"),
+    ("tcp_user_timeout", "60000"),
 )
+#: Settings every lock session needs whatever the role or database says: a lock session
+#: sits idle while its body runs, by design, so ``idle_session_timeout`` (PostgreSQL 14+)
+#: must never end it. Transaction scope sets ``idle_in_transaction_session_timeout``, and
+#: a bounded wait ``statement_timeout``, in their own statements instead (transaction-local:
+#: a task body's own statements keep the role's bounds; see _sql.py).
+SESSION_SETTINGS: tuple[tuple[str, str], ...] = (("idle_session_timeout", "0"),)
 #: Client-side libpq keepalives: the worker notices a vanished server in bounded time.
 CLIENT_KEEPALIVES: dict[str, Any] = {
     "keepalives": 1,
@@ -53,6 +65,14 @@ CLIENT_KEEPALIVES: dict[str, Any] = {
     "keepalives_interval": 10,
     "keepalives_count": 3,
 }
+
+
+#: The ``options`` startup parameter of a lock connection: our settings, which cost no
+#: round trip this way. Without it (``pglock_server_keepalives = False``, a pooler that
+#: refuses it, the user's own), SESSION_SETTINGS are set by a statement at connect.
+SERVER_OPTIONS = " ".join(
+    f"-c {name}={value}" for name, value in (*SERVER_KEEPALIVES, *SESSION_SETTINGS)
+)
 #: Seconds a new lock connection may take (libpq ``connect_timeout``), unless
 #: ``pglock_engine_options`` sets ``connect_args={"connect_timeout": ...}``.
 CONNECT_TIMEOUT = 10
@@ -169,12 +189,13 @@ def engine_for(conf: Mapping[str, Any]) -> sa.Engine:
 
 
 def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
-    """Create a lock engine: keepalives, an idle application_name and the check-in net.
+    """Create a lock engine: keepalives and session settings, an idle application_name
+    and the check-in net.
 
     ``app.conf.pglock_engine_options`` (a dict) is passed to ``sqlalchemy.create_engine``
-    and wins over our defaults; ``pglock_server_keepalives = False`` drops the server-side
-    keepalive startup options. A pooler that refuses them (PgBouncer) gets a second
-    connect without them (see ``_options``).
+    and wins over our defaults; ``pglock_server_keepalives = False`` drops the startup
+    options (SESSION_SETTINGS are then set by a statement at connect). A pooler that
+    refuses them (PgBouncer) gets a second connect without them (see ``_options``).
     """
     conf = conf or {}
     parsed = check_url(url)
@@ -206,11 +227,13 @@ def connect_params(engine: sa.Engine) -> dict[str, Any]:
 
 
 def _drop_options_if_refused(engine: sa.Engine, options: Mapping[str, Any]) -> None:
-    """Let ``engine`` connect without our keepalive ``options`` where a pooler refuses them."""
-    if options["connect_args"].get("options") == SERVER_KEEPALIVE_OPTIONS:
-        from celery_pglock import _options  # imports this module
+    """Let ``engine`` connect without our ``options`` where they are refused (a pooler, an
+    older server), and apply our session settings another way then (see ``_options``)."""
+    from celery_pglock import _options  # imports this module
 
-        _options.install_fallback(engine, mask_url(engine.url))
+    given = options["connect_args"].get("options")
+    ours = given if given == SERVER_OPTIONS else None
+    _options.install_fallback(engine, mask_url(engine.url), ours)
 
 
 def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
@@ -223,7 +246,7 @@ def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
         "application_name": application_name(prefix, process_tag(), "idle"),
     }
     if conf.get("pglock_server_keepalives", True):
-        connect_args["options"] = SERVER_KEEPALIVE_OPTIONS
+        connect_args["options"] = SERVER_OPTIONS
     extra = conf.get("pglock_engine_options") or {}
     if not isinstance(extra, Mapping):
         raise exceptions.ConfigurationError(
@@ -289,6 +312,10 @@ def engine_info(engine: sa.Engine) -> dict[str, str]:
         if not event.contains(engine, "checkin", _unlock_leftovers):
             event.listen(engine, "checkin", _unlock_leftovers)
             event.listen(engine, "connect", _adopt)
+            from celery_pglock import _options  # imports this module
+
+            # No startup options of ours: the session settings by a statement at connect.
+            _options.install_fallback(engine, mask_url(engine.url), None)
         labels = _labels[engine] = {
             "application_name_prefix": DEFAULT_APPLICATION_NAME,
             "masked_url": mask_url(engine.url),

@@ -168,6 +168,16 @@ def overruns(self, run: str, gate: str) -> str:
     return "finished"
 
 
+@app.task(
+    base=SingletonTask, bind=True, lock_args=("run", "key"), lock_scope="transaction"
+)
+def protected_in_transaction(
+    self, run: str, key: str, hold: float = 0.0, gate: str | None = None
+) -> str:
+    """protected, in transaction scope."""
+    return _body(self, run, key, hold, gate)
+
+
 @app.task(base=SingletonTask, bind=True, lock_args=("run",), lock_scope="transaction")
 def writes_in_lock(self, run: str, fail: bool = False) -> int:
     """Insert a row through the lock's transaction; raise afterwards when asked."""

@@ -422,3 +422,26 @@ def test_release_by_task_and_arguments_asks_first(cli_app, database_url):
     assert "either TASK" in run("--app", APP, "release", expect=2)
     _session.close_for(engine)
     engine.dispose()
+
+
+@pytest.mark.parametrize(
+    ("scope", "count"),
+    [("session", 1), ("transaction", 2)],
+)
+def test_check_counts_the_lock_connections_a_process_holds(database_url, scope, count):
+    """What tests/acceptance/test_sessions.py measures in real workers: 1 connection
+    per process for session scope (the watcher checks on the lock session), 2 for
+    transaction scope (the body uses its lock's connection)."""
+    output = run(
+        "--database-url",
+        database_url,
+        "check",
+        "--processes",
+        "3",
+        "--scope",
+        scope,
+    )
+    assert (
+        f"{3 * count} lock connection(s) needed at most (3 process(es) x {count}:"
+        in (" ".join(output.split()))
+    ), output

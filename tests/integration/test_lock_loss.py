@@ -399,7 +399,7 @@ def test_a_terminate_landing_as_the_body_returns_still_releases_the_lock(
     app = terminate_app
     deciding = threading.Event()
 
-    def unverifiable(self, entries, deadline):
+    def unverifiable(self, entries, deadline, session=None):
         return {id(entry): "unverifiable: simulated" for entry in entries}
 
     interrupt = _watch._interrupt

@@ -1,6 +1,7 @@
 """Lock loss when the lock server fails, in-process, on a private PostgreSQL.
 
-A restart, an idle-session timeout and a frozen server are detected in bounded time, and
+A restart and a frozen server are detected in bounded time (a server idle-session timeout
+no longer ends a lock session), and
 no acquire or release waits on a frozen server for longer than its bound.
 """
 
@@ -54,11 +55,13 @@ def test_postgres_restart_during_a_body_is_detected(
     assert "restarted" in event["cause"] or "ended" in event["cause"], event["cause"]
 
 
-def test_server_idle_session_timeout_ending_the_holder_is_detected(
+def test_server_idle_session_timeout_does_not_end_the_holder(
     private_postgres, broker_url, result_backend_url, namespace, lost_events
 ):
-    """idle_session_timeout ends a session-scope holder that sits idle while its body
-    runs: the watcher reports it (the watcher's own session is never idle that long)."""
+    """idle_session_timeout set server-wide no longer ends a session-scope holder that
+    sits idle while its body runs (it used to: the lock was lost after 1 s). Lock
+    sessions set it to 0 at connect; tests/integration/test_server_settings.py has the
+    role-level settings and the overlap checks."""
     url = private_postgres.url()
     connection = psycopg2.connect(dsn(url))
     connection.autocommit = True
@@ -72,14 +75,12 @@ def test_server_idle_session_timeout_ending_the_holder_is_detected(
 
     @app.task(base=SingletonTask, shared=False)
     def body():
-        lock = current_lock()
-        wait_for(lambda: lock.lost, 10, "the idle timeout to be detected")
+        time.sleep(2.5)
         return "finished"
 
     result = body.apply()
-    assert isinstance(result.result, LockLostError)
-    (event,) = lost_events
-    assert "ended" in event["cause"], event["cause"]
+    assert "finished" == result.get()
+    assert [] == lost_events
 
 
 def test_frozen_server_is_unverifiable_before_the_keepalive_deadline(

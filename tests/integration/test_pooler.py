@@ -172,7 +172,8 @@ def test_default_options_work_through_pgbouncer(
     pgbouncer_factory, engines, namespace, database_url, caplog
 ):
     """The default keepalive startup options, refused by PgBouncer, are dropped once
-    (one INFO line), and kept on a direct connection."""
+    (one INFO line), and kept on a direct connection; idle_session_timeout = 0 is then set
+    by a statement at connect."""
     bouncer = pgbouncer_factory("session")
     engine = engines(bouncer.url())
     caplog.set_level(logging.INFO, logger="celery_pglock._options")
@@ -182,6 +183,16 @@ def test_default_options_work_through_pgbouncer(
     ]
     try:
         assert all(lock.acquire() for lock in locks)  # two pooled connections
+        for lock in locks:
+            # The session settings the refused options carried were set by a statement
+            # at connect instead (source 'session': not the server's default).
+            cursor = lock._hold.connection.cursor()
+            cursor.execute(
+                "SELECT setting, source FROM pg_settings "
+                "WHERE name = 'idle_session_timeout'"
+            )
+            assert ("0", "session") == cursor.fetchone()
+            cursor.close()
     finally:
         for lock in locks:
             if lock.owned():
