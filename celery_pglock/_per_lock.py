@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import (
@@ -35,8 +37,9 @@ logger = logging.getLogger(__name__)
 class PerLockSessions(_hold.LockSession):
     """A pooled connection per held lock, pinned from acquire to release."""
 
-    def __init__(self, engine: sa.Engine) -> None:
+    def __init__(self, engine: sa.Engine, claims: _hold.Claims) -> None:
         self.engine = engine
+        self.claims = claims
 
     def acquire(
         self,
@@ -55,18 +58,37 @@ class PerLockSessions(_hold.LockSession):
         # argument values, possibly megabytes) in the cache below.
         holding_name = _application_name(prefix, tag, str(key), label)
         idle_name = _application_name(prefix, tag, "idle")
-        run_ids = None if run is None else run.ids
-        if transaction:
-            hold = self._acquire_transaction(
-                key, holding_name, idle_name, timeout_ms, bound, run_ids
-            )
-        else:
-            hold = self._acquire_session(
-                key, holding_name, idle_name, timeout_ms, bound, run_ids
-            )
-        # Here a pinned connection that nobody knows is unlocked at its pool check-in.
-        if hold is not None and on_granted is not None:
-            on_granted(hold)
+        hold = _hold.Hold(self, key.ids, idle_name)
+        hold.holding_name = holding_name
+        # Another run of this process holding the key (on a connection of its own, or
+        # one whose session is gone) is refused, or waited for, here: PostgreSQL would
+        # grant a key whose holder's session has ended, beside that holder's body.
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+        if not self.claims.claim(hold, deadline):
+            return None
+        try:
+            if deadline is not None:
+                # What the wait in the process left of the bound, never 0 (which would
+                # make lock_timeout unbounded).
+                timeout_ms = max(1, math.ceil((deadline - time.monotonic()) * 1000))
+            run_ids = None if run is None else run.ids
+            if transaction:
+                granted = self._acquire_transaction(
+                    hold, key, holding_name, timeout_ms, bound, run_ids
+                )
+            else:
+                granted = self._acquire_session(
+                    hold, key, holding_name, timeout_ms, bound, run_ids
+                )
+            # Here a pinned connection that nobody knows is unlocked at its pool check-in.
+            if granted and on_granted is not None:
+                on_granted(hold)
+        except BaseException:
+            self.claims.release(hold)
+            raise
+        if not granted:
+            self.claims.release(hold)
+            return None
         return hold
 
     def release(
@@ -79,10 +101,15 @@ class PerLockSessions(_hold.LockSession):
     ) -> None:
         if hold.pid != os.getpid():
             raise _hold.foreign(hold, key)
-        if hold.sa_connection is not None:
-            self._release_transaction(hold, key, commit, timeout)
-        else:
-            self._release_session(hold, key, timeout)
+        try:
+            if hold.sa_connection is not None:
+                self._release_transaction(hold, key, commit, timeout)
+            else:
+                self._release_session(hold, key, timeout)
+        finally:
+            # The run has ended, whatever became of its lock (released, or lost with
+            # its connection): its key is free in the process again.
+            self.claims.release(hold)
 
     def holder_of(self, key: LockKey, *, bound: float) -> str | None:
         row = self._one_row(_sql.HOLDER, key.pg_locks_ids, bound)
@@ -131,13 +158,13 @@ class PerLockSessions(_hold.LockSession):
 
     def _acquire_session(
         self,
+        hold: _hold.Hold,
         key: LockKey,
         holding_name: str,
-        idle_name: str,
         timeout_ms: int | None,
         bound: float,
         run_ids: tuple[int, ...] | None,
-    ) -> _hold.Hold | None:
+    ) -> bool:
         try:
             pooled = self.engine.raw_connection()
         except Exception:
@@ -173,14 +200,12 @@ class PerLockSessions(_hold.LockSession):
             if discard:
                 pooled.invalidate()
             pooled.close()
-            return None
+            return False
         db.held_keys(pooled.info)[key.ids] += 1
-        pooled.info[db.IDLE_NAME] = idle_name
-        hold = _hold.Hold(self, key.ids, idle_name)
+        pooled.info[db.IDLE_NAME] = hold.idle_name
         hold.pooled, hold.connection = pooled, dbapi
-        hold.holding_name = holding_name
         hold.run_ids = run_ids if run_granted else None
-        return hold
+        return True
 
     def _release_session(self, hold: _hold.Hold, key: LockKey, timeout: float) -> None:
         pooled = hold.pooled
@@ -231,13 +256,13 @@ class PerLockSessions(_hold.LockSession):
 
     def _acquire_transaction(
         self,
+        hold: _hold.Hold,
         key: LockKey,
         holding_name: str,
-        idle_name: str,
         timeout_ms: int | None,
         bound: float,
         run_ids: tuple[int, ...] | None,
-    ) -> _hold.Hold | None:
+    ) -> bool:
         with _driver_errors.wrap_db_errors(
             f"acquire lock {key.name!r}", self.engine, connecting=True
         ):
@@ -263,7 +288,7 @@ class PerLockSessions(_hold.LockSession):
             if not granted:
                 transaction.rollback()
                 connection.close()
-                return None
+                return False
         except BaseException as exc:
             self._retire_if_dead(pooled, exc)
             connection.invalidate()
@@ -274,13 +299,11 @@ class PerLockSessions(_hold.LockSession):
                 ):
                     raise
             raise
-        hold = _hold.Hold(self, key.ids, idle_name)
         hold.pooled, hold.connection = pooled, dbapi
         hold.sa_connection, hold.transaction = connection, transaction
-        hold.holding_name = holding_name
         # A transaction-level run lock ends with the transaction: nothing to release.
         hold.run_ids = run_ids if run_granted else None
-        return hold
+        return True
 
     def _release_transaction(
         self, hold: _hold.Hold, key: LockKey, commit: bool, timeout: float
