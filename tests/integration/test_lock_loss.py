@@ -63,6 +63,7 @@ def test_terminated_holder_is_detected_signalled_and_fails_the_run(
         result_backend_url,
         namespace,
         pglock_watch_interval=0.2,
+        pglock_on_lost="signal",  # the body goes on, to see what it sees
     )
     seen = {}
 

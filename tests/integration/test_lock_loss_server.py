@@ -38,6 +38,7 @@ def test_postgres_restart_during_a_body_is_detected(
         result_backend_url,
         namespace,
         pglock_watch_interval=0.3,
+        pglock_on_lost="signal",  # the body goes on until it sees the loss
     )
 
     @app.task(base=SingletonTask, shared=False)
@@ -67,7 +68,12 @@ def test_server_idle_session_timeout_ending_the_holder_is_detected(
         cursor.execute("SELECT pg_reload_conf()")
     connection.close()
     app = make_app(
-        url, broker_url, result_backend_url, namespace, pglock_watch_interval=0.3
+        url,
+        broker_url,
+        result_backend_url,
+        namespace,
+        pglock_watch_interval=0.3,
+        pglock_on_lost="signal",  # the body goes on until it sees the loss
     )
 
     @app.task(base=SingletonTask, shared=False)
@@ -95,6 +101,7 @@ def test_frozen_server_is_unverifiable_before_the_keepalive_deadline(
         namespace,
         pglock_watch_interval=0.3,
         pglock_check_timeout=1.5,
+        pglock_on_lost="signal",  # the body goes on, to time the detection
     )
     postmaster = private_postgres._postmaster_pid()
     assert postmaster
