@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
 from celery_pglock import exceptions
@@ -30,6 +31,7 @@ class Hold:
     """One granted lock: the session it lives on, for its release."""
 
     __slots__ = (
+        "__weakref__",  # Claims refers to holds weakly
         "connection",
         "holding_name",
         "idle_name",
@@ -81,15 +83,23 @@ class Claims:
     (``_session.claims``), and consult it before their round trip: a key held in the
     process is refused (or waited for, by a bounded wait) without one.
 
+    A claim refers to its hold weakly: a hold dropped without a release (an AdvisoryLock
+    garbage-collected while held) frees its key here, as the pool's check-in frees its
+    lock in PostgreSQL. A running body keeps its lock, and so its hold, alive.
+
     Thread-safe; gevent/eventlet patch the lock and condition it uses.
     """
 
     __slots__ = ("_cond", "_held", "_waiting")
 
+    #: Longest a bounded wait sleeps before looking again (a dropped hold sends no
+    #: notification).
+    POLL = 0.25
+
     def __init__(self) -> None:
         #: key ids -> the hold claiming it (identity: a late release of a hold whose
         #: claim was already given back never frees another run's).
-        self._held: dict[tuple[int, ...], Hold] = {}
+        self._held: dict[tuple[int, ...], weakref.ref[Hold]] = {}
         # A bare Lock under the Condition: taking it is C code (see _watch._mutex).
         self._cond = threading.Condition(threading.Lock())
         self._waiting = 0  #: Bounded waits parked in claim(): release() notifies them.
@@ -103,35 +113,41 @@ class Claims:
         """
         ids = hold.ids
         with self._cond:
-            if ids not in self._held:
-                self._held[ids] = hold
+            if self._holder(ids) is None:
+                self._held[ids] = weakref.ref(hold)
                 return True
             if deadline is None:
                 return False
             self._waiting += 1
             try:
                 # Bounded: by the caller's deadline.
-                while ids in self._held:
+                while self._holder(ids) is not None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         return False
-                    self._cond.wait(remaining)
+                    self._cond.wait(min(remaining, self.POLL))
             finally:
                 self._waiting -= 1
-            self._held[ids] = hold
+            self._held[ids] = weakref.ref(hold)
             return True
 
     def release(self, hold: Hold) -> None:
         """``hold``'s run has ended (or was not granted the lock): free its key."""
         with self._cond:
-            if self._held.get(hold.ids) is hold:
+            if self._holder(hold.ids) is hold:
                 del self._held[hold.ids]
                 if self._waiting:
                     self._cond.notify_all()
 
     def held(self, ids: tuple[int, ...]) -> bool:
         """Is ``ids`` claimed by a run of this process (tests, diagnostics)?"""
-        return ids in self._held
+        with self._cond:
+            return self._holder(ids) is not None
+
+    def _holder(self, ids: tuple[int, ...]) -> Hold | None:
+        """The live hold claiming ``ids`` (under the lock)."""
+        ref = self._held.get(ids)
+        return None if ref is None else ref()
 
 
 class LockSession(Protocol):

@@ -64,9 +64,12 @@ class PerLockSessions(_hold.LockSession):
         # one whose session is gone) is refused, or waited for, here: PostgreSQL would
         # grant a key whose holder's session has ended, beside that holder's body.
         deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
-        if not self.claims.claim(hold, deadline):
-            return None
+        handed = False
         try:
+            # Inside the try: an exception landing just after the claim (a soft time
+            # limit) must not leave the key claimed by nobody.
+            if not self.claims.claim(hold, deadline):
+                return None
             if deadline is not None:
                 # What the wait in the process left of the bound, never 0 (which would
                 # make lock_timeout unbounded).
@@ -80,16 +83,16 @@ class PerLockSessions(_hold.LockSession):
                 granted = self._acquire_session(
                     hold, key, holding_name, timeout_ms, bound, run_ids
                 )
-            # Here a pinned connection that nobody knows is unlocked at its pool check-in.
-            if granted and on_granted is not None:
-                on_granted(hold)
-        except BaseException:
-            self.claims.release(hold)
-            raise
-        if not granted:
-            self.claims.release(hold)
-            return None
-        return hold
+            if granted:
+                # Here a pinned connection that nobody knows is unlocked at its pool
+                # check-in (and its claim given back below).
+                if on_granted is not None:
+                    on_granted(hold)
+                handed = True
+        finally:
+            if not handed:
+                self.claims.release(hold)  # a no-op if the claim was refused
+        return hold if handed else None
 
     def release(
         self,

@@ -89,19 +89,19 @@ class ProcessSession(_hold.LockSession):
         ids = key.ids
         with self._mutex:
             hold = _hold.Hold(self, ids)
-            if not self.claims.claim(hold):
-                # Held by another run of this process, even one that lost its session:
-                # no round trip.
-                return None
+            granted = False
             try:
+                # Inside the try: an exception landing just after the claim (a soft
+                # time limit) must not leave the key claimed by nobody.
+                if not self.claims.claim(hold):
+                    # Held by another run of this process, even one that lost its
+                    # session: no round trip.
+                    return None
                 granted = self._acquire(hold, key, label, bound, run, on_granted)
-            except BaseException:
-                self.claims.release(hold)
-                raise
-            if not granted:
-                self.claims.release(hold)
-                return None
-            return hold
+            finally:
+                if not granted:
+                    self.claims.release(hold)  # a no-op if the claim was refused
+            return hold if granted else None
 
     def _acquire(
         self,
