@@ -90,7 +90,7 @@ class Claims:
     Thread-safe; gevent/eventlet patch the lock and condition it uses.
     """
 
-    __slots__ = ("_cond", "_held", "_waiting")
+    __slots__ = ("_cond", "_held", "_mutex", "_waiting")
 
     #: Longest a bounded wait sleeps before looking again (a dropped hold sends no
     #: notification).
@@ -100,8 +100,10 @@ class Claims:
         #: key ids -> the hold claiming it (identity: a late release of a hold whose
         #: claim was already given back never frees another run's).
         self._held: dict[tuple[int, ...], weakref.ref[Hold]] = {}
-        # A bare Lock under the Condition: taking it is C code (see _watch._mutex).
-        self._cond = threading.Condition(threading.Lock())
+        # Taken bare on the hot path (C code, unlike Condition.__enter__); waits use
+        # the Condition over it.
+        self._mutex = threading.Lock()
+        self._cond = threading.Condition(self._mutex)
         self._waiting = 0  #: Bounded waits parked in claim(): release() notifies them.
 
     def claim(self, hold: Hold, deadline: float | None = None) -> bool:
@@ -112,7 +114,7 @@ class Claims:
         with :meth:`release`, whether or not PostgreSQL then grants the lock.
         """
         ids = hold.ids
-        with self._cond:
+        with self._mutex:
             if self._holder(ids) is None:
                 self._held[ids] = weakref.ref(hold)
                 return True
@@ -133,7 +135,7 @@ class Claims:
 
     def release(self, hold: Hold) -> None:
         """``hold``'s run has ended (or was not granted the lock): free its key."""
-        with self._cond:
+        with self._mutex:
             if self._holder(hold.ids) is hold:
                 del self._held[hold.ids]
                 if self._waiting:
@@ -141,7 +143,7 @@ class Claims:
 
     def held(self, ids: tuple[int, ...]) -> bool:
         """Is ``ids`` claimed by a run of this process (tests, diagnostics)?"""
-        with self._cond:
+        with self._mutex:
             return self._holder(ids) is not None
 
     def _holder(self, ids: tuple[int, ...]) -> Hold | None:
