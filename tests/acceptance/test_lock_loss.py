@@ -244,7 +244,9 @@ def test_with_no_lock_option_a_server_ended_lock_overlaps_only_until_detection(
     first = loss.hold_default.apply_async((run, 60.0, chunk), queue=loss_workers[pool])
     key = loss.hold_default.lock_key_for(run, 60.0, chunk)
     pid = wait_until(lambda: holder_pid(lock_server, key), timeout=30, what="the lock")
-    time.sleep(INTERVAL * 2)  # checked at least once: a running, watched body
+    # Checked at least once (a running, watched body); and the termination lands about
+    # mid-interval, not just before a check, so the duplicate has time to start.
+    time.sleep(INTERVAL * 2.5)
     terminated_at = terminate(lock_server, pid)
     # Solo: another process, which takes the key the server freed.
     second = loss.hold_default.apply_async((run, 3.0, 0.05), queue=loss_workers["solo"])
