@@ -80,8 +80,8 @@ class Claims:
     released (the body has ended), whatever became of its session, so a run that lost
     its lock can overlap only with a run of another process (lock_on_lost's business),
     never with one beside it. Both strategies share one Claims per engine and process
-    (``_session.claims``), and consult it before their round trip: a key held in the
-    process is refused (or waited for, by a bounded wait) without one.
+    (kept by :mod:`~celery_pglock._session`), and consult it before their round trip: a
+    key held in the process is refused (or waited for, by a bounded wait) without one.
 
     A claim refers to its hold weakly: a hold dropped without a release (an AdvisoryLock
     garbage-collected while held) frees its key here, as the pool's check-in frees its
