@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import (
@@ -37,8 +39,9 @@ logger = logging.getLogger(__name__)
 class PerLockSessions(_hold.LockSession):
     """A pooled connection per held lock, pinned from acquire to release."""
 
-    def __init__(self, engine: sa.Engine) -> None:
+    def __init__(self, engine: sa.Engine, claims: _hold.Claims) -> None:
         self.engine = engine
+        self.claims = claims
 
     def acquire(
         self,
@@ -57,19 +60,41 @@ class PerLockSessions(_hold.LockSession):
         # argument values, possibly megabytes) in the cache below.
         holding_name = _application_name(prefix, tag, str(key), label)
         idle_name = _application_name(prefix, tag, "idle")
-        run_ids = None if run is None else run.ids
-        if transaction:
-            hold = self._acquire_transaction(
-                key, holding_name, idle_name, timeout_ms, bound, run_ids
-            )
-        else:
-            hold = self._acquire_session(
-                key, holding_name, idle_name, timeout_ms, bound, run_ids
-            )
-        # Here a pinned connection that nobody knows is unlocked at its pool check-in.
-        if hold is not None and on_granted is not None:
-            on_granted(hold)
-        return hold
+        hold = _hold.Hold(self, key.ids, idle_name)
+        hold.holding_name = holding_name
+        # Another run of this process holding the key (on a connection of its own, or
+        # one whose session is gone) is refused, or waited for, here: PostgreSQL would
+        # grant a key whose holder's session has ended, beside that holder's body.
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+        handed = False
+        try:
+            # Inside the try: an exception landing just after the claim (a soft time
+            # limit) must not leave the key claimed by nobody.
+            if not self.claims.claim(hold, deadline):
+                return None
+            if deadline is not None:
+                # What the wait in the process left of the bound, never 0 (which would
+                # make lock_timeout unbounded).
+                timeout_ms = max(1, math.ceil((deadline - time.monotonic()) * 1000))
+            run_ids = None if run is None else run.ids
+            if transaction:
+                granted = self._acquire_transaction(
+                    hold, key, holding_name, timeout_ms, bound, run_ids
+                )
+            else:
+                granted = self._acquire_session(
+                    hold, key, holding_name, timeout_ms, bound, run_ids
+                )
+            if granted:
+                # Here a pinned connection that nobody knows is unlocked at its pool
+                # check-in (and its claim given back below).
+                if on_granted is not None:
+                    on_granted(hold)
+                handed = True
+        finally:
+            if not handed:
+                self.claims.release(hold)  # a no-op if the claim was refused
+        return hold if handed else None
 
     def release(
         self,
@@ -81,10 +106,15 @@ class PerLockSessions(_hold.LockSession):
     ) -> None:
         if hold.pid != os.getpid():
             raise _hold.foreign(hold, key)
-        if hold.sa_connection is not None:
-            self._release_transaction(hold, key, commit, timeout)
-        else:
-            self._release_session(hold, key, timeout)
+        try:
+            if hold.sa_connection is not None:
+                self._release_transaction(hold, key, commit, timeout)
+            else:
+                self._release_session(hold, key, timeout)
+        finally:
+            # The run has ended, whatever became of its lock (released, or lost with
+            # its connection): its key is free in the process again.
+            self.claims.release(hold)
 
     def issue_token(
         self, hold: _hold.Hold, key: LockKey, *, bound: float
@@ -155,13 +185,13 @@ class PerLockSessions(_hold.LockSession):
 
     def _acquire_session(
         self,
+        hold: _hold.Hold,
         key: LockKey,
         holding_name: str,
-        idle_name: str,
         timeout_ms: int | None,
         bound: float,
         run_ids: tuple[int, ...] | None,
-    ) -> _hold.Hold | None:
+    ) -> bool:
         try:
             pooled = self.engine.raw_connection()
         except Exception:
@@ -197,14 +227,12 @@ class PerLockSessions(_hold.LockSession):
             if discard:
                 pooled.invalidate()
             pooled.close()
-            return None
+            return False
         db.held_keys(pooled.info)[key.ids] += 1
-        pooled.info[db.IDLE_NAME] = idle_name
-        hold = _hold.Hold(self, key.ids, idle_name)
+        pooled.info[db.IDLE_NAME] = hold.idle_name
         hold.pooled, hold.connection = pooled, dbapi
-        hold.holding_name = holding_name
         hold.run_ids = run_ids if run_granted else None
-        return hold
+        return True
 
     def _release_session(self, hold: _hold.Hold, key: LockKey, timeout: float) -> None:
         pooled = hold.pooled
@@ -255,13 +283,13 @@ class PerLockSessions(_hold.LockSession):
 
     def _acquire_transaction(
         self,
+        hold: _hold.Hold,
         key: LockKey,
         holding_name: str,
-        idle_name: str,
         timeout_ms: int | None,
         bound: float,
         run_ids: tuple[int, ...] | None,
-    ) -> _hold.Hold | None:
+    ) -> bool:
         with _driver_errors.wrap_db_errors(
             f"acquire lock {key.name!r}", self.engine, connecting=True
         ):
@@ -287,7 +315,7 @@ class PerLockSessions(_hold.LockSession):
             if not granted:
                 transaction.rollback()
                 connection.close()
-                return None
+                return False
         except BaseException as exc:
             self._retire_if_dead(pooled, exc)
             connection.invalidate()
@@ -298,13 +326,11 @@ class PerLockSessions(_hold.LockSession):
                 ):
                     raise
             raise
-        hold = _hold.Hold(self, key.ids, idle_name)
         hold.pooled, hold.connection = pooled, dbapi
         hold.sa_connection, hold.transaction = connection, transaction
-        hold.holding_name = holding_name
         # A transaction-level run lock ends with the transaction: nothing to release.
         hold.run_ids = run_ids if run_granted else None
-        return hold
+        return True
 
     def _release_transaction(
         self, hold: _hold.Hold, key: LockKey, commit: bool, timeout: float

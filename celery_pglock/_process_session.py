@@ -3,10 +3,12 @@
 Opened on first use and kept for the life of the process (a prefork child: no pool
 checkout per task; a threads/gevent worker: one connection, not one per in-flight task).
 PostgreSQL session locks are re-entrant *within* a session, so exclusion between the
-tasks of one process is done here, per key, under the mutex that also serialises every
-statement on the connection (a psycopg2 connection runs one statement at a time; its
-cursors are not thread-safe). A key already held in the process is refused without a
-round trip. Transaction scope and bounded waits go to a PerLockSessions of their own.
+tasks of one process is done in the process, per key (``_hold.Claims``, shared with the
+engine's PerLockSessions, which keeps a key whose session was lost excluded until its
+body ends), and every statement on the connection is serialised under one mutex (a
+psycopg2 connection runs one statement at a time; its cursors are not thread-safe). A
+key already held in the process is refused without a round trip. Transaction scope and
+bounded waits go to a PerLockSessions of their own.
 """
 
 from __future__ import annotations
@@ -45,10 +47,11 @@ class ProcessSession(_hold.LockSession):
     connection. Bounded waits go to ``waits`` (a connection of their own).
     """
 
-    def __init__(self, engine: sa.Engine) -> None:
+    def __init__(self, engine: sa.Engine, claims: _hold.Claims) -> None:
         self.engine = engine
+        self.claims = claims
         self.pid = os.getpid()
-        self.waits = _per_lock.PerLockSessions(engine)
+        self.waits = _per_lock.PerLockSessions(engine, claims)
         self._mutex = threading.Lock()
         self._pooled: Any = None  # the detached pool proxy owning the connection
         self._connection: Any = None
@@ -56,7 +59,8 @@ class ProcessSession(_hold.LockSession):
         self._prefix = db.engine_info(engine)["application_name_prefix"]
         self._names: dict[str, str] = {}  # task label -> application_name
         self._shown: str | None = None  # the application_name the session shows
-        #: key ids -> the hold of the task of this process holding it.
+        #: key ids -> the hold living on the current connection (a hold lost with its
+        #: connection leaves; its key stays in ``claims`` until its release).
         self._owners: dict[tuple[int, ...], _hold.Hold] = {}
         #: run lock ids -> the hold that carries it (see keys.run_key).
         self._runs: dict[tuple[int, ...], _hold.Hold] = {}
@@ -86,48 +90,71 @@ class ProcessSession(_hold.LockSession):
             )
         ids = key.ids
         with self._mutex:
-            if ids in self._owners:
-                return None  # held by another task of this process: no round trip
-            # A run lock already held in this process (the same task id running twice
-            # in it) would re-enter on this session: not taken again, so that its
-            # release cannot end the other run's.
-            run_ids = None if run is None or run.ids in self._runs else run.ids
-            cursor = self._cursor if self._cursor is not None else self._connect(key)
-            name = self._names.get(label)
-            if name is None:
-                if len(self._names) >= 1024:  # labels are task names: few; stay bounded
-                    self._names.clear()
-                name = self._names[label] = db.application_name(
-                    self._prefix, db.process_tag(), label
-                )
+            hold = _hold.Hold(self, ids)
+            granted = False
             try:
-                # Bounded: a frozen link or server would otherwise hold the mutex, and
-                # with it every lock statement of the process, for as long as TCP waits.
-                with _deadline.bounded(self._connection, bound):
-                    granted, run_granted = self._try(cursor, ids, name, run_ids)
-                if not granted:
+                # Inside the try: an exception landing just after the claim (a soft
+                # time limit) must not leave the key claimed by nobody.
+                if not self.claims.claim(hold):
+                    # Held by another run of this process, even one that lost its
+                    # session: no round trip.
                     return None
-                # Recorded (and handed to on_granted) inside the try: an exception
-                # landing here (a soft time limit) must not leave a granted key that
-                # nobody in the process knows.
-                hold = _hold.Hold(self, ids)
-                hold.connection = self._connection
-                hold.holding_name = self._shown
-                self._owners[ids] = hold
-                if run_granted and run_ids is not None:
-                    hold.run_ids = run_ids
-                    self._runs[run_ids] = hold
-                if on_granted is not None:
-                    on_granted(hold)
-            except BaseException as exc:
-                self._fail(f"acquiring lock {key.name!r} failed: {exc!r}", exc)
-                if isinstance(exc, Exception):
-                    with _driver_errors.wrap_db_errors(
-                        f"acquire lock {key.name!r}", self.engine
-                    ):
-                        raise
-                raise
-            return hold
+                granted = self._acquire(hold, key, label, bound, run, on_granted)
+            finally:
+                if not granted:
+                    self.claims.release(hold)  # a no-op if the claim was refused
+            return hold if granted else None
+
+    def _acquire(
+        self,
+        hold: _hold.Hold,
+        key: LockKey,
+        label: str,
+        bound: float,
+        run: LockKey | None,
+        on_granted: Callable[[_hold.Hold], None] | None,
+    ) -> bool:
+        """Under the mutex, ``hold`` claimed: the try-lock round trip and its record."""
+        ids = hold.ids
+        # A run lock already held in this process (the same task id running twice in
+        # it) would re-enter on this session: not taken again, so that its release
+        # cannot end the other run's.
+        run_ids = None if run is None or run.ids in self._runs else run.ids
+        cursor = self._cursor if self._cursor is not None else self._connect(key)
+        name = self._names.get(label)
+        if name is None:
+            if len(self._names) >= 1024:  # labels are task names: few; stay bounded
+                self._names.clear()
+            name = self._names[label] = db.application_name(
+                self._prefix, db.process_tag(), label
+            )
+        try:
+            # Bounded: a frozen link or server would otherwise hold the mutex, and
+            # with it every lock statement of the process, for as long as TCP waits.
+            with _deadline.bounded(self._connection, bound):
+                granted, run_granted = self._try(cursor, ids, name, run_ids)
+            if not granted:
+                return False
+            # Recorded (and handed to on_granted) inside the try: an exception
+            # landing here (a soft time limit) must not leave a granted key that
+            # nobody in the process knows.
+            hold.connection = self._connection
+            hold.holding_name = self._shown
+            self._owners[ids] = hold
+            if run_granted and run_ids is not None:
+                hold.run_ids = run_ids
+                self._runs[run_ids] = hold
+            if on_granted is not None:
+                on_granted(hold)
+        except BaseException as exc:
+            self._fail(f"acquiring lock {key.name!r} failed: {exc!r}", exc)
+            if isinstance(exc, Exception):
+                with _driver_errors.wrap_db_errors(
+                    f"acquire lock {key.name!r}", self.engine
+                ):
+                    raise
+            raise
+        return True
 
     def _try(
         self,
@@ -173,6 +200,10 @@ class ProcessSession(_hold.LockSession):
             raise _hold.foreign(hold, key)
         ids = hold.ids
         with self._mutex:
+            # The run has ended, whatever became of its lock: its key is free in the
+            # process again. Under the mutex, so no try-lock of the process runs
+            # before the unlock below.
+            self.claims.release(hold)
             if self._owners.get(ids) is not hold:
                 raise exceptions.LockNotOwnedError(
                     f"The process's lock session ended while lock {key.name!r} (key {key}) was "
@@ -379,7 +410,11 @@ class ProcessSession(_hold.LockSession):
             db.mark_pool_stale(self.engine, None, exc)
 
     def _close(self, cause: str) -> list[_hold.Hold]:
-        """Under the mutex: end the session; every hold on it is lost."""
+        """Under the mutex: end the session; every hold on it is lost.
+
+        Their keys stay claimed (``claims``) until their release: PostgreSQL has freed
+        them, but their bodies may still run in this process.
+        """
         connection, self._connection = self._connection, None
         self._pooled = self._cursor = None
         lost = list(self._owners.values())

@@ -34,6 +34,12 @@ _per_lock_sessions: weakref.WeakKeyDictionary[sa.Engine, _per_lock.PerLockSessio
     weakref.WeakKeyDictionary()
 )
 _process: dict[sa.Engine, _process_session.ProcessSession] = {}
+#: The keys held by runs of this process, per engine, shared by both strategies (see
+#: _hold.Claims). Never cleared while the process lives: a run that lost its session
+#: keeps its key until its release, even across close_for() and a new session.
+_claims: weakref.WeakKeyDictionary[sa.Engine, _hold.Claims] = (
+    weakref.WeakKeyDictionary()
+)
 _process_pid = os.getpid()
 _registry_guard = threading.Lock()
 #: A forked child's copies of its parent's sessions: kept referenced, never used or
@@ -52,7 +58,13 @@ def for_lock(engine: sa.Engine, *, transaction: bool) -> _hold.LockSession:
     ):
         per_lock = _per_lock_sessions.get(engine)
         if per_lock is None:
-            per_lock = _per_lock_sessions[engine] = _per_lock.PerLockSessions(engine)
+            with _registry_guard:
+                _forget_after_fork()
+                per_lock = _per_lock_sessions.get(engine)
+                if per_lock is None:
+                    per_lock = _per_lock_sessions[engine] = _per_lock.PerLockSessions(
+                        engine, _claims_of(engine)
+                    )
         return per_lock
     return process_session(engine)
 
@@ -63,7 +75,9 @@ def process_session(engine: sa.Engine) -> _process_session.ProcessSession:
         _forget_after_fork()
         session = _process.get(engine)
         if session is None:
-            session = _process[engine] = _process_session.ProcessSession(engine)
+            session = _process[engine] = _process_session.ProcessSession(
+                engine, _claims_of(engine)
+            )
         return session
 
 
@@ -75,6 +89,14 @@ def open_process_session(
     if _process_pid != os.getpid():
         return None
     return _process.get(engine)
+
+
+def _claims_of(engine: sa.Engine) -> _hold.Claims:
+    """The claims table of ``engine`` in this process (call with _registry_guard held)."""
+    claims = _claims.get(engine)
+    if claims is None:
+        claims = _claims[engine] = _hold.Claims()
+    return claims
 
 
 def sessions() -> list[_process_session.ProcessSession]:
@@ -112,6 +134,7 @@ def _forget_after_fork() -> None:
     _inherited.extend(_process.values())
     _process.clear()
     _per_lock_sessions.clear()
+    _claims.clear()  # the parent's runs: none of them runs in this child
     _process_pid = os.getpid()
 
 

@@ -26,9 +26,12 @@ How (docs/operations/lock-loss.md has the full story and the deadline arithmetic
   free it through its keepalives soon anyway (see config.SERVER_KEEPALIVE_DEADLINE).
 - On loss: ``lock.lost_cause`` is set (``current_lock().lost``, ``ensure_held()``), the loss
   is reported once (``_outcomes.lost``: signal, ERROR log, metric) from this process, and
-  with ``lock_on_lost='terminate'`` the body is interrupted: a signal (:data:`SIGNAL`) to
-  the main thread for prefork and solo, whose handler raises LockLostError like Celery's
-  soft time limit; an asynchronous exception at the next bytecode for a threads-pool body.
+  with ``lock_on_lost='terminate'`` (the default) the body is interrupted: a signal
+  (:data:`SIGNAL`) to the main thread for prefork and solo, whose handler raises
+  LockLostError like Celery's soft time limit; an asynchronous exception at the next
+  bytecode for a threads-pool body. A gevent/eventlet body cannot be interrupted: it goes
+  on, as with ``'signal'``, but no other run of its process takes the key meanwhile
+  (``_hold.Claims``).
 
 The lock layer's side of the interface is small on purpose (the lock-session work may
 change how locks hold their sessions): ``lock.key.pg_locks_ids``, ``lock.backend_pid``,
@@ -302,7 +305,9 @@ def _green() -> bool:
         _green_warned = os.getpid()
         logger.warning(
             "celery-pglock: lock_on_lost='terminate' cannot end a gevent/eventlet body; "
-            "a lost lock is reported (lock_lost, ensure_held()) but the body goes on",
+            "a lost lock is reported (lock_lost, ensure_held()) but the body goes on "
+            "(check ensure_held() before each effect, or use fencing tokens; "
+            "lock_on_lost='signal' says that this is intended)",
             extra={"action": "lock_terminate_unsupported"},
         )
     return patched

@@ -74,7 +74,9 @@ class OnLost(str, enum.Enum):
 
     SIGNAL = "signal"  #: Report it; the body goes on until it checks ensure_held().
     #: Report it and end the body with LockLostError where the pool allows it
-    #: (prefork/solo: a signal to the main thread; threads: an asynchronous exception).
+    #: (prefork/solo: a signal to the main thread; threads: an asynchronous exception;
+    #: gevent/eventlet cannot, and act as SIGNAL). The default: the duplicate that took
+    #: the freed lock then overlaps the body for no longer than the detection.
     TERMINATE = "terminate"
 
 
@@ -175,7 +177,7 @@ class LockConfig:
     #: Seconds before the first such re-run; doubled each time, at most 300 s.
     error_backoff: float = DEFAULT_ERROR_BACKOFF
     #: What to do when the lock is lost while the body runs.
-    on_lost: OnLost = OnLost.SIGNAL
+    on_lost: OnLost = OnLost.TERMINATE
     #: Seconds between checks that the lock is still held while the body runs; 0
     #: turns the checks off (no loss detection).
     watch_interval: float = DEFAULT_WATCH_INTERVAL
@@ -311,7 +313,7 @@ def resolve(
     )
 
     on_lost = _validate.choice(
-        task_name, *option("lock_on_lost", OnLost.SIGNAL), OnLost
+        task_name, *option("lock_on_lost", OnLost.TERMINATE), OnLost
     )
     interval_source, interval_value = option(
         "lock_watch_interval", DEFAULT_WATCH_INTERVAL

@@ -70,7 +70,15 @@ def fenced_in_transaction(
     return token
 
 
-@app.task(base=SingletonTask, bind=True, lock_args=("run", "key"), lock_fencing=True)
+# lock_on_lost='signal': a body the watcher could not end (gevent, C code) is what the
+# guard exists for; the paused-holder test makes one and needs its late write to happen.
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    lock_args=("run", "key"),
+    lock_fencing=True,
+    lock_on_lost="signal",
+)
 def fenced_write(self, run: str, key: str, body: str, gate: str | None = None) -> bool:
     """Take a token, wait on ``gate`` (if any), then write ``body`` through the guard;
     returns whether the write was applied."""

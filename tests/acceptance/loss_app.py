@@ -92,9 +92,9 @@ def _record_lost(
 signals.lock_lost.connect(_record_lost, weak=False)
 
 
-@app.task(base=SingletonTask, bind=True, lock_args=("run",))
+@app.task(base=SingletonTask, bind=True, lock_args=("run",), lock_on_lost="signal")
 def hold(self, run: str, gate: str) -> str:
-    """Hold the lock until the gate opens (lock_on_lost='signal', the default)."""
+    """Hold the lock until the gate opens; a lost lock is reported, the body goes on."""
     with recorder.record(run, "hold", self.request.id) as row_id:
         wait_gate(gate, row_id)
     return "finished"
@@ -113,6 +113,17 @@ def hold_terminate(self, run: str, chunk: float) -> str:
     """Sleep up to 60 s in ``chunk``-second sleeps (one sleep when chunk=60)."""
     with recorder.record(run, "hold", self.request.id):
         deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(chunk)
+    return "slept"
+
+
+@app.task(base=SingletonTask, bind=True, lock_args=("run",))
+def hold_default(self, run: str, seconds: float, chunk: float) -> str:
+    """No lock option of its own (the app sets only the watch interval and the check
+    timeout): sleep ``seconds`` in ``chunk``-second sleeps."""
+    with recorder.record(run, "hold", self.request.id):
+        deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             time.sleep(chunk)
     return "slept"

@@ -14,7 +14,7 @@ import uuid
 import psycopg2
 import pytest
 
-from celery_pglock import LockLostError, LockSkipped
+from celery_pglock import LockLostError, LockSkipped, OnLost
 from celery_pglock.testing import EmbeddedPostgres, WorkerProcess
 
 from .conftest import wait_until
@@ -196,6 +196,78 @@ def test_terminate_policy_acts_as_signal_under_gevent(
         result.get(timeout=30)
     again = loss.duplicate.apply_async((f"{run}-2",), queue=loss_workers["gevent"])
     assert again.get(timeout=30) == "ran"
+
+
+@pytest.mark.parametrize("pool", ["threads", "gevent"])
+def test_a_lost_key_never_runs_twice_in_one_process(
+    loss, loss_workers, lock_server, recorder, run, pool
+):
+    """Issue 16, on a one-process worker: the holder's backend is terminated while its
+    body goes on (lock_on_lost='signal'). The next duplicate is skipped, and its holder
+    lookup finds the process's lock session dead and closes it; every duplicate after
+    that is skipped too, instead of locking on a fresh session beside the first body.
+    0 overlaps; once the first body has ended, the key runs again in that process."""
+    queue = loss_workers[pool]
+    gate, open_gate = f"gate-{run}", f"open-{run}"
+    _open(open_gate)
+    first = loss.hold.apply_async((run, gate), queue=queue)
+    key = loss.hold.lock_key_for(run, gate)
+    pid = wait_until(lambda: holder_pid(lock_server, key), timeout=30, what="the lock")
+    terminate(lock_server, pid)
+    wait_until(lambda: holder_pid(lock_server, key) is None, timeout=10, what="free")
+    for _ in range(3):
+        duplicate = loss.hold.apply_async((run, open_gate), queue=queue)
+        with pytest.raises(LockSkipped):
+            duplicate.get(timeout=30)
+    assert recorder.count(run) == 1
+    wait_until(lambda: loss.lost_events(first.id), timeout=10, what="lock_lost")
+    _open(gate)
+    with pytest.raises(LockLostError):
+        first.get(timeout=30)
+    after = loss.hold.apply_async((run, open_gate), queue=queue)
+    assert after.get(timeout=30) == "finished"
+    assert recorder.count(run) == 2
+    assert recorder.overlaps(run) == []
+
+
+@pytest.mark.parametrize(("pool", "chunk"), [("prefork", 60.0), ("threads", 0.05)])
+def test_with_no_lock_option_a_server_ended_lock_overlaps_only_until_detection(
+    loss, loss_workers, lock_server, recorder, run, pool, chunk
+):
+    """Issue 16: with no lock_on_lost set, pg_terminate_backend of the holder's lock
+    session (what a restart, failover or idle timeout also do) frees the lock; a
+    duplicate in another process takes it at once. The holder's body is ended when the
+    loss is detected (prefork: even inside one long sleep), so the two overlap for no
+    longer than the detection (interval + tick + one check), not for the rest of the
+    body. The run fails with LockLostError."""
+    assert loss.hold_default.lock_config.on_lost is OnLost.TERMINATE
+    first = loss.hold_default.apply_async((run, 60.0, chunk), queue=loss_workers[pool])
+    key = loss.hold_default.lock_key_for(run, 60.0, chunk)
+    pid = wait_until(lambda: holder_pid(lock_server, key), timeout=30, what="the lock")
+    # Checked at least once (a running, watched body); and the termination lands about
+    # mid-interval, not just before a check, so the duplicate has time to start.
+    time.sleep(INTERVAL * 2.5)
+    terminated_at = terminate(lock_server, pid)
+    # Solo: another process, which takes the key the server freed.
+    second = loss.hold_default.apply_async((run, 3.0, 0.05), queue=loss_workers["solo"])
+    with pytest.raises(LockLostError, match="was lost while its body ran"):
+        first.get(timeout=30)
+    assert second.get(timeout=30) == "slept"
+    first_interval = recorder.intervals(run)[0]
+    ended_after = first_interval.ended_at.timestamp() - terminated_at
+    overlaps = recorder.overlaps(run)
+    overlapped = [
+        (o.first.ended_at - o.second.started_at).total_seconds() for o in overlaps
+    ]
+    print(
+        f"defaults ({pool}): body ended {ended_after:.2f}s after pg_terminate_backend; "
+        f"overlap {overlapped}s (interval {INTERVAL}s)"
+    )
+    assert len(overlaps) <= 1
+    # Detection: interval + the watcher's tick (interval/4) + one query; loose on a
+    # busy machine, and far below the duplicate's 3 s body ('signal' overlaps all of it).
+    assert ended_after < INTERVAL * 1.25 + 1.0, ended_after
+    assert all(seconds < INTERVAL * 1.25 + 1.0 for seconds in overlapped), overlapped
 
 
 def _open(gate: str) -> None:

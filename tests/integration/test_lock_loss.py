@@ -14,19 +14,25 @@ import textwrap
 import threading
 import time
 
+import psycopg2
 import pytest
 
 from celery_pglock import (
     AdvisoryLock,
     ConfigurationError,
     LockLostError,
+    LockSkipped,
+    PgLockError,
     SingletonTask,
     _observer,
+    _session,
     _watch,
     current_lock,
+    keys,
 )
 from celery_pglock import db as db_module
 from tests.integration.loss_support import (
+    dsn,
     holder_pid,
     make_app,
     terminate_backend,
@@ -57,6 +63,7 @@ def test_terminated_holder_is_detected_signalled_and_fails_the_run(
         result_backend_url,
         namespace,
         pglock_watch_interval=0.2,
+        pglock_on_lost="signal",  # the body goes on, to see what it sees
     )
     seen = {}
 
@@ -340,19 +347,21 @@ def test_ensure_held_never_stops_a_shadowed_body(
         engine.dispose()
 
 
-def test_a_loss_is_reported_when_another_session_of_the_process_took_the_key(
+def test_a_lost_key_is_refused_to_every_run_of_its_process_until_its_body_ends(
     database_url, broker_url, result_backend_url, namespace, session_mode
 ):
-    """A's session ends before A's first check, and another run of this process takes
-    the key on a new session showing the same application_name: A's check must report
-    the loss, not take that session for A's (as it may behind PgBouncer, whose backend
-    pids are invented)."""
+    """Issue 16: A's session is terminated while its body goes on (lock_on_lost
+    'signal'). The duplicate C1 is refused in the process and its holder lookup finds
+    the process session dead and closes it (per_process mode); C2, after that, must be
+    refused too, not run beside A on a fresh session (or on a connection of its own,
+    per_lock). A's loss is still reported, and once A's body has ended the key runs."""
     app = make_app(
         database_url,
         broker_url,
         result_backend_url,
         namespace,
         pglock_watch_interval=1.0,
+        pglock_on_lost="signal",
         pglock_session_mode=session_mode,
     )
     terminated = threading.Event()
@@ -375,17 +384,79 @@ def test_a_loss_is_reported_when_another_session_of_the_process_took_the_key(
     first = threading.Thread(target=run, args=("A", 3.0))
     first.start()
     assert terminated.wait(10)
-    # A duplicate: its lookup of the holder finds the process session dead (per_process
-    # mode, where it is refused in-process), or it takes the free key (per_lock).
     run("C1", 0.0)
-    second = threading.Thread(target=run, args=("C2", 2.5))
-    second.start()
+    run("C2", 0.0)
     first.join(15)
-    second.join(15)
-    assert "C2" in ran  # it took the key while A's body still ran
-    assert "C2" == outcomes["C2"].get()
+    assert ran == ["A"]
+    assert isinstance(outcomes["C1"].result, LockSkipped)
+    assert isinstance(outcomes["C2"].result, LockSkipped)
     assert "FAILURE" == outcomes["A"].state
     assert isinstance(outcomes["A"].result, LockLostError)
+    run("D", 0.0)
+    assert "D" == outcomes["D"].get()
+
+
+@pytest.mark.parametrize(
+    ("scope", "timeout"),
+    [("session", None), ("session", 0.3), ("transaction", None)],
+    ids=["try", "bounded-wait", "transaction"],
+)
+def test_a_lost_key_stays_claimed_in_its_process_until_its_release(
+    lock_engine, database_url, namespace, session_mode, scope, timeout
+):
+    """The lock layer under the test above: the key of a hold whose session was
+    terminated is refused to every other lock of the process (without a round trip),
+    across the process session being closed, replaced and lost again, until that hold is
+    released; another process may take it (PostgreSQL freed it). A bounded wait in the
+    process waits for the release, not for PostgreSQL."""
+    key = keys.make_key(namespace, "it.lost")
+    first = AdvisoryLock(engine=lock_engine, key=key, scope=scope)
+    assert first.acquire(timeout=timeout)
+    terminate_backend(database_url, first.backend_pid)
+    wait_for(lambda: not _granted_elsewhere(database_url, key), 5, "the lock freed")
+    for _ in range(3):
+        duplicate = AdvisoryLock(engine=lock_engine, key=key, scope=scope)
+        assert not duplicate.acquire(timeout=timeout)
+        # Another key: in per_process mode, finds the session dead and reconnects once.
+        other = AdvisoryLock(engine=lock_engine, key=keys.make_key(namespace, "other"))
+        assert other.acquire()
+        terminate_backend(database_url, other.backend_pid)  # lost again
+        with pytest.raises(PgLockError):
+            other.release()
+        _session.close_for(lock_engine)  # and closed
+    assert not _granted_elsewhere(database_url, key)  # free for other processes
+    waiter: dict = {}
+    after = AdvisoryLock(engine=lock_engine, key=key)
+    if timeout is not None:
+        waiting = threading.Thread(
+            target=lambda: waiter.update(
+                granted=after.acquire(timeout=10), at=time.monotonic()
+            )
+        )
+        waiting.start()
+        time.sleep(0.3)
+    with pytest.raises(PgLockError):
+        first.release()
+    released_at = time.monotonic()
+    if timeout is not None:
+        waiting.join(10)
+        assert waiter["granted"] is True
+        assert waiter["at"] - released_at < 0.5  # woken by the release
+    else:
+        assert after.acquire()
+    after.release()
+
+
+def _granted_elsewhere(url: str, key) -> bool:
+    """Can another process take ``key`` now (and give it back)?"""
+    args = ", ".join(["%s"] * len(key.ids))
+    with psycopg2.connect(dsn(url)) as connection, connection.cursor() as cursor:
+        cursor.execute(f"SELECT pg_try_advisory_lock({args})", key.ids)
+        (free,) = cursor.fetchone()
+        if free:
+            cursor.execute(f"SELECT pg_advisory_unlock({args})", key.ids)
+    connection.close()
+    return not free
 
 
 @pytest.mark.parametrize("in_main", [True, False], ids=["main-thread", "pool-thread"])

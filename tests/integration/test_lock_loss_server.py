@@ -39,6 +39,7 @@ def test_postgres_restart_during_a_body_is_detected(
         result_backend_url,
         namespace,
         pglock_watch_interval=0.3,
+        pglock_on_lost="signal",  # the body goes on until it sees the loss
     )
 
     @app.task(base=SingletonTask, shared=False)
@@ -70,7 +71,12 @@ def test_server_idle_session_timeout_does_not_end_the_holder(
         cursor.execute("SELECT pg_reload_conf()")
     connection.close()
     app = make_app(
-        url, broker_url, result_backend_url, namespace, pglock_watch_interval=0.3
+        url,
+        broker_url,
+        result_backend_url,
+        namespace,
+        pglock_watch_interval=0.3,
+        pglock_on_lost="signal",  # the body goes on until it sees the loss
     )
 
     @app.task(base=SingletonTask, shared=False)
@@ -96,6 +102,7 @@ def test_frozen_server_is_unverifiable_before_the_keepalive_deadline(
         namespace,
         pglock_watch_interval=0.3,
         pglock_check_timeout=1.5,
+        pglock_on_lost="signal",  # the body goes on, to time the detection
     )
     postmaster = private_postgres._postmaster_pid()
     assert postmaster

@@ -128,16 +128,19 @@ def test_postgres_restart_loses_locks_and_the_next_acquire_reconnects(
         assert holder.acquire()
         private_postgres.crash()
         private_postgres.restart()
-        # per_lock: the lock vanished with the old server. per_process: this process
-        # still counts the key as its own (so another key shows the reconnect).
-        other_key = key if session_mode == "per_lock" else keys.make_key("restart", "b")
-        other = AdvisoryLock(engine=engine, key=other_key)
+        # The lock vanished with the old server, but this process still counts the key
+        # as its holder's until its release (issue 16): another key shows the reconnect.
+        other = AdvisoryLock(engine=engine, key=keys.make_key("restart", "b"))
         assert other.acquire()  # reconnecting is transparent
         other.release()
+        assert not AdvisoryLock(engine=engine, key=key).acquire()
         expected = DatabaseError if session_mode == "per_lock" else LockNotOwnedError
         with pytest.raises(expected):
             holder.release()
         assert not holder.owned()
+        again = AdvisoryLock(engine=engine, key=key)
+        assert again.acquire()
+        again.release()
     finally:
         _session.close_for(engine)
         engine.dispose()

@@ -1,0 +1,76 @@
+"""_hold.Claims: the keys held by runs of one process (no database needed)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from celery_pglock import _hold
+
+
+def hold(ids: tuple[int, ...] = (42,)) -> _hold.Hold:
+    return _hold.Hold(session=None, ids=ids)  # type: ignore[arg-type]
+
+
+def test_a_claimed_key_is_refused_until_its_hold_releases_it() -> None:
+    claims = _hold.Claims()
+    first, second = hold(), hold()
+    assert claims.claim(first)
+    assert not claims.claim(second)
+    assert claims.claim(hold((43,)))  # another key
+    claims.release(first)
+    assert claims.claim(second)
+
+
+def test_a_late_release_never_frees_another_runs_claim() -> None:
+    """Identity: a hold whose claim was already given back (or never granted) releases
+    nothing, even when another hold of the same key holds it now."""
+    claims = _hold.Claims()
+    first, second = hold(), hold()
+    assert claims.claim(first)
+    claims.release(first)
+    assert claims.claim(second)
+    claims.release(first)  # late, and a refused hold's release
+    assert claims.held((42,))
+    assert not claims.claim(hold())
+
+
+def test_a_bounded_wait_gives_up_at_its_deadline() -> None:
+    claims = _hold.Claims()
+    first = hold()
+    assert claims.claim(first)
+    started = time.monotonic()
+    assert not claims.claim(hold(), time.monotonic() + 0.2)
+    assert 0.2 <= time.monotonic() - started < 1.0
+
+
+def test_a_bounded_wait_is_woken_by_the_release() -> None:
+    claims = _hold.Claims()
+    first, waiter = hold(), hold()
+    assert claims.claim(first)
+    outcome: dict[str, object] = {}
+
+    def wait() -> None:
+        outcome["granted"] = claims.claim(waiter, time.monotonic() + 10)
+        outcome["at"] = time.monotonic()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    time.sleep(0.2)
+    released_at = time.monotonic()
+    claims.release(first)
+    thread.join(10)
+    assert outcome["granted"] is True
+    assert float(outcome["at"]) - released_at < 0.5  # type: ignore[arg-type]
+    assert not claims.claim(hold())  # the waiter holds it now
+
+
+def test_a_hold_dropped_without_release_frees_its_key() -> None:
+    """Weak: an AdvisoryLock garbage-collected while held (the pool's check-in then frees
+    its lock in PostgreSQL) does not keep its key claimed in the process forever."""
+    claims = _hold.Claims()
+    dropped = hold()
+    assert claims.claim(dropped)
+    del dropped
+    assert not claims.held((42,))
+    assert claims.claim(hold())
