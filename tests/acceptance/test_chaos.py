@@ -41,8 +41,8 @@ def test_short_chaos_run(acceptance_env, tmp_path):
     figures = json.loads(figures_path.read_text())
     assert figures["unaccounted"] == 0, figures["unaccounted_ids"]
     # Every sent task ended, or was lost by the broker's Redis transport before any worker
-    # received it (a worker SIGKILLed between BRPOP and its unacked record: plain Celery
-    # loses that message too), or is unaccounted (0, asserted above).
+    # received it (taken off Redis by a worker SIGKILLed before it recorded the message,
+    # as Redis shows at the end: plain Celery loses it too), or is unaccounted (0, above).
     ended = figures["ran"] + figures["skipped"] + figures["failed"]
     assert figures["sent"] == ended + figures["lost_by_broker"]
     assert figures["overlaps_unexplained"] == []

@@ -216,3 +216,38 @@ def took_lock(
 def outcome(outcomes: dict[str, tuple[str, str]], task_id: str) -> str:
     state, reason = outcomes.get(task_id, ("unaccounted", ""))
     return reason or state
+
+
+def broker_losses(
+    missing: list[dict[str, Any]],
+    in_broker: dict[str, str],
+    consumers_killed: int,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Split the tasks that never got an outcome into (lost by the broker, unaccounted).
+
+    ``missing``: what the logs say of each (report._trace: ``id``, ``received``);
+    ``in_broker``: task id -> where Redis still holds its message at the end (a queue, or
+    kombu's ``unacked`` hash); ``consumers_killed``: broker consumers SIGKILLed during the
+    run (one per whole worker: its main process does the BRPOP).
+
+    Kombu's Redis transport takes a message off its list (BRPOP) and only then records it
+    in ``unacked`` (``QoS.append``). Redis hands a message to a *blocked* BRPOP at once,
+    so a consumer that dies before reading the reply, or between reading it and the
+    record, takes the message with it: in no list, in no unacked record, received by no
+    worker. That is the evidence, read from Redis, not a timing window: a live consumer
+    records every message it pops before Celery even logs it, and each dead consumer took
+    at most one (a BRPOP returns one message). A message with a record (still queued, or
+    unacked: a worker fetched it and never acked, so kombu's visibility timeout would
+    bring it back), one a worker received, or more such messages than killed consumers,
+    is unaccounted: the run fails.
+    """
+    vanished = [
+        task for task in missing if not task["received"] and task["id"] not in in_broker
+    ]
+    lost = vanished if len(vanished) <= consumers_killed else []
+    unaccounted = [
+        {**task, "in_broker": in_broker.get(task["id"])}
+        for task in missing
+        if task not in lost
+    ]
+    return lost, unaccounted

@@ -3,6 +3,7 @@ and its Markdown report."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import TYPE_CHECKING, Any
@@ -57,16 +58,12 @@ def collect(chaos: Chaos, started: float) -> dict[str, Any]:
     missing = [
         _trace(chaos, task_id) for task_id in sorted(set(chaos.sent) - set(outcomes))
     ]
-    # Kombu's Redis transport takes a message off the queue (BRPOP) before it records
-    # it as unacknowledged: a worker SIGKILLed in between loses it, whatever the task.
-    # No worker ever logged it as received, so celery-pglock never saw it.
-    worker_kills = [f.began for f in chaos.faults if f.kind.startswith("SIGKILL whole")]
-    broker_lost = [
-        t
-        for t in missing
-        if not t["received"] and any(k >= t["sent_at"] for k in worker_kills)
-    ]
-    unaccounted = [t for t in missing if t not in broker_lost]
+    # A message taken off Redis by a consumer killed before it recorded the message:
+    # decided from what Redis still holds, never from when the kills happened.
+    consumers_killed = sum(f.kind.startswith("SIGKILL whole") for f in chaos.faults)
+    broker_lost, unaccounted = analysis.broker_losses(
+        missing, _in_broker(chaos, {t["id"] for t in missing}), consumers_killed
+    )
     intervals = [
         i
         for part in ("main", "part")
@@ -90,6 +87,48 @@ def collect(chaos: Chaos, started: float) -> dict[str, Any]:
         **_from_logs(chaos),
     )
     return figures
+
+
+def _in_broker(chaos: Chaos, task_ids: set[str]) -> dict[str, str]:
+    """task id -> where the broker's Redis still holds its message: a queue's list, or
+    kombu's ``unacked`` hash (fetched by a worker, not acknowledged)."""
+    if not task_ids:
+        return {}
+    import redis
+    from kombu.transport.redis import Channel
+
+    app = chaos.app.app
+    unacked_key = app.conf.broker_transport_options.get(
+        "unacked_key", Channel.unacked_key
+    )
+    client: Any = redis.Redis.from_url(app.conf.broker_url)
+    found: dict[str, str] = {}
+    try:
+        for queue in (chaos.queue, chaos.part_queue):
+            # The queue's list and its priority lists (kombu: queue + separator + step).
+            for name in client.scan_iter(match=f"{queue}*", count=1000):
+                for raw in client.lrange(name, 0, -1):
+                    task_id = _message_id(raw)
+                    if task_id in task_ids:
+                        found[task_id] = f"queue {name.decode(errors='replace')}"
+        for raw in client.hvals(unacked_key):
+            task_id = _message_id(raw, unacked=True)
+            if task_id in task_ids:
+                found[task_id] = f"kombu {unacked_key!r} hash"
+    finally:
+        client.close()
+    return found
+
+
+def _message_id(raw: bytes, *, unacked: bool = False) -> str | None:
+    """The task id of a kombu message as Redis stores it (unacked: [message, ex, rk])."""
+    try:
+        message = json.loads(raw)
+        if unacked:
+            message = message[0]
+        return str(message["headers"]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
 
 
 def _trace(chaos: Chaos, task_id: str) -> dict[str, Any]:
@@ -219,8 +258,9 @@ def render(figures: dict[str, Any], results: list[tuple[str, bool]]) -> str:
         f"| skipped (lock busy) | {figures['skipped']} |",
         f"| failed, with reason | {figures['failed']} "
         f"({', '.join(f'{k} {v}' for k, v in sorted(figures['failed_reasons'].items())) or '-'}) |",
-        f"| lost by the broker before any worker received it (a worker SIGKILLed "
-        f"between Redis BRPOP and its unacked record) | {figures['lost_by_broker']} |",
+        f"| lost by the broker: taken off Redis by a worker SIGKILLed before it "
+        f"recorded it (in no queue, not unacked, received by no worker) | "
+        f"{figures['lost_by_broker']} |",
         f"| unaccounted | {figures['unaccounted']}{ignored} |",
         f"| task ids whose body ran more than once (redelivered after a kill) | {figures['task_ids_run_more_than_once']} |",
         f"| messages redelivered (acks_late, after a kill) | {figures['redelivered']} |",

@@ -230,21 +230,28 @@ def test_settings_are_validated_at_bind(
 _FORK_SCRIPT = textwrap.dedent(
     """
     import gc, os, sys
-    from celery_pglock import AdvisoryLock, db, keys
-    engine = db.create_engine(sys.argv[1])
+    from celery_pglock import AdvisoryLock, LockNotOwnedError, db, keys
+    database_url, namespace, mode, how = sys.argv[1:5]
+    engine = db.create_engine(database_url, {"pglock_session_mode": mode})
     idle = engine.raw_connection(); idle.close()  # an idle pooled session too
-    lock = AdvisoryLock(engine=engine, key=keys.make_key(sys.argv[2], "fork"))
+    lock = AdvisoryLock(engine=engine, key=keys.make_key(namespace, "fork"))
     assert lock.acquire()
-    how = sys.argv[3]
+    backend = lock.backend_pid
     pid = os.fork()
     if pid == 0:
         if how == "release":  # what the task's frames do when the child unwinds them
-            lock.release()
+            try:
+                lock.release()
+            except LockNotOwnedError as refused:  # the parent's lock: refused, untouched
+                assert "belongs to process" in str(refused), refused
+            else:
+                raise AssertionError("the child released its parent's lock")
         elif how == "gc":  # the child drops the lock: the pool finalises its connection
             del lock
             gc.collect()
         elif how == "close":  # a library closing the connections it inherited
-            lock._pooled.dbapi_connection.close()
+            lock._hold.connection.close()  # psycopg2: PQfinish sends Terminate
+            assert lock._hold.connection.closed
         elif how == "dispose":  # SQLAlchemy's after-fork advice, then the pool is freed
             del lock
             engine.dispose(close=False)
@@ -252,10 +259,15 @@ _FORK_SCRIPT = textwrap.dedent(
             gc.collect()
         if how == "os._exit":
             os._exit(0)
-        sys.exit(0)  # interpreter shutdown
-    os.waitpid(pid, 0)
+        sys.exit(0)  # interpreter shutdown; an error above exits 1
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status))  # 0: the child did what it names
     with engine.connect() as check:  # the parent's pool still works
         print(check.exec_driver_sql("SELECT pg_backend_pid()").scalar() > 0)
+    with engine.connect() as check:  # the lock is still on the parent's very session
+        print(check.exec_driver_sql(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            " AND pid = %s", (backend,)).scalar())
     print(lock.locked(), lock.owned())
     lock.release()
     print(lock.locked())
@@ -267,19 +279,31 @@ _FORK_SCRIPT = textwrap.dedent(
     "how", ["sys.exit", "os._exit", "release", "gc", "close", "dispose"]
 )
 def test_a_forked_child_never_touches_the_parents_lock_session(
-    database_url, namespace, how
+    database_url, namespace, session_mode, how
 ):
-    """Without _forks.py, "gc", "close" and "dispose" end the parent's session (psycopg2
-    sends Terminate from the child) and "release" unlocks the parent's lock."""
+    """Both session modes. Without _forks.py's os.dup2, "close" ends the parent's session
+    (psycopg2's PQfinish sends Terminate from the child): the parent's lock is gone and
+    its release fails. (The other cases still passed without it: "release" is refused by
+    the pid check, and the pool's after-fork handling in db.py keeps "gc" and "dispose"
+    off the parent's socket.) The child must exit 0: a child that died of an error never
+    did what its case names."""
     completed = subprocess.run(
-        [sys.executable, "-c", _FORK_SCRIPT, database_url, namespace, how],
+        [
+            sys.executable,
+            "-c",
+            _FORK_SCRIPT,
+            database_url,
+            namespace,
+            session_mode,
+            how,
+        ],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
     assert completed.returncode == 0, completed.stderr
-    assert completed.stdout.split() == ["True", "True", "True", "False"], (
+    assert completed.stdout.split() == ["0", "True", "1", "True", "True", "False"], (
         completed.stdout + completed.stderr
     )
 

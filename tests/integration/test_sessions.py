@@ -1,10 +1,11 @@
 """The per-process lock session: fork safety, and what one session carries.
 
 Fork safety is tested in a separate Python process (so that forking never copies pytest):
-it takes a lock on its shared session, forks, and the child tries everything a forked
+it takes a lock (in each session mode), forks, and the child tries everything a forked
 copy of a task's frames might do (release the inherited lock, drop it, take locks of its
 own) before exiting by each of return, raise, ``sys.exit`` and ``os._exit``. The parent's
-lock must stay held on the parent's session, which must still work afterwards.
+lock must stay held on the parent's session, which must still work afterwards, and the
+child must exit as its case says (0, or 1 and 3 for raise and sys.exit).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ FORK_SCRIPT = textwrap.dedent(
     import gc, json, os, sys
     from celery_pglock import AdvisoryLock, LockNotOwnedError, keys, db, _session
 
-    database_url, namespace, how = sys.argv[1:4]
-    engine = db.create_engine(database_url, {"pglock_session_mode": "per_process"})
+    database_url, namespace, mode, how = sys.argv[1:5]
+    settings = {"pglock_session_mode": mode}
+    engine = db.create_engine(database_url, settings)
     lock = AdvisoryLock(engine=engine, key=keys.make_key(namespace, "it.fork"))
     assert lock.acquire()
     parent_backend = lock._hold.connection.get_backend_pid()
@@ -38,7 +40,7 @@ FORK_SCRIPT = textwrap.dedent(
             lock.release()
         except LockNotOwnedError as error:
             report["release"] = "refused: " + str(error)
-        own = AdvisoryLock(engine=db.create_engine(database_url), key=keys.make_key(namespace, "it.child"))
+        own = AdvisoryLock(engine=db.create_engine(database_url, settings), key=keys.make_key(namespace, "it.child"))
         report["child_acquired"] = own.acquire()
         report["child_backend"] = own._hold.connection.get_backend_pid()
         own.release()
@@ -58,6 +60,7 @@ FORK_SCRIPT = textwrap.dedent(
         _, status = os.waitpid(child, 0)
         with os.fdopen(read_end) as pipe:
             report = json.loads(pipe.read() or "{}")
+        report["child_exit"] = os.waitstatus_to_exitcode(status)
         report["parent_backend"] = parent_backend
         report["parent_still_owned"] = lock.owned()
         # The parent's session still answers, and still holds its lock.
@@ -73,12 +76,18 @@ FORK_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("how", ["return", "raise", "sys.exit", "os._exit"])
+#: How each child ends, and the exit code that shows it got there (and no further).
+CHILD_EXITS = {"return": 0, "raise": 1, "sys.exit": 3, "os._exit": 0}
+
+
+@pytest.mark.parametrize("how", list(CHILD_EXITS))
 def test_a_forked_child_never_touches_the_parents_lock_session(
-    database_url, namespace, how
+    database_url, namespace, session_mode, how
 ):
+    """Both session modes. The child's exit code is its own: a child that died of an
+    unexpected error would exit 1 (or, for "raise", leave no report)."""
     completed = subprocess.run(
-        [sys.executable, "-c", FORK_SCRIPT, database_url, namespace, how],
+        [sys.executable, "-c", FORK_SCRIPT, database_url, namespace, session_mode, how],
         capture_output=True,
         text=True,
         timeout=60,
@@ -86,6 +95,7 @@ def test_a_forked_child_never_touches_the_parents_lock_session(
     )
     assert 0 == completed.returncode, completed.stderr
     report = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert CHILD_EXITS[how] == report["child_exit"], completed.stderr
     assert report["release"].startswith("refused: "), report
     assert "belongs to process" in report["release"]
     assert report["child_acquired"]

@@ -1,6 +1,7 @@
 """When a SingletonTask run's lock is released, and by whom, in-process.
 
-Retries that keep the lock for their fallback, nested and same-id runs, Ignore and
+Before its result is stored (a client that saw it can send the next run at once), except
+a published retry's, kept until RETRY is stored. Retries that keep the lock for their fallback, nested and same-id runs, Ignore and
 Reject, a release that fails, a body calling its own task, a failing metrics sink.
 """
 
@@ -322,3 +323,55 @@ def test_a_commit_answered_after_its_bound_fired_still_succeeds(
     assert "done" == result.get(timeout=5)
     assert "done" == after.get(timeout=5)
     assert 2 == rows
+
+
+def _observe_stores(app, task, key_args):
+    """(state, key held?) for each result the backend stores, taken just before the store
+    is written: what a client polling the result could see at the earliest."""
+    seen = []
+    store = app.backend.store_result
+
+    def observed(task_id, result, state, *args, **kwargs):
+        seen.append((state, is_held(task, *key_args)))
+        return store(task_id, result, state, *args, **kwargs)
+
+    app.backend.store_result = observed
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("how", "state", "held_at_store"),
+    [
+        ("return", "SUCCESS", False),
+        ("raise", "FAILURE", False),
+        # A published retry keeps its lock until Celery stored RETRY (its run waits
+        # for it, bounded: SingletonTask.retry); task_postrun then releases it.
+        ("retry", "RETRY", True),
+    ],
+)
+def test_the_lock_is_free_before_the_result_is_stored(app, how, state, held_at_store):
+    """task.py's promise: a client that sees the result can send the next run at once.
+
+    The run goes through Celery's tracer as a worker's pool runs it (build_tracer, not
+    eager: an eager run stores no result), with the real Redis result backend; the
+    ordering of release, store and task_postrun is all inside that call, in the process
+    that runs the body, so a worker process would add nothing to it. Caught mutations:
+    releasing only on success (the task_postrun safety net then releases a failed run
+    after its FAILURE is stored) fails "raise"; releasing after the store fails "return"
+    and "raise"; a retry() that does not keep its lock fails "retry"."""
+
+    def settle(self, day):
+        if how == "raise":
+            raise ValueError("the body failed")
+        if how == "retry":
+            raise self.retry(countdown=3600, queue=f"it-never-{uuid.uuid4().hex}")
+        return day
+
+    task = define(app, settle, bind=True, lock_args=("day",), max_retries=3)
+    seen = _observe_stores(app, task, ("d",))
+    task_id = str(uuid.uuid4())
+    tracer = build_tracer(task.name, task, app=app)
+    tracer(task_id, ["d"], {}, {"id": task_id, "delivery_info": {}})
+    assert [(state, held_at_store)] == seen
+    assert state == AsyncResult(task_id, app=app).state  # stored, visible to clients
+    assert not is_held(task, "d")  # and free once the run is over

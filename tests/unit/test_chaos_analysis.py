@@ -116,3 +116,54 @@ def test_a_fault_after_the_second_run_started_does_not_explain_an_overlap():
     """The second run took the lock before the fault: the fault did not free it."""
     figures = verdict(chaos(terminate(2.15), child_kill(2.25)))
     assert 1 == len(figures["overlaps_unexplained"])
+
+
+# Tasks without an outcome: lost by the broker (evidence read from Redis) or unaccounted.
+
+
+def missing(task_id: str, *, received: bool = False) -> dict:
+    return {"id": task_id, "received": received}
+
+
+def test_a_message_in_no_redis_record_received_by_no_worker_is_lost_by_a_killed_consumer():
+    """The CI case: sent the instant a whole worker was SIGKILLed (after the kill began),
+    never received, in no queue and not unacked: the dead consumer's BRPOP took it."""
+    lost, unaccounted = analysis.broker_losses([missing("a")], {}, consumers_killed=1)
+    assert ["a"] == [t["id"] for t in lost]
+    assert [] == unaccounted
+
+
+def test_without_a_killed_consumer_a_vanished_message_is_unaccounted():
+    """A live consumer records every message it pops: nothing else explains the loss."""
+    lost, unaccounted = analysis.broker_losses([missing("a")], {}, consumers_killed=0)
+    assert [] == lost
+    assert ["a"] == [t["id"] for t in unaccounted]
+
+
+def test_a_message_still_unacked_or_queued_is_unaccounted_and_says_where():
+    """Fetched and never acknowledged (kombu's unacked hash), or never fetched: Redis still
+    has it, so nothing lost it; the visibility timeout should have brought it back."""
+    where = {"a": "kombu 'unacked' hash", "b": "queue q"}
+    lost, unaccounted = analysis.broker_losses(
+        [missing("a"), missing("b")], where, consumers_killed=2
+    )
+    assert [] == lost
+    assert where == {t["id"]: t["in_broker"] for t in unaccounted}
+
+
+def test_a_received_message_without_an_outcome_is_unaccounted():
+    """A worker logged it as received: from then on it is Celery's and the library's."""
+    lost, unaccounted = analysis.broker_losses(
+        [missing("a", received=True)], {}, consumers_killed=1
+    )
+    assert [] == lost
+    assert ["a"] == [t["id"] for t in unaccounted]
+
+
+def test_more_vanished_messages_than_killed_consumers_are_all_unaccounted():
+    """A BRPOP returns one message: each dead consumer took at most one."""
+    lost, unaccounted = analysis.broker_losses(
+        [missing("a"), missing("b")], {}, consumers_killed=1
+    )
+    assert [] == lost
+    assert ["a", "b"] == [t["id"] for t in unaccounted]

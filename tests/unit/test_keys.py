@@ -60,6 +60,22 @@ VECTORS = [
         '["celery_pglock/1","default","t",[1,2.5,true,null,"x"]]',
         6691227350830464112,
     ),
+    # Dicts given in unsorted order, at the top and nested: their keys are sorted.
+    (
+        "default",
+        "exports.build_tenant_export",
+        {"tenant_id": 7, "day": "2026-12-01"},
+        '["celery_pglock/1","default","exports.build_tenant_export",'
+        '{"day":"2026-12-01","tenant_id":7}]',
+        -7698462220568348273,
+    ),
+    (
+        "default",
+        "t",
+        {"z": {"c": "é", "b": 1}, "m": [{"y": 2, "x": 1}], "a": None},
+        '["celery_pglock/1","default","t",{"a":null,"m":[{"x":1,"y":2}],"z":{"b":1,"c":"é"}}]',
+        3541699780874026306,
+    ),
 ]
 
 
@@ -67,6 +83,26 @@ VECTORS = [
 def test_vectors(namespace, name, material, text, key):
     """Each documented vector gives exactly its text and key."""
     lock_key = keys.make_key(namespace, name, material)
+    assert text == lock_key.text
+    assert (key,) == lock_key.ids
+
+
+@pytest.mark.parametrize(
+    ("namespace", "name", "material", "text", "key"),
+    [
+        vector
+        for vector in VECTORS
+        if isinstance(vector[2], dict)
+        and all(type(v) in (str, int) for v in vector[2].values())
+    ],
+)
+def test_vectors_through_the_lock_args_path(namespace, name, material, text, key):
+    """A task's lock_args build the key without the JSON encoder (keys.ScalarKeys), from
+    the arguments in signature order: the same text and key, names sorted."""
+    lock_key = keys.ScalarKeys(namespace, name, list(material)).key(
+        tuple(material.values())
+    )
+    assert lock_key is not None
     assert text == lock_key.text
     assert (key,) == lock_key.ids
 
