@@ -19,10 +19,17 @@ import select
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _forks, _options, _redact, _server, _sql, db
+from celery_pglock import (
+    _forks,
+    _options,
+    _process_session,
+    _redact,
+    _server,
+    _sql,
+    db,
+)
 
 if TYPE_CHECKING:
-    from celery_pglock._process_session import ProcessSession
     from celery_pglock._watch import Entry
 
 #: Statements run by observers in this process (tests prove short tasks run none).
@@ -45,7 +52,7 @@ class Observer:
         self,
         entries: list[Entry],
         deadline: float,
-        session: ProcessSession | None = None,
+        session: _process_session.ProcessSession | None = None,
     ) -> dict[int, str]:
         """{id(entry): cause} for each lock found lost; every entry if unverifiable.
 
@@ -56,10 +63,20 @@ class Observer:
         """
         diagnosing = False
         if session is not None:
+            timeout = entries[0].timeout
             try:
-                rows = session.run_check(_sql.CHECK_HELD, _params(entries), deadline)
+                rows = session.run_check(
+                    _sql.CHECK_HELD, _params(entries), deadline, least=timeout / 2
+                )
+            except _process_session.SessionBusyError:
+                # Busy with lock statements (each bounded): no news about its locks.
+                # Checked here instead, with a whole budget of its own, so a busy
+                # session never makes a held lock look unverifiable.
+                diagnosing = True
+                deadline = time.monotonic() + timeout
             except Exception:
-                diagnosing = True  # the session is gone (or stuck): ask the server why
+                diagnosing = True  # the session is gone (or failed): ask the server why
+                deadline = max(deadline, time.monotonic() + timeout / 2)
             else:
                 if rows is not None:
                     self._counted()

@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class SessionBusyError(Exception):
+    """The lock session was kept busy by other statements until a check's deadline."""
+
+
 class ProcessSession(_hold.LockSession):
     """One connection per process carrying every session-scope try-lock of the process.
 
@@ -321,31 +325,39 @@ class ProcessSession(_hold.LockSession):
     # -- for lock-loss detection and shutdown ---------------------------------------------
 
     def run_check(
-        self, statement: str, params: tuple[Any, ...], deadline: float
+        self,
+        statement: str,
+        params: tuple[Any, ...],
+        deadline: float,
+        least: float,
     ) -> list[tuple[Any, ...]] | None:
         """For the lock watcher: one read-only statement on this session, by ``deadline``
         (``time.monotonic()``): its rows, or None if the session is not open.
 
         The session is idle while bodies run, so checking its locks here costs the
-        process no second connection (issue 16). Raises TimeoutError if the session
-        stayed busy until the deadline. A statement that fails, or gets no answer in
-        time, ends the session (its holds are lost), as a lock statement's would, and
-        its error is raised.
+        process no second connection (issue 16). Raises :class:`SessionBusyError` if other
+        statements keep it until less than ``least`` seconds remain: busy is no news
+        about its locks. A statement that gets no answer in time, or finds the session
+        gone, ends the session (its holds are lost) as a lock statement's would; any
+        other error (a cancel) leaves it open. Either way the error is raised.
         """
-        if not self._mutex.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise TimeoutError(
-                "the process's lock session stayed busy until the check's deadline"
-            )
+        if not self._mutex.acquire(
+            timeout=max(0.0, deadline - least - time.monotonic())
+        ):
+            raise SessionBusyError
         try:
             if self._cursor is None or self.pid != os.getpid():
                 return None
+            remaining = deadline - time.monotonic()
+            if remaining < least:
+                raise SessionBusyError
             try:
-                remaining = max(0.001, deadline - time.monotonic())
                 with _deadline.bounded(self._connection, remaining):
                     self._cursor.execute(statement, params)
                     rows: list[tuple[Any, ...]] = self._cursor.fetchall()
             except BaseException as exc:
-                self._fail(f"checking its locks failed: {exc!r}", exc)
+                if self._connection.closed or _driver_errors.is_disconnect(exc):
+                    self._fail(f"checking its locks failed: {exc!r}", exc)
                 raise
             return rows
         finally:

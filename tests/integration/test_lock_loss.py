@@ -535,3 +535,33 @@ def test_a_terminate_landing_as_the_body_returns_still_releases_the_lock(
     thread.start()
     thread.join(5)
     assert {"value": "later"} == later
+
+
+def test_a_busy_lock_session_is_no_news_about_its_locks(
+    database_url, broker_url, result_backend_url, namespace, lost_events
+):
+    """Other statements keep the process's lock session (here: its mutex, as a slow lock
+    statement would) past the watcher's deadline: the check runs elsewhere with a budget
+    of its own, and the held lock is not reported lost (nor its body ended)."""
+    app = make_app(
+        database_url,
+        broker_url,
+        result_backend_url,
+        namespace,
+        pglock_watch_interval=0.2,
+        pglock_check_timeout=1,
+    )
+    seen = {}
+
+    @app.task(base=SingletonTask, shared=False)
+    def body():
+        session = _session.process_session(db_module.engine_for(app.conf))
+        with session._mutex:  # busy for three check timeouts
+            time.sleep(3)
+        time.sleep(0.6)  # and checked again on the session itself
+        seen["lost"] = current_lock().lost
+        return "finished"
+
+    assert "finished" == body.apply().get()
+    assert {"lost": False} == seen
+    assert [] == lost_events
