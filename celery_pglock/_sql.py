@@ -68,27 +68,35 @@ UNLOCK_SESSION_KEEP_NAME = {
     arity: f"SELECT pg_advisory_unlock({key})" for arity, key in _KEY.items()
 }
 
+# The lock's transaction lasts as long as its body, idle between the body's statements:
+# neither a role's idle_in_transaction_session_timeout nor its transaction_timeout
+# (PostgreSQL 17+: set only where the server knows it) may end it. Transaction-local, and
+# a string of length 0 (appended to the label the lock statement returns).
+_KEEP_TRANSACTION = (
+    "left(set_config('idle_in_transaction_session_timeout', '0', true), 0) "
+    "|| COALESCE(left(CASE WHEN current_setting('transaction_timeout', true) IS NOT NULL "
+    "THEN set_config('transaction_timeout', '0', true) END, 0), '')"
+)
+
 #: Try to take a transaction lock inside the caller's open transaction; the label is
-#: transaction-local too, so COMMIT/ROLLBACK undo both. So is
-#: idle_in_transaction_session_timeout = 0: the lock's transaction sits idle whenever its
-#: body is not running a statement, and a role's or database's timeout must not end it
-#: (the body may still set its own). Params: key ids, application_name.
+#: transaction-local too, so COMMIT/ROLLBACK undo both, and so is _KEEP_TRANSACTION (the
+#: body may still set its own bounds). Params: key ids, application_name.
 TRY_LOCK_TRANSACTION = {
     arity: f"SELECT CASE WHEN pg_try_advisory_xact_lock({key}) "
     "THEN set_config('application_name', %s, true) "
-    "|| left(set_config('idle_in_transaction_session_timeout', '0', true), 0) END"
+    f"|| {_KEEP_TRANSACTION} END"
     for arity, key in _KEY.items()
 }
 
 #: Wait for a transaction lock for at most lock_timeout (statement_timeout 0 meanwhile,
 #: as in WAIT_LOCK_SESSION), then put both back to what they were, so the task body's own
 #: statements keep their bounds. idle_in_transaction_session_timeout = 0 for the rest of
-#: the transaction, as in TRY_LOCK_TRANSACTION. Params: timeout in ms, application_name,
+#: the transaction (and transaction_timeout), as in TRY_LOCK_TRANSACTION. Params: timeout in ms, application_name,
 #: key ids.
 WAIT_LOCK_TRANSACTION = {
     arity: "SELECT set_config('celery_pglock.saved_lock_timeout', current_setting('lock_timeout'), true), "
     "set_config('celery_pglock.saved_statement_timeout', current_setting('statement_timeout'), true), "
-    "set_config('idle_in_transaction_session_timeout', '0', true); "
+    f"{_KEEP_TRANSACTION}; "
     "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', '0', true); "
     f"SELECT set_config('application_name', %s, true), pg_advisory_xact_lock({key}); "
     "SELECT set_config('lock_timeout', current_setting('celery_pglock.saved_lock_timeout'), true), "
@@ -176,7 +184,7 @@ TRY_LOCK_SESSION_RUN = {
 TRY_LOCK_TRANSACTION_RUN = {
     arity: f"SELECT CASE WHEN pg_try_advisory_xact_lock({key}) "
     "THEN ARRAY[set_config('application_name', %s, true) "
-    "|| left(set_config('idle_in_transaction_session_timeout', '0', true), 0), "
+    f"|| {_KEEP_TRANSACTION}, "
     f"pg_try_advisory_xact_lock({_RUN})::text] END"
     for arity, key in _KEY.items()
 }

@@ -161,13 +161,17 @@ def test_idle_session_timeout_does_not_end_a_session_scope_body(
             competitor.close()
 
 
-def test_idle_in_transaction_timeout_does_not_end_a_transaction_scope_body(
-    role_url, broker_url, result_backend_url, namespace, lost_events
+@pytest.mark.parametrize(
+    "setting", ["idle_in_transaction_session_timeout", "transaction_timeout"]
+)
+def test_transaction_timeouts_do_not_end_a_transaction_scope_body(
+    role_url, broker_url, result_backend_url, namespace, lost_events, setting
 ):
-    """idle_in_transaction_session_timeout = 1s: a 2.5 s transaction-scope body keeps its
-    lock, and its transaction, whose work commits at the end."""
-    url = role_url("idle_in_transaction_session_timeout", "1s")
-    assert "1s" == _show(url, "idle_in_transaction_session_timeout")
+    """idle_in_transaction_session_timeout or (PostgreSQL 17+) transaction_timeout = 1s: a
+    2.5 s transaction-scope body keeps its lock, and its transaction, whose work commits
+    at the end."""
+    url = role_url(setting, "1s")
+    assert "1s" == _show(url, setting)
     app = make_app(
         url,
         broker_url,
