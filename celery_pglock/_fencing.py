@@ -1,26 +1,20 @@
 """Issuing fencing tokens: only to a session that holds the key at that very moment.
 
 The invariant, and why this design guarantees it, is in docs/guide/fencing.md ("Why a
-stale run never gets a token"). In short:
-
-- session scope: the token is issued on the lock's own session, in one autocommit
-  statement that also checks (``pg_locks``, ``pid = pg_backend_pid()``) that this session
-  holds the key. A session can only lose its lock by ending, which aborts the statement,
-  so every committed token was issued while its session held the key, and tokens of one
-  key are issued in the order of its grants.
-- transaction scope: the lock's transaction cannot commit early (the token would not be
-  durable before the body uses it), so the token is issued on a second, autocommit
-  session, which first locks the key's row of the table and then checks that the lock's
-  transaction (its virtual transaction id) still holds the key.
-
-Either way the token is committed with ``synchronous_commit`` on before the client can
-read it: a crash cannot make PostgreSQL issue it again. The table is created on first
-use in a process (once per engine) unless it exists; a role that cannot create it gets
-an error naming the fix.
+stale run never gets a token"). The lock's session names itself (:class:`Holder`: who
+it is, and in transaction scope which transaction), and :func:`issue` takes the token
+on a pooled connection, in one committed statement that first locks the key's row and
+then checks ``pg_locks`` for that holder. Never on the lock's own session: a transaction
+scope lock's transaction commits only at the end (a token inside it would not be
+durable), and the process's shared session must not wait for a synchronous commit with
+every other task of the process queued behind it. The table is created on first use in a
+process (once per engine) unless it exists; a role that cannot create it gets an error
+naming the fix.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -28,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 from celery_pglock import _deadline, _driver_errors, _sql_fencing, db, exceptions
 
 if TYPE_CHECKING:
+    import datetime
+
     import sqlalchemy as sa
 
     from celery_pglock.keys import LockKey
@@ -86,39 +82,59 @@ def _create(cursor: Any, engine: sa.Engine) -> None:
         ) from exc
 
 
-def issue_on_holder(cursor: Any, key: LockKey, engine: sa.Engine) -> int | None:
-    """Session scope: issue on the lock's own ``cursor`` (autocommit), under its session's
-    serialisation. The token, or None if this session does not hold ``key``."""
-    return _issue(cursor, _sql_fencing.ISSUE_ON_HOLDER, _ids(key), key, engine)
+@dataclasses.dataclass(frozen=True, slots=True)
+class Holder:
+    """Who holds a lock, as PostgreSQL names it (_sql_fencing.SESSION_IDENTITY)."""
+
+    pid: int
+    started: datetime.datetime
+    postmaster: datetime.datetime
+    #: Transaction scope: the virtual transaction id holding the key; else None.
+    vxid: str | None = None
 
 
-def issue_for_transaction(
-    cursor: Any, key: LockKey, engine: sa.Engine, bound: float
-) -> int | None:
-    """Transaction scope: learn on the lock's ``cursor`` which transaction holds ``key``,
-    then issue on a pooled connection of ``engine`` if that transaction still holds it.
-    The token, or None if the lock's transaction does not hold ``key``."""
-    params = _ids(key)
-    cursor.execute(_sql_fencing.HOLDING_TRANSACTION, params)
+def session_holder(cursor: Any) -> Holder:
+    """Ask the lock's own session who it is (once per session: it never changes)."""
+    cursor.execute(_sql_fencing.SESSION_IDENTITY)
+    pid, started, postmaster = cursor.fetchone()
+    return Holder(pid, started, postmaster)
+
+
+def transaction_holder(cursor: Any, key: LockKey) -> Holder | None:
+    """Ask the lock's connection, inside its transaction, which transaction holds
+    ``key``: None if it does not."""
+    cursor.execute(_sql_fencing.TRANSACTION_IDENTITY, _ids(key))
     row = cursor.fetchone()
     if row is None:
         return None
-    params["vxid"] = row[0]
+    vxid, pid, started, postmaster = row
+    return Holder(pid, started, postmaster, vxid)
+
+
+def issue(engine: sa.Engine, key: LockKey, holder: Holder, bound: float) -> int | None:
+    """Issue ``key``'s next token if ``holder`` holds ``key`` now; None if it does not.
+
+    On a pooled connection of ``engine``, bounded by ``bound`` seconds.
+    """
     action = f"issue a fencing token for lock {key.name!r}"
+    params = {
+        **_ids(key),
+        "pid": holder.pid,
+        "started": holder.started,
+        "postmaster": holder.postmaster,
+        "vxid": holder.vxid,
+    }
     with _driver_errors.wrap_db_errors(action, engine):
         pooled: Any = engine.raw_connection()
     try:
         dbapi = pooled.dbapi_connection
         dbapi.autocommit = True
-        # Wrapped here: this session's failure is no news about the lock's session.
         with (
             _driver_errors.wrap_db_errors(action, engine),
             _deadline.bounded(dbapi, bound),
-            dbapi.cursor() as issuing,
+            dbapi.cursor() as cursor,
         ):
-            return _issue(
-                issuing, _sql_fencing.ISSUE_FOR_TRANSACTION, params, key, engine
-            )
+            return _issue(cursor, params, key, engine)
     except BaseException:
         pooled.invalidate()  # unknown state: never pool it
         raise
@@ -132,14 +148,10 @@ def _ids(key: LockKey) -> dict[str, Any]:
 
 
 def _issue(
-    cursor: Any,
-    statement: str,
-    params: dict[str, Any],
-    key: LockKey,
-    engine: sa.Engine,
+    cursor: Any, params: dict[str, Any], key: LockKey, engine: sa.Engine
 ) -> int | None:
     try:
-        cursor.execute(statement, params)
+        cursor.execute(_sql_fencing.ISSUE, params)
         row = cursor.fetchone()
     except Exception as exc:
         code = _driver_errors.sqlstate(exc)

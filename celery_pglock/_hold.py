@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     import sqlalchemy as sa
 
+    from celery_pglock import _fencing
     from celery_pglock.keys import LockKey
 
 
@@ -213,11 +214,12 @@ class LockSession(Protocol):
         """
         ...
 
-    def issue_token(self, hold: Hold, key: LockKey, *, bound: float) -> int | None:
-        """Issue ``key``'s next fencing token to ``hold`` if its session holds ``key`` now.
-
-        None when it does not (the lock was lost since its grant); raises DatabaseError
-        when the token could not be issued (see :mod:`celery_pglock._fencing`).
+    def fencing_holder(
+        self, hold: Hold, key: LockKey, *, bound: float
+    ) -> _fencing.Holder | None:
+        """Who holds ``key`` for ``hold``, as PostgreSQL names it (fencing tokens are
+        issued to that holder only, see :mod:`celery_pglock._fencing`): None when its
+        session has ended. Raises DatabaseError when it cannot be asked.
         """
         ...
 

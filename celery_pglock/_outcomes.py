@@ -176,15 +176,15 @@ def release_failed(
 
 
 def lost(task: Any, task_id: str | None, lock: AdvisoryLock, cause: str) -> None:
-    """The lock was found lost while the body ran (called from the lock watcher thread
-    of the process running the task; see _watch.py)."""
+    """The lock was found lost: while the body ran (the lock watcher thread of the
+    process running the task; see _watch.py), or before it (no fencing token)."""
     try:
         metrics.current().lost(task.name)
     except Exception as exc:
         _metrics_failed(exc)
     logger.error(
-        "Lock %s (key %s) of %s[%s] was lost while its body ran: %s. Another run may "
-        "hold it now; the run will end FAILURE with LockLostError.",
+        "Lock %s (key %s) of %s[%s] was lost: %s. Another run may hold it now; the run "
+        "will end FAILURE with LockLostError.",
         lock.key.name,
         lock.key,
         task.name,

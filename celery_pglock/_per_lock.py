@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: Key of a pooled connection's ``info``: the fencing Holder its session is.
+_HOLDER = "celery_pglock_fencing_holder"
+
 
 class PerLockSessions(_hold.LockSession):
     """A pooled connection per held lock, pinned from acquire to release."""
@@ -116,21 +119,26 @@ class PerLockSessions(_hold.LockSession):
             # its connection): its key is free in the process again.
             self.claims.release(hold)
 
-    def issue_token(
+    def fencing_holder(
         self, hold: _hold.Hold, key: LockKey, *, bound: float
-    ) -> int | None:
+    ) -> _fencing.Holder | None:
         connection = hold.connection
         if hold.lost is not None or connection is None or connection.closed:
             return None
         try:
             with _deadline.bounded(connection, bound), connection.cursor() as cursor:
-                if hold.sa_connection is None:
-                    return _fencing.issue_on_holder(cursor, key, self.engine)
-                return _fencing.issue_for_transaction(cursor, key, self.engine, bound)
+                if hold.sa_connection is not None:  # which transaction: each time
+                    return _fencing.transaction_holder(cursor, key)
+                # Who the session is never changes: asked once per pooled connection.
+                info = hold.pooled.info
+                if _HOLDER not in info:
+                    info[_HOLDER] = _fencing.session_holder(cursor)
+                holder: _fencing.Holder = info[_HOLDER]
+                return holder
         except BaseException as exc:
             if connection.closed or _driver_errors.is_disconnect(exc):
-                # The lock's session ended: it holds nothing, and no token was committed
-                # for it. Its release will say so and discard the connection.
+                # The lock's session ended: it holds nothing. Its release will say so
+                # and discard the connection.
                 return None
             with _driver_errors.wrap_db_errors(
                 f"issue a fencing token for lock {key.name!r}", self.engine

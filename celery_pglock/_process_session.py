@@ -60,6 +60,8 @@ class ProcessSession(_hold.LockSession):
         self._pooled: Any = None  # the detached pool proxy owning the connection
         self._connection: Any = None
         self._cursor: Any = None
+        #: Who this session is (fencing tokens), asked once per connection.
+        self._holder: _fencing.Holder | None = None
         self._prefix = db.engine_info(engine)["application_name_prefix"]
         self._names: dict[str, str] = {}  # task label -> application_name
         self._shown: str | None = None  # the application_name the session shows
@@ -95,7 +97,6 @@ class ProcessSession(_hold.LockSession):
         ids = key.ids
         with self._mutex:
             hold = _hold.Hold(self, ids)
-            granted = False
             try:
                 # Inside the try: an exception landing just after the claim (a soft
                 # time limit) must not leave the key claimed by nobody.
@@ -103,11 +104,13 @@ class ProcessSession(_hold.LockSession):
                     # Held by another run of this process, even one that lost its
                     # session: no round trip.
                     return None
-                granted = self._acquire(hold, key, label, bound, run, on_granted)
+                self._acquire(hold, key, label, bound, run, on_granted)
             finally:
-                if not granted:
+                # Granted means recorded on the session (whatever lands after that):
+                # only a key this session does not hold goes back.
+                if self._owners.get(ids) is not hold:
                     self.claims.release(hold)  # a no-op if the claim was refused
-            return hold if granted else None
+            return hold if self._owners.get(ids) is hold else None
 
     def _acquire(
         self,
@@ -254,9 +257,9 @@ class ProcessSession(_hold.LockSession):
                 name=key.name,
             )
 
-    def issue_token(
+    def fencing_holder(
         self, hold: _hold.Hold, key: LockKey, *, bound: float
-    ) -> int | None:
+    ) -> _fencing.Holder | None:
         with self._mutex:
             if (
                 self._owners.get(hold.ids) is not hold
@@ -264,20 +267,20 @@ class ProcessSession(_hold.LockSession):
                 or hold.connection is not self._connection
             ):
                 return None  # the session that was granted the key has ended
-            try:
-                with _deadline.bounded(self._connection, bound):
-                    return _fencing.issue_on_holder(self._cursor, key, self.engine)
-            except BaseException as exc:
-                if self._connection.closed or _driver_errors.is_disconnect(exc):
-                    # The session ended under the statement: its locks are gone, and so
-                    # is any token the statement might have issued (never committed).
-                    self._fail(f"issuing a fencing token failed: {exc!r}", exc)
-                    return None
-                with _driver_errors.wrap_db_errors(
-                    f"issue a fencing token for lock {key.name!r}", self.engine
-                ):
+            if self._holder is None:  # once per session: who it is never changes
+                try:
+                    with _deadline.bounded(self._connection, bound):
+                        self._holder = _fencing.session_holder(self._cursor)
+                except BaseException as exc:
+                    if self._connection.closed or _driver_errors.is_disconnect(exc):
+                        self._fail(f"naming the session failed: {exc!r}", exc)
+                        return None
+                    with _driver_errors.wrap_db_errors(
+                        f"issue a fencing token for lock {key.name!r}", self.engine
+                    ):
+                        raise
                     raise
-                raise
+            return self._holder
 
     def holder_of(self, key: LockKey, *, bound: float) -> str | None:
         # On this session when it is open: a skip then needs no second connection.
@@ -428,7 +431,7 @@ class ProcessSession(_hold.LockSession):
         them, but their bodies may still run in this process.
         """
         connection, self._connection = self._connection, None
-        self._pooled = self._cursor = None
+        self._pooled = self._cursor = self._holder = None
         lost = list(self._owners.values())
         self._owners.clear()
         self._runs.clear()

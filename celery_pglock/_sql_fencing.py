@@ -61,60 +61,61 @@ EXISTS = (
     "to_regclass('celery_pglock_fencing_token_seq') IS NOT NULL"
 )
 
-# pg_locks rows of the key granted in this database (whose: each statement adds it).
-_GRANTED = (
-    "locktype = 'advisory' AND granted "
-    "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
-    "AND classid = %(classid)s::oid AND objid = %(objid)s::oid "
-    "AND objsubid = %(objsubid)s::smallint"
+#: Who a lock's session is, for the life of the session: (backend pid, backend_start,
+#: pg_postmaster_start_time()). Together unique: a pid is reused only after its backend
+#: ended, with a later backend_start; a restart or a failover changes the postmaster
+#: start time. Asked once per session, on it (the pid libpq knows is a pooler's).
+SESSION_IDENTITY = (
+    "SELECT pg_backend_pid(), "
+    "(SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()), "
+    "pg_postmaster_start_time()"
 )
 
-#: Session scope, on the lock's own session (autocommit), right after the grant: issue
-#: the next token for the key if, and only if, this very session holds it. Params (dict):
-#: classid, objid, objsubid (LockKey.pg_locks_ids). One row: (held, token); token is NULL
-#: when not held, or when the sequence is behind the row (someone reset it: refuse, never
-#: go back). synchronous_commit is forced on for this one statement's transaction, so the
-#: token is on disk before the client can read it. docs/guide/fencing.md has the argument.
-ISSUE_ON_HOLDER = (
-    "SELECT set_config('synchronous_commit', 'on', true); "
-    "WITH held AS (SELECT EXISTS (SELECT 1 FROM pg_locks "
-    f"WHERE {_GRANTED} AND pid = pg_backend_pid()) AS held), "
-    "issued AS ("
-    "INSERT INTO celery_pglock_fencing AS f (classid, objid, objsubid, token) "
-    "SELECT %(classid)s::oid, %(objid)s::oid, %(objsubid)s::smallint, "
-    "nextval('celery_pglock_fencing_token_seq') FROM held WHERE held.held "
-    "ON CONFLICT (classid, objid, objsubid) "
-    "DO UPDATE SET token = excluded.token, issued_at = now() "
-    "WHERE f.token < excluded.token "
-    "RETURNING f.token) "
-    "SELECT held.held, (SELECT token FROM issued) FROM held"
+# The holder pg_locks must show for the key: this database, granted, the session named
+# by (pid, started, postmaster), and in transaction scope its transaction (vxid; NULL in
+# session scope).
+_HELD_BY = (
+    "SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+    "WHERE l.locktype = 'advisory' AND l.granted "
+    "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "AND l.classid = %(classid)s::oid AND l.objid = %(objid)s::oid "
+    "AND l.objsubid = %(objsubid)s::smallint "
+    "AND l.pid = %(pid)s AND a.backend_start = %(started)s "
+    "AND pg_postmaster_start_time() = %(postmaster)s "
+    "AND (%(vxid)s::text IS NULL OR l.virtualtransaction = %(vxid)s::text)"
 )
 
-#: Transaction scope, step 1, on the lock's connection inside the lock's transaction:
-#: the virtual transaction id holding the key (NULL row: not held). A vxid is never
-#: reused while its transaction lives, and a transaction never regains a lost lock.
-HOLDING_TRANSACTION = (
-    f"SELECT virtualtransaction FROM pg_locks WHERE {_GRANTED} "
-    "AND pid = pg_backend_pid() LIMIT 1"
+#: Transaction scope, on the lock's connection inside the lock's transaction, before the
+#: issue: the transaction holding the key (virtual transaction id) and its session's
+#: identity (as SESSION_IDENTITY); no row if it does not hold the key. Params: classid,
+#: objid, objsubid.
+TRANSACTION_IDENTITY = (
+    "SELECT l.virtualtransaction, l.pid, a.backend_start, pg_postmaster_start_time() "
+    "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+    "WHERE l.locktype = 'advisory' AND l.granted AND l.pid = pg_backend_pid() "
+    "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "AND l.classid = %(classid)s::oid AND l.objid = %(objid)s::oid "
+    "AND l.objsubid = %(objsubid)s::smallint LIMIT 1"
 )
 
-#: Transaction scope, step 2, on a second session in autocommit (one implicit
-#: transaction): create the key's row if missing, lock it, then issue the next token if,
-#: and only if, the transaction ``vxid`` still holds the key. The row lock is taken before
-#: the check, so two issues for one key are serialised: whichever checks second sees the
-#: holder of that moment. Params (dict): classid, objid, objsubid, vxid. One row: (held,
-#: token) as for ISSUE_ON_HOLDER.
-ISSUE_FOR_TRANSACTION = (
+#: Issue the next token for a key, on a pooled session in autocommit (one implicit
+#: transaction), if and only if the holder named by (pid, started, postmaster[, vxid])
+#: holds the key: create the key's row if missing, lock it, then check and take nextval.
+#: The row lock comes before the check, so two issues for one key are serialised and
+#: whichever checks second sees the holder of that moment (docs/guide/fencing.md has the
+#: argument). synchronous_commit is on for this transaction: the token is on disk before
+#: the client can read it. Params (dict): classid, objid, objsubid, pid, started,
+#: postmaster, vxid. One row: (held, token); token NULL when not held, or when the
+#: sequence is behind the row (someone reset it: refuse, never go back).
+ISSUE = (
     "SELECT set_config('synchronous_commit', 'on', true); "
     "INSERT INTO celery_pglock_fencing (classid, objid, objsubid, token) "
     "SELECT %(classid)s::oid, %(objid)s::oid, %(objsubid)s::smallint, 0 "
-    f"WHERE EXISTS (SELECT 1 FROM pg_locks WHERE {_GRANTED} "
-    "AND virtualtransaction = %(vxid)s) "
+    f"WHERE EXISTS ({_HELD_BY}) "
     "ON CONFLICT (classid, objid, objsubid) DO NOTHING; "
     "SELECT 1 FROM celery_pglock_fencing WHERE classid = %(classid)s::oid "
     "AND objid = %(objid)s::oid AND objsubid = %(objsubid)s::smallint FOR UPDATE; "
-    "WITH held AS (SELECT EXISTS (SELECT 1 FROM pg_locks "
-    f"WHERE {_GRANTED} AND virtualtransaction = %(vxid)s) AS held), "
+    f"WITH held AS (SELECT EXISTS ({_HELD_BY}) AS held), "
     "next AS (SELECT nextval('celery_pglock_fencing_token_seq') AS token "
     "FROM held WHERE held.held), "
     "issued AS (UPDATE celery_pglock_fencing AS f "

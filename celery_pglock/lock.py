@@ -246,8 +246,15 @@ class AdvisoryLock:
             )
         try:
             _fencing.ensure_table(self.engine)
-            token = hold.session.issue_token(
+            holder = hold.session.fencing_holder(
                 hold, self.key, bound=self.round_trip_timeout
+            )
+            token = (
+                None
+                if holder is None
+                else _fencing.issue(
+                    self.engine, self.key, holder, self.round_trip_timeout
+                )
             )
         except BaseException:
             self._release_quietly()  # a fenced run never runs without its token
