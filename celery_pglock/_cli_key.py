@@ -42,9 +42,10 @@ def key(
         raise click.UsageError(
             "`key` needs the app: celery -A proj pglock key ..., or --app."
         )
-    task = target.app.tasks.get(task_name)
-    if task is None or task not in target.singleton_tasks():
-        known = ", ".join(sorted(t.name for t in target.singleton_tasks())) or "none"
+    singletons = target.singleton_tasks()  # imports the task modules first
+    task = target.tasks().get(task_name)
+    if task is None or task not in singletons:
+        known = ", ".join(sorted(t.name for t in singletons)) or "none"
         raise click.UsageError(
             f"{task_name!r} is not a SingletonTask of this app (SingletonTasks: {known})."
         )

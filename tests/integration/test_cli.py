@@ -346,3 +346,68 @@ def test_sql_fencing_prints_and_applies_the_fencing_table(
             assert (True,) == cursor.fetchone()
     finally:
         connection.close()
+
+
+def celery_pglock(app, *args, database_url=None):
+    """``celery -A app pglock ...`` in a subprocess: only the command imports the tasks."""
+    env = {k: v for k, v in os.environ.items() if k != "CELERY_PGLOCK_DATABASE_URL"}
+    if database_url:
+        env["CELERY_PGLOCK_DATABASE_URL"] = database_url
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", app, "pglock", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+
+
+LAYOUTS = "tests.integration.cli_layouts"
+
+
+@pytest.mark.parametrize(
+    ("app", "task", "kwargs"),
+    [
+        (f"{LAYOUTS}.include_app", "proj.tasks.export_tenant", {"tenant_id": 42}),
+        (f"{LAYOUTS}.autodiscover_app", "billing.settle_invoices", {}),
+    ],
+    ids=["include", "autodiscover_tasks"],
+)
+def test_key_finds_tasks_the_worker_imports(app, task, kwargs):
+    """Tasks a worker imports at start (Celery(include=...), app.autodiscover_tasks()) are
+    SingletonTasks to `pglock key`, though `-A` imports only the app's module."""
+    completed = celery_pglock(
+        app, "key", task, "--kwargs", json.dumps(kwargs), "--json"
+    )
+    assert 0 == completed.returncode, completed.stdout + completed.stderr
+    forms = json.loads(completed.stdout)
+    assert task == forms["task"]
+    if kwargs:
+        assert '{"tenant_id":42}]' in forms["key_text"]
+
+
+@pytest.mark.parametrize(
+    ("app", "task"),
+    [
+        (f"{LAYOUTS}.include_app", "proj.tasks.export_tenant"),
+        (f"{LAYOUTS}.autodiscover_app", "billing.settle_invoices"),
+    ],
+    ids=["include", "autodiscover_tasks"],
+)
+def test_check_counts_tasks_the_worker_imports(database_url, app, task):
+    completed = celery_pglock(app, "check", database_url=database_url)
+    assert 0 == completed.returncode, completed.stdout + completed.stderr
+    assert "; 1 SingletonTask(s), scope session" in completed.stdout
+
+
+def test_check_fails_on_an_app_without_singleton_tasks(database_url):
+    """An app whose tasks are all plain locks nothing: a FAIL naming the fix, exit 1."""
+    completed = celery_pglock(
+        f"{LAYOUTS}.plain_app", "check", database_url=database_url
+    )
+    assert 1 == completed.returncode, completed.stdout + completed.stderr
+    assert "FAIL  tasks" in completed.stdout
+    assert "has no SingletonTask" in completed.stdout
+    assert "base=SingletonTask" in completed.stdout
+    assert "OK    connectivity" in completed.stdout  # the other checks still ran
