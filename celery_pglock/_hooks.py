@@ -187,10 +187,13 @@ def start_metrics(app: Any) -> None:
     the worker goes on without metrics.
     """
     global _metrics_outcome
-    if not _singleton_tasks(app):
+    tasks = _singleton_tasks(app)
+    if not tasks:
         return
     try:
-        _metrics_outcome = _metrics_server.serve(app.conf)
+        _metrics_outcome = _metrics_server.serve(
+            app.conf, [(task.name, task.lock_config.on_busy.value) for task in tasks]
+        )
     except exceptions.ConfigurationError as error:
         _metrics_outcome = error
 
