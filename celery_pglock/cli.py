@@ -8,8 +8,8 @@ Two entry points share these verbs:
   celery_pglock``): the same, for a DBA without the project's code; the URL falls back to
   ``CELERY_PGLOCK_DATABASE_URL``.
 
-Every database URL it prints is masked. Exit status: 0 fine, 1 a check failed, 2 a usage
-or connection error.
+Every database URL it prints is masked. Exit status (docs/operations/cli.md): 0 done, 1
+a ``check`` FAIL or a database error, 2 a usage error.
 """
 
 from __future__ import annotations

@@ -256,13 +256,14 @@ def _create_collectors(registry: Any) -> dict[str, Any]:
             **kwargs,
         ),
         # One series per live process (multiprocess), 0 where it holds none: the
-        # /metrics endpoint turns them into OLDEST_HELD (_metrics_server.py).
+        # /metrics endpoint turns them into OLDEST_HELD (_metrics_server.py). In one
+        # process it is not registered: _HeldAgeCollector serves the age instead.
         "oldest_start": prom.Gauge(
             OLDEST_START,
             "Unix time the oldest lock held now was taken; 0 if none.",
             ["task"],
             multiprocess_mode="liveall",
-            **kwargs,
+            **(kwargs if _multiprocess() else {"registry": None}),
         ),
         "info": prom.Gauge(
             "celery_pglock_info",

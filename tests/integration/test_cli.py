@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import uuid
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -411,3 +413,45 @@ def test_check_fails_on_an_app_without_singleton_tasks(database_url):
     assert "has no SingletonTask" in completed.stdout
     assert "base=SingletonTask" in completed.stdout
     assert "OK    connectivity" in completed.stdout  # the other checks still ran
+
+
+def _documented_exit_statuses():
+    """The exit statuses docs/operations/cli.md's table lists."""
+    text = (Path(__file__).resolve().parents[2] / "docs/operations/cli.md").read_text()
+    return sorted(int(status) for status in re.findall(r"(?m)^\| (\d+) \|", text))
+
+
+def _unreachable():
+    return f"postgresql+psycopg2://app:pw@127.0.0.1:{_support.free_port()}/x"
+
+
+#: For each exit status, the calls that must end with it (database_url filled in).
+EXIT_STATUSES = {
+    0: [("--database-url", "{db}", "check"), ("--database-url", "{db}", "locks")],
+    1: [
+        ("--database-url", "{unreachable}", "check"),
+        ("--database-url", "{unreachable}", "locks"),
+        ("--database-url", "{unreachable}", "sql", "--apply"),
+    ],
+    2: [
+        ("key", "some.task"),  # no app
+        ("--app", "no_such_module_xyz", "check"),
+        ("sql", "--apply"),  # no database URL
+        ("--app", APP, "key", "tests.integration.cli_app.export", "--args", "[7"),
+        ("--no-such-option",),
+    ],
+}
+
+
+@pytest.mark.parametrize("status", _documented_exit_statuses())
+def test_each_documented_exit_status_is_what_the_command_returns(
+    database_url, monkeypatch, status
+):
+    """Each status in cli.md's table is returned, by the calls its line describes; no
+    status is documented without a test, nor tested without being documented."""
+    assert sorted(EXIT_STATUSES) == _documented_exit_statuses()
+    monkeypatch.delenv("CELERY_PGLOCK_DATABASE_URL", raising=False)
+    for call in EXIT_STATUSES[status]:
+        args = [a.format(db=database_url, unreachable=_unreachable()) for a in call]
+        result = CliRunner().invoke(cli.standalone_command, args)
+        assert status == result.exit_code, (args, result.output)

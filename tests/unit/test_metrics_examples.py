@@ -152,3 +152,48 @@ def test_held_locks_and_the_oldest_age_follow_acquire_and_release(monkeypatch):
     assert {(("task", "t"),): 0.0} == _values(
         registry, "celery_pglock_oldest_held_seconds"
     )
+
+
+#: celery_pglock_* names in the docs that are SQL objects, not metrics.
+SQL_OBJECTS = {
+    "celery_pglock_key",
+    "celery_pglock_canonical",
+    "celery_pglock_locks",
+    "celery_pglock_fencing",
+    "celery_pglock_fencing_token_seq",
+}
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def _served_families():
+    """{documented name: type} of every family a worker serves (counters as ``_total``)."""
+    registry = prometheus_client.CollectorRegistry()
+    sink = metrics.PrometheusMetrics(registry=registry)
+    sink.declare([("t", "skip")])
+    return {
+        family.name + ("_total" if family.type == "counter" else ""): family.type
+        for family in registry.collect()
+    }
+
+
+def test_the_metrics_table_lists_exactly_what_is_served():
+    """docs/operations/metrics.md's table: every metric served, and nothing else, with its
+    type."""
+    text = (DOCS / "operations" / "metrics.md").read_text()
+    table = dict(re.findall(r"(?m)^\| `(celery_pglock_\w+)` \| (\w+) \|", text))
+    assert _served_families() == table
+
+
+def test_every_metric_the_docs_name_exists():
+    """Any celery_pglock_* metric named in README.md or docs/ (queries included) is one
+    a worker serves, a sample of one, or the documented raw form of the held age."""
+    served = set(exported_names()) | set(_served_families()) | {metrics.OLDEST_START}
+    pages = [DOCS.parent / "README.md", *DOCS.rglob("*.md")]
+    named = {
+        (page.name, name)
+        for page in pages
+        for name in METRIC.findall(page.read_text())
+        if name not in SQL_OBJECTS
+    }
+    assert named
+    assert set() == {(page, name) for page, name in named if name not in served}
