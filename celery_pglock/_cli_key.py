@@ -38,9 +38,22 @@ if TYPE_CHECKING:
 def key(
     target: Target, task_name: str, args_json: str, kwargs_json: str, as_json: bool
 ) -> None:
+    task, lock_key = key_of_call(target, task_name, args_json, kwargs_json, verb="key")
+    click.echo(
+        json.dumps(key_forms(task, lock_key), indent=2)
+        if as_json
+        else _key_text(key_forms(task, lock_key))
+    )
+
+
+def key_of_call(
+    target: Target, task_name: str, args_json: str, kwargs_json: str, *, verb: str
+) -> tuple[Any, Any]:
+    """The SingletonTask ``task_name`` of the app and the key of a call with these JSON
+    arguments, as the worker computes it (``SingletonTask.lock_key_for``)."""
     if target.app is None:
         raise click.UsageError(
-            "`key` needs the app: celery -A proj pglock key ..., or --app."
+            f"`{verb}` TASK needs the app: celery -A proj pglock {verb} ..., or --app."
         )
     singletons = target.singleton_tasks()  # imports the task modules first
     task = target.tasks().get(task_name)
@@ -59,14 +72,9 @@ def key(
             "--args must be a JSON array and --kwargs a JSON object."
         )
     try:
-        lock_key = task.lock_key_for(*args, **kwargs)
+        return task, task.lock_key_for(*args, **kwargs)
     except exceptions.PgLockError as error:
         raise click.ClickException(str(error)) from None
-    click.echo(
-        json.dumps(key_forms(task, lock_key), indent=2)
-        if as_json
-        else _key_text(key_forms(task, lock_key))
-    )
 
 
 def key_forms(task: Any, lock_key: Any) -> dict[str, Any]:

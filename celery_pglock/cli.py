@@ -25,6 +25,7 @@ from celery_pglock import (
     _checks,
     _cli_key,
     _cli_locks,
+    _cli_release,
     _driver_errors,
     _sql_admin,
     config,
@@ -123,7 +124,7 @@ def _resolve_url(app: Any, given: str | None) -> str | None:
 def _build(*, standalone: bool) -> click.Group:
     @click.group(
         name="celery-pglock" if standalone else "pglock",
-        help="Inspect celery-pglock advisory locks: locks, key, check, sql.",
+        help="Inspect celery-pglock advisory locks: locks, key, release, check, sql.",
     )
     @click.option(
         "--database-url",
@@ -150,7 +151,7 @@ def _build(*, standalone: bool) -> click.Group:
             metavar="APP",
             help="The Celery app (module or module:attribute), for task names and settings.",
         )(group)
-    for command in (_cli_locks.locks, _cli_key.key, check, sql):
+    for command in (_cli_locks.locks, _cli_key.key, _cli_release.release, check, sql):
         group.add_command(command)
     return group
 

@@ -6,6 +6,8 @@ runs it as ``celery -A ... pglock`` in a subprocess to prove the entry point.
 
 from __future__ import annotations
 
+import contextlib
+import getpass
 import json
 import os
 import re
@@ -432,8 +434,11 @@ EXIT_STATUSES = {
         ("--database-url", "{unreachable}", "check"),
         ("--database-url", "{unreachable}", "locks"),
         ("--database-url", "{unreachable}", "sql", "--apply"),
+        ("--database-url", "{db}", "release", "--key", "4242,4242", "--yes"),  # free
     ],
     2: [
+        ("release", "--yes"),  # neither a task nor a key
+        ("--database-url", "{db}", "release", "--key", "1,2,3", "--yes"),
         ("key", "some.task"),  # no app
         ("--app", "no_such_module_xyz", "check"),
         ("sql", "--apply"),  # no database URL
@@ -455,3 +460,29 @@ def test_each_documented_exit_status_is_what_the_command_returns(
         args = [a.format(db=database_url, unreachable=_unreachable()) for a in call]
         result = CliRunner().invoke(cli.standalone_command, args)
         assert status == result.exit_code, (args, result.output)
+
+
+def test_release_by_key_ends_the_holding_session(cli_app, database_url):
+    """`release --key`: shows the holder and every other key its session holds, ends
+    that session (PostgreSQL frees both locks), and says who did it."""
+    engine = db.engine_for(cli_app.app.conf)
+    first = AdvisoryLock(engine=engine, key=cli_app.settle.lock_key_for(), label="a")
+    second = AdvisoryLock(engine=engine, key=cli_app.pinned.lock_key_for(), label="b")
+    assert first.acquire()
+    assert second.acquire()
+    try:
+        call = ["--app", APP, "release", "--key", str(first.key)]
+        kept = CliRunner().invoke(cli.standalone_command, call, input="n\n")
+        assert 1 == kept.exit_code, kept.output
+        assert db.process_tag() in kept.output
+        assert f"also held:  {second.key}" in kept.output
+        assert _entry(cli_app, str(first.key)) is not None  # declined: nothing done
+        output = run(*call, "--yes")
+        assert "Ended backend" in output
+        assert f"as {getpass.getuser()}@" in output
+        assert None is _entry(cli_app, str(first.key))
+        assert None is _entry(cli_app, str(second.key))
+    finally:
+        for lock in (first, second):
+            with contextlib.suppress(Exception):
+                lock.release()
