@@ -66,6 +66,19 @@ def run_checks(
             ),
         )
     )
+    if target.app is not None and not tasks:
+        # An app with no SingletonTask locks nothing: most likely its task modules are
+        # not where the worker looks, or the tasks lack base=SingletonTask.
+        findings.append(
+            Finding(
+                "FAIL",
+                "tasks",
+                f"the app {target.app.main!r} has no SingletonTask, after importing its "
+                "task modules as a worker does (include=, imports, autodiscover_tasks)",
+                "give the tasks to lock base=SingletonTask, and list their modules in "
+                "Celery(include=[...]) or app.autodiscover_tasks()",
+            )
+        )
 
     engine = target.engine()
     try:

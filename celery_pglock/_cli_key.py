@@ -15,7 +15,6 @@ from celery_pglock import exceptions
 
 if TYPE_CHECKING:
     from celery_pglock.cli import Target
-    from celery_pglock.keys import LockKey
 
 
 @click.command(help="The advisory key a call of TASK would lock (no database needed).")
@@ -39,7 +38,7 @@ if TYPE_CHECKING:
 def key(
     target: Target, task_name: str, args_json: str, kwargs_json: str, as_json: bool
 ) -> None:
-    task, lock_key = task_key(target, task_name, args_json, kwargs_json, verb="key")
+    task, lock_key = key_of_call(target, task_name, args_json, kwargs_json, verb="key")
     click.echo(
         json.dumps(key_forms(task, lock_key), indent=2)
         if as_json
@@ -47,18 +46,19 @@ def key(
     )
 
 
-def task_key(
+def key_of_call(
     target: Target, task_name: str, args_json: str, kwargs_json: str, *, verb: str
-) -> tuple[Any, LockKey]:
-    """The SingletonTask named ``task_name`` and the key its call with these arguments
-    would lock, as the worker computes it; usage errors name what is wrong."""
+) -> tuple[Any, Any]:
+    """The SingletonTask ``task_name`` of the app and the key of a call with these JSON
+    arguments, as the worker computes it (``SingletonTask.lock_key_for``)."""
     if target.app is None:
         raise click.UsageError(
-            f"`{verb}` needs the app: celery -A proj pglock {verb} ..., or --app."
+            f"`{verb}` TASK needs the app: celery -A proj pglock {verb} ..., or --app."
         )
-    task = target.app.tasks.get(task_name)
-    if task is None or task not in target.singleton_tasks():
-        known = ", ".join(sorted(t.name for t in target.singleton_tasks())) or "none"
+    singletons = target.singleton_tasks()  # imports the task modules first
+    task = target.tasks().get(task_name)
+    if task is None or task not in singletons:
+        known = ", ".join(sorted(t.name for t in singletons)) or "none"
         raise click.UsageError(
             f"{task_name!r} is not a SingletonTask of this app (SingletonTasks: {known})."
         )

@@ -1,52 +1,78 @@
-"""``pglock release``: end the session holding a stuck lock, after saying whose it is.
+"""``pglock release``: end the session holding a stuck lock, so PostgreSQL frees it.
 
-PostgreSQL frees a session advisory lock only for its own session, or when the session
-ends, so releasing another process's lock means ending its session
-(``pg_terminate_backend``). Its holder then learns of the loss from its lock watcher, like
-after any terminated session (``lock_lost``, and ``lock_on_lost``): docs/cli.md.
+An advisory lock belongs to a database session; nothing but that session can release
+it. So ``release`` shows the holder, asks, and ends the holder's session with
+``pg_terminate_backend()``, only if that very session still holds the key (one
+statement). The holder's lock watcher then finds its lock lost and reports
+``lock_lost`` (and ends the body under ``lock_on_lost="terminate"``); the run ends
+FAILURE with ``LockLostError``. Ending the session also frees every other lock it held:
+a process's lock session may hold several (threads, gevent), and the command says so.
+
+Who ran it, against what and when is printed and logged (``action="lock_released_by_operator"``,
+logger ``celery_pglock._cli_release``); PostgreSQL's own log shows the termination too.
 """
 
 from __future__ import annotations
 
 import datetime
 import getpass
-import json
 import logging
 import socket
-import time
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from celery_pglock import _cli_key, _driver_errors, _sql_admin, exceptions, keys
+from celery_pglock import (
+    _cli_key,
+    _cli_locks,
+    _driver_errors,
+    _sql_admin,
+    exceptions,
+    keys,
+)
 
 if TYPE_CHECKING:
-    import sqlalchemy as sa
-
     from celery_pglock.cli import Target
 
 logger = logging.getLogger(__name__)
 
-#: Seconds to wait for the terminated backend to exit (and its locks to be freed).
-EXIT_WAIT = 10.0
+#: Ends the session ``pid`` if it still holds the key (classid, objid, objsubid) here.
+TERMINATE = """
+SELECT pg_terminate_backend(l.pid)
+FROM pg_locks l
+WHERE l.locktype = 'advisory' AND l.granted AND l.pid = %s
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.classid = %s AND l.objid = %s AND l.objsubid = %s
+"""
 
 
 @click.command(
-    help="End the session holding TASK's lock for these arguments (or --key KEY), after "
-    "showing the holder and asking. Every lock on that session ends with it."
+    help="End the session that holds a lock (TASK with --args/--kwargs, or --key), "
+    "after showing it and asking; PostgreSQL then frees the lock and the holder "
+    "reports it lost."
 )
 @click.argument("task_name", metavar="[TASK]", required=False)
-@click.option("--args", "args_json", default="[]", metavar="JSON", help="As for key.")
 @click.option(
-    "--kwargs", "kwargs_json", default="{}", metavar="JSON", help="As for key."
+    "--args",
+    "args_json",
+    default="[]",
+    metavar="JSON",
+    help="Positional arguments, e.g. '[7]'.",
+)
+@click.option(
+    "--kwargs",
+    "kwargs_json",
+    default="{}",
+    metavar="JSON",
+    help="Keyword arguments, e.g. '{\"tenant_id\": 7}'.",
 )
 @click.option(
     "--key",
     "key_text",
     metavar="KEY",
-    help="The key as `pglock locks` shows it (BIGINT or INT,INT), instead of TASK.",
+    help="The key as `pglock locks` shows it: a bigint, or 'int,int'.",
 )
-@click.option("--yes", is_flag=True, help="Do not ask for confirmation (scripts).")
+@click.option("--yes", is_flag=True, help="Do not ask (scripts).")
 @click.pass_obj
 def release(
     target: Target,
@@ -56,122 +82,115 @@ def release(
     key_text: str | None,
     yes: bool,
 ) -> None:
-    lock_key, task = _lock_key(target, task_name, args_json, kwargs_json, key_text)
+    if (task_name is None) == (key_text is None):
+        raise click.UsageError("Name the lock: a TASK (with --args/--kwargs) or --key.")
+    if task_name is not None:
+        _, lock_key = _cli_key.key_of_call(
+            target, task_name, args_json, kwargs_json, verb="release"
+        )
+    else:
+        lock_key = _parse_key(str(key_text))
     engine = target.engine()
     try:
         with (
-            _driver_errors.wrap_db_errors("release a lock", engine),
+            _driver_errors.wrap_db_errors("read pg_locks", engine),
             engine.connect() as connection,
         ):
-            _release(connection, lock_key, task, yes=yes)
+            rows = connection.exec_driver_sql(_sql_admin.LOCKS).mappings().all()
+        entries = _cli_locks.describe_locks([dict(row) for row in rows], target)
+        holder = next(
+            (e for e in entries if e["key"] == str(lock_key) and e["backend_pid"]),
+            None,
+        )
+        if holder is None:
+            raise click.ClickException(f"No session holds the lock {lock_key}.")
+        click.echo(_describe(lock_key, holder))
+        others = [
+            e["key"]
+            for e in entries
+            if e["backend_pid"] == holder["backend_pid"] and e is not holder
+        ]
+        if others:
+            click.echo(
+                f"also held:  {', '.join(others)} (the same session: freed too, and "
+                "reported lost by their runs)"
+            )
+        if not yes:
+            click.confirm(
+                "End that session? Its locks are freed and the run holding this one "
+                "fails with LockLostError",
+                abort=True,
+            )
+        classid, objid, objsubid = lock_key.pg_locks_ids
+        with (
+            _driver_errors.wrap_db_errors("end the holder's session", engine),
+            engine.connect() as connection,
+        ):
+            ended = connection.exec_driver_sql(
+                TERMINATE, (holder["backend_pid"], classid, objid, objsubid)
+            ).scalar()
+            connection.commit()
     except exceptions.DatabaseError as error:
         raise click.ClickException(str(error)) from None
     finally:
         engine.dispose()
-
-
-def _lock_key(
-    target: Target,
-    task_name: str | None,
-    args_json: str,
-    kwargs_json: str,
-    key_text: str | None,
-) -> tuple[keys.LockKey, str | None]:
-    if task_name is not None and key_text is None:
-        task, lock_key = _cli_key.task_key(
-            target, task_name, args_json, kwargs_json, verb="release"
-        )
-        return lock_key, str(task.name)
-    if key_text is None or task_name is not None:
-        raise click.UsageError("Name either TASK (with --args/--kwargs) or --key KEY.")
-    try:
-        ids = tuple(int(part) for part in key_text.split(","))
-    except ValueError:
-        ids = ()
-    low, high = -(2**63), 2**63 - 1
-    if len(ids) == 1 and low <= ids[0] <= high:
-        return keys.LockKey(name=key_text, ids=(ids[0],)), None
-    if len(ids) == 2 and all(-(2**31) <= i < 2**31 for i in ids):
-        return keys.LockKey(name=key_text, ids=(ids[0], ids[1])), None
-    raise click.UsageError(
-        f"--key {key_text!r} is invalid; expected a bigint or two ints as "
-        "`pglock locks` shows them (e.g. 7123456789 or 42,7)."
-    )
-
-
-def _release(
-    connection: sa.Connection, lock_key: keys.LockKey, task: str | None, *, yes: bool
-) -> None:
-    ids = lock_key.pg_locks_ids
-    row = connection.exec_driver_sql(_sql_admin.KEY_HOLDER, ids).mappings().first()
-    connection.rollback()
-    what = f"lock {lock_key}" + (f" of {task}" if task else "")
-    if row is None:
-        click.echo(f"Nobody holds {what}: nothing to release.")
-        raise SystemExit(1)
-    holder = dict(row)
-    click.echo(_describe(what, holder))
-    if not yes and not click.confirm(
-        f"End backend {holder['pid']}'s session, and with it every lock it holds?"
-    ):
-        raise SystemExit(1)
-    ended = connection.exec_driver_sql(
-        _sql_admin.TERMINATE_HOLDER, (holder["pid"], *ids)
-    ).first()
-    connection.commit()
-    if ended is None:
-        click.echo(f"Backend {holder['pid']} no longer holds {what}: nothing done.")
-        raise SystemExit(1)
-    if not ended[0]:
+    if not ended:
         raise click.ClickException(
-            f"PostgreSQL refused to end backend {holder['pid']}: the CLI's role must be "
-            "a superuser, the holder's role, or a member of pg_signal_backend."
+            f"Backend {holder['backend_pid']} no longer holds the lock {lock_key} "
+            "(released meanwhile, or ended); nothing was done."
         )
-    _wait_gone(connection, holder["pid"])
-    record = {
-        "action": "lock_released_by_operator",
-        "lock_key": str(lock_key),
-        "task": task,
-        "holder_pid": holder["pid"],
-        "holder": holder["application_name"],
-        "other_keys_ended": holder["other_keys"],
-        "by": f"{getpass.getuser()}@{socket.gethostname()}",
-        "at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-    }
-    # Who, what and when: on stdout for the operator, and to the log for the record.
-    logger.warning("celery-pglock: %s", json.dumps(record), extra=record)
+    who = f"{getpass.getuser()}@{socket.gethostname()}"
+    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    holder_name = holder["holder"] or holder["application_name"] or "?"
+    logger.warning(
+        "celery-pglock: %s ended backend %s (%s), holder of lock %s (task %s), at %s",
+        who,
+        holder["backend_pid"],
+        holder_name,
+        lock_key,
+        holder["task"] or "-",
+        when,
+        extra={
+            "action": "lock_released_by_operator",
+            "lock_key": str(lock_key),
+            "backend_pid": holder["backend_pid"],
+            "operator": who,
+        },
+    )
     click.echo(
-        f"Released {what}: backend {holder['pid']} ended by {record['by']} at "
-        f"{record['at']}. Its holder is told by its lock watcher (lock_lost)."
+        f"Ended backend {holder['backend_pid']} ({holder_name}) at {when}, as {who}: "
+        f"PostgreSQL freed lock {lock_key}. The holder reports it lost (lock_lost) "
+        "within its lock_watch_interval."
     )
 
 
-def _describe(what: str, holder: dict[str, Any]) -> str:
-    others = int(holder["other_keys"] or 0)
+def _parse_key(text: str) -> keys.LockKey:
+    try:
+        parts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise click.UsageError(
+            f"--key {text!r} is not a key: a bigint, or two ints 'namespace,resource'."
+        ) from None
+    value: Any = parts[0] if len(parts) == 1 else parts
+    try:
+        return keys.explicit_key("--key", value, where="--key")
+    except exceptions.ConfigurationError as error:
+        raise click.UsageError(str(error)) from None
+
+
+def _describe(lock_key: keys.LockKey, holder: dict[str, Any]) -> str:
     lines = [
-        f"{what} is held by backend {holder['pid']}",
-        f"  application_name: {holder['application_name'] or '-'}",
-        f"  client: {holder['client_addr'] or 'local socket'}, role {holder['usename']}",
-        f"  since: {holder['since']}",
+        f"lock:      {lock_key}"
+        + (f"  ({holder['lock_name']})" if holder["lock_name"] else ""),
+        f"held by:   {holder['holder'] or holder['application_name'] or '?'}"
+        + (f", task {holder['task']}" if holder["task"] else "")
+        + f" (backend {holder['backend_pid']}"
+        + (f", from {holder['client_addr']}" if holder["client_addr"] else "")
+        + ")",
+        f"since:     {holder['since'] or '?'}",
     ]
-    if others:
-        lines.append(
-            f"  that session also holds {others} other advisory lock(s): ending it "
-            "ends them too"
-        )
+    if holder["waiters"]:
+        lines.append(f"waiting:   {len(holder['waiters'])} session(s)")
+    if not holder["celery_pglock"]:
+        lines.append("note:      not a celery-pglock session")
     return "\n".join(lines)
-
-
-def _wait_gone(connection: sa.Connection, pid: int) -> None:
-    deadline = time.monotonic() + EXIT_WAIT
-    while True:
-        gone = connection.exec_driver_sql(_sql_admin.BACKEND_GONE, (pid,)).scalar()
-        connection.rollback()
-        if gone:
-            return
-        if time.monotonic() > deadline:
-            raise click.ClickException(
-                f"Backend {pid} was signalled but has not exited after {EXIT_WAIT:g}s; "
-                "its locks are freed when it does."
-            )
-        time.sleep(0.05)

@@ -3,14 +3,18 @@
 Every SQLAlchemy or psycopg2 error a lock path meets leaves it as
 :class:`~celery_pglock.exceptions.DatabaseError` (:func:`wrap_db_errors`), with secrets
 scrubbed from the whole chain. The classifiers below decide what an error means for the
-locks: a dead session held nothing any more (:func:`is_dead_session`), and a transient
-error is worth a re-queue (:func:`is_transient`). They look at the driver's own error
-(``__cause__``), never at message text.
+locks: a dead session held nothing any more (:func:`is_dead_session`), a transient
+error is worth a re-queue (:func:`is_transient`), and a misconfiguration (a wrong
+password, a missing database or role, a TLS setting the server refuses) is not worth one
+(:func:`misconfiguration`). They look at the driver's own error (``__cause__``); only the
+last also reads its text, because libpq reports a refused login without a SQLSTATE.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import re
 from typing import TYPE_CHECKING
 
 from sqlalchemy import exc as sa_exc
@@ -44,7 +48,11 @@ def wrap_db_errors(
         _redact.scrub_exception(
             exc, _redact.secrets_of(engine.url) if engine is not None else ()
         )
-        error = exceptions.DatabaseError(f"Could not {action}{where}: {exc}".strip())
+        message = f"Could not {action}{where}: {str(exc).strip()}"
+        problem = misconfiguration(exc)
+        if problem is not None:
+            message += f" -- {problem}"
+        error = exceptions.DatabaseError(message)
         if connecting:
             setattr(error, _CONNECT_FAILED, True)
         raise error from exc
@@ -109,8 +117,9 @@ def is_connect_failure(exc: BaseException | None) -> bool:
 def is_transient(exc: BaseException | None) -> bool:
     """True if ``exc`` says the database is unavailable for now, not that we are wrong:
     a failed connect, a dead session, or insufficient resources (SQLSTATE 53xxx, such as
-    ``too_many_connections``)."""
-    if exc is None:
+    ``too_many_connections``). Never for a :func:`misconfiguration`: waiting does not
+    fix a wrong password."""
+    if exc is None or misconfiguration(exc) is not None:
         return False
     return (
         is_connect_failure(exc)
@@ -124,3 +133,142 @@ def sqlstate(exc: BaseException) -> str | None:
     original = getattr(exc, "orig", exc)
     code = getattr(original, "pgcode", None)
     return code if isinstance(code, str) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Misconfiguration:
+    """A connection refused for a reason that waiting does not fix."""
+
+    sqlstate: str | None  #: The SQLSTATE the server sends (None: found by the client).
+    cause: str  #: What is wrong, in a few words.
+    advice: str  #: What to change.
+
+    def __str__(self) -> str:
+        code = f" (SQLSTATE {self.sqlstate})" if self.sqlstate else ""
+        return (
+            f"a configuration error, not an outage, so it is not retried: "
+            f"{self.cause}{code}. {self.advice}"
+        )
+
+
+_URL = "the lock database URL (app.conf.pglock_database_url or $CELERY_PGLOCK_DATABASE_URL)"
+_AUTHENTICATION = Misconfiguration(
+    "28P01",
+    "password authentication failed",
+    f"Check the user name and password in {_URL}; PostgreSQL says the same when "
+    "the role does not exist.",
+)
+_NO_DATABASE = Misconfiguration(
+    "3D000",
+    "the database does not exist",
+    f"Fix the database name in {_URL}, or create the database.",
+)
+#: What a connect failure's text says, as libpq and the server word it in English. psycopg2
+#: gives no SQLSTATE for a refused connect (libpq reports it before any result), so the
+#: text is all there is. A server whose lc_messages is not English words these in its
+#: language: unmatched, such an error is taken for an outage and retried, as before.
+_RULES: tuple[tuple[re.Pattern[str], Misconfiguration], ...] = tuple(
+    (re.compile(pattern), problem)
+    for pattern, problem in (
+        (r"password authentication failed|no password supplied", _AUTHENTICATION),
+        (
+            r'role "[^"]*" does not exist',
+            Misconfiguration(
+                "28000",
+                "the role does not exist",
+                f"Fix the user name in {_URL}, or create the role.",
+            ),
+        ),
+        (
+            r"is not permitted to log in",
+            Misconfiguration(
+                "28000",
+                "the role may not log in",
+                "ALTER ROLE ... LOGIN, or use a role that may.",
+            ),
+        ),
+        (
+            r"no pg_hba\.conf entry|pg_hba\.conf rejects",
+            Misconfiguration(
+                "28000",
+                "pg_hba.conf admits no such connection (this host, user, database and TLS mode)",
+                "Add a pg_hba.conf line for it on the server, or connect as it expects "
+                "(sslmode in the URL's query).",
+            ),
+        ),
+        (r'database "[^"]*" does not exist', _NO_DATABASE),
+        (
+            r"permission denied for database",
+            Misconfiguration(
+                "42501",
+                "the role may not connect to this database",
+                "GRANT CONNECT ON DATABASE ... TO the role.",
+            ),
+        ),
+        (
+            r"authentication failed|authentication method \d+ not supported",
+            Misconfiguration(
+                "28000",
+                "authentication failed",
+                f"Check the credentials in {_URL} and the method pg_hba.conf asks for.",
+            ),
+        ),
+        (
+            # Not "SSL SYSCALL error", "SSL connection has been closed unexpectedly" or
+            # a bad record MAC: those are a cut or garbled link, an outage.
+            r"SSL was required|does not support SSL|sslmode|certificate|private key|"
+            r"unknown ca|unsupported protocol|wrong version number|"
+            r"no protocols available|GSSAPI encryption required",
+            Misconfiguration(
+                None,
+                "the TLS (SSL) settings do not work with this server",
+                "Check sslmode, sslrootcert, sslcert and sslkey in the URL's query (or "
+                "pglock_engine_options['connect_args']) against the server's ssl setting.",
+            ),
+        ),
+        (
+            r"invalid connection option|invalid \w+ value|invalid integer value|"
+            r"invalid port number",
+            Misconfiguration(
+                None,
+                "a connection option is invalid",
+                "Fix the option in the URL's query or pglock_engine_options['connect_args'].",
+            ),
+        ),
+    )
+)
+
+
+def misconfiguration(exc: BaseException | None) -> Misconfiguration | None:
+    """What is misconfigured if ``exc`` is a connection the server (or libpq) refused for
+    a reason that waiting does not fix: SQLSTATE class 28 (invalid authorization), 3D000
+    (invalid catalog name), a role that does not exist or may not log in, pg_hba.conf, a
+    TLS setting, an invalid connection option. None for anything else (an outage, a
+    statement's error)."""
+    import psycopg2  # the only supported driver; imported here to keep import cheap
+
+    original = getattr(exc, "orig", exc)
+    if not isinstance(original, psycopg2.Error):
+        return None
+    code = sqlstate(original)
+    if code is not None:
+        if not code.startswith("28") and code != "3D000":
+            return None  # a statement's error, or an outage the server names (57P03)
+        text = str(original)
+        for pattern, problem in _RULES:
+            if problem.sqlstate == code and pattern.search(text):
+                return problem
+        if code == _NO_DATABASE.sqlstate:
+            return _NO_DATABASE
+        return Misconfiguration(
+            code, "the server refused the login", f"Check the role and {_URL}."
+        )
+    if not isinstance(original, psycopg2.OperationalError | psycopg2.ProgrammingError):
+        return None
+    if getattr(original, "cursor", None) is not None:
+        return None  # a statement's error: no connect failure
+    text = str(original)
+    for pattern, problem in _RULES:
+        if pattern.search(text):
+            return problem
+    return None

@@ -28,8 +28,10 @@ global, and the receivers work for any app). None of these is the normal release
   /metrics endpoint when ``pglock_metrics_port`` is set: in the main process, before the
   pool forks, so children inherit its multiprocess directory. Worker shutdown stops it.
 - ``worker_ready``: connects once to the lock database and logs the lock configuration
-  (``lock_config``), or an ERROR naming the masked URL and what to check
-  (``lock_database_unreachable``). Not from ``worker_init``: Celery configures logging
+  (``lock_config``), or an ERROR naming the masked URL and what to check: what the
+  server refused when it is a misconfiguration (``lock_database_misconfigured``: a
+  wrong password, a missing database; tasks then fail at once), else that it did not
+  answer (``lock_database_unreachable``). Not from ``worker_init``: Celery configures logging
   after that signal, so records sent there are lost. An unreachable database does not
   stop the worker: it may be a moment's outage (a failover, a deploy in the wrong
   order), other tasks of the worker may not need it, and a supervisor restarting a
@@ -47,6 +49,7 @@ from typing import Any
 from celery import signals as celery_signals
 
 from celery_pglock import (
+    _driver_errors,
     _metrics_server,
     _server,
     _session,
@@ -134,16 +137,27 @@ def report_lock_database(app: Any) -> None:
         url = db.mask_url(config.database_url(app.conf))
         version = db.probe(app.conf)
     except exceptions.PgLockError as error:
-        logger.error(
-            "celery-pglock: the lock database is unreachable at worker start: %s "
-            "SingletonTasks cannot take their locks, and fail with DatabaseError, until "
-            "it answers. Check that PostgreSQL runs and accepts connections from this "
-            "host, and the URL in app.conf.%s or %s.",
-            " ".join(str(error).split()),
-            config.DATABASE_URL_SETTING,
-            config.DATABASE_URL_ENV,
-            extra={"action": "lock_database_unreachable", "database": url},
-        )
+        if _driver_errors.misconfiguration(error.__cause__) is not None:
+            # The error's text ends with the cause and its fix; "check that PostgreSQL
+            # runs" would send the operator the wrong way.
+            logger.error(
+                "celery-pglock: the lock database refused this worker at start: %s "
+                "Until that is fixed, every SingletonTask fails at once with "
+                "DatabaseError (no retry).",
+                " ".join(str(error).split()),
+                extra={"action": "lock_database_misconfigured", "database": url},
+            )
+        else:
+            logger.error(
+                "celery-pglock: the lock database is unreachable at worker start: %s "
+                "SingletonTasks cannot take their locks, and fail with DatabaseError, "
+                "until it answers. Check that PostgreSQL runs and accepts connections "
+                "from this host, and the URL in app.conf.%s or %s.",
+                " ".join(str(error).split()),
+                config.DATABASE_URL_SETTING,
+                config.DATABASE_URL_ENV,
+                extra={"action": "lock_database_unreachable", "database": url},
+            )
         _report_metrics()
         return
     settings = {
@@ -173,10 +187,13 @@ def start_metrics(app: Any) -> None:
     the worker goes on without metrics.
     """
     global _metrics_outcome
-    if not _singleton_tasks(app):
+    tasks = _singleton_tasks(app)
+    if not tasks:
         return
     try:
-        _metrics_outcome = _metrics_server.serve(app.conf)
+        _metrics_outcome = _metrics_server.serve(
+            app.conf, [(task.name, task.lock_config.on_busy.value) for task in tasks]
+        )
     except exceptions.ConfigurationError as error:
         _metrics_outcome = error
 
@@ -211,7 +228,9 @@ def _check_worker_config(sender: Any = None, **_: Any) -> None:
         check_app(app)
         _server.check_app(app)  # standby, pooling mode against the tasks' scopes
     except exceptions.ConfigurationError as error:
-        logger.critical("celery-pglock: %s", error)
+        # Said once, by the interpreter on stderr as the worker exits: a log record here
+        # would reach Python's last-resort handler (Celery has not set up logging yet),
+        # which prints it to stderr as well, so every message appeared twice.
         raise SystemExit(f"celery-pglock: {error}") from error
     start_metrics(app)
 

@@ -6,7 +6,9 @@ uses prometheus_client's multiprocess mode: each child writes its values to mmap
 variable is not set, :func:`serve` creates a private directory before the pool forks and
 removes it at worker shutdown; the files of children that have exited (pool restarts,
 ``max_tasks_per_child``) are folded into one archive file per metric type at scrape time,
-so the directory does not grow with every child ever started. A forked child closes its
+so the directory does not grow with every child ever started, and their gauge files
+(locks held now) are deleted, as ``prometheus_client.multiprocess.mark_process_dead``
+does: a child that died holding a lock holds nothing any more. A forked child closes its
 inherited copy of the listening socket.
 """
 
@@ -14,16 +16,18 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import math
 import os
 import shutil
 import tempfile
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import exceptions, metrics
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Mapping
+    from collections.abc import Iterable, Iterator, Mapping
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -55,11 +59,15 @@ class Server:
 _server: Server | None = None
 
 
-def serve(conf: Mapping[str, Any]) -> Server | None:
+def serve(
+    conf: Mapping[str, Any], tasks: Iterable[tuple[str, str]] = ()
+) -> Server | None:
     """Serve /metrics on ``pglock_metrics_port`` if set (the worker's main process).
 
     Call before the pool forks (worker_init does): children inherit the multiprocess
-    directory through the environment. Idempotent per process.
+    directory through the environment. Idempotent per process. ``tasks``: the
+    ``(name, lock_on_busy action)`` of each SingletonTask, whose series are served at
+    zero from the start (:meth:`metrics.PrometheusMetrics.declare`).
     """
     global _server
     port = conf.get("pglock_metrics_port")
@@ -98,8 +106,11 @@ def serve(conf: Mapping[str, Any]) -> Server | None:
         # the variable was set; values created from now on (in the children) use files.
         values.ValueClass = values.MultiProcessValue()
     _server = Server(httpd, directory, owned)
-    if not isinstance(metrics.current(), metrics.PrometheusMetrics):
-        metrics.install(metrics.PrometheusMetrics())
+    sink = metrics.current()
+    if not isinstance(sink, metrics.PrometheusMetrics):
+        sink = metrics.PrometheusMetrics()
+        metrics.install(sink)
+    sink.declare(tasks)
     return _server
 
 
@@ -141,7 +152,36 @@ class _ArchivingCollector:
         with self._guard:
             for kind in ("counter", "histogram"):
                 _archive_dead(self._directory, kind)
-            yield from inner.collect()
+            _forget_dead_gauges(self._directory)
+            families = list(inner.collect())
+        for family in families:
+            if family.name == metrics.OLDEST_START:
+                yield _oldest_held(family)
+            else:
+                yield family
+
+
+def _oldest_held(starts: Any) -> Any:
+    """The age of each task's oldest held lock, from every live process's start times
+    (one sample per process, 0 where it holds none)."""
+    oldest: dict[str, float] = {}  # task -> earliest start; math.inf if none held
+    for sample in starts.samples:
+        task = sample.labels["task"]
+        start = sample.value if sample.value > 0 else math.inf
+        oldest[task] = min(oldest.get(task, math.inf), start)
+    now = time.time()
+    return metrics.oldest_held_family(
+        {task: now - start for task, start in oldest.items()}
+    )
+
+
+def _forget_dead_gauges(directory: str) -> None:
+    """Delete the gauge files of processes that are gone (their locks went with them)."""
+    for path in glob.glob(os.path.join(directory, "gauge_*_*.db")):
+        pid = os.path.basename(path)[:-3].rsplit("_", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
 
 def _archive_dead(directory: str, kind: str) -> None:

@@ -124,34 +124,3 @@ def install_sql(schema: str = "public") -> str:
 def uninstall_sql(schema: str = "public") -> str:
     """The DROP statements for ``schema``."""
     return UNINSTALL.format(schema=quote_identifier(schema))
-
-
-#: ``pglock release``: who holds one key now, and how many other keys of ours the same
-#: session holds (ending the session ends those too). Params: classid, objid, objsubid.
-KEY_HOLDER = f"""
-SELECT l.pid, a.application_name, host(a.client_addr) AS client_addr, a.usename,
-       COALESCE(a.xact_start, a.state_change, a.backend_start) AS since,
-       (SELECT count(*) FROM pg_locks o
-         WHERE o.pid = l.pid AND o.locktype = 'advisory' AND o.granted
-           AND (o.classid, o.objid, o.objsubid) <> (l.classid, l.objid, l.objsubid)
-           AND NOT (o.objsubid = 2 AND o.classid = {keys.RUN_NAMESPACE})) AS other_keys
-FROM pg_locks l
-LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE l.locktype = 'advisory' AND l.granted
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND l.classid = %s::oid AND l.objid = %s::oid AND l.objsubid = %s::smallint
-"""
-
-#: End backend ``pid`` only if it still holds the key (it may have released it, and gone
-#: on to other work, while the operator read the prompt). Params: pid, classid, objid,
-#: objsubid. One row (pg_terminate_backend's answer), or none: no longer the holder.
-TERMINATE_HOLDER = """
-SELECT pg_terminate_backend(l.pid)
-FROM pg_locks l
-WHERE l.locktype = 'advisory' AND l.granted AND l.pid = %s
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND l.classid = %s::oid AND l.objid = %s::oid AND l.objsubid = %s::smallint
-"""
-
-#: Has backend ``pid`` exited? (pg_terminate_backend only signals it.) Param: pid.
-BACKEND_GONE = "SELECT NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = %s)"

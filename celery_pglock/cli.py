@@ -9,8 +9,8 @@ Two entry points share these verbs:
   celery_pglock``): the same, for a DBA without the project's code; the URL falls back to
   ``CELERY_PGLOCK_DATABASE_URL``.
 
-Every database URL it prints is masked. Exit status: 0 fine, 1 a check failed, 2 a usage
-or connection error.
+Every database URL it prints is masked. Exit status (docs/operations/cli.md): 0 done, 1
+a ``check`` FAIL or a database error, 2 a usage error.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class Target:
 
     app: Any
     url: str | None
+    _tasks_loaded: bool = dataclasses.field(default=False, repr=False)
 
     def conf(self) -> dict[str, Any]:
         if self.app is None:
@@ -79,12 +80,38 @@ class Target:
             self.conf().get("pglock_application_name") or db.DEFAULT_APPLICATION_NAME
         )
 
-    def singleton_tasks(self) -> list[Any]:
+    def tasks(self) -> dict[str, Any]:
+        """The app's task registry once its task modules are imported as a worker would."""
         if self.app is None:
-            return []
+            return {}
+        if not self._tasks_loaded:
+            self._tasks_loaded = True
+            _import_task_modules(self.app)
+        return dict(self.app.tasks)
+
+    def singleton_tasks(self) -> list[Any]:
         from celery_pglock.task import SingletonTask
 
-        return [t for t in self.app.tasks.values() if isinstance(t, SingletonTask)]
+        return [t for t in self.tasks().values() if isinstance(t, SingletonTask)]
+
+
+def _import_task_modules(app: Any) -> None:
+    """Import the app's task modules the way ``celery worker`` does at start.
+
+    ``-A proj`` imports only the app's module; tasks listed in ``Celery(include=...)`` or
+    ``imports``, or found by ``app.autodiscover_tasks()`` (Django's layout, which also
+    needs ``django.setup()``: Celery's Django fix-up runs it on the same signal), are
+    imported by the loader when a worker starts (``loader.init_worker``), as ``celery
+    report`` does too. Without it a verb would see none of them.
+    """
+    try:
+        app.loader.import_default_modules()
+    except Exception as exc:
+        raise click.UsageError(
+            f"Cannot import the task modules of the app {app.main!r} "
+            f"(its include/imports settings and autodiscover_tasks): "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _resolve_url(app: Any, given: str | None) -> str | None:

@@ -8,17 +8,24 @@ the serving, and the prefork hazard it handles, are in ``_metrics_server.py``).
 
 Labels are task names, policies and states only: never argument values (unbounded, and
 often personal data).
+
+Besides the outcome counters, :class:`PrometheusMetrics` keeps what is true *now*: how many
+locks each task holds and since when the oldest was held, so a stuck lock shows while it
+is stuck, not only when it ends. :meth:`PrometheusMetrics.declare` creates every series at
+zero when a worker starts, so an idle worker's /metrics is not empty.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from celery_pglock import exceptions
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Iterable, Iterator, Mapping
 
 #: Seconds buckets for the time a run spent asking for its lock (a try is ~0.1-1 ms).
 WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30)
@@ -80,6 +87,10 @@ class PrometheusMetrics:
         self._collectors: dict[str, Any] | None = None
         self._children: dict[tuple[str, ...], Any] = {}
         self._guard = threading.Lock()
+        #: Wall-clock start of each lock this process holds now, by task.
+        self._held: dict[str, list[float]] = {}
+        self._held_gauges: dict[str, tuple[Any, Any]] = {}
+        self._held_guard = threading.Lock()
 
     def collectors(self) -> dict[str, Any]:
         """The collectors by short name, created on first call."""
@@ -88,8 +99,42 @@ class PrometheusMetrics:
             with self._guard:
                 if self._collectors is None:
                     self._collectors = _create_collectors(self._registry)
+                    if not _multiprocess():
+                        # One process: the age is computed at each collection from
+                        # this table (in multiprocess mode the /metrics endpoint
+                        # computes it from every process's start times).
+                        self._register(_HeldAgeCollector(self))
                 collectors = self._collectors
         return collectors
+
+    def _register(self, collector: Any) -> None:
+        import prometheus_client as prom
+
+        (self._registry or prom.REGISTRY).register(collector)
+
+    def declare(self, tasks: Iterable[tuple[str, str]]) -> None:
+        """Create the series of ``tasks`` (``(name, lock_on_busy action)`` pairs) at zero,
+        and ``celery_pglock_info``: a worker's /metrics then answers with every series
+        from its start, and counters exist before their first event (``rate()`` and
+        ``increase()`` need a first sample; alerts on ``absent()`` need one too)."""
+        import importlib.metadata
+
+        try:
+            version = importlib.metadata.version("celery-pglock")
+        except importlib.metadata.PackageNotFoundError:  # run from a source tree
+            version = "unknown"
+        self.collectors()["info"].labels(version).set(1)
+        for task, policy in tasks:
+            self._child("acquired", task)
+            self._child("skipped", task, policy)
+            for state in ("SUCCESS", "FAILURE"):
+                self._child("released", task, state)
+            self._child("release_failed", task)
+            self._child("lost", task)
+            self._child("wait", task)
+            self._child("held", task)
+            with self._held_guard:
+                self._publish_held(task, self._held.setdefault(task, []))
 
     def _child(self, name: str, *labels: str) -> Any:
         # labels() costs a few microseconds per call: keep each labelled child (the
@@ -103,6 +148,10 @@ class PrometheusMetrics:
     def acquired(self, task: str, wait_seconds: float) -> None:
         self._child("acquired", task).inc()
         self._child("wait", task).observe(wait_seconds)
+        with self._held_guard:
+            starts = self._held.setdefault(task, [])
+            starts.append(time.time())
+            self._publish_held(task, starts)
 
     def skipped(self, task: str, policy: str, wait_seconds: float) -> None:
         self._child("skipped", task, policy).inc()
@@ -111,6 +160,36 @@ class PrometheusMetrics:
     def released(self, task: str, state: str, held_seconds: float) -> None:
         self._child("released", task, state).inc()
         self._child("held", task).observe(held_seconds)
+        # Every acquired run ends with one released() (lost or failed releases too).
+        # Which of a task's held locks ended is not passed: the one whose start is
+        # nearest to now - held_seconds is (they differ by far more than the error).
+        with self._held_guard:
+            starts = self._held.get(task)
+            if starts:
+                began = time.time() - held_seconds
+                starts.remove(min(starts, key=lambda start: abs(start - began)))
+                self._publish_held(task, starts)
+
+    def _publish_held(self, task: str, starts: list[float]) -> None:
+        """Under _held_guard: the gauges of what ``task`` holds now in this process."""
+        gauges = self._held_gauges.get(task)
+        if gauges is None:
+            gauges = self._held_gauges[task] = (
+                self._child("held_locks", task),
+                self._child("oldest_start", task),
+            )
+        gauges[0].set(len(starts))
+        gauges[1].set(min(starts) if starts else 0.0)
+
+    def held_ages(self) -> dict[str, float]:
+        """Seconds the oldest lock of each task held now in this process has been held
+        (0 for a task holding none)."""
+        now = time.time()
+        with self._held_guard:
+            return {
+                task: now - min(starts) if starts else 0.0
+                for task, starts in self._held.items()
+            }
 
     def release_failed(self, task: str) -> None:
         self._child("release_failed", task).inc()
@@ -168,7 +247,67 @@ def _create_collectors(registry: Any) -> dict[str, Any]:
             buckets=HELD_BUCKETS,
             **kwargs,
         ),
+        # Multiprocess: the sum over live processes (a dead child holds nothing).
+        "held_locks": prom.Gauge(
+            "celery_pglock_held_locks",
+            "Locks held now.",
+            ["task"],
+            multiprocess_mode="livesum",
+            **kwargs,
+        ),
+        # One series per live process (multiprocess), 0 where it holds none: the
+        # /metrics endpoint turns them into OLDEST_HELD (_metrics_server.py). In one
+        # process it is not registered: _HeldAgeCollector serves the age instead.
+        "oldest_start": prom.Gauge(
+            OLDEST_START,
+            "Unix time the oldest lock held now was taken; 0 if none.",
+            ["task"],
+            multiprocess_mode="liveall",
+            **(kwargs if _multiprocess() else {"registry": None}),
+        ),
+        "info": prom.Gauge(
+            "celery_pglock_info",
+            "Always 1: this process serves celery-pglock metrics.",
+            ["version"],
+            multiprocess_mode="max",
+            **kwargs,
+        ),
     }
+
+
+#: The raw form of the held-lock age, and the age itself (computed when collected).
+OLDEST_START = "celery_pglock_oldest_held_start_time_seconds"
+OLDEST_HELD = "celery_pglock_oldest_held_seconds"
+OLDEST_HELD_HELP = "Seconds the oldest lock held now has been held; 0 if none."
+
+
+def oldest_held_family(ages: Mapping[str, float]) -> Any:
+    """The ``celery_pglock_oldest_held_seconds`` gauge family of ``{task: age}``."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    family = GaugeMetricFamily(OLDEST_HELD, OLDEST_HELD_HELP, labels=["task"])
+    for task, age in sorted(ages.items()):
+        family.add_metric([task], max(age, 0.0) if math.isfinite(age) else 0.0)
+    return family
+
+
+class _HeldAgeCollector:
+    """One process (no multiprocess directory): the age of its oldest held locks."""
+
+    def __init__(self, sink: PrometheusMetrics) -> None:
+        self._sink = sink
+
+    def collect(self) -> Iterator[Any]:
+        yield oldest_held_family(self._sink.held_ages())
+
+    def describe(self) -> Iterator[Any]:
+        yield oldest_held_family({})
+
+
+def _multiprocess() -> bool:
+    from prometheus_client import values
+
+    return bool(getattr(values.ValueClass, "_multiprocess", False))
 
 
 # -- the process's sink -----------------------------------------------------------------

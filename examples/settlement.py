@@ -27,7 +27,11 @@ Environment: CELERY_PGLOCK_DATABASE_URL names the lock database, which is also w
 tables live (transaction scope works on the lock's own connection, so they must share a
 database); CELERY_PGLOCK_BROKER_URL the broker; CELERY_PGLOCK_RESULT_BACKEND the result
 backend (default: the broker). EXAMPLE_TABLE_SUFFIX is appended to the table names, so
-that tests and several copies of the example can share one database.
+that tests and several copies of the example can share one database; EXAMPLE_QUEUE
+(default ``celery``) and SETTLEMENT_EVERY (seconds between ticks, default 10) let them
+share a broker and wait less. PGLOCK_METRICS_PORT (and PGLOCK_METRICS_ADDRESS) serve
+/metrics, as docker-compose.yml does: it runs this example with a worker, a beat, Flower,
+Prometheus and Grafana.
 """
 
 from __future__ import annotations
@@ -62,11 +66,20 @@ app.conf.update(
     # pglock_database_url is not set: the library reads CELERY_PGLOCK_DATABASE_URL.
     broker_connection_retry_on_startup=True,
     worker_prefetch_multiplier=1,
+    task_default_queue=os.environ.get("EXAMPLE_QUEUE") or "celery",
     beat_schedule={
         # Every 10 s so that you can watch it; a real daily job would use
         # celery.schedules.crontab(hour=2, minute=0).
-        "daily-settlement": {"task": "settlement.daily_settlement", "schedule": 10.0},
+        "daily-settlement": {
+            "task": "settlement.daily_settlement",
+            "schedule": float(os.environ.get("SETTLEMENT_EVERY") or 10),
+        },
     },
+    # /metrics for Prometheus when PGLOCK_METRICS_PORT is set (docker-compose.yml does).
+    pglock_metrics_port=int(os.environ["PGLOCK_METRICS_PORT"])
+    if os.environ.get("PGLOCK_METRICS_PORT")
+    else None,
+    pglock_metrics_address=os.environ.get("PGLOCK_METRICS_ADDRESS") or None,
 )
 
 

@@ -37,6 +37,7 @@ from celery_pglock.testing import (
     start_services,
 )
 from celery_pglock.testing.pgbouncer import PgBouncer
+from celery_pglock.testing.postgres import SUPERUSER as SUPERUSER_NAME
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping
@@ -199,6 +200,49 @@ def private_postgres() -> Iterator[EmbeddedPostgres]:
         yield server.start()
     finally:
         server.cleanup()
+
+
+#: The role of :func:`password_postgres`, its password, and a role pg_hba.conf trusts
+#: but that does not exist (so the server says so, where password methods hide it).
+PASSWORD_ROLE = "app"
+ROLE_PASSWORD = "right-pw-never-logged"
+GHOST_ROLE = "ghost"
+
+
+@pytest.fixture
+def password_postgres(private_postgres: EmbeddedPostgres) -> EmbeddedPostgres:
+    """A private PostgreSQL that asks for passwords over TCP: role ``app`` has one (the
+    trusted superuser of ``url()`` still gets in), and role ``ghost`` is trusted but
+    does not exist."""
+    (private_postgres.data_dir / "pg_hba.conf").write_text(
+        "local all all trust\n"
+        f"host all {SUPERUSER_NAME} {_support.HOST}/32 trust\n"
+        f"host all {GHOST_ROLE} {_support.HOST}/32 trust\n"
+        f"host all all {_support.HOST}/32 scram-sha-256\n"
+    )
+    connection = _support.connect(private_postgres.url(), application_name="test setup")
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"CREATE ROLE {PASSWORD_ROLE} LOGIN PASSWORD %s", (ROLE_PASSWORD,)
+            )
+            cursor.execute("SELECT pg_reload_conf()")
+    finally:
+        connection.close()
+    # pg_reload_conf() only signals the postmaster; a new connection shows it took effect.
+    wrong = private_postgres.url().replace(
+        f"//{SUPERUSER_NAME}@", f"//{PASSWORD_ROLE}:wrong@"
+    )
+    assert _support.wait_until(lambda: _refused(wrong), timeout=10)
+    return private_postgres
+
+
+def _refused(url: str) -> bool:
+    try:
+        _support.connect(url, application_name="test setup").close()
+    except Exception:
+        return True
+    return False
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import socket
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
@@ -95,6 +96,48 @@ def test_scraped_skips_equal_the_skips_callers_saw(
     assert 1 == delta("celery_pglock_held_seconds_count", task=TASK)
     assert BURST + 1 == delta("celery_pglock_wait_seconds_count", task=TASK)
     assert run not in after  # labels never carry argument values
+
+
+def test_an_idle_worker_serves_every_series_and_the_locks_held_now(
+    acceptance, start_workers, recorder, run
+):
+    """Before its first task a worker's /metrics has every series at zero (alerts on a
+    rate or on absence work on a worker that runs a daily task) and its info series;
+    while a body runs, the held-locks gauge reads 1 and the oldest held lock's age
+    grows; once released, both read 0 again."""
+    port = free_port()
+    queue = f"{acceptance.app.conf.task_default_queue}-metrics-idle"
+    start_workers(
+        1, concurrency=1, queues=[queue], env={"PGLOCK_TEST_METRICS_PORT": str(port)}
+    )
+    idle = scrape(port)
+    assert re.search(r'^celery_pglock_info\{version="[^"]+"\} 1\.0$', idle, re.M), idle
+    for name in (
+        "celery_pglock_acquired_total",
+        "celery_pglock_release_failed_total",
+        "celery_pglock_lost_total",
+        "celery_pglock_held_locks",
+        "celery_pglock_oldest_held_seconds",
+    ):
+        assert f'{name}{{task="{TASK}"}} 0.0' in idle, name
+    assert f'celery_pglock_skipped_total{{policy="skip",task="{TASK}"}} 0.0' in idle
+    assert "celery_pglock_oldest_held_start_time_seconds" not in idle  # raw form
+
+    gate = f"{run}-gate"
+    holder = acceptance.protected.apply_async((run, "k"), {"gate": gate}, queue=queue)
+    wait_until(
+        lambda: recorder.count(run, "k") == 1, timeout=30, what="the body to start"
+    )
+    time.sleep(1.1)
+    busy = scrape(port)
+    acceptance.open_gate(gate)
+    assert "k" == holder.get(timeout=30)
+    assert 1 == sample(busy, "celery_pglock_held_locks", task=TASK)
+    assert 1 <= sample(busy, "celery_pglock_oldest_held_seconds", task=TASK) < 60
+    after = scrape(port)
+    assert 0 == sample(after, "celery_pglock_held_locks", task=TASK)
+    assert 0 == sample(after, "celery_pglock_oldest_held_seconds", task=TASK)
+    assert 1 == sample(after, "celery_pglock_acquired_total", task=TASK)
 
 
 def test_shadow_mode_counts_would_be_skips(acceptance, metrics_worker, recorder, run):
@@ -184,10 +227,17 @@ def test_counts_survive_replaced_children_and_the_directory_is_removed(
         ),
         key=lambda path: path.stat().st_mtime,
     )
+    scrape(port)  # archives and forgets any child that exited since
     files = sorted(path.name for path in directory.iterdir())
-    # Two live children + the archive, per metric type (counter, histogram).
-    assert len(files) <= 6, files
+    # Per metric type (counter, histogram): two live children, the main process (the
+    # series it declared at zero) and the archive. Gauges (locks held now): live
+    # processes' files only.
+    counted = [f for f in files if f.startswith(("counter_", "histogram_"))]
+    assert len(counted) <= 8, files
     assert "counter_archive.db" in files
+    live = {str(worker.pid), *(str(pid) for pid in worker.child_pids())}
+    gauges = [f for f in files if f.startswith("gauge_")]
+    assert all(f[:-3].rsplit("_", 1)[-1] in live for f in gauges), (files, live)
     worker.stop(timeout=20)
     wait_until(
         lambda: not directory.exists(), timeout=10, what="the directory's removal"

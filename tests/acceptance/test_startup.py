@@ -8,11 +8,16 @@ as a failed connection, not as a dead pooled session.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 import uuid
 from typing import TYPE_CHECKING
 
 from celery_pglock import config
-from celery_pglock.testing import _support
+from celery_pglock.testing import BROKER_URL_ENV, _support
+from tests.conftest import PASSWORD_ROLE, REPO_ROOT
 
 from .conftest import wait_until
 
@@ -111,6 +116,76 @@ def test_database_outage_defers_the_run_until_the_database_is_back(
     log = worker.log_text()
     assert "re-queued in" in log
     assert "its body has not run" in log
+
+
+def test_wrong_password_fails_a_task_at_once_with_advice(
+    worker_factory, password_postgres
+):
+    """A wrong password is no outage: the start-up ERROR says what the server refused
+    and what to fix (not "check that PostgreSQL runs"), and a task fails at once under
+    the default lock_on_error='retry', instead of being re-queued for a minute."""
+    wrong = "wrong-pw-never-logged"
+    url = (
+        f"postgresql+psycopg2://{PASSWORD_ROLE}:{wrong}@{_support.HOST}:"
+        f"{password_postgres.port}/postgres"
+    )
+    queue = _queue()
+    worker = worker_factory(
+        APP,
+        pool="solo",
+        concurrency=1,
+        env={config.DATABASE_URL_ENV: url, "PGLOCK_TEST_QUEUE": queue},
+    )
+    log = worker.log_text()
+    errors = [line for line in log.splitlines() if "refused this worker" in line]
+    assert 1 == len(errors), log
+    assert "ERROR" in errors[0]
+    assert "password authentication failed" in errors[0]
+    assert "SQLSTATE 28P01" in errors[0]
+    assert "Check the user name and password" in errors[0]
+    assert "PostgreSQL runs" not in log
+
+    from tests.acceptance import startup_app
+
+    sent = time.monotonic()
+    result = startup_app.noop.apply_async(queue=queue)
+    wait_until(lambda: result.state == "FAILURE", timeout=30, what="the task to fail")
+    took = time.monotonic() - sent
+    assert took < 5, f"the task failed after {took:.1f} s"
+    assert "DatabaseError" == type(result.result).__name__
+    assert "not retried" in str(result.result)
+    result.forget()
+    log = worker.log_text()
+    assert "re-queued" not in log
+    assert wrong not in log
+
+
+def test_a_missing_database_url_is_said_once():
+    """The start-up refusal of a missing URL reaches stderr once, and the worker exits."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in (config.DATABASE_URL_ENV, "CELERY_PGLOCK_TEST_DATABASE_URL")
+    }
+    env.update(
+        {
+            BROKER_URL_ENV: "memory://",
+            "PYTHONPATH": str(REPO_ROOT),
+            "PGLOCK_TEST_QUEUE": _queue(),
+        }
+    )
+    completed = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", APP, "worker", "--pool", "solo"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=REPO_ROOT,
+    )
+    output = completed.stdout + completed.stderr
+    assert 0 != completed.returncode
+    assert 1 == output.count("No lock database configured"), output
 
 
 def _queue() -> str:

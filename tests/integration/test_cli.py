@@ -6,12 +6,16 @@ runs it as ``celery -A ... pglock`` in a subprocess to prove the entry point.
 
 from __future__ import annotations
 
+import contextlib
+import getpass
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import uuid
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -388,9 +392,9 @@ def test_release_ends_the_holder_which_reports_lock_lost(
     key = stuck.lock_key_for(7)
     output = run("--database-url", database_url, "release", "--key", str(key), "--yes")
     runner.join(20)
-    assert f"lock {key} is held by backend" in output
-    assert "Released lock" in output
-    assert "ended by" in output
+    assert str(key) in output
+    assert "held by:" in output
+    assert f"PostgreSQL freed lock {key}" in output
     (result,) = results
     assert "FAILURE" == result.state
     assert isinstance(result.result, LockLostError)
@@ -410,16 +414,16 @@ def test_release_by_task_and_arguments_asks_first(cli_app, database_url):
     call += ("--args", "[7]", "--kwargs", '{"spec": {"b": 1}}')
     result = CliRunner().invoke(cli.standalone_command, list(call), input="n\n")
     assert 1 == result.exit_code, result.output
-    assert "of tests.integration.cli_app.export is held by backend" in result.output
+    assert "task tests.integration.cli_app.export (backend" in result.output
     assert lock.locked()
     result = CliRunner().invoke(cli.standalone_command, list(call), input="y\n")
     assert 0 == result.exit_code, result.output
     assert not lock.locked()
     with pytest.raises(PgLockError):
         lock.release()  # its session was ended
-    assert "Nobody holds" in run(*call, "--yes", expect=1)
-    assert "is invalid" in run("--app", APP, "release", "--key", "1,x", expect=2)
-    assert "either TASK" in run("--app", APP, "release", expect=2)
+    assert "No session holds" in run(*call, "--yes", expect=1)
+    run("--app", APP, "release", "--key", "1,x", expect=2)
+    assert "Name the lock" in run("--app", APP, "release", expect=2)
     _session.close_for(engine)
     engine.dispose()
 
@@ -445,3 +449,139 @@ def test_check_counts_the_lock_connections_a_process_holds(database_url, scope, 
         f"{3 * count} lock connection(s) needed at most (3 process(es) x {count}:"
         in (" ".join(output.split()))
     ), output
+
+
+def celery_pglock(app, *args, database_url=None):
+    """``celery -A app pglock ...`` in a subprocess: only the command imports the tasks."""
+    env = {k: v for k, v in os.environ.items() if k != "CELERY_PGLOCK_DATABASE_URL"}
+    if database_url:
+        env["CELERY_PGLOCK_DATABASE_URL"] = database_url
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", app, "pglock", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+
+
+LAYOUTS = "tests.integration.cli_layouts"
+
+
+@pytest.mark.parametrize(
+    ("app", "task", "kwargs"),
+    [
+        (f"{LAYOUTS}.include_app", "proj.tasks.export_tenant", {"tenant_id": 42}),
+        (f"{LAYOUTS}.autodiscover_app", "billing.settle_invoices", {}),
+    ],
+    ids=["include", "autodiscover_tasks"],
+)
+def test_key_finds_tasks_the_worker_imports(app, task, kwargs):
+    """Tasks a worker imports at start (Celery(include=...), app.autodiscover_tasks()) are
+    SingletonTasks to `pglock key`, though `-A` imports only the app's module."""
+    completed = celery_pglock(
+        app, "key", task, "--kwargs", json.dumps(kwargs), "--json"
+    )
+    assert 0 == completed.returncode, completed.stdout + completed.stderr
+    forms = json.loads(completed.stdout)
+    assert task == forms["task"]
+    if kwargs:
+        assert '{"tenant_id":42}]' in forms["key_text"]
+
+
+@pytest.mark.parametrize(
+    ("app", "task"),
+    [
+        (f"{LAYOUTS}.include_app", "proj.tasks.export_tenant"),
+        (f"{LAYOUTS}.autodiscover_app", "billing.settle_invoices"),
+    ],
+    ids=["include", "autodiscover_tasks"],
+)
+def test_check_counts_tasks_the_worker_imports(database_url, app, task):
+    completed = celery_pglock(app, "check", database_url=database_url)
+    assert 0 == completed.returncode, completed.stdout + completed.stderr
+    assert "; 1 SingletonTask(s), scope session" in completed.stdout
+
+
+def test_check_fails_on_an_app_without_singleton_tasks(database_url):
+    """An app whose tasks are all plain locks nothing: a FAIL naming the fix, exit 1."""
+    completed = celery_pglock(
+        f"{LAYOUTS}.plain_app", "check", database_url=database_url
+    )
+    assert 1 == completed.returncode, completed.stdout + completed.stderr
+    assert "FAIL  tasks" in completed.stdout
+    assert "has no SingletonTask" in completed.stdout
+    assert "base=SingletonTask" in completed.stdout
+    assert "OK    connectivity" in completed.stdout  # the other checks still ran
+
+
+def _documented_exit_statuses():
+    """The exit statuses docs/operations/cli.md's table lists."""
+    text = (Path(__file__).resolve().parents[2] / "docs/operations/cli.md").read_text()
+    return sorted(int(status) for status in re.findall(r"(?m)^\| (\d+) \|", text))
+
+
+def _unreachable():
+    return f"postgresql+psycopg2://app:pw@127.0.0.1:{_support.free_port()}/x"
+
+
+#: For each exit status, the calls that must end with it (database_url filled in).
+EXIT_STATUSES = {
+    0: [("--database-url", "{db}", "check"), ("--database-url", "{db}", "locks")],
+    1: [
+        ("--database-url", "{unreachable}", "check"),
+        ("--database-url", "{unreachable}", "locks"),
+        ("--database-url", "{unreachable}", "sql", "--apply"),
+        ("--database-url", "{db}", "release", "--key", "4242,4242", "--yes"),  # free
+    ],
+    2: [
+        ("release", "--yes"),  # neither a task nor a key
+        ("--database-url", "{db}", "release", "--key", "1,2,3", "--yes"),
+        ("key", "some.task"),  # no app
+        ("--app", "no_such_module_xyz", "check"),
+        ("sql", "--apply"),  # no database URL
+        ("--app", APP, "key", "tests.integration.cli_app.export", "--args", "[7"),
+        ("--no-such-option",),
+    ],
+}
+
+
+@pytest.mark.parametrize("status", _documented_exit_statuses())
+def test_each_documented_exit_status_is_what_the_command_returns(
+    database_url, monkeypatch, status
+):
+    """Each status in cli.md's table is returned, by the calls its line describes; no
+    status is documented without a test, nor tested without being documented."""
+    assert sorted(EXIT_STATUSES) == _documented_exit_statuses()
+    monkeypatch.delenv("CELERY_PGLOCK_DATABASE_URL", raising=False)
+    for call in EXIT_STATUSES[status]:
+        args = [a.format(db=database_url, unreachable=_unreachable()) for a in call]
+        result = CliRunner().invoke(cli.standalone_command, args)
+        assert status == result.exit_code, (args, result.output)
+
+
+def test_release_by_key_ends_the_holding_session(cli_app, database_url):
+    """`release --key`: shows the holder and every other key its session holds, ends
+    that session (PostgreSQL frees both locks), and says who did it."""
+    engine = db.engine_for(cli_app.app.conf)
+    first = AdvisoryLock(engine=engine, key=cli_app.settle.lock_key_for(), label="a")
+    second = AdvisoryLock(engine=engine, key=cli_app.pinned.lock_key_for(), label="b")
+    assert first.acquire()
+    assert second.acquire()
+    try:
+        call = ["--app", APP, "release", "--key", str(first.key)]
+        kept = CliRunner().invoke(cli.standalone_command, call, input="n\n")
+        assert 1 == kept.exit_code, kept.output
+        assert db.process_tag() in kept.output
+        assert f"also held:  {second.key}" in kept.output
+        assert _entry(cli_app, str(first.key)) is not None  # declined: nothing done
+        output = run(*call, "--yes")
+        assert "Ended backend" in output
+        assert f"as {getpass.getuser()}@" in output
+        assert None is _entry(cli_app, str(first.key))
+        assert None is _entry(cli_app, str(second.key))
+    finally:
+        for lock in (first, second):
+            with contextlib.suppress(Exception):
+                lock.release()

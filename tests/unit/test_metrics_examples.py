@@ -20,6 +20,7 @@ METRIC = re.compile(r"\bcelery_pglock_[a-z_]+")
 def exported_names() -> set[str]:
     registry = prometheus_client.CollectorRegistry()
     sink = metrics.PrometheusMetrics(registry=registry)
+    sink.declare([("t", "skip")])
     sink.acquired("t", 0.1)
     sink.skipped("t", "skip", 0.1)
     sink.released("t", "SUCCESS", 1.0)
@@ -95,3 +96,104 @@ def test_without_prometheus_client_only_the_worker_refuses(monkeypatch):
     assert isinstance(metrics.current(), metrics.NullMetrics)
     with pytest.raises(ConfigurationError, match=r"celery-pglock\[prometheus\]"):
         _hooks.check_app(app)
+
+
+def _values(registry, name):
+    return {
+        tuple(sorted(sample.labels.items())): sample.value
+        for family in registry.collect()
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+def test_declared_series_exist_at_zero_before_any_event():
+    """declare(): every task's counters, gauges and the info series, before any run."""
+    registry = prometheus_client.CollectorRegistry()
+    sink = metrics.PrometheusMetrics(registry=registry)
+    sink.declare([("t", "retry")])
+    for name in (
+        "celery_pglock_acquired_total",
+        "celery_pglock_release_failed_total",
+        "celery_pglock_lost_total",
+        "celery_pglock_held_locks",
+        "celery_pglock_oldest_held_seconds",
+    ):
+        assert {(("task", "t"),): 0.0} == _values(registry, name), name
+    assert {(("policy", "retry"), ("task", "t")): 0.0} == _values(
+        registry, "celery_pglock_skipped_total"
+    )
+    (info,) = _values(registry, "celery_pglock_info").items()
+    assert 1.0 == info[1]
+
+
+def test_held_locks_and_the_oldest_age_follow_acquire_and_release(monkeypatch):
+    """In one process: the count of locks held now and the age of the oldest, per task;
+    a release takes away the lock whose start matches its held time."""
+    clock = [1000.0]
+    monkeypatch.setattr(metrics.time, "time", lambda: clock[0])
+    registry = prometheus_client.CollectorRegistry()
+    sink = metrics.PrometheusMetrics(registry=registry)
+    sink.acquired("t", 0.0)  # at 1000
+    clock[0] = 1010.0
+    sink.acquired("t", 0.0)  # at 1010
+    clock[0] = 1030.0
+    assert {(("task", "t"),): 2.0} == _values(registry, "celery_pglock_held_locks")
+    assert {(("task", "t"),): 30.0} == _values(
+        registry, "celery_pglock_oldest_held_seconds"
+    )
+    sink.released("t", "SUCCESS", 30.0)  # the first one ends
+    assert {(("task", "t"),): 1.0} == _values(registry, "celery_pglock_held_locks")
+    assert {(("task", "t"),): 20.0} == _values(
+        registry, "celery_pglock_oldest_held_seconds"
+    )
+    sink.released("t", "FAILURE", 20.0)
+    assert {(("task", "t"),): 0.0} == _values(registry, "celery_pglock_held_locks")
+    assert {(("task", "t"),): 0.0} == _values(
+        registry, "celery_pglock_oldest_held_seconds"
+    )
+
+
+#: celery_pglock_* names in the docs that are SQL objects, not metrics.
+SQL_OBJECTS = {
+    "celery_pglock_key",
+    "celery_pglock_canonical",
+    "celery_pglock_locks",
+    "celery_pglock_fencing",
+    "celery_pglock_fencing_token_seq",
+}
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def _served_families():
+    """{documented name: type} of every family a worker serves (counters as ``_total``)."""
+    registry = prometheus_client.CollectorRegistry()
+    sink = metrics.PrometheusMetrics(registry=registry)
+    sink.declare([("t", "skip")])
+    return {
+        family.name + ("_total" if family.type == "counter" else ""): family.type
+        for family in registry.collect()
+    }
+
+
+def test_the_metrics_table_lists_exactly_what_is_served():
+    """docs/operations/metrics.md's table: every metric served, and nothing else, with its
+    type."""
+    text = (DOCS / "operations" / "metrics.md").read_text()
+    table = dict(re.findall(r"(?m)^\| `(celery_pglock_\w+)` \| (\w+) \|", text))
+    assert _served_families() == table
+
+
+def test_every_metric_the_docs_name_exists():
+    """Any celery_pglock_* metric named in README.md or docs/ (queries included) is one
+    a worker serves, a sample of one, or the documented raw form of the held age."""
+    served = set(exported_names()) | set(_served_families()) | {metrics.OLDEST_START}
+    pages = [DOCS.parent / "README.md", *DOCS.rglob("*.md")]
+    named = {
+        (page.name, name)
+        for page in pages
+        for name in METRIC.findall(page.read_text())
+        if name not in SQL_OBJECTS
+    }
+    assert named
+    assert set() == {(page, name) for page, name in named if name not in served}
