@@ -75,8 +75,9 @@ class Observer:
                 diagnosing = True
                 deadline = time.monotonic() + timeout
             except Exception:
-                diagnosing = True  # the session is gone (or failed): ask the server why
-                deadline = max(deadline, time.monotonic() + timeout / 2)
+                # The session is gone, or got no answer in time: ask the server why,
+                # within what is left of the budget (a frozen link stays frozen).
+                diagnosing = True
             else:
                 if rows is not None:
                     self._counted()

@@ -10,11 +10,11 @@ from __future__ import annotations
 from celery_pglock import keys
 
 #: Every advisory lock of the current database, held or awaited, with its session. The
-#: key is rebuilt from (classid, objid, objsubid) as LockKey.__str__ writes it. "since":
-#: a celery-pglock session runs nothing between acquire and release, so the time its
-#: state last changed (or, in transaction scope, its transaction began) is when it got
-#: the lock; for a waiter, pg_locks.waitstart (PostgreSQL >= 14). Run locks (the task-id
-#: locks an acks_late run holds beside its key, keys.run_key) are left out.
+#: key is rebuilt from (classid, objid, objsubid) as LockKey.__str__ writes it. "since"
+#: (docs/operations/cli.md): when the transaction began, else when the session last ran a
+#: statement (a lower bound: the lock watcher checks on the lock session); for a waiter,
+#: pg_locks.waitstart (PostgreSQL >= 14). Run locks (the task-id locks an acks_late run
+#: holds beside its key, keys.run_key) are left out.
 LOCKS = f"""
 SELECT
   CASE WHEN l.objsubid = 1

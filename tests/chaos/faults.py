@@ -52,28 +52,29 @@ def restart(chaos: Chaos) -> None:
 
 def terminate(chaos: Chaos) -> None:
     """pg_terminate_backend of a lock session holding a lock for a while."""
-    # A lock session holding a lock for longer than the interval: the watcher has a
-    # lock to check (a shorter body learns of it at release, lock_release_failed).
+    # A lock held for longer than the watch interval: the watcher has a lock to check (a
+    # shorter body learns of it at release, lock_release_failed). Held since when is
+    # seen here, by polling: the session's state_change is no clue, since the watcher's
+    # checks run on the lock session itself.
     sql = (
-        "SELECT DISTINCT a.pid, a.application_name FROM pg_locks l "
-        "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
-        "AND l.granted AND a.state_change < now() - interval '0.8 seconds'"
+        "SELECT a.pid, a.application_name, l.classid, l.objid, l.objsubid "
+        "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+        "WHERE l.locktype = 'advisory' AND l.granted"
     )
+    first_seen: dict[tuple[int, tuple[int, int, int]], float] = {}
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        rows = lock_query(chaos, sql)
-        if rows:
-            backend, name = chaos.rng.choice(rows)
-            tag = PROCESS_TAG.search(name or "")
-            locks = {
-                (int(classid), int(objid), int(objsubid))
-                for classid, objid, objsubid in lock_query(
-                    chaos,
-                    "SELECT classid, objid, objsubid FROM pg_locks WHERE pid = %s "
-                    "AND locktype = 'advisory' AND granted",
-                    (backend,),
-                )
-            }
+        now = time.monotonic()
+        names = {
+            (int(pid), (int(c), int(o), int(s))): name
+            for pid, name, c, o, s in lock_query(chaos, sql)
+        }
+        first_seen = {held: first_seen.get(held, now) for held in names}
+        long_held = sorted(held for held, t in first_seen.items() if now - t >= 0.8)
+        if long_held:
+            backend, key = chaos.rng.choice(long_held)
+            tag = PROCESS_TAG.search(names[backend, key] or "")
+            locks = {key for pid, key in names if pid == backend}
             began = time.time()
             lock_query(chaos, "SELECT pg_terminate_backend(%s)", (backend,))
             pids = {int(tag.group(1))} if tag else set()
