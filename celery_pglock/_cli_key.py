@@ -7,7 +7,7 @@ No database needed: the key is computed as the worker computes it
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -17,22 +17,37 @@ if TYPE_CHECKING:
     from celery_pglock.cli import Target
 
 
+F = TypeVar("F", bound=Any)
+
+#: --args and --kwargs: a call of a task, as JSON (``key`` and ``release``).
+call_options = [
+    click.option(
+        "--args",
+        "args_json",
+        default="[]",
+        metavar="JSON",
+        help="Positional arguments, e.g. '[7]'.",
+    ),
+    click.option(
+        "--kwargs",
+        "kwargs_json",
+        default="{}",
+        metavar="JSON",
+        help="Keyword arguments, e.g. '{\"tenant_id\": 7}'.",
+    ),
+]
+
+
+def with_call_options(command: F) -> F:
+    """Add --args and --kwargs to a click command."""
+    for option in reversed(call_options):
+        command = option(command)
+    return command
+
+
 @click.command(help="The advisory key a call of TASK would lock (no database needed).")
 @click.argument("task_name", metavar="TASK")
-@click.option(
-    "--args",
-    "args_json",
-    default="[]",
-    metavar="JSON",
-    help="Positional arguments, e.g. '[7]'.",
-)
-@click.option(
-    "--kwargs",
-    "kwargs_json",
-    default="{}",
-    metavar="JSON",
-    help="Keyword arguments, e.g. '{\"tenant_id\": 7}'.",
-)
+@with_call_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @click.pass_obj
 def key(

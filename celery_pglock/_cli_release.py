@@ -52,20 +52,7 @@ WHERE l.locktype = 'advisory' AND l.granted AND l.pid = %s
     "reports it lost."
 )
 @click.argument("task_name", metavar="[TASK]", required=False)
-@click.option(
-    "--args",
-    "args_json",
-    default="[]",
-    metavar="JSON",
-    help="Positional arguments, e.g. '[7]'.",
-)
-@click.option(
-    "--kwargs",
-    "kwargs_json",
-    default="{}",
-    metavar="JSON",
-    help="Keyword arguments, e.g. '{\"tenant_id\": 7}'.",
-)
+@_cli_key.with_call_options
 @click.option(
     "--key",
     "key_text",

@@ -82,18 +82,7 @@ def fenced_in_transaction(
 def fenced_write(self, run: str, key: str, body: str, gate: str | None = None) -> bool:
     """Take a token, wait on ``gate`` (if any), then write ``body`` through the guard;
     returns whether the write was applied."""
-    token = current_lock().fencing_token
-    with recorder.record(run, key, f"{self.request.id}:{token}") as row_id:
-        if gate:
-            wait_gate(gate, row_id)
-        with writes_engine().begin() as connection:
-            return fencing.fenced_upsert(
-                connection,
-                WRITES_TABLE,
-                key={"run": run},
-                values={"body": body},
-                token=token,
-            )
+    return _write(self.request.id, run, key, body, gate)
 
 
 @app.task(
@@ -106,15 +95,19 @@ def fenced_write(self, run: str, key: str, body: str, gate: str | None = None) -
 )
 def fenced_write_waiting(self, run: str, key: str, body: str) -> bool:
     """fenced_write's body under the wait policy: waits for the key, then writes."""
+    return _write(self.request.id, run, key, body, None)
+
+
+def _write(task_id: str, run: str, key: str, body: str, gate: str | None) -> bool:
     token = current_lock().fencing_token
-    with (
-        recorder.record(run, key, f"{self.request.id}:{token}"),
-        writes_engine().begin() as connection,
-    ):
-        return fencing.fenced_upsert(
-            connection,
-            WRITES_TABLE,
-            key={"run": run},
-            values={"body": body},
-            token=token,
-        )
+    with recorder.record(run, key, f"{task_id}:{token}") as row_id:
+        if gate:
+            wait_gate(gate, row_id)
+        with writes_engine().begin() as connection:
+            return fencing.fenced_upsert(
+                connection,
+                WRITES_TABLE,
+                key={"run": run},
+                values={"body": body},
+                token=token,
+            )
