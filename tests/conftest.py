@@ -38,6 +38,7 @@ from celery_pglock.testing import (
 )
 from celery_pglock.testing.pgbouncer import PgBouncer
 from celery_pglock.testing.postgres import SUPERUSER as SUPERUSER_NAME
+from tests.integration import netns
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping
@@ -63,7 +64,8 @@ LEAKED_LOCKS_SQL = """
 """
 #: Set to 1 (CI) to fail, rather than deselect, PgBouncer tests without the binary.
 REQUIRE_PGBOUNCER_ENV = "CELERY_PGLOCK_REQUIRE_PGBOUNCER"
-_PGBOUNCER_NOTICE: list[str] = []
+#: Warnings for the summary: tests deselected for want of something on this machine.
+_DESELECTED_NOTICES: list[str] = []
 #: "host:pid" inside a lock session's application_name (see db.process_tag()).
 PROCESS_TAG = re.compile(r"(\S+):(\d+)")
 
@@ -106,6 +108,7 @@ def pytest_collection_modifyitems(
         for marker in DIRECTORY_MARKERS.get(tier, ()):
             item.add_marker(marker)
     _deselect_pgbouncer_tests_without_pgbouncer(config, items)
+    _deselect_netns_tests_without_netns(config, items)
 
 
 def _deselect_pgbouncer_tests_without_pgbouncer(
@@ -127,15 +130,35 @@ def _deselect_pgbouncer_tests_without_pgbouncer(
         return
     items[:] = [item for item in items if item not in needing]
     config.hook.pytest_deselected(items=needing)
-    _PGBOUNCER_NOTICE.append(
+    _DESELECTED_NOTICES.append(
         f"{len(needing)} PgBouncer tests were NOT run: no pgbouncer binary on this "
         f"machine (apt-get install pgbouncer to run them; CI sets "
         f"{REQUIRE_PGBOUNCER_ENV}=1 and requires them)."
     )
 
 
+def _deselect_netns_tests_without_netns(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    """Without root, ``ip`` or network namespaces, deselect the tests that build a client
+    host of their own, loudly; unless CI requires them (netns.REQUIRE_ENV=1), where they
+    run and fail naming what is missing."""
+    needing = [item for item in items if item.get_closest_marker("netns")]
+    if not needing or os.environ.get(netns.REQUIRE_ENV) == "1":
+        return
+    missing = netns.missing()
+    if not missing:
+        return
+    items[:] = [item for item in items if item not in needing]
+    config.hook.pytest_deselected(items=needing)
+    _DESELECTED_NOTICES.append(
+        f"{len(needing)} network-namespace tests were NOT run: this machine lacks "
+        f"{', '.join(missing)} (CI sets {netns.REQUIRE_ENV}=1 and requires them)."
+    )
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    for notice in _PGBOUNCER_NOTICE:
+    for notice in _DESELECTED_NOTICES:
         terminalreporter.write_sep("!", notice, yellow=True, bold=True)
 
 

@@ -36,6 +36,7 @@ from celery_pglock.testing._support import ServiceError
 
 if TYPE_CHECKING:
     import pwd
+    from collections.abc import Mapping
     from types import TracebackType
 
     from typing_extensions import Self
@@ -85,14 +86,22 @@ class EmbeddedPostgres:
             :meth:`cleanup`.
         port: The TCP port. By default a free one is chosen at the first start and kept
             for every restart, so URLs handed out earlier stay valid.
+        settings: Server settings on top of :data:`SETTINGS` (same name: replaced), such
+            as ``listen_addresses`` for a test that also needs the server on another
+            local address; :meth:`url` stays on 127.0.0.1.
 
     Not thread-safe; use one instance from one thread.
     """
 
     def __init__(
-        self, *, data_dir: Path | None = None, port: int | None = None
+        self,
+        *,
+        data_dir: Path | None = None,
+        port: int | None = None,
+        settings: Mapping[str, str] | None = None,
     ) -> None:
         self._bin = bin_dir()
+        self._settings = {**SETTINGS, **(settings or {})}
         self._own_data = data_dir is None
         self._data_dir = data_dir
         self._port = port
@@ -290,7 +299,7 @@ class EmbeddedPostgres:
     def _options(self) -> str:
         """The postgres command line that pg_ctl passes through a shell (hence quoting)."""
         args = ["-p", str(self.port), "-k", str(self.socket_dir)]
-        for name, value in SETTINGS.items():
+        for name, value in self._settings.items():
             args += ["-c", f"{name}={value}"]
         return shlex.join(args)
 

@@ -1,0 +1,38 @@
+"""The lock holder of tests/integration/test_frozen_client.py, run in a network namespace.
+
+    python -m tests.integration.frozen_client URL NAMESPACE NAME [--no-server-keepalives]
+
+Takes the session-scope AdvisoryLock of ``keys.make_key(NAMESPACE, NAME)`` through the
+library's own lock engine with its default settings (so the server keepalive startup
+options are what the test measures), prints ``held`` and sleeps until it is killed.
+``--no-server-keepalives`` sets ``pglock_server_keepalives = False``, to show the test
+fails without them.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from celery_pglock import AdvisoryLock, db, keys
+
+#: Seconds the holder sleeps at most: the test kills it long before.
+HOLD_SECONDS = 600
+
+
+def main(argv: list[str]) -> int:
+    url, namespace, name, *flags = argv
+    conf = {"pglock_server_keepalives": "--no-server-keepalives" not in flags}
+    lock = AdvisoryLock(
+        engine=db.create_engine(url, conf), key=keys.make_key(namespace, name)
+    )
+    if not lock.acquire():
+        print("busy", flush=True)
+        return 1
+    print("held", flush=True)
+    time.sleep(HOLD_SECONDS)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

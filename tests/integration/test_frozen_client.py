@@ -1,0 +1,174 @@
+"""The server frees a vanished client's lock within the bound the docs give (issue 16).
+
+The holder runs on a client host of its own (a network namespace, tests/integration/netns.py)
+and the link is cut, so the server's keepalive probes go unanswered, as when a worker host
+loses power. On loopback its probes are always answered, which is why this needs a namespace.
+docs/operations/lock-loss.md#the-deadline-arithmetic: freed at the latest
+tcp_keepalives_idle + interval x count = 60 s after the client's last traffic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg2
+import pytest
+
+from celery_pglock import db, keys
+from celery_pglock.testing import _support
+from celery_pglock.testing.postgres import EmbeddedPostgres
+from tests.integration import netns
+from tests.integration.loss_support import dsn
+
+pytestmark = pytest.mark.netns
+
+REPO = Path(__file__).resolve().parents[2]
+KEEPALIVES = dict(db.SERVER_KEEPALIVES)
+#: The documented latest: idle + interval x count (tcp_user_timeout equals it).
+BOUND = int(KEEPALIVES["tcp_keepalives_idle"]) + int(
+    KEEPALIVES["tcp_keepalives_interval"]
+) * int(KEEPALIVES["tcp_keepalives_count"])
+#: Polling, scheduling on a busy machine.
+SLACK = 15
+#: Sooner than this is not the keepalives (the soonest is interval x count = 30 s, and the
+#: link is cut right after the grant, so about BOUND is expected).
+NOT_BEFORE = 20
+#: Seconds the client may take to connect and print "held".
+HELD_TIMEOUT = 30.0
+POLL = 0.5
+#: What the server logs when its socket to the client timed out (ETIMEDOUT).
+TIMED_OUT = "could not receive data from client: Connection timed out"
+
+HELD_SQL = """
+    SELECT host(a.client_addr) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+    WHERE l.locktype = 'advisory' AND l.granted
+      AND l.classid = %s::oid AND l.objid = %s::oid AND l.objsubid = %s::int2
+"""
+
+
+@pytest.fixture
+def link():
+    missing = netns.missing()
+    # Only with netns.REQUIRE_ENV=1: conftest deselects this test otherwise.
+    if missing:
+        pytest.fail(f"This test needs {', '.join(missing)}.")
+    created = netns.create("frozen")
+    try:
+        yield created
+    finally:
+        netns.remove(created)
+
+
+@pytest.fixture
+def server(link):
+    """A private PostgreSQL that also listens on the pair's host end and trusts the client."""
+    listen = f"{_support.HOST},{link.host_address}"
+    postgres = EmbeddedPostgres(settings={"listen_addresses": listen})
+    try:
+        postgres.start()
+        with (postgres.data_dir / "pg_hba.conf").open("a") as hba:
+            hba.write(f"host all all {link.client_address}/32 trust\n")
+        _execute(postgres.url(), "SELECT pg_reload_conf()")
+        yield postgres
+    finally:
+        postgres.cleanup()
+
+
+def test_the_server_frees_a_vanished_clients_lock_within_the_keepalive_bound(
+    link, server, namespace, record_property
+):
+    key = keys.make_key(namespace, "frozen")
+    client_url = server.url().replace(_support.HOST, link.host_address, 1)
+    with _holder(link, client_url, namespace) as holder:
+        assert _holder_address(server.url(), key) == link.client_address
+        os.kill(holder.pid, signal.SIGSTOP)  # nothing the client does matters from here
+        link.cut()
+        freed_after = _wait_until_free(server.url(), key, BOUND + SLACK)
+    assert freed_after is not None, (
+        f"the server still held the vanished client's lock {BOUND + SLACK} s after "
+        f"the link was cut (bound {BOUND} s: {db.SERVER_OPTIONS})"
+    )
+    assert freed_after >= NOT_BEFORE, (
+        f"freed {freed_after:.1f} s after the cut: sooner than any keepalive, so "
+        "something else ended the session"
+    )
+    # A timeout, not an error: the keepalives (or tcp_user_timeout) gave up on the peer.
+    assert TIMED_OUT in server.log_path.read_text(errors="replace")
+    record_property("freed_after_s", round(freed_after, 1))
+    print(f"lock freed {freed_after:.1f} s after the link was cut (bound {BOUND} s)")
+
+
+@contextlib.contextmanager
+def _holder(link, url, namespace):
+    """The client process inside the namespace, once it printed "held"; killed after."""
+    argv = [sys.executable, "-m", "tests.integration.frozen_client", url, namespace]
+    with tempfile.TemporaryFile("w+") as errors:
+        holder = subprocess.Popen(
+            link.exec_argv(*argv, "frozen"),
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+        )
+        try:
+            line = _read_line(holder, HELD_TIMEOUT)
+            if line != "held":
+                errors.seek(0)
+                pytest.fail(
+                    f"the client in {link.namespace} printed {line!r}, not 'held' "
+                    f"within {HELD_TIMEOUT:g} s; its stderr:\n{errors.read()[-3000:]}"
+                )
+            yield holder
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                holder.kill()  # SIGKILL ends a stopped process too
+            holder.wait(timeout=10)
+            holder.stdout.close()
+
+
+def _read_line(process, timeout):
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        if not selector.select(timeout):
+            return None
+    return process.stdout.readline().strip()
+
+
+def _wait_until_free(url, key, timeout):
+    """Seconds until no session holds ``key``; None when it is still held at ``timeout``."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if _holder_address(url, key) is None:
+            return time.monotonic() - started
+        time.sleep(POLL)
+    return None
+
+
+def _holder_address(url, key):
+    connection = psycopg2.connect(dsn(url), connect_timeout=5)
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(HELD_SQL, key.pg_locks_ids)
+            row = cursor.fetchone()
+    finally:
+        connection.close()
+    return None if row is None else row[0]
+
+
+def _execute(url, sql):
+    connection = psycopg2.connect(dsn(url), connect_timeout=5)
+    connection.autocommit = True
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(sql)
+    finally:
+        connection.close()
