@@ -100,14 +100,21 @@ def child_kill(chaos: Chaos) -> None:
     if not children:
         return
     # Prefer a child running a body (its interval's heartbeat is fresh): its
-    # message is rejected and redelivered (acks_late + reject_on_worker_lost).
-    with chaos.app.loss_app._events_cursor() as cursor:
-        cursor.execute(
-            f"SELECT DISTINCT pid FROM {chaos.app.recorder.table} WHERE run = %s "
-            "AND ended_at > clock_timestamp() - interval '0.3 seconds'",
-            (f"{chaos.run_id}-main",),
-        )
-        busy = [row[0] for row in cursor.fetchall() if row[0] in children]
+    # message is rejected and redelivered (acks_late + reject_on_worker_lost). Wait for
+    # one a little: right after a restart every body has just been ended (lock_on_lost
+    # 'terminate'), and a kill of idle children would leave the run without redeliveries.
+    deadline = time.monotonic() + 3
+    while True:
+        with chaos.app.loss_app._events_cursor() as cursor:
+            cursor.execute(
+                f"SELECT DISTINCT pid FROM {chaos.app.recorder.table} WHERE run = %s "
+                "AND ended_at > clock_timestamp() - interval '0.3 seconds'",
+                (f"{chaos.run_id}-main",),
+            )
+            busy = [row[0] for row in cursor.fetchall() if row[0] in children]
+        if busy or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     pid = chaos.rng.choice(busy or children)
     began = time.time()
     try:
