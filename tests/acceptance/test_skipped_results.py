@@ -203,17 +203,21 @@ def test_pglock_locks_shows_the_running_holder_and_nothing_after(
     acceptance, acceptance_env, workers, recorder, run
 ):
     """`celery -A app pglock locks` shows a running body's lock by task name, worker
-    host:pid and how long it has been held; once the body ends, the lock is gone."""
+    host:pid and how long it has been held at least; once the body ends, the lock is
+    gone. (Held at least: the lock watcher's checks run on the lock session, so its
+    state_change is when it was last seen alive; docs/operations/cli.md.)"""
     key = str(acceptance.protected.lock_key_for(run, "k"))
+    asked = time.monotonic()
     holder, gate = hold_key(acceptance, recorder, run)
-    time.sleep(0.2)  # a visible duration
-    entry = _lock_entry(acceptance_env, key)
-    assert entry is not None
-    assert acceptance.protected.name == entry["task"]
-    assert f"{_host()}:{recorder.intervals(run)[0].pid}" == entry["holder"]
-    assert entry["held_seconds"] >= 0.2
-    assert entry["celery_pglock"]
-    acceptance.open_gate(gate)
+    try:
+        entry = _lock_entry(acceptance_env, key)
+        assert entry is not None
+        assert acceptance.protected.name == entry["task"]
+        assert f"{_host()}:{recorder.intervals(run)[0].pid}" == entry["holder"]
+        assert 0 <= entry["held_seconds"] <= time.monotonic() - asked + 1.0
+        assert entry["celery_pglock"]
+    finally:
+        acceptance.open_gate(gate)
     assert "k" == holder.get(timeout=30)
     assert None is _lock_entry(acceptance_env, key)
 
