@@ -227,17 +227,24 @@ def test_counts_survive_replaced_children_and_the_directory_is_removed(
         ),
         key=lambda path: path.stat().st_mtime,
     )
-    scrape(port)  # archives and forgets any child that exited since
-    files = sorted(path.name for path in directory.iterdir())
-    # Per metric type (counter, histogram): two live children, the main process (the
-    # series it declared at zero) and the archive. Gauges (locks held now): live
-    # processes' files only.
-    counted = [f for f in files if f.startswith(("counter_", "histogram_"))]
-    assert len(counted) <= 8, files
-    assert "counter_archive.db" in files
-    live = {str(worker.pid), *(str(pid) for pid in worker.child_pids())}
-    gauges = [f for f in files if f.startswith("gauge_")]
-    assert all(f[:-3].rsplit("_", 1)[-1] in live for f in gauges), (files, live)
+
+    def settled() -> bool:
+        # A child may exit (its 4th task done) just after a scrape: the next scrape
+        # archives and forgets it. Per metric type (counter, histogram): two live
+        # children, the main process (the series it declared at zero) and the archive.
+        # Gauges (locks held now): live processes' files only.
+        scrape(port)
+        live = {str(worker.pid), *(str(pid) for pid in worker.child_pids())}
+        files = sorted(path.name for path in directory.iterdir())
+        counted = [f for f in files if f.startswith(("counter_", "histogram_"))]
+        gauges = [f for f in files if f.startswith("gauge_")]
+        return (
+            len(counted) <= 8
+            and "counter_archive.db" in files
+            and all(f[:-3].rsplit("_", 1)[-1] in live for f in gauges)
+        )
+
+    wait_until(settled, timeout=15, what="only live processes' metric files")
     worker.stop(timeout=20)
     wait_until(
         lambda: not directory.exists(), timeout=10, what="the directory's removal"
