@@ -198,8 +198,11 @@ def check_unknown_settings(conf: Mapping[str, Any]) -> None:
     """
     # Celery keeps a namespace's keys as given (CELERY_PGLOCK_ON_BUSY) and finds them
     # for conf.get("pglock_on_busy") through its prefix: check them under that name.
+    # Listed first: a configuration not yet read (Celery's PendingConfiguration, as
+    # from celery.current_app) reads itself then, and only then knows its prefix.
+    settings = list(conf)
     prefix = getattr(conf, "prefix", None) or ""
-    for setting in conf:
+    for setting in settings:
         spelled = setting
         if prefix and setting.upper().startswith(prefix.upper()):
             setting = setting[len(prefix) :].lower()

@@ -1,0 +1,1 @@
+"""Optional integrations with other frameworks. The core never imports them."""

@@ -1,0 +1,84 @@
+"""A Django system check of the lock settings: what a worker would refuse at start.
+
+Configuration only: it never connects to the lock database (``celery -A proj pglock
+check`` does), so ``manage.py check`` stays fast and works without the database.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import celery
+from django.core import checks
+
+from celery_pglock import config, db, exceptions, metrics
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
+    from django.apps import AppConfig
+
+TAG = "celery_pglock"
+#: The task name config.resolve puts in its messages when it checks the app-wide
+#: defaults; removed from them again, as no task is at fault.
+_DEFAULTS = "app-wide defaults"
+
+
+def check_settings(
+    app_configs: Sequence[AppConfig] | None = None, **_: Any
+) -> list[checks.CheckMessage]:
+    """Check the ``pglock_*`` settings of the current Celery app, each on its own.
+
+    The current app is the project's (``proj/celery.py``, imported by
+    ``proj/__init__.py`` as Celery's Django guide shows): with ``DJANGO_SETTINGS_MODULE``
+    set, Celery makes it the default app.
+    """
+    conf = celery.current_app.conf
+    messages: list[checks.CheckMessage] = []
+
+    def run(check: Callable[[], object], error_id: str) -> bool:
+        try:
+            check()
+        except exceptions.ConfigurationError as error:
+            text = str(error).removeprefix(f"Task {_DEFAULTS!r}: ")
+            messages.append(checks.Error(text, hint=_spelling_hint(conf), id=error_id))
+            return False
+        return True
+
+    if run(lambda: config.check_unknown_settings(conf), "celery_pglock.E001"):
+        # Every option a task leaves unset takes the app's setting: resolve them as a
+        # task with no options of its own would.
+        run(lambda: _resolve_defaults(conf), "celery_pglock.E002")
+    run(lambda: config.session_mode(conf), "celery_pglock.E002")
+    run(lambda: metrics.from_conf(conf), "celery_pglock.E002")
+    try:
+        url = config.database_url(conf)
+    except exceptions.ConfigurationError as error:
+        # The web process sends tasks without it; only workers (and eager runs) lock.
+        messages.append(
+            checks.Warning(
+                str(error),
+                hint="workers refuse to start without it, unless their environment "
+                f"sets {config.DATABASE_URL_ENV}",
+                id="celery_pglock.W001",
+            )
+        )
+    else:
+        run(lambda: db.check_url(url), "celery_pglock.E003")
+    return messages
+
+
+def _resolve_defaults(conf: Mapping[str, Any]) -> None:
+    config.resolve(task_name=_DEFAULTS, attributes={}, conf=conf, parameters=())
+
+
+def _spelling_hint(conf: Any) -> str:
+    """How app.conf.pglock_* names are spelled in settings.py, for the hints."""
+    prefix = getattr(conf, "prefix", None) or ""
+    if not prefix:
+        return "Fix the setting the message names (app.conf.pglock_*)."
+    return (
+        f"Fix the setting the message names in settings.py: with "
+        f"namespace={prefix.rstrip('_')!r}, app.conf.pglock_<name> is "
+        f"{prefix.upper()}PGLOCK_<NAME>."
+    )

@@ -1,0 +1,1 @@
+"""A Django app whose tasks.py Celery's autodiscover_tasks() finds."""
