@@ -63,8 +63,13 @@ def test_manage_py_check_passes_with_good_settings(project):
             "(celery_pglock.E002) lock_on_busy (from app.conf.pglock_on_busy)='skp' is "
             "invalid; expected one of 'skip', 'raise', 'retry', 'wait'.",
         ),
+        (
+            "proj.settings_bad_url",
+            "(celery_pglock.E003) pglock_database_url must be a PostgreSQL URL using "
+            "psycopg2",
+        ),
     ],
-    ids=["typo", "invalid value"],
+    ids=["typo", "invalid value", "not PostgreSQL"],
 )
 def test_manage_py_check_names_the_bad_setting(project, settings, expected):
     """The check fails (exit 1) with one Error naming the setting, the expected value,
