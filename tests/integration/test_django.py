@@ -125,6 +125,27 @@ def test_worker_refuses_to_start_with_a_typo(project):
     )
 
 
+def test_worker_refuses_to_start_with_a_bad_url_in_one_line(project):
+    """The URL is checked at worker_init, after the tasks are bound: one line, no
+    traceback."""
+    completed = project(
+        "-m",
+        "celery",
+        "-A",
+        "proj",
+        "worker",
+        "--pool",
+        "solo",
+        settings="proj.settings_bad_url",
+    )
+    assert 0 != completed.returncode
+    assert "Traceback" not in completed.stderr
+    assert (
+        "celery-pglock: pglock_database_url must be a PostgreSQL URL using psycopg2"
+        in completed.stderr
+    )
+
+
 def test_pglock_check_counts_the_django_apps_singleton_task(project):
     """`celery -A proj pglock check` imports the Django app's tasks.py (autodiscovery)."""
     completed = project("-m", "celery", "-A", "proj", "pglock", "check")
