@@ -45,7 +45,7 @@ def hold_report(report_id: int, gate: str) -> int:
 
 
 @shared_task(base=SingletonTask, lock_args=("tenant_id",))
-def export_tenant(tenant_id: int, seconds: float = 0.2) -> int:
+def export_tenant(tenant_id: int, seconds: float = 0.5) -> int:
     """Export one tenant: one export at a time per tenant."""
     time.sleep(seconds)
     return tenant_id

@@ -254,7 +254,7 @@ def test_overlap_record_sees_the_bodies_of_celery_s_in_process_worker(
         def test_record(celery_app, celery_worker, pglock_overlap, pglock_final_states):
             @celery_app.task(base=SingletonTask, name="user.export", lock_args=("tenant",))
             def export(tenant):
-                time.sleep(0.2)
+                time.sleep(0.5)
 
             celery_worker.reload()
             assert ["user.export"] == pglock_overlap.record(celery_app)
