@@ -91,8 +91,8 @@ class FinalStates(Protocol):
 class OverlapCheck:
     """The task-body intervals that this test's workers recorded, and their overlaps.
 
-    Every body of a SingletonTask run by a ``pglock_worker`` worker is recorded, keyed
-    by its lock key, with start and end taken from PostgreSQL's clock: two runs under
+    Every body of a SingletonTask run by a ``pglock_worker`` worker, or by this process
+    after :meth:`record`, is recorded, keyed by its lock key, with start and end taken from PostgreSQL's clock: two runs under
     one key that overlap in time are an exclusion failure.
     """
 
@@ -252,7 +252,9 @@ def pglock_app(
 
 @pytest.fixture
 def pglock_overlap(pglock_database_url: str) -> Iterator[OverlapCheck]:
-    """The task-body intervals recorded by this test's ``pglock_worker`` workers."""
+    """The task-body intervals recorded by this test's ``pglock_worker`` workers, and by
+    Celery's in-process worker after ``pglock_overlap.record(app)``.
+    """
     from celery_pglock import testing
 
     recorder = testing.OverlapRecorder(pglock_database_url, table=INTERVALS_TABLE)
