@@ -92,8 +92,9 @@ class OverlapCheck:
     """The task-body intervals that this test's workers recorded, and their overlaps.
 
     Every body of a SingletonTask run by a ``pglock_worker`` worker, or by this process
-    after :meth:`record`, is recorded, keyed by its lock key, with start and end taken from PostgreSQL's clock: two runs under
-    one key that overlap in time are an exclusion failure.
+    after :meth:`record`, is recorded, keyed by its lock key, with start and end taken
+    from PostgreSQL's clock: two runs under one key that overlap in time are an
+    exclusion failure.
     """
 
     def __init__(self, recorder: OverlapRecorder, run: str) -> None:
