@@ -6,10 +6,8 @@ services, with every SingletonTask body recorded for the overlap check.
 session's settings (``pytest_plugin.CONFIG_ENV``, JSON) over whatever the app configured for itself, and
 exposes it as ``app``. Only worker subprocesses started by the plugin import this module.
 
-Why wrap ``run``: an interval must start after the lock was granted and end before it is
-released, or a correct lock could show an overlap. SingletonTask calls ``self.run`` exactly
-there, between acquire and release; the lock_* signals cannot be used because the
-outcome signals are sent after the release.
+Every SingletonTask's body (``run``) is wrapped by ``pytest_plugin.record_bodies``, which
+says why the body and not the lock_* signals.
 
 Hazard: the settings are applied right after the user's module is imported. An app that
 loads its configuration later (in a signal handler, say) would override them.
@@ -17,7 +15,6 @@ loads its configuration later (in a signal handler, say) would override them.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from typing import Any
@@ -37,30 +34,10 @@ recorder = overlap.OverlapRecorder(
 RUN = os.environ[plugin.RECORD_RUN_ENV]
 
 
-def recorded(task: celery_pglock.SingletonTask) -> Any:
-    """``task.run`` wrapped to record its interval, keyed by the lock it runs under.
-
-    The key is the lock's name and advisory key (``pg_locks``' identity), never the key
-    text, which holds argument values.
-    """
-    body = task.run
-
-    @functools.wraps(body)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        try:
-            lock_key = celery_pglock.current_lock().key
-        except celery_pglock.PgLockError:  # run() called outside __call__: no lock
-            return body(*args, **kwargs)
-        with recorder.record(RUN, f"{lock_key.name} {lock_key}", task.request.id):
-            return body(*args, **kwargs)
-
-    return run
-
-
 @signals.worker_init.connect(weak=False)
 def _record_bodies(**_: Any) -> None:
     # worker_init comes after the app's modules were imported and before the pool
     # forks, so every pool child inherits the wrapped tasks.
     for task in app.tasks.values():
         if isinstance(task, celery_pglock.SingletonTask):
-            task.run = recorded(task)  # type: ignore[method-assign]  # per instance, on purpose
+            task.run = plugin.record_bodies(task, recorder, RUN)  # type: ignore[method-assign]  # per instance, on purpose

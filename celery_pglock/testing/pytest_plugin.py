@@ -16,6 +16,7 @@ Every fixture name starts with ``pglock_`` so that none can shadow Celery's
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     import celery
     import celery.result
 
+    import celery_pglock
     from celery_pglock.testing import (
         Interval,
         Overlap,
@@ -89,14 +91,44 @@ class FinalStates(Protocol):
 class OverlapCheck:
     """The task-body intervals that this test's workers recorded, and their overlaps.
 
-    Every body of a SingletonTask run by a ``pglock_worker`` worker is recorded, keyed
-    by its lock key, with start and end taken from PostgreSQL's clock: two runs under
-    one key that overlap in time are an exclusion failure.
+    Every body of a SingletonTask run by a ``pglock_worker`` worker, or by this process
+    after :meth:`record`, is recorded, keyed by its lock key, with start and end taken
+    from PostgreSQL's clock: two runs under one key that overlap in time are an
+    exclusion failure.
     """
 
     def __init__(self, recorder: OverlapRecorder, run: str) -> None:
         self.recorder = recorder
         self.run = run  #: This test's run id: its rows in the intervals table.
+        self._wrapped: list[tuple[celery_pglock.SingletonTask, Any]] = []
+
+    def record(self, app: celery.Celery) -> list[str]:
+        """Record the SingletonTask bodies that this process runs, until the test ends.
+
+        For Celery's in-process workers (``celery_worker``, ``celery_session_worker``),
+        which run ``app``'s task objects in threads of the test process. Call it once the
+        tasks are registered (after the worker fixture, which imports
+        ``celery_includes``); ``pglock_worker`` workers record theirs without it.
+
+        Returns:
+            The names of the tasks now recorded.
+        """
+        import celery_pglock
+
+        done = {id(task) for task, _ in self._wrapped}
+        for task in app.tasks.values():
+            if isinstance(task, celery_pglock.SingletonTask) and id(task) not in done:
+                self._wrapped.append((task, task.__dict__.get("run", _UNSET)))
+                task.run = record_bodies(task, self.recorder, self.run)  # type: ignore[method-assign]  # this task object only
+        return sorted(task.name for task, _ in self._wrapped)
+
+    def _restore(self) -> None:
+        for task, previous in reversed(self._wrapped):
+            if previous is _UNSET:
+                del task.run  # the class's run shows again
+            else:
+                task.run = previous
+        self._wrapped.clear()
 
     def intervals(self) -> list[Interval]:
         """Every recorded body of this test, in start order."""
@@ -221,14 +253,18 @@ def pglock_app(
 
 @pytest.fixture
 def pglock_overlap(pglock_database_url: str) -> Iterator[OverlapCheck]:
-    """The task-body intervals recorded by this test's ``pglock_worker`` workers."""
+    """The task-body intervals recorded by this test's ``pglock_worker`` workers, and by
+    Celery's in-process worker after ``pglock_overlap.record(app)``.
+    """
     from celery_pglock import testing
 
     recorder = testing.OverlapRecorder(pglock_database_url, table=INTERVALS_TABLE)
     recorder.setup()
+    check = OverlapCheck(recorder, uuid.uuid4().hex[:12])
     try:
-        yield OverlapCheck(recorder, uuid.uuid4().hex[:12])
+        yield check
     finally:
+        check._restore()
         recorder.close()
 
 
@@ -331,6 +367,36 @@ def pglock_final_states() -> FinalStates:
             time.sleep(0.05)
 
     return wait
+
+
+def record_bodies(
+    task: celery_pglock.SingletonTask, recorder: OverlapRecorder, run: str
+) -> Any:
+    """``task.run`` wrapped to record its interval under ``run``, keyed by its lock.
+
+    The key is the lock's name and advisory key (``pg_locks``' identity), never the key
+    text, which holds argument values. Why ``run`` and not the lock_* signals: the body
+    is called after the lock was granted and before it is released, while the outcome
+    signals are sent after the release, so only the body's interval proves exclusion.
+    """
+    import celery_pglock
+
+    body = task.run
+
+    @functools.wraps(body)
+    def run_recorded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            lock_key = celery_pglock.current_lock().key
+        except celery_pglock.PgLockError:  # run() called outside __call__: no lock
+            return body(*args, **kwargs)
+        with recorder.record(run, f"{lock_key.name} {lock_key}", task.request.id):
+            return body(*args, **kwargs)
+
+    return run_recorded
+
+
+#: What OverlapCheck puts back when a task had no ``run`` of its own instance.
+_UNSET = object()
 
 
 def _to_json(settings: Mapping[str, Any]) -> str:

@@ -218,6 +218,67 @@ def test_celery_contrib_pytest_fixtures_use_the_plugin_config(
     result.assert_outcomes(passed=1)
 
 
+def test_overlap_record_sees_the_bodies_of_celery_s_in_process_worker(
+    pytester: pytest.Pytester, services: Services
+) -> None:
+    """pglock_overlap.record(app): the bodies that Celery's worker thread runs are
+    recorded, once however often it is called, and the tasks are put back afterwards."""
+    pytester.makeconftest(
+        """
+        import pytest
+
+        pytest_plugins = ("celery.contrib.pytest",)
+
+        @pytest.fixture(scope="session")
+        def celery_config(pglock_celery_config):
+            return pglock_celery_config
+
+        @pytest.fixture(scope="session")
+        def celery_worker_pool():
+            return "threads"
+
+        @pytest.fixture(scope="session")
+        def celery_worker_parameters():
+            return {"concurrency": 4}
+        """
+    )
+    pytester.makepyfile(
+        test_user="""
+        import os
+        import time
+
+        from celery_pglock import SingletonTask
+
+        RECORDED = []
+
+        def test_record(celery_app, celery_worker, pglock_overlap, pglock_final_states):
+            @celery_app.task(base=SingletonTask, name="user.export", lock_args=("tenant",))
+            def export(tenant):
+                time.sleep(0.5)
+
+            celery_worker.reload()
+            assert ["user.export"] == pglock_overlap.record(celery_app)
+            assert ["user.export"] == pglock_overlap.record(celery_app)
+            RECORDED.append(celery_app.tasks["user.export"])
+            results = [export.delay(tenant) for _ in range(3) for tenant in (1, 2)]
+            states = pglock_final_states(results)
+
+            assert {"SUCCESS", "SKIPPED"} >= set(states)
+            assert "SKIPPED" in states
+            intervals = pglock_overlap.assert_no_overlap(min_intervals=2)
+            assert states.count("SUCCESS") == len(intervals)
+            assert {os.getpid()} == {interval.pid for interval in intervals}
+
+        def test_the_task_is_put_back():
+            assert "run" not in vars(RECORDED[0])
+        """
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:randomly"
+    )
+    result.assert_outcomes(passed=2)
+
+
 def test_embedded_services_start_on_demand_and_stop_at_session_end(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
