@@ -1,4 +1,4 @@
-"""A client-side bound on one blocking round trip of a psycopg2 connection.
+"""A client-side bound on one blocking round trip of a lock connection (either driver).
 
 A lock statement sent on a cut or frozen link waits for an answer that may never come:
 ``statement_timeout`` is enforced by the server, which never saw the statement, and TCP
@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Any
 
+from celery_pglock import _driver_errors
+
 #: How often the reaper looks for expired round trips (seconds).
 TICK = 0.25
 
@@ -31,10 +33,13 @@ class Bound:
     """One bounded round trip (a context manager, see :func:`bounded`); ``fired`` tells
     the caller why its connection died."""
 
-    __slots__ = ("deadline", "done", "fd", "fired", "late_answer_fails")
+    __slots__ = ("connection", "deadline", "done", "fd", "fired", "late_answer_fails")
 
-    def __init__(self, fd: int, deadline: float, late_answer_fails: bool) -> None:
-        self.fd = fd
+    def __init__(
+        self, connection: Any, deadline: float, late_answer_fails: bool
+    ) -> None:
+        self.connection = connection
+        self.fd = connection.fileno()
         self.deadline = deadline
         self.done = False
         self.fired = False
@@ -57,9 +62,7 @@ class Bound:
             # The answer came, but after the reaper had shut the socket down (this
             # thread was descheduled in between): the server is ending the session and
             # everything it holds. A dead session, however well the statement went.
-            import psycopg2  # the only supported driver; imported lazily
-
-            raise psycopg2.OperationalError(
+            raise _driver_errors.operational_error(self.connection)(
                 "no answer in time: the socket was shut down and the session closed"
             )
 
@@ -83,9 +86,7 @@ def bounded(
     is no success for a statement whose effect lives in the session. (A class, not a
     generator context manager: this runs twice per task.)
     """
-    return Bound(
-        dbapi_connection.fileno(), time.monotonic() + seconds, late_answer_fails
-    )
+    return Bound(dbapi_connection, time.monotonic() + seconds, late_answer_fails)
 
 
 def explain(bound: Bound | None) -> str:

@@ -1,6 +1,6 @@
 """Driver errors at the lock database boundary: translated once, then classified.
 
-Every SQLAlchemy or psycopg2 error a lock path meets leaves it as
+Every SQLAlchemy or driver (psycopg2, psycopg 3) error a lock path meets leaves it as
 :class:`~celery_pglock.exceptions.DatabaseError` (:func:`wrap_db_errors`), with secrets
 scrubbed from the whole chain. The classifiers below decide what an error means for the
 locks: a dead session held nothing any more (:func:`is_dead_session`), a transient
@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import exc as sa_exc
 
@@ -41,7 +42,9 @@ def wrap_db_errors(
         yield
     except exceptions.PgLockError:
         raise
-    except (sa_exc.SQLAlchemyError, OSError, _driver_error()) as exc:
+    except Exception as exc:
+        if not isinstance(exc, (sa_exc.SQLAlchemyError, OSError, *_driver_error())):
+            raise
         where = f" on {_redact.mask_url(engine.url)}" if engine is not None else ""
         # libpq echoes connection options (a host name holding half a password, a DSN
         # fragment) in its messages; scrub the whole chain, which tracebacks print.
@@ -69,25 +72,62 @@ def is_dead_session(error: exceptions.DatabaseError) -> bool:
     clients), which is no dead session: there was none.
 
     Decided by where the error arose, not by its shape: psycopg2 raises a dead
-    session found at a transaction's BEGIN without a cursor, like a failed connect.
+    session found at a transaction's BEGIN without a cursor, like a failed connect, and
+    psycopg 3 any dead session without a server result.
     """
     return not getattr(error, _CONNECT_FAILED, False) and is_disconnect(error.__cause__)
 
 
-def _driver_error() -> type[Exception]:
-    import psycopg2  # the only supported driver; imported lazily to keep import cheap
+#: The supported drivers' modules (db.SUPPORTED_DRIVERS), by import name.
+DRIVER_MODULES = ("psycopg2", "psycopg")
 
-    return psycopg2.Error
+
+def _errors(name: str) -> tuple[type[Exception], ...]:
+    """The DBAPI error class ``name`` of every supported driver imported so far.
+
+    A driver's error can only exist once its module is imported, so neither is imported
+    here: import stays cheap, and psycopg 3 need not be installed.
+    """
+    return tuple(
+        getattr(module, name)
+        for module in map(sys.modules.get, DRIVER_MODULES)
+        if module is not None
+    )
+
+
+def _driver_error() -> tuple[type[Exception], ...]:
+    return _errors("Error")
+
+
+def errors_named(name: str) -> tuple[type[Exception], ...]:
+    """The DBAPI error class ``name`` (``"OperationalError"``) of every supported driver
+    imported so far (see :func:`_errors`)."""
+    return _errors(name)
+
+
+def operational_error(dbapi_connection: Any) -> type[Exception]:
+    """The OperationalError class of the driver ``dbapi_connection`` belongs to."""
+    package = type(dbapi_connection).__module__.partition(".")[0]
+    error: type[Exception] = sys.modules[package].OperationalError
+    return error
+
+
+def _from_statement(original: BaseException) -> bool:
+    """Did the driver attach a statement's cursor (psycopg2) or a server result
+    (psycopg 3) to ``original``? Then it is no failure to connect."""
+    return (
+        getattr(original, "cursor", None) is not None
+        or getattr(original, "pgresult", None) is not None
+    )
 
 
 def is_disconnect(exc: BaseException | None) -> bool:
     """True if ``exc`` means the session is gone (so it holds no lock any more)."""
-    import psycopg2  # the only supported driver; imported here to keep import cheap
-
     original = getattr(exc, "orig", exc)
-    if isinstance(original, psycopg2.InterfaceError):  # "connection already closed"
+    # psycopg2: "connection already closed" (psycopg 3 says it as an OperationalError).
+    if isinstance(original, _errors("InterfaceError")):
         return True
-    if not isinstance(original, psycopg2.OperationalError):
+    if not isinstance(original, _errors("OperationalError")):
         return False
     code = sqlstate(original)
     # No SQLSTATE: the socket died. 08xxx: connection exceptions. 57P0x: the server is
@@ -99,18 +139,16 @@ def is_connect_failure(exc: BaseException | None) -> bool:
     """True if ``exc`` looks like a failure to open a new connection (refused, unknown
     host, authentication, too many clients).
 
-    psycopg2 attaches the cursor to the errors a statement raises, and an
-    OperationalError without one usually comes from connecting: but a dead session found
-    at the implicit BEGIN of a transaction has none either. Good enough to call an error
-    transient (both are); to tell a dead session from a failed connect, the lock paths
-    use :func:`is_dead_session`, which knows where the error arose.
+    psycopg2 attaches the cursor to the errors a statement raises (psycopg 3 the
+    server's result), and an OperationalError without one usually comes from connecting:
+    but a dead session found at the implicit BEGIN of a transaction has none either (on
+    psycopg 3 no dead session has). Good enough to call an error transient (both are);
+    to tell a dead session from a failed connect, the lock paths use
+    :func:`is_dead_session`, which knows where the error arose.
     """
-    import psycopg2  # the only supported driver; imported here to keep import cheap
-
     original = getattr(exc, "orig", exc)
-    return (
-        isinstance(original, psycopg2.OperationalError)
-        and getattr(original, "cursor", None) is None
+    return isinstance(original, _errors("OperationalError")) and not _from_statement(
+        original
     )
 
 
@@ -129,9 +167,10 @@ def is_transient(exc: BaseException | None) -> bool:
 
 
 def sqlstate(exc: BaseException) -> str | None:
-    """The SQLSTATE of a driver error (or one wrapped by SQLAlchemy), if any."""
+    """The SQLSTATE of a driver error (or one wrapped by SQLAlchemy), if any: psycopg2
+    calls it ``pgcode``, psycopg 3 ``sqlstate``."""
     original = getattr(exc, "orig", exc)
-    code = getattr(original, "pgcode", None)
+    code = getattr(original, "pgcode", None) or getattr(original, "sqlstate", None)
     return code if isinstance(code, str) else None
 
 
@@ -163,8 +202,8 @@ _NO_DATABASE = Misconfiguration(
     "the database does not exist",
     f"Fix the database name in {_URL}, or create the database.",
 )
-#: What a connect failure's text says, as libpq and the server word it in English. psycopg2
-#: gives no SQLSTATE for a refused connect (libpq reports it before any result), so the
+#: What a connect failure's text says, as libpq and the server word it in English. Neither
+#: driver gives a SQLSTATE for a refused connect (libpq reports it before any result), so the
 #: text is all there is. A server whose lc_messages is not English words these in its
 #: language: unmatched, such an error is taken for an outage and retried, as before.
 _RULES: tuple[tuple[re.Pattern[str], Misconfiguration], ...] = tuple(
@@ -245,10 +284,8 @@ def misconfiguration(exc: BaseException | None) -> Misconfiguration | None:
     (invalid catalog name), a role that does not exist or may not log in, pg_hba.conf, a
     TLS setting, an invalid connection option. None for anything else (an outage, a
     statement's error)."""
-    import psycopg2  # the only supported driver; imported here to keep import cheap
-
     original = getattr(exc, "orig", exc)
-    if not isinstance(original, psycopg2.Error):
+    if not isinstance(original, _driver_error()):
         return None
     code = sqlstate(original)
     if code is not None:
@@ -263,9 +300,11 @@ def misconfiguration(exc: BaseException | None) -> Misconfiguration | None:
         return Misconfiguration(
             code, "the server refused the login", f"Check the role and {_URL}."
         )
-    if not isinstance(original, psycopg2.OperationalError | psycopg2.ProgrammingError):
+    if not isinstance(
+        original, _errors("OperationalError") + _errors("ProgrammingError")
+    ):
         return None
-    if getattr(original, "cursor", None) is not None:
+    if _from_statement(original):
         return None  # a statement's error: no connect failure
     text = str(original)
     for pattern, problem in _RULES:

@@ -19,7 +19,14 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _deadline, _driver_errors, _sql_fencing, db, exceptions
+from celery_pglock import (
+    _deadline,
+    _driver_errors,
+    _sql_fencing,
+    _statements,
+    db,
+    exceptions,
+)
 
 if TYPE_CHECKING:
     import datetime
@@ -152,6 +159,7 @@ def _issue(
 ) -> int | None:
     try:
         cursor.execute(_sql_fencing.ISSUE, params)
+        _statements.to_last_result(cursor)
         row = cursor.fetchone()
     except Exception as exc:
         code = _driver_errors.sqlstate(exc)

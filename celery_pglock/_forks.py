@@ -7,6 +7,8 @@ around it. Whatever the child then does - return or raise through the task's fra
 server session: an unlock would free the parent's lock while its body still runs, and
 psycopg2's connection deallocation calls ``PQfinish``, which sends a Terminate message
 that ends the parent's session (and so its lock). Only ``os._exit`` was safe before.
+(psycopg 3's deallocation skips ``PQfinish`` in a process that did not connect, but its
+``close()``, which a pool's disposal calls, does not.)
 
 After a fork, in the child, every lock-database connection this process opened gets its
 socket descriptor replaced by ``/dev/null`` (``os.dup2``): the parent's socket is closed in

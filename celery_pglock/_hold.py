@@ -57,7 +57,7 @@ class Hold:
         #: The application_name the session showed when the lock was granted.
         self.holding_name: str | None = None
         self.pid = os.getpid()
-        #: The psycopg2 connection the lock lives on.
+        #: The DBAPI (psycopg2 or psycopg 3) connection the lock lives on.
         self.connection: Any = None
         #: PerLockSessions: the pool's proxied connection, pinned until release.
         self.pooled: Any = None

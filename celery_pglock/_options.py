@@ -56,12 +56,12 @@ APPLY_SESSION_SETTINGS = (
 
 
 def apply_session_settings(dbapi_connection: Any) -> None:
-    """Set db.SESSION_SETTINGS on a psycopg2 connection (one round trip, outside any
+    """Set db.SESSION_SETTINGS on a lock connection (one round trip, outside any
     transaction): a session whose startup options went without them."""
     names = [name for name, _ in db.SESSION_SETTINGS]
     values = [value for _, value in db.SESSION_SETTINGS]
     previous = dbapi_connection.autocommit
-    # Autocommit: a statement pooler refuses the BEGIN psycopg2 would send first.
+    # Autocommit: a statement pooler refuses the BEGIN the driver would send first.
     dbapi_connection.autocommit = True
     try:
         with dbapi_connection.cursor() as cursor:
@@ -141,8 +141,6 @@ class OptionsFallback:
     def __call__(
         self, dialect: Any, record: Any, cargs: list[Any], cparams: dict[str, Any]
     ) -> Any:
-        import psycopg2  # the only supported driver
-
         if cparams.get("options") != self.ours:
             connection = dialect.connect(*cargs, **cparams)  # the user's own: as asked
             apply_session_settings(connection)
@@ -156,7 +154,7 @@ class OptionsFallback:
                 cparams["options"] = options
             try:
                 connection = dialect.connect(*cargs, **cparams)
-            except psycopg2.OperationalError as exc:
+            except dialect.loaded_dbapi.OperationalError as exc:
                 if not self.learn(exc):
                     raise
                 continue

@@ -183,14 +183,14 @@ def _bounded(engine: sa.Engine, timeout: float, action: str) -> ServerFacts:
         for connection in list(opened):
             with contextlib.suppress(Exception):
                 connection.cancel()  # the thread then fails and closes them
-        import psycopg2  # the only supported driver
-
         # Caused by a driver OperationalError, as an expired connect_timeout would be, so
         # that _driver_errors.is_transient() (lock_on_error='retry') treats it as an outage.
         raise exceptions.DatabaseError(
             f"Could not {action} on {masked}: the server probe had no answer within "
             f"{timeout:g} s."
-        ) from psycopg2.OperationalError("the server probe timed out")
+        ) from engine.dialect.loaded_dbapi.OperationalError(
+            "the server probe timed out"
+        )
     result = outcome[0]
     if isinstance(result, BaseException):
         if isinstance(result, exceptions.PgLockError):
@@ -211,7 +211,7 @@ def _probe(engine: sa.Engine, opened: list[Any], masked: str) -> ServerFacts:
         second: Any = create(None)  # type: ignore[arg-type]
         opened.append(second)
         for connection in (first, second):
-            connection.autocommit = True  # else psycopg2 would open transactions
+            connection.autocommit = True  # else the driver would open transactions
         with first.cursor() as cursor:
             cursor.execute(_FIRST_QUERY)
             pid, version, version_num, in_recovery, client_port = cursor.fetchone()
@@ -225,7 +225,7 @@ def _probe(engine: sa.Engine, opened: list[Any], masked: str) -> ServerFacts:
             proxied=proxied,
             evidence=evidence,
             masked_url=masked,
-            reports_backend_pid=first.get_backend_pid() == pid,
+            reports_backend_pid=first.info.backend_pid == pid,
         )
     finally:
         for connection in opened:
@@ -252,14 +252,14 @@ def _pooling(first: Any, second: Any, first_pid: int) -> tuple[Pooling, str]:
 
 def _statement_or_transaction(connection: Any) -> Pooling:
     """A multiplexing proxy: does it let a transaction span statements?"""
-    import psycopg2  # the only supported driver
-
     try:
         with connection.cursor() as cursor:
             cursor.execute("BEGIN")
             cursor.execute("SELECT 1")
             cursor.execute("COMMIT")
-    except (psycopg2.OperationalError, psycopg2.InterfaceError):
+    except _driver_errors.errors_named(
+        "OperationalError"
+    ) + _driver_errors.errors_named("InterfaceError"):
         # PgBouncer answers BEGIN in statement pooling by dropping the client.
         return Pooling.STATEMENT
     return Pooling.TRANSACTION

@@ -1,7 +1,8 @@
 """Every SQL statement celery-pglock sends, as named constants.
 
-Parameters are DBAPI ``%s`` placeholders filled by psycopg2 (never string formatting of
-user data). Statements that take a lock key exist in two forms, indexed by the key's arity:
+Parameters are DBAPI ``%s`` placeholders filled by the driver (never string formatting of
+user data), on the client with either driver (psycopg 3: ``db._bind_on_client``), so that
+one execute may hold several statements. Statements that take a lock key exist in two forms, indexed by the key's arity:
 ``{1: <bigint form>, 2: <(int, int) form>}``; the key ids always come first.
 
 Each lock function is called exactly once per statement, as a scalar in a single-row

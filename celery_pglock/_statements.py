@@ -116,3 +116,11 @@ def wait_lock(
             cursor.execute(_sql.ROLLBACK)
         return False, False
     return True, False
+
+
+def to_last_result(cursor: Any) -> None:
+    """After a string of several statements, make ``fetch*`` read the last one's result,
+    as psycopg2 does; psycopg 3 starts at the first (``nextset()`` moves on)."""
+    if type(cursor).__module__.partition(".")[0] == "psycopg":
+        while cursor.nextset():
+            pass

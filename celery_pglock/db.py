@@ -76,7 +76,9 @@ SERVER_OPTIONS = " ".join(
 #: Seconds a new lock connection may take (libpq ``connect_timeout``), unless
 #: ``pglock_engine_options`` sets ``connect_args={"connect_timeout": ...}``.
 CONNECT_TIMEOUT = 10
-SUPPORTED_DRIVERS = ("psycopg2",)
+#: ``postgresql+<driver>://``: psycopg2 (a dependency, and what ``postgresql://`` means
+#: here) or psycopg (3; the ``psycopg`` extra installs it).
+SUPPORTED_DRIVERS = ("psycopg2", "psycopg")
 #: Seconds the start-up probe (:func:`probe`) may spend connecting.
 PROBE_CONNECT_TIMEOUT = 10
 
@@ -154,13 +156,16 @@ def check_url(url: str) -> sa.URL:
             f"{mask_url(url)!r}."
         )
     if parsed.drivername in ("postgresql", "postgres"):
-        # No driver named: SQLAlchemy 2.1 would pick psycopg 3; we run on psycopg2.
+        # No driver named: SQLAlchemy 2.1 would pick psycopg 3, which may not be
+        # installed; psycopg2 always is (a dependency), so the choice never depends on
+        # the SQLAlchemy version.
         parsed = parsed.set(drivername="postgresql+psycopg2")
     driver = parsed.get_driver_name()
     if parsed.get_backend_name() != "postgresql" or driver not in SUPPORTED_DRIVERS:
         raise exceptions.ConfigurationError(
-            f"{config.DATABASE_URL_SETTING} must be a PostgreSQL URL using psycopg2, such "
-            f"as postgresql+psycopg2://user:password@host/db; got {mask_url(parsed)!r}."
+            f"{config.DATABASE_URL_SETTING} must be a PostgreSQL URL using psycopg2 or "
+            "psycopg (3), such as postgresql+psycopg2://user:password@host/db or "
+            f"postgresql+psycopg://user:password@host/db; got {mask_url(parsed)!r}."
         )
     return parsed
 
@@ -208,6 +213,9 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
         "masked_url": mask_url(parsed),
         "session_mode": config.session_mode(conf).value,
     }
+    if driver_of(engine) == "psycopg":
+        # First, before any listener runs a statement on the new connection.
+        event.listen(engine, "connect", _bind_on_client, insert=True)
     event.listen(engine, "checkin", _unlock_leftovers)
     _drop_options_if_refused(engine, options)
     # Lock sessions: a forked child must never touch them (see _forks.py).
@@ -220,9 +228,26 @@ def _adopt(dbapi_connection: Any, record: Any) -> None:
     _forks.adopt(dbapi_connection)
 
 
+def driver_of(engine: sa.Engine) -> str:
+    """The DBAPI driver of a lock engine: one of SUPPORTED_DRIVERS."""
+    return str(engine.url.get_driver_name())
+
+
+def _bind_on_client(dbapi_connection: Any, record: Any) -> None:
+    """psycopg 3 binds parameters on the server by default, which allows one statement
+    per execute; the lock statements are several in one round trip (``_sql.py``). A
+    ClientCursor binds them as psycopg2 does."""
+    import psycopg  # only a psycopg engine gets here
+
+    dbapi_connection.cursor_factory = psycopg.ClientCursor
+
+
 def connect_params(engine: sa.Engine) -> dict[str, Any]:
-    """The psycopg2.connect() keywords of ``engine``'s connections (with secrets: never log)."""
+    """The libpq keywords of ``engine``'s connections, for psycopg2.connect() (with
+    secrets: never log)."""
     _, params = engine.dialect.create_connect_args(engine.url)
+    # Not the psycopg 3 dialect's own keywords (its adapters ``context``): not libpq's.
+    params = {k: v for k, v in params.items() if isinstance(v, str | int | float)}
     return {**params, **_connect_args.get(engine, {})}
 
 

@@ -181,7 +181,7 @@ class AdvisoryLock:
             # another thread's failure closed the shared session meanwhile: the lock is
             # lost then (hold.lost), and the watcher's first check says so.
             try:
-                self.backend_pid = hold.connection.get_backend_pid()
+                self.backend_pid = hold.connection.info.backend_pid
             except Exception:
                 self.backend_pid = None
             self.owner_pid = os.getpid()

@@ -167,9 +167,18 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 @pytest.fixture(scope="session")
 def services() -> Iterator[Services]:
-    """The session's PostgreSQL, broker and result backend (embedded unless configured)."""
-    started = start_services()
+    """The session's PostgreSQL, broker and result backend (embedded unless configured).
+
+    $CELERY_PGLOCK_TEST_DRIVER (psycopg2 or psycopg) picks the lock driver: the embedded
+    server's URLs name it, and a configured URL gets it too.
+    """
     with pytest.MonkeyPatch.context() as patch:
+        configured = os.environ.get(DATABASE_URL_ENV)
+        if configured and os.environ.get(_support.DRIVER_ENV):
+            patch.setenv(
+                DATABASE_URL_ENV, _support.with_driver(configured, _support.driver())
+            )
+        started = start_services()
         for variable, value in started.env().items():
             if variable != config.DATABASE_URL_ENV:  # tests of "no URL" need it unset
                 patch.setenv(variable, value)

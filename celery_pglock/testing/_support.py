@@ -82,6 +82,35 @@ def wait_until(
         time.sleep(interval)
 
 
+#: The driver of the URLs the embedded PostgreSQL hands out: ``psycopg2`` (the default)
+#: or ``psycopg`` (3), as in ``postgresql+psycopg://``.
+DRIVER_ENV = "CELERY_PGLOCK_TEST_DRIVER"
+
+
+def driver() -> str:
+    """The driver named by $CELERY_PGLOCK_TEST_DRIVER (default ``psycopg2``).
+
+    Raises:
+        ServiceError: it names a driver celery-pglock does not support.
+    """
+    from celery_pglock import db  # imports SQLAlchemy
+
+    name = os.environ.get(DRIVER_ENV) or "psycopg2"
+    if name not in db.SUPPORTED_DRIVERS:
+        raise ServiceError(
+            f"${DRIVER_ENV} must be one of {', '.join(db.SUPPORTED_DRIVERS)}; got {name!r}."
+        )
+    return name
+
+
+def with_driver(url: str, name: str) -> str:
+    """``url`` (a PostgreSQL URL with or without a driver) with the driver ``name``."""
+    scheme, separator, rest = url.partition("://")
+    if not separator or scheme.partition("+")[0] not in ("postgresql", "postgres"):
+        return url  # not a PostgreSQL URL: as it is (its check reports it)
+    return f"postgresql+{name}://{rest}"
+
+
 def connect_kwargs(url: str) -> dict[str, Any]:
     """psycopg2/libpq connection keywords for a SQLAlchemy or libpq database URL.
 

@@ -154,9 +154,11 @@ class EmbeddedPostgres:
         return self._version
 
     def url(self, database: str = "postgres") -> str:
-        """SQLAlchemy URL of ``database`` on this server, as the trusted superuser."""
+        """SQLAlchemy URL of ``database`` on this server, as the trusted superuser, with
+        the driver $CELERY_PGLOCK_TEST_DRIVER names (default psycopg2)."""
         return (
-            f"postgresql+psycopg2://{SUPERUSER}@{_support.HOST}:{self.port}/{database}"
+            f"postgresql+{_support.driver()}://{SUPERUSER}@{_support.HOST}:{self.port}"
+            f"/{database}"
         )
 
     def start(self, *, timeout: float = 60.0) -> Self:

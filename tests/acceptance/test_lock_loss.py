@@ -16,6 +16,7 @@ import pytest
 
 from celery_pglock import LockLostError, LockSkipped, OnLost
 from celery_pglock.testing import EmbeddedPostgres, WorkerProcess
+from tests.integration.loss_support import dsn
 
 from .conftest import wait_until
 
@@ -78,7 +79,7 @@ def loss_workers(loss, acceptance_env, lock_server, loss_logs):
 
 def query(lock_server, sql: str, params: tuple = ()) -> list[tuple]:
     """One statement on the private lock server, on a connection of its own."""
-    connection = psycopg2.connect(lock_server.url().replace("+psycopg2", ""))
+    connection = psycopg2.connect(dsn(lock_server.url()))
     try:
         connection.autocommit = True
         with connection.cursor() as cursor:

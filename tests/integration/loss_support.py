@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import psycopg2
@@ -10,7 +11,8 @@ from celery import Celery
 
 
 def dsn(url: str) -> str:
-    return url.replace("postgresql+psycopg2://", "postgresql://")
+    """A libpq URL for psycopg2.connect(): no SQLAlchemy driver name."""
+    return re.sub(r"^postgresql\+\w+://", "postgresql://", url)
 
 
 def make_app(url, broker_url, result_backend_url, namespace, **conf):

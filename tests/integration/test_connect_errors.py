@@ -20,7 +20,7 @@ WRONG_PASSWORD = "wrong-pw-never-logged"
 def _url(server, *, user, password=None, database="postgres", query=""):
     secret = f":{password}" if password else ""
     return (
-        f"postgresql+psycopg2://{user}{secret}@{_support.HOST}:{server.port}/{database}"
+        f"postgresql+{_support.driver()}://{user}{secret}@{_support.HOST}:{server.port}/{database}"
         + (f"?{query}" if query else "")
     )
 
@@ -94,7 +94,7 @@ def test_the_right_password_gets_in(password_postgres):
 
 def test_an_outage_stays_transient():
     """Nothing listens: an outage, retried as before, with no misconfiguration named."""
-    url = f"postgresql+psycopg2://app:x@{_support.HOST}:{_support.free_port()}/locks"
+    url = f"postgresql+{_support.driver()}://app:x@{_support.HOST}:{_support.free_port()}/locks"
     error = _refusal(url)
     assert _driver_errors.is_transient(error.__cause__)
     assert None is _driver_errors.misconfiguration(error.__cause__)

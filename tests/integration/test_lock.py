@@ -371,14 +371,14 @@ def test_dead_pooled_connection_is_replaced_transparently(
     """A lock session killed while idle (restart, idle timeout) costs no failed task."""
     key = make_key(namespace)
     with AdvisoryLock(engine=single_engine, key=key) as lock:
-        idle_pid = lock._hold.connection.get_backend_pid()
+        idle_pid = lock._hold.connection.info.backend_pid
     with lock_engine.connect() as connection:
         assert connection.exec_driver_sql(
             "SELECT pg_terminate_backend(%s)", (idle_pid,)
         ).scalar()
     lock = AdvisoryLock(engine=single_engine, key=key)
     assert lock.acquire()
-    assert idle_pid != lock._hold.connection.get_backend_pid()
+    assert idle_pid != lock._hold.connection.info.backend_pid
     lock.release()
 
 

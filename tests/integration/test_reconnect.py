@@ -88,7 +88,7 @@ def admin(small_postgres: embedded.EmbeddedPostgres) -> Iterator[Any]:
 
 
 def locker_url(server: embedded.EmbeddedPostgres) -> str:
-    return f"postgresql+psycopg2://locker@{_support.HOST}:{server.port}/postgres"
+    return f"postgresql+{_support.driver()}://locker@{_support.HOST}:{server.port}/postgres"
 
 
 @contextlib.contextmanager

@@ -68,9 +68,7 @@ def role_url(server: EmbeddedPostgres) -> Iterator[object]:
             f"GRANT pg_read_all_stats TO {role}",
             f"ALTER ROLE {role} SET {setting} = '{value}'",
         )
-        return server.url().replace(
-            "postgresql+psycopg2://postgres@", f"postgresql+psycopg2://{role}@"
-        )
+        return server.url().replace("://postgres@", f"://{role}@")
 
     yield make
     _session.close_all()

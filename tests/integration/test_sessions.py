@@ -30,7 +30,7 @@ FORK_SCRIPT = textwrap.dedent(
     engine = db.create_engine(database_url, settings)
     lock = AdvisoryLock(engine=engine, key=keys.make_key(namespace, "it.fork"))
     assert lock.acquire()
-    parent_backend = lock._hold.connection.get_backend_pid()
+    parent_backend = lock._hold.connection.info.backend_pid
     read_end, write_end = os.pipe()
     child = os.fork()
     if child == 0:
@@ -42,7 +42,7 @@ FORK_SCRIPT = textwrap.dedent(
             report["release"] = "refused: " + str(error)
         own = AdvisoryLock(engine=db.create_engine(database_url, settings), key=keys.make_key(namespace, "it.child"))
         report["child_acquired"] = own.acquire()
-        report["child_backend"] = own._hold.connection.get_backend_pid()
+        report["child_backend"] = own._hold.connection.info.backend_pid
         own.release()
         os.write(write_end, json.dumps(report).encode())
         os.close(write_end)
@@ -118,7 +118,7 @@ def test_one_session_carries_many_locks_and_excludes_each_key_once(
             for i in range(5)
         ]
         assert all(lock.acquire() for lock in locks)
-        assert 1 == len({lock._hold.connection.get_backend_pid() for lock in locks})
+        assert 1 == len({lock._hold.connection.info.backend_pid for lock in locks})
         twin = AdvisoryLock(engine=engine, key=locks[0].key)
         assert not twin.acquire()  # re-entrant in PostgreSQL, refused in the process
         for lock in locks:

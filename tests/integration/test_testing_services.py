@@ -25,6 +25,7 @@ from celery_pglock.testing import (
     OverlapRecorder,
     ServiceError,
     _root,
+    _support,
     start_services,
 )
 
@@ -78,7 +79,7 @@ def test_embedded_postgres_serves_18_and_survives_crash_and_restart(private_post
     """A crash kills every session; restart() brings the server back on the same URL."""
     url = private_postgres.url()
     assert (
-        f"postgresql+psycopg2://postgres@127.0.0.1:{private_postgres.port}/postgres"
+        f"postgresql+{_support.driver()}://postgres@127.0.0.1:{private_postgres.port}/postgres"
         == url
     )
     assert private_postgres.running

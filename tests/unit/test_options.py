@@ -36,6 +36,8 @@ class FakeConnection:
 class FakeDialect:
     """Refuses any options naming a setting in ``unknown``, or every options."""
 
+    loaded_dbapi = psycopg2  # the driver whose errors the fallback catches
+
     def __init__(self, unknown: set[str], refuse_options: bool = False) -> None:
         self.unknown = unknown
         self.refuse_options = refuse_options
