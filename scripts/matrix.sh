@@ -13,9 +13,9 @@ cd "$(dirname "$0")/.."
 
 declare -A PINS=(
   # The floors in pyproject.toml: celery>=5.3 (with the kombu it shipped with),
-  # sqlalchemy>=2.0, psycopg2-binary>=2.9.5, on the oldest Python claimed where this
-  # machine has it.
-  [oldest]="celery[redis]==5.3.0 kombu==5.3.0 sqlalchemy==2.0.0 psycopg2-binary==2.9.5"
+  # sqlalchemy>=2.0, psycopg2-binary>=2.9.5 and the psycopg extra's psycopg>=3.1.8, on the
+  # oldest Python claimed where this machine has it.
+  [oldest]="celery[redis]==5.3.0 kombu==5.3.0 sqlalchemy==2.0.0 psycopg2-binary==2.9.5 psycopg[binary]==3.1.8"
 )
 # The tests that exercise what the pins change: keys, the lock, the task and its
 # policies, fencing, the CLI, and cross-process exclusion with real workers.
@@ -26,6 +26,12 @@ TESTS=(
   tests/integration/test_task_release.py tests/integration/test_fencing.py
   tests/integration/test_sessions.py tests/integration/test_cli.py
   tests/acceptance/test_exclusivity.py
+)
+# Then the lock and task tests again with psycopg 3 as the lock driver (at its floor).
+PSYCOPG3_TESTS=(
+  tests/unit/test_drivers.py
+  tests/integration/test_lock.py tests/integration/test_task.py
+  tests/integration/test_fencing.py
 )
 
 names=("$@")
@@ -62,8 +68,12 @@ for name in "${names[@]}"; do
     printf '%s\n' "$expected" >"$stamp"
   fi
   echo "== $name: $("$venv/bin/python" --version) $("$venv/bin/python" -c '
-import celery, sqlalchemy, psycopg2, kombu
+import celery, sqlalchemy, psycopg, psycopg2, kombu
 print(f"celery {celery.__version__}, kombu {kombu.__version__}, "
-      f"sqlalchemy {sqlalchemy.__version__}, psycopg2 {psycopg2.__version__.split()[0]}")')"
+      f"sqlalchemy {sqlalchemy.__version__}, psycopg2 {psycopg2.__version__.split()[0]}, "
+      f"psycopg {psycopg.__version__}")')"
   "$venv/bin/python" -m pytest -p no:cacheprovider -q "${TESTS[@]}"
+  echo "== $name: the lock and task tests on psycopg 3"
+  CELERY_PGLOCK_TEST_DRIVER=psycopg \
+    "$venv/bin/python" -m pytest -p no:cacheprovider -q "${PSYCOPG3_TESTS[@]}"
 done
