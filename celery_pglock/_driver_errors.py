@@ -106,10 +106,14 @@ def errors_named(name: str) -> tuple[type[Exception], ...]:
 
 
 def operational_error(dbapi_connection: Any) -> type[Exception]:
-    """The OperationalError class of the driver ``dbapi_connection`` belongs to."""
-    package = type(dbapi_connection).__module__.partition(".")[0]
-    error: type[Exception] = sys.modules[package].OperationalError
-    return error
+    """The OperationalError class of the driver ``dbapi_connection`` belongs to (found
+    through its classes: a ``connection_factory`` subclass lives in the user's module)."""
+    for cls in type(dbapi_connection).__mro__:
+        package = cls.__module__.partition(".")[0]
+        if package in DRIVER_MODULES:
+            error: type[Exception] = sys.modules[package].OperationalError
+            return error
+    raise TypeError(f"not a connection of a supported driver: {type(dbapi_connection)}")
 
 
 def _from_statement(original: BaseException) -> bool:

@@ -208,7 +208,7 @@ class PerLockSessions(_hold.LockSession):
             ):
                 raise
         try:
-            # psycopg2's connection, which SQLAlchemy types loosely.
+            # The driver's connection, which SQLAlchemy types loosely.
             dbapi: Any = pooled.dbapi_connection
             dbapi.autocommit = True
             with dbapi.cursor() as cursor:
@@ -305,7 +305,7 @@ class PerLockSessions(_hold.LockSession):
         pooled: Any = None
         try:
             pooled = connection.connection
-            # psycopg2's connection, which SQLAlchemy types loosely.
+            # The driver's connection, which SQLAlchemy types loosely.
             dbapi: Any = pooled.dbapi_connection
             dbapi.autocommit = False
             transaction = connection.begin()

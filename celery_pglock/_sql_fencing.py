@@ -1,7 +1,7 @@
 """Every SQL statement of fencing tokens, as named constants (see celery_pglock.fencing).
 
 Kept apart from ``_sql.py`` so that fencing stays opt-in and self-contained. Parameters
-are DBAPI ``%s`` placeholders filled by psycopg2; ``{schema}`` (operator SQL only) is a
+are DBAPI ``%s`` placeholders filled by the driver; ``{schema}`` (operator SQL only) is a
 quoted identifier.
 
 The table is keyed exactly as ``pg_locks`` keys an advisory lock, by ``(classid, objid,

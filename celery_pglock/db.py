@@ -12,6 +12,8 @@ every connection in it is a lock connection.
 
 from __future__ import annotations
 
+import importlib.metadata
+import itertools
 import logging
 import os
 import socket
@@ -167,7 +169,43 @@ def check_url(url: str) -> sa.URL:
             "psycopg (3), such as postgresql+psycopg2://user:password@host/db or "
             f"postgresql+psycopg://user:password@host/db; got {mask_url(parsed)!r}."
         )
+    if driver == "psycopg":
+        _check_psycopg_installed()
     return parsed
+
+
+#: The oldest psycopg 3 that works (the ``psycopg`` extra's floor; see CHANGELOG).
+PSYCOPG_MIN = (3, 1, 8)
+
+
+def _check_psycopg_installed() -> None:
+    """A postgresql+psycopg:// URL needs psycopg 3, at least PSYCOPG_MIN: say so now, not
+    as a ModuleNotFoundError at the first lock or a driver error at the first connect."""
+    try:
+        installed = importlib.metadata.version("psycopg")
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    floor = ".".join(map(str, PSYCOPG_MIN))
+    if installed is None or _release(installed) < PSYCOPG_MIN:
+        found = (
+            f"psycopg {installed} is installed" if installed else "it is not installed"
+        )
+        raise exceptions.ConfigurationError(
+            f"{config.DATABASE_URL_SETTING} is a postgresql+psycopg:// URL, which needs "
+            f"psycopg >= {floor}, but {found}: pip install 'celery-pglock[psycopg]' "
+            "(or use a postgresql+psycopg2:// URL)."
+        )
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The leading numbers of a version string ("3.2.1.dev0" -> (3, 2, 1))."""
+    numbers = []
+    for part in version.split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        numbers.append(int(digits))
+    return tuple(numbers)
 
 
 def engine_for(conf: Mapping[str, Any]) -> sa.Engine:
@@ -246,9 +284,28 @@ def connect_params(engine: sa.Engine) -> dict[str, Any]:
     """The libpq keywords of ``engine``'s connections, for psycopg2.connect() (with
     secrets: never log)."""
     _, params = engine.dialect.create_connect_args(engine.url)
-    # Not the psycopg 3 dialect's own keywords (its adapters ``context``): not libpq's.
-    params = {k: v for k, v in params.items() if isinstance(v, str | int | float)}
-    return {**params, **_connect_args.get(engine, {})}
+    return _libpq_only({**params, **_connect_args.get(engine, {})})
+
+
+def _libpq_only(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` without the drivers' own keywords, which the watcher's psycopg2 connect
+    would refuse as an invalid DSN (every check then unverifiable: locks taken for lost).
+    Those are the psycopg 3 dialect's adapters ``context`` and what users pass for psycopg 3
+    (``prepare_threshold``, ``autocommit``) or psycopg2 (``cursor_factory``)."""
+    from psycopg2 import ProgrammingError
+    from psycopg2.extensions import make_dsn
+
+    kept = {}
+    for key, value in params.items():
+        if value is None or not isinstance(value, str | int | float):
+            continue
+        keyword: dict[str, Any] = {key: value}
+        try:
+            make_dsn(None, **keyword)  # libpq's own parser: refuses unknown keywords
+        except ProgrammingError:
+            continue
+        kept[key] = value
+    return kept
 
 
 def _drop_options_if_refused(engine: sa.Engine, options: Mapping[str, Any]) -> None:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import psycopg
 import psycopg2
+import psycopg2.extensions
+import psycopg2.extras
 import pytest
 import sqlalchemy as sa
 
-from celery_pglock import ConfigurationError, _driver_errors, db
+from celery_pglock import ConfigurationError, _driver_errors, _statements, db
 from celery_pglock.testing import ServiceError, _support
 
 
@@ -94,6 +96,12 @@ def test_a_late_answer_raises_the_connections_own_drivers_error():
     connection2 = psycopg2.extensions.connection.__new__(psycopg2.extensions.connection)
     assert psycopg2.OperationalError is _driver_errors.operational_error(connection2)
 
+    class LoggingConnection(psycopg2.extensions.connection):
+        """A user's connection_factory, defined outside the driver's package."""
+
+    connection3 = LoggingConnection.__new__(LoggingConnection)
+    assert psycopg2.OperationalError is _driver_errors.operational_error(connection3)
+
 
 def test_the_test_driver_variable_picks_the_embedded_urls_driver(monkeypatch):
     monkeypatch.setenv(_support.DRIVER_ENV, "psycopg")
@@ -107,3 +115,92 @@ def test_the_test_driver_variable_picks_the_embedded_urls_driver(monkeypatch):
     monkeypatch.setenv(_support.DRIVER_ENV, "asyncpg")
     with pytest.raises(ServiceError, match="CELERY_PGLOCK_TEST_DRIVER must be one of"):
         _support.driver()
+
+
+@pytest.mark.parametrize(
+    ("installed", "expected"),
+    [(None, "it is not installed"), ("3.1.6", "psycopg 3.1.6 is installed")],
+)
+def test_a_psycopg_url_without_a_working_psycopg_says_which_extra(
+    monkeypatch, installed, expected
+):
+    """Before: a ModuleNotFoundError at the first lock, or (3.1.0-3.1.6) "client-side
+    cursors don't support binary results" at the first connect."""
+
+    def version(name: str) -> str:
+        if installed is None:
+            raise db.importlib.metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(db.importlib.metadata, "version", version)
+    with pytest.raises(ConfigurationError) as caught:
+        db.check_url("postgresql+psycopg://app:s3cret@h/db")
+    message = str(caught.value)
+    assert "pglock_database_url" in message
+    assert expected in message
+    assert "celery-pglock[psycopg]" in message
+    assert "s3cret" not in message
+    db.check_url("postgresql+psycopg2://app@h/db")  # psycopg 3 not needed for psycopg2
+
+
+@pytest.mark.parametrize("installed", ["3.1.8", "3.2", "3.3.9", "4.0.0.dev1"])
+def test_a_recent_enough_psycopg_is_accepted(monkeypatch, installed):
+    monkeypatch.setattr(db.importlib.metadata, "version", lambda name: installed)
+    assert db.check_url("postgresql+psycopg://u@h/db").get_driver_name() == "psycopg"
+
+
+@pytest.mark.parametrize(
+    "url", ["postgresql+psycopg://u:pw@h/db", "postgresql://u@h/db"]
+)
+def test_the_watchers_connect_keeps_libpq_keywords_and_drops_the_drivers_own(url):
+    """The watcher connects with psycopg2: a driver keyword there is an invalid DSN, and
+    every check of the lock would then fail (the lock taken for lost)."""
+    user_args = {
+        "prepare_threshold": 0,  # psycopg 3's, the usual PgBouncer advice
+        "autocommit": True,  # psycopg 3's
+        "cursor_factory": psycopg2.extras.RealDictCursor,  # psycopg2's
+        "sslmode": "prefer",  # libpq's: kept
+        "target_session_attrs": "read-write",  # libpq's: kept
+    }
+    engine = db.create_engine(
+        url, {"pglock_engine_options": {"connect_args": user_args}}
+    )
+    try:
+        params = db.connect_params(engine)
+    finally:
+        engine.dispose()
+    assert {"prepare_threshold", "autocommit", "cursor_factory", "context"}.isdisjoint(
+        params
+    )
+    assert params["sslmode"] == "prefer"
+    assert params["target_session_attrs"] == "read-write"
+    assert params["keepalives"] == 1
+    assert "application_name" in params
+    psycopg2.extensions.parse_dsn(psycopg2.extensions.make_dsn(**params))
+
+
+@pytest.mark.parametrize(
+    ("module", "read"), [("psycopg", "last"), ("psycopg2", "first")]
+)
+def test_the_last_result_of_a_statement_string_is_read_on_psycopg_3(module, read):
+    """psycopg 3 starts at a multi-statement string's first result (``nextset()`` moves
+    on), psycopg2 at its last: the fencing token is the last statement's."""
+
+    class Cursor:
+        """A cursor over three results, stepping as psycopg 3's does."""
+
+        results = ("first", "second", "last")
+
+        def __init__(self) -> None:
+            self.at = 0
+
+        def nextset(self) -> bool | None:
+            if self.at + 1 == len(self.results):
+                return None
+            self.at += 1
+            return True
+
+    Cursor.__module__ = f"{module}.cursor"
+    cursor = Cursor()
+    _statements.to_last_result(cursor)
+    assert Cursor.results[cursor.at] == read
