@@ -189,9 +189,10 @@ def _unawaited_release() -> None:
     import psycopg2
     import psycopg2.extensions as ext
 
-    from celery_pglock import _hold, _process_session, _sql, db
+    from celery_pglock.db import engines, sql_text
+    from celery_pglock.lock import base, per_process
 
-    session_class = _process_session.ProcessSession
+    session_class = per_process.ProcessSession
     waits_first = session_class.acquire
 
     def wait(connection: Any, *, until_sent: bool = False) -> None:
@@ -205,7 +206,7 @@ def _unawaited_release() -> None:
 
     def connect(self: Any, key: Any) -> Any:
         url = str(os.environ.get(DATABASE_URL_ENV))
-        name = db.application_name(self._prefix, db.process_tag(), "idle")
+        name = engines.application_name(self._prefix, engines.process_tag(), "idle")
         connection = psycopg2.connect(
             url.replace("postgresql+psycopg2://", "postgresql://", 1),
             application_name=name,
@@ -254,12 +255,12 @@ def _unawaited_release() -> None:
                 return None
             cursor = self._cursor if self._cursor is not None else connect(self, key)
             settle(self)
-            cursor.execute(_sql.TRY_LOCK_SESSION_BARE[len(ids)], ids)
+            cursor.execute(sql_text.TRY_LOCK_SESSION_BARE[len(ids)], ids)
             wait(self._connection)
             row = cursor.fetchone()
             if not (row and row[0] is True):
                 return None
-            hold = _hold.Hold(self, ids)
+            hold = base.Hold(self, ids)
             hold.connection = self._connection
             self._owners[ids] = hold
             if on_granted is not None:
@@ -273,7 +274,9 @@ def _unawaited_release() -> None:
             return
         with self._mutex:
             del self._owners[hold.ids]
-            self._cursor.execute(_sql.UNLOCK_SESSION_KEEP_NAME[len(hold.ids)], hold.ids)
+            self._cursor.execute(
+                sql_text.UNLOCK_SESSION_KEEP_NAME[len(hold.ids)], hold.ids
+            )
             # On the wire; the reply is read later.
             wait(self._connection, until_sent=True)
             self._pending = True
@@ -283,7 +286,7 @@ def _unawaited_release() -> None:
             if self._cursor is None:
                 return None
             settle(self)
-            self._cursor.execute(_sql.HOLDER, key.pg_locks_ids)
+            self._cursor.execute(sql_text.HOLDER, key.pg_locks_ids)
             wait(self._connection)
             row = self._cursor.fetchone()
             return None if row is None else row[0]
@@ -348,10 +351,11 @@ def _quiet_task_logs(**_: Any) -> None:
 def _warm_up() -> None:
     """Open what the first task would open (lock session, Redis), then say so."""
     if contender in ("pglock", UNAWAITED):
-        from celery_pglock import AdvisoryLock, db, keys
+        from celery_pglock import AdvisoryLock, keys
+        from celery_pglock.db import engines
 
         lock = AdvisoryLock(
-            engine=db.engine_for(app.conf),
+            engine=engines.engine_for(app.conf),
             key=keys.make_key("bench-warm", str(os.getpid())),
         )
         if lock.acquire():

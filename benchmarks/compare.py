@@ -160,9 +160,10 @@ class Bench:
         ):
             yield
             return
-        from celery_pglock import AdvisoryLock, db
+        from celery_pglock import AdvisoryLock
+        from celery_pglock.db import engines
 
-        engine = db.create_engine(self.services.database_url)
+        engine = engines.create_engine(self.services.database_url)
         task: Any = self.app.tasks[contender.task]  # a SingletonTask
         key = task.lock_key_for("hot", 0.0)
         lock = AdvisoryLock(engine=engine, key=key)
@@ -172,9 +173,9 @@ class Bench:
             yield
         finally:
             lock.release()
-            from celery_pglock import _session
+            from celery_pglock.lock import strategy
 
-            _session.close_for(engine)
+            strategy.close_for(engine)
             engine.dispose()
 
     def drain(

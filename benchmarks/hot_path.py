@@ -81,8 +81,10 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
     """(label, one call) for every case; bench_app must be imported with a database."""
     from celery.app.trace import build_tracer
 
-    from celery_pglock import _hooks, _sql, db, exceptions
+    from celery_pglock import exceptions
+    from celery_pglock.db import engines, sql_text
     from celery_pglock.lock import AdvisoryLock
+    from celery_pglock.task import worker_hooks
     from celery_pglock.testing import _support
 
     app = bench_app.app
@@ -91,9 +93,9 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
     locked: Any = app.tasks[bench_app.SESSION]  # a SingletonTask
     xact = app.tasks[bench_app.TRANSACTION]
     options = locked.lock_config
-    engine = db.engine_for(app.conf)
+    engine = engines.engine_for(app.conf)
     key = locked.lock_key_for("7")
-    per_lock = db.engine_for({**app.conf, "pglock_session_mode": "per_lock"})
+    per_lock = engines.engine_for({**app.conf, "pglock_session_mode": "per_lock"})
 
     def tracer(task: Any, same_key: str | None = None) -> Callable[[], object]:
         trace = build_tracer(task.name, task, app=app)
@@ -126,15 +128,15 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
     def trace_plain_bare() -> object:
         # Celery skips task_postrun entirely when it has no receivers: measure the plain
         # task as a worker without celery_pglock runs it (hooks off for this call).
-        _hooks.disconnect()
+        worker_hooks.disconnect()
         try:
             return trace_plain()
         finally:
-            _hooks.connect()
+            worker_hooks.connect()
 
     def hooks_toggle() -> object:
-        _hooks.disconnect()
-        _hooks.connect()
+        worker_hooks.disconnect()
+        worker_hooks.connect()
         return None
 
     def lock_cycle(scope: config.LockScope, on: Any = engine) -> Callable[[], object]:
@@ -159,10 +161,14 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
     skip_success: Any = app.tasks[bench_app.SKIP_SUCCESS]  # a SingletonTask
     with holder.cursor() as cursor:
         for task in (locked, skip_success):
-            cursor.execute(_sql.TRY_LOCK_SESSION_BARE[1], task.lock_key_for(HELD).ids)
+            cursor.execute(
+                sql_text.TRY_LOCK_SESSION_BARE[1], task.lock_key_for(HELD).ids
+            )
     _HOLDERS.append(holder)  # closing it (garbage) would free the key
-    holding = db.application_name("pglock-bench", db.process_tag(), key, "bench")
-    idle = db.application_name("pglock-bench", db.process_tag(), "idle")
+    holding = engines.application_name(
+        "pglock-bench", engines.process_tag(), key, "bench"
+    )
+    idle = engines.application_name("pglock-bench", engines.process_tag(), "idle")
 
     def statements(*pairs: tuple[str, tuple[Any, ...]]) -> Callable[[], object]:
         def call() -> object:
@@ -231,15 +237,15 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
         (
             "  SQL: as sent on the process session",
             statements(
-                (_sql.TRY_LOCK_SESSION_BARE[1], ids),
-                (_sql.UNLOCK_SESSION_KEEP_NAME[1], ids),
+                (sql_text.TRY_LOCK_SESSION_BARE[1], ids),
+                (sql_text.UNLOCK_SESSION_KEEP_NAME[1], ids),
             ),
         ),
         (
             "  SQL: as sent per_lock (relabel both)",
             statements(
-                (_sql.TRY_LOCK_SESSION[1], (*ids, holding)),
-                (_sql.UNLOCK_SESSION[1], (*ids, idle)),
+                (sql_text.TRY_LOCK_SESSION[1], (*ids, holding)),
+                (sql_text.UNLOCK_SESSION[1], (*ids, idle)),
             ),
         ),
         (

@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/lock_loss_overhead.py
 
-Per run, the task layer calls ``_watch.watch()`` before the body and ``_watch.unwatch()``
-after it, and the release's round trip is wrapped in ``_deadline.bounded()``. A body
+Per run, the task layer calls ``loss_watcher.watch()`` before the body and ``loss_watcher.unwatch()``
+after it, and the release's round trip is wrapped in ``deadlines.bounded()``. A body
 shorter than ``lock_watch_interval`` never meets a check; this script times those three
 calls alone (best of 5 x 100,000, microseconds per call) and prints how many checks the
 watcher ran meanwhile, which must be 0. Needs PostgreSQL for one idle connection:
@@ -16,8 +16,10 @@ import os
 import time
 import timeit
 
-from celery_pglock import _deadline, _observer, _watch, config, db, keys
+from celery_pglock import config, keys
+from celery_pglock.db import deadlines, engines
 from celery_pglock.lock import AdvisoryLock
+from celery_pglock.watch import loss_watcher, observer_session
 
 CALLS = 100_000
 
@@ -28,7 +30,7 @@ def main() -> None:
     )
     if not url:
         raise SystemExit("set CELERY_PGLOCK_DATABASE_URL to a PostgreSQL URL")
-    engine = db.create_engine(url)
+    engine = engines.create_engine(url)
     lock = AdvisoryLock(engine=engine, key=keys.make_key("bench", "loss"))
     watched = config.LockConfig(task_name="bench", name="bench")
     unwatched = config.LockConfig(task_name="bench", name="bench", watch_interval=0.0)
@@ -36,11 +38,11 @@ def main() -> None:
 
     def run(options: config.LockConfig) -> None:
         lock.acquired_at = time.monotonic()  # a fresh run: never due for a check
-        _watch.watch(lock, None, "task-id", options)
-        _watch.unwatch(lock)
+        loss_watcher.watch(lock, print, options)
+        loss_watcher.unwatch(lock)
 
     def release_bound() -> None:
-        with _deadline.bounded(connection.dbapi_connection, 5.0):
+        with deadlines.bounded(connection.dbapi_connection, 5.0):
             pass
 
     cases = {
@@ -51,7 +53,9 @@ def main() -> None:
     for name, call in cases.items():
         best = min(timeit.repeat(call, number=CALLS, repeat=5)) / CALLS
         print(f"{name:48} {best * 1e6:6.2f} us")
-    print(f"{'checks run by the watcher meanwhile':48} {_observer.checks_run:6d}")
+    print(
+        f"{'checks run by the watcher meanwhile':48} {observer_session.checks_run:6d}"
+    )
     connection.close()
     engine.dispose()
 

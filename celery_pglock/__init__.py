@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 from celery_pglock import fencing, metrics, signals
-from celery_pglock._busy import SKIPPED, skip_info
 from celery_pglock.config import (
     LockConfig,
     LockScope,
@@ -16,7 +15,6 @@ from celery_pglock.config import (
     OnLost,
     SkipResult,
 )
-from celery_pglock.context import current_lock
 from celery_pglock.exceptions import (
     ConfigurationError,
     DatabaseError,
@@ -31,6 +29,8 @@ from celery_pglock.exceptions import (
 from celery_pglock.keys import KEY_FORMAT, LockKey, make_key
 from celery_pglock.lock import AdvisoryLock
 from celery_pglock.task import SingletonTask
+from celery_pglock.task.busy_policy import SKIPPED, skip_info
+from celery_pglock.task.context import current_lock
 
 __all__ = [
     "KEY_FORMAT",

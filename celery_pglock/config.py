@@ -16,7 +16,7 @@ import inspect
 import os
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _peers, _validate, exceptions, keys
+from celery_pglock import exceptions, keys
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -246,8 +246,8 @@ def resolve(
         ConfigurationError: naming the task, the option and what was expected.
     """
     for attribute in attributes:
-        if attribute in _peers.PEER_OPTIONS:
-            raise _peers.refusal(task_name, attribute, attributes[attribute])
+        if attribute in PEER_OPTIONS:
+            raise peer_refusal(task_name, attribute, attributes[attribute])
         if attribute not in TASK_OPTIONS:
             hint = difflib.get_close_matches(attribute, TASK_OPTIONS, n=1)
             raise exceptions.ConfigurationError(
@@ -268,30 +268,26 @@ def resolve(
 
     source, namespace = option("lock_namespace", DEFAULT_NAMESPACE)
     if not isinstance(namespace, str) or not namespace:
-        raise _validate.fail(task_name, source, namespace, "a non-empty string")
+        raise _fail(task_name, source, namespace, "a non-empty string")
     lock_name = attributes.get("lock_name", task_name)
     if not isinstance(lock_name, str) or not lock_name:
-        raise _validate.fail(task_name, "lock_name", lock_name, "a non-empty string")
+        raise _fail(task_name, "lock_name", lock_name, "a non-empty string")
 
-    on_busy = _validate.choice(task_name, *option("lock_on_busy", OnBusy.SKIP), OnBusy)
-    scope = _validate.choice(
-        task_name, *option("lock_scope", LockScope.SESSION), LockScope
-    )
-    retry_delay = _validate.seconds(
-        task_name, *option("lock_retry_delay", DEFAULT_RETRY_DELAY)
-    )
-    wait_timeout = _validate.seconds(
+    on_busy = _choice(task_name, *option("lock_on_busy", OnBusy.SKIP), OnBusy)
+    scope = _choice(task_name, *option("lock_scope", LockScope.SESSION), LockScope)
+    retry_delay = _seconds(task_name, *option("lock_retry_delay", DEFAULT_RETRY_DELAY))
+    wait_timeout = _seconds(
         task_name, *option("lock_wait_timeout", DEFAULT_WAIT_TIMEOUT)
     )
 
-    skip_result = _validate.choice(
+    skip_result = _choice(
         task_name, *option("lock_skip_result", SkipResult.FAILURE), SkipResult
     )
     source, shadow = option("lock_shadow", False)
     if not isinstance(shadow, bool):
-        raise _validate.fail(task_name, source, shadow, "True or False")
+        raise _fail(task_name, source, shadow, "True or False")
     if shadow and scope is LockScope.TRANSACTION:
-        raise _validate.fail(
+        raise _fail(
             task_name,
             source,
             shadow,
@@ -301,33 +297,29 @@ def resolve(
             "applies to the other tasks), or shadow it with lock_scope='session' first",
         )
 
-    on_error = _validate.choice(
-        task_name, *option("lock_on_error", OnError.RETRY), OnError
-    )
+    on_error = _choice(task_name, *option("lock_on_error", OnError.RETRY), OnError)
     source, error_retries = option("lock_error_retries", DEFAULT_ERROR_RETRIES)
     if (
         isinstance(error_retries, bool)
         or not isinstance(error_retries, int)
         or error_retries < 0
     ):
-        raise _validate.fail(task_name, source, error_retries, "a whole number >= 0")
-    error_backoff = _validate.seconds(
+        raise _fail(task_name, source, error_retries, "a whole number >= 0")
+    error_backoff = _seconds(
         task_name, *option("lock_error_backoff", DEFAULT_ERROR_BACKOFF)
     )
 
-    on_lost = _validate.choice(
-        task_name, *option("lock_on_lost", OnLost.TERMINATE), OnLost
-    )
+    on_lost = _choice(task_name, *option("lock_on_lost", OnLost.TERMINATE), OnLost)
     interval_source, interval_value = option(
         "lock_watch_interval", DEFAULT_WATCH_INTERVAL
     )
     watch_interval = (
         0.0  # 0 turns the checks off
         if type(interval_value) in (int, float) and interval_value == 0
-        else _validate.seconds(task_name, interval_source, interval_value)
+        else _seconds(task_name, interval_source, interval_value)
     )
     timeout_source, check_timeout = option("lock_check_timeout", DEFAULT_CHECK_TIMEOUT)
-    check_timeout = _validate.seconds(task_name, timeout_source, check_timeout)
+    check_timeout = _seconds(task_name, timeout_source, check_timeout)
     if (
         watch_interval
         and conf.get("pglock_server_keepalives", True)
@@ -345,7 +337,7 @@ def resolve(
         )
     source, fencing = option("lock_fencing", False)
     if not isinstance(fencing, bool):
-        raise _validate.fail(task_name, source, fencing, "True or False")
+        raise _fail(task_name, source, fencing, "True or False")
 
     given = [
         name for name in ("lock_args", "lock_key", "lock_id") if name in attributes
@@ -356,12 +348,10 @@ def resolve(
             f"(got {' and '.join(given)}); each one defines the whole key."
         )
 
-    lock_args = _validate.lock_args(
-        task_name, attributes.get("lock_args", ()), parameters
-    )
+    lock_args = _valid_lock_args(task_name, attributes.get("lock_args", ()), parameters)
     lock_key = attributes.get("lock_key")
     if lock_key is not None and not callable(lock_key):
-        raise _validate.fail(
+        raise _fail(
             task_name, "lock_key", lock_key, "a callable taking the task's arguments"
         )
 
@@ -428,3 +418,139 @@ def database_url(conf: Mapping[str, Any]) -> str:
             "postgresql+psycopg2://user:password@host/dbname."
         )
     return str(url)
+
+
+# -- checks of one option's value (each error names the task, the option and what was
+# expected: ``Task 'x': lock_retry_delay=-1 is invalid; expected a positive number``) --
+
+
+def _fail(
+    task_name: str, option: str, value: object, expected: str
+) -> exceptions.ConfigurationError:
+    return exceptions.ConfigurationError(
+        f"Task {task_name!r}: {option}={value!r} is invalid; expected {expected}."
+    )
+
+
+def _choice(
+    task_name: str, option: str, value: object, enum_cls: type[enum.Enum]
+) -> Any:
+    try:
+        return enum_cls(value)
+    except ValueError:
+        allowed = ", ".join(repr(member.value) for member in enum_cls)
+        raise _fail(task_name, option, value, f"one of {allowed}") from None
+
+
+def _seconds(task_name: str, option: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise _fail(task_name, option, value, "a positive number of seconds")
+    if value == float("inf"):
+        raise _fail(
+            task_name,
+            option,
+            value,
+            "a finite number of seconds (waits are always bounded)",
+        )
+    return float(value)
+
+
+def _valid_lock_args(
+    task_name: str, value: object, parameters: Sequence[inspect.Parameter]
+) -> tuple[str, ...]:
+    names: tuple[object, ...]
+    if isinstance(value, str):
+        names = (value,)
+    elif isinstance(value, (list, tuple)):
+        names = tuple(value)
+    else:
+        raise _fail(
+            task_name,
+            "lock_args",
+            value,
+            "a parameter name or a tuple of parameter names",
+        )
+    by_name = {parameter.name: parameter for parameter in parameters}
+    for name in names:
+        parameter = by_name.get(name) if isinstance(name, str) else None
+        if parameter is None:
+            raise _fail(
+                task_name,
+                "lock_args",
+                value,
+                f"names of the task's parameters ({', '.join(by_name) or 'it takes none'}); "
+                f"{name!r} is not one of them",
+            )
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            raise _fail(
+                task_name,
+                "lock_args",
+                value,
+                f"named parameters; {name!r} is a *args/**kwargs catch-all, use lock_key instead",
+            )
+    if len(set(names)) != len(names):
+        raise _fail(task_name, "lock_args", value, "each parameter name at most once")
+    return tuple(str(name) for name in names)
+
+
+# -- the per-task options of the Redis-based peers, refused with their replacement
+# (docs/migration.md) --
+
+
+#: Per-task option names of the Redis-based peers, refused on a SingletonTask. Left in
+#: place after a migration they would do nothing, and a task keyed per tenant through them
+#: would silently run with one lock for all tenants. Each maps to the library it comes from.
+#: App-wide ``singleton_*``/``ONCE`` settings are not refused: during a migration the peer
+#: may still run other tasks of the same app.
+PEER_OPTIONS = {
+    "once": "celery-once",
+    "unique_on": "celery-singleton",
+    "raise_on_duplicate": "celery-singleton",
+    "lock_expiry": "celery-singleton",
+    "heimdall": "celery-heimdall",
+}
+#: What to do with a TTL option (lock_expiry, once's timeout, heimdall's unique_timeout).
+_NO_EXPIRY = (
+    "remove it: the lock ends with the run, or with its database session when a worker "
+    "dies, so there is no expiry to choose"
+)
+
+
+def peer_refusal(
+    task_name: str, option: str, value: object
+) -> exceptions.ConfigurationError:
+    """The error for a peer library's option, naming what to write instead."""
+    return exceptions.ConfigurationError(
+        f"Task {task_name!r}: {option!r} is a {PEER_OPTIONS[option]} option, which "
+        "SingletonTask does not read (left in place, the task would run with one lock "
+        f"for all argument values); {_equivalent(option, value)}. See the migration "
+        "guide (docs/migration.md)."
+    )
+
+
+def _equivalent(option: str, value: object) -> str:
+    def names(given: object) -> str:
+        listed = [given] if isinstance(given, str) else given
+        if isinstance(listed, (list, tuple)) and listed:
+            return f"lock_args={tuple(listed)!r}"
+        if isinstance(listed, (list, tuple)):
+            return "no lock_args (one lock per task)"
+        # celery-once without 'keys' locked on every argument
+        return "lock_args naming every parameter"
+
+    if option == "unique_on":
+        return f"use {names(value)}"
+    if option == "raise_on_duplicate":
+        return "use lock_on_busy='raise', or leave the default lock_on_busy='skip'"
+    if option == "lock_expiry":
+        return _NO_EXPIRY
+    if option == "once":
+        keys_given = value.get("keys") if isinstance(value, dict) else None
+        return (
+            f"use {names(keys_given)} for its 'keys', lock_on_busy for 'graceful' "
+            "('skip', the default, or 'raise'), and for 'timeout', " + _NO_EXPIRY
+        )
+    return (  # heimdall
+        "use lock_args or lock_key for its 'key', lock_on_busy='raise' for "
+        f"'unique_raises', and for 'unique_timeout', {_NO_EXPIRY}"
+    )

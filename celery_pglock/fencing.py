@@ -23,7 +23,10 @@ from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 
-from celery_pglock import _sql_admin, _sql_fencing, context, exceptions
+from celery_pglock import exceptions
+from celery_pglock.cli import admin_sql
+from celery_pglock.lock import fencing_sql
+from celery_pglock.task import context
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -148,25 +151,25 @@ def fenced_upsert(
 
 def last_token(connection: sa.Connection, lock: AdvisoryLock) -> int | None:
     """The last token issued for ``lock``'s key (committed), or None: for operators and tests."""
-    row = connection.exec_driver_sql(_sql_fencing.LAST, lock.key.pg_locks_ids).first()
+    row = connection.exec_driver_sql(fencing_sql.LAST, lock.key.pg_locks_ids).first()
     return None if row is None else int(row[0])
 
 
 def create_sql(schema: str = "public") -> str:
     """The SQL that creates the fencing table and its sequence in ``schema``."""
-    return _sql_fencing.CREATE.format(schema=_sql_admin.quote_identifier(schema) + ".")
+    return fencing_sql.CREATE.format(schema=admin_sql.quote_identifier(schema) + ".")
 
 
 def drop_sql(schema: str = "public") -> str:
     """The SQL that drops them."""
-    return _sql_fencing.DROP.format(schema=_sql_admin.quote_identifier(schema) + ".")
+    return fencing_sql.DROP.format(schema=admin_sql.quote_identifier(schema) + ".")
 
 
 def grant_sql(role: str, schema: str = "public") -> str:
     """The GRANTs a least-privilege lock role needs to use fencing."""
-    return _sql_fencing.GRANT.format(
-        schema=_sql_admin.quote_identifier(schema) + ".",
-        role=_sql_admin.quote_identifier(role),
+    return fencing_sql.GRANT.format(
+        schema=admin_sql.quote_identifier(schema) + ".",
+        role=admin_sql.quote_identifier(role),
     )
 
 

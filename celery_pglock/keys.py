@@ -30,10 +30,10 @@ import json.encoder
 import math
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, TypeAlias
 
-from celery_pglock import _keystream, exceptions
+from celery_pglock import exceptions
 
 #: JSON's string form as ``key_text`` writes it (``ensure_ascii`` off; C when available).
 _encode_string = json.encoder.encode_basestring
@@ -97,15 +97,15 @@ _ENCODER = json.JSONEncoder(
 
 def key_from_text(text: str) -> int:
     """Hash a key text to a signed 64-bit advisory key (step 3 of the module docstring)."""
-    if len(text) <= _keystream.CHUNK:
+    if len(text) <= CHUNK:
         digest = hashlib.sha256(text.encode("utf-8")).digest()
     else:
         # A huge key text is encoded a slice at a time, so hashing never allocates a
         # second copy of it (UTF-8 is self-synchronising per code point, so the
         # concatenated slices encode to the same bytes).
         hasher = hashlib.sha256()
-        for start in range(0, len(text), _keystream.CHUNK):
-            hasher.update(text[start : start + _keystream.CHUNK].encode("utf-8"))
+        for start in range(0, len(text), CHUNK):
+            hasher.update(text[start : start + CHUNK].encode("utf-8"))
         digest = hasher.digest()
     return _key_from_digest(digest)
 
@@ -139,11 +139,9 @@ def key_for_canonical(
     """:func:`make_key` for material that :func:`canonical` already returned (a task's
     per-argument path canonicalises each argument itself, to name it in errors).
     ``short``: the caller knows the key text is far below :data:`TEXT_MAX`."""
-    if not short and _keystream.longer_than(canonical_material, TEXT_MAX):
+    if not short and _longer_than(canonical_material, TEXT_MAX):
         hasher = hashlib.sha256()
-        for piece in _keystream.encoded_pieces(
-            [KEY_FORMAT, namespace, name, canonical_material]
-        ):
+        for piece in _encoded_pieces([KEY_FORMAT, namespace, name, canonical_material]):
             hasher.update(piece)
         return LockKey(name=name, ids=(_key_from_digest(hasher.digest()),))
     text = key_text(namespace, name, canonical_material)
@@ -407,3 +405,102 @@ def _too_deep() -> _Refusal:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+# -- streamed key texts: a huge key text hashed without ever being built. The stream must
+# be byte-for-byte the JSON of key_text (property-tested against json.dumps in
+# tests/unit/test_key_properties.py, against PostgreSQL's sha256 in
+# tests/integration/test_keys_sql.py) --
+
+
+#: Characters encoded per piece (at most 256 KiB of UTF-8).
+CHUNK = 64 * 1024
+#: What json.dumps(ensure_ascii=False) uses for strings (the C version when available).
+_encode_string = json.encoder.encode_basestring
+
+
+def _longer_than(value: Json, limit: int) -> bool:
+    """Could ``value``'s JSON text exceed ``limit`` characters? (Cheap, early exit; a
+    slight over-estimate is harmless: the stream gives the same key.)"""
+    budget = limit
+    stack: list[Json] = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            budget -= len(item) + 2
+        elif isinstance(item, int):  # bool too: bit_length() 1, a slight over-estimate
+            budget -= item.bit_length() // 3 + 2  # digits, rounded up, and a sign
+        elif isinstance(item, dict):
+            budget -= len(item) + 1
+            for item_key, item_value in item.items():
+                budget -= len(item_key) + 3
+                stack.append(item_value)
+        elif isinstance(item, list):
+            budget -= len(item) + 1
+            stack.extend(item)
+        else:
+            budget -= 24  # a float's repr, or null
+        if budget < 0:
+            return True
+    return False
+
+
+def _encoded_pieces(value: Json) -> Iterator[bytes]:
+    """The UTF-8 of ``value``'s key text (exactly ``keys.key_text``'s JSON), in pieces of
+    about CHUNK characters: no piece of the text is ever copied whole."""
+    buffer: list[str] = []
+    size = 0
+    for chunk in json_chunks(value):
+        buffer.append(chunk)
+        size += len(chunk)
+        if size >= CHUNK:
+            yield "".join(buffer).encode("utf-8")
+            buffer.clear()
+            size = 0
+    if buffer:
+        yield "".join(buffer).encode("utf-8")
+
+
+def json_chunks(value: Json) -> Iterator[str]:
+    """json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":")) in
+    chunks, for canonical values (exact JSON types). Property-tested against json.dumps."""
+    if value is None:
+        yield "null"
+    elif value is True:
+        yield "true"
+    elif value is False:
+        yield "false"
+    elif isinstance(value, int):
+        yield int.__repr__(value)
+    elif isinstance(value, float):
+        yield float.__repr__(value)
+    elif isinstance(value, str):
+        yield from string_chunks(value)
+    elif isinstance(value, list):
+        yield "["
+        for index, item in enumerate(value):
+            if index:
+                yield ","
+            yield from json_chunks(item)
+        yield "]"
+    else:
+        yield "{"
+        for index, item_key in enumerate(sorted(value)):
+            if index:
+                yield ","
+            yield from string_chunks(item_key)
+            yield ":"
+            yield from json_chunks(value[item_key])
+        yield "}"
+
+
+def string_chunks(text: str) -> Iterator[str]:
+    # JSON escapes character by character, so escaping slices separately gives the same
+    # text as escaping the whole string.
+    if len(text) <= CHUNK:
+        yield _encode_string(text)
+        return
+    yield '"'
+    for start in range(0, len(text), CHUNK):
+        yield _encode_string(text[start : start + CHUNK])[1:-1]
+    yield '"'

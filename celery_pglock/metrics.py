@@ -334,7 +334,7 @@ def configure(conf: Mapping[str, Any]) -> None:
 
     A process without prometheus_client (a web app sharing the workers' settings, say)
     keeps NullMetrics: only a worker needs the extra, and its start refuses to go on
-    without it (``_hooks.check_app`` calls :func:`from_conf`).
+    without it (``worker_hooks.check_app`` calls :func:`from_conf`).
 
     Raises:
         ConfigurationError: a bad value.

@@ -34,7 +34,7 @@ A skipped run is not a success: exporters should count ``lock_skipped`` on its o
 repeated skips usually mean the work is slower than its schedule.
 
 These signals, the log records and the metrics (:mod:`celery_pglock.metrics`) are all fed
-from one place, ``celery_pglock._outcomes``, one event per outcome.
+from one place, ``celery_pglock.task.outcomes``, one event per outcome.
 
 Receivers run synchronously on the task's hot path, so keep them cheap. Like all Celery
 signals, an exception in a receiver is logged and swallowed; it never affects the task.

@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any
 import psutil  # type: ignore[import-untyped, unused-ignore]  # no stubs
 import pytest
 
-from celery_pglock import _session, config, db
+from celery_pglock import config
+from celery_pglock.db import engines
+from celery_pglock.lock import strategy
 from celery_pglock.testing import (
     BROKER_URL_ENV,
     DATABASE_URL_ENV,
@@ -51,8 +53,8 @@ DIRECTORY_MARKERS = {
     "integration": ("postgres", "redis"),
     "acceptance": ("worker", "postgres", "redis"),
 }
-#: application_name prefix of lock sessions; see celery_pglock.db.
-LOCK_APPLICATION_PREFIX = db.DEFAULT_APPLICATION_NAME
+#: application_name prefix of lock sessions; see celery_pglock.db.engines.
+LOCK_APPLICATION_PREFIX = engines.DEFAULT_APPLICATION_NAME
 #: How long the leak check waits for asynchronous releases (worker processes).
 LEAK_CHECK_SECONDS = 2.0
 LEAKED_LOCKS_SQL = """
@@ -66,7 +68,7 @@ LEAKED_LOCKS_SQL = """
 REQUIRE_PGBOUNCER_ENV = "CELERY_PGLOCK_REQUIRE_PGBOUNCER"
 #: Warnings for the summary: tests deselected for want of something on this machine.
 _DESELECTED_NOTICES: list[str] = []
-#: "host:pid" inside a lock session's application_name (see db.process_tag()).
+#: "host:pid" inside a lock session's application_name (see engines.process_tag()).
 PROCESS_TAG = re.compile(r"(\S+):(\d+)")
 
 
@@ -217,10 +219,12 @@ def session_mode(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def lock_engine(database_url: str, session_mode: str) -> Iterator[sa.Engine]:
-    """A lock engine (celery_pglock.db.create_engine) in each session mode, disposed after."""
-    engine = db.create_engine(database_url, {config.SESSION_MODE_SETTING: session_mode})
+    """A lock engine (celery_pglock.db.engines.create_engine) in each session mode, disposed after."""
+    engine = engines.create_engine(
+        database_url, {config.SESSION_MODE_SETTING: session_mode}
+    )
     yield engine
-    _session.close_for(engine)
+    strategy.close_for(engine)
     engine.dispose()
 
 
@@ -400,8 +404,8 @@ def _leaked_locks(database_url: str) -> list[tuple[Any, ...]]:
 
 
 def _our_process_tags() -> tuple[str, set[int]]:
-    """This host's tag (as db.process_tag() writes it) and this process tree's pids."""
-    host = db.process_tag().rsplit(":", 1)[0]
+    """This host's tag (as engines.process_tag() writes it) and this process tree's pids."""
+    host = engines.process_tag().rsplit(":", 1)[0]
     me = psutil.Process()
     return host, {me.pid, *(child.pid for child in me.children(recursive=True))}
 

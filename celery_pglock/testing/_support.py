@@ -93,12 +93,12 @@ def driver() -> str:
     Raises:
         ServiceError: it names a driver celery-pglock does not support.
     """
-    from celery_pglock import db  # imports SQLAlchemy
+    from celery_pglock.db import engines
 
     name = os.environ.get(DRIVER_ENV) or "psycopg2"
-    if name not in db.SUPPORTED_DRIVERS:
+    if name not in engines.SUPPORTED_DRIVERS:
         raise ServiceError(
-            f"${DRIVER_ENV} must be one of {', '.join(db.SUPPORTED_DRIVERS)}; got {name!r}."
+            f"${DRIVER_ENV} must be one of {', '.join(engines.SUPPORTED_DRIVERS)}; got {name!r}."
         )
     return name
 

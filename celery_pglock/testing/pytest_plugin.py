@@ -181,7 +181,7 @@ def pglock_services() -> Iterator[Services]:
     Those named by CELERY_PGLOCK_TEST_DATABASE_URL, CELERY_PGLOCK_TEST_BROKER_URL and
     CELERY_PGLOCK_TEST_RESULT_BACKEND; an embedded PostgreSQL and Redis for the rest.
     """
-    from celery_pglock import testing  # here, not at load time: keeps the plugin inert
+    from celery_pglock import testing
 
     services = testing.start_services()
     try:

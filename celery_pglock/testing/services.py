@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import make_url
 
-from celery_pglock import _redact, config, db
+from celery_pglock import config
+from celery_pglock.db import engines, redact
 from celery_pglock.testing import _support
 from celery_pglock.testing._support import ServiceError
 from celery_pglock.testing.postgres import EmbeddedPostgres
@@ -81,8 +82,8 @@ class Services:
         )
         return [
             f"PostgreSQL: {self.postgres_version} ({postgres}) at "
-            f"{db.mask_url(self.database_url)}",
-            f"Broker:     {db.mask_url(self.broker_url)} ({broker})",
+            f"{engines.mask_url(self.database_url)}",
+            f"Broker:     {engines.mask_url(self.broker_url)} ({broker})",
         ]
 
     def stop(self) -> None:
@@ -186,7 +187,7 @@ def wait_for_postgres(url: str, timeout: float) -> None:
         finally:
             connection.close()
 
-    _retry(probe, timeout, f"PostgreSQL at {db.mask_url(url)}")
+    _retry(probe, timeout, f"PostgreSQL at {engines.mask_url(url)}")
 
 
 def wait_for_redis(url: str, timeout: float) -> None:
@@ -206,7 +207,7 @@ def wait_for_redis(url: str, timeout: float) -> None:
         finally:
             client.close()
 
-    _retry(probe, timeout, f"Redis at {db.mask_url(url)}")
+    _retry(probe, timeout, f"Redis at {engines.mask_url(url)}")
 
 
 def wait_for_broker(url: str, timeout: float) -> None:
@@ -224,7 +225,7 @@ def wait_for_broker(url: str, timeout: float) -> None:
         with kombu.Connection(url, connect_timeout=2) as connection:
             connection.connect()
 
-    _retry(probe, timeout, f"the broker at {db.mask_url(url)}")
+    _retry(probe, timeout, f"the broker at {engines.mask_url(url)}")
 
 
 def server_version(url: str) -> str:
@@ -256,9 +257,9 @@ def _check_configured(
         wait(url, timeout)
     except ServiceError as exc:
         # A driver echoes connection options (a host holding half a password).
-        _redact.scrub_exception(exc, _url_secrets(url))
+        redact.scrub_exception(exc, _url_secrets(url))
         raise ServiceError(
-            f"{variable}={db.mask_url(url)} is set but not reachable: {exc} "
+            f"{variable}={engines.mask_url(url)} is set but not reachable: {exc} "
             f"Start that service, fix the URL, or unset {variable} to use an embedded one."
         ) from exc
 
@@ -281,7 +282,7 @@ def _retry(probe: Callable[[], None], timeout: float, what: str) -> None:
 
 def _url_secrets(url: str) -> list[str]:
     try:
-        return _redact.secrets_of(make_url(url.removeprefix("db+")))
+        return redact.secrets_of(make_url(url.removeprefix("db+")))
     except Exception:  # unparseable: the generic scrub still masks URLs and pairs
         return []
 

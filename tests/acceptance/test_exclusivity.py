@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from celery_pglock import db
+from celery_pglock.db import engines
 
 from .conftest import outcomes, skipped, wait_until
 
@@ -44,7 +44,7 @@ def test_burst_of_duplicates_runs_exactly_once(acceptance, workers, recorder, ru
     assert "lock_busy" == skip["reason"]
     assert "tests.acceptance.app.protected" == skip["task"]
     # The holder is named by the host:pid of the pool child that ran the first body.
-    host = db.process_tag().rsplit(":", 1)[0]
+    host = engines.process_tag().rsplit(":", 1)[0]
     assert f"{host}:{recorder.intervals(run)[0].pid}" == skip["holder"]
     # application_name is at most 63 bytes: a long task name keeps its tail.
     assert skip["holder_task"].endswith(".acceptance.app.protected")

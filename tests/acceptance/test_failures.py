@@ -16,7 +16,8 @@ import pytest
 import sqlalchemy as sa
 from celery import chain
 
-from celery_pglock import AdvisoryLock, LockSkipped, db
+from celery_pglock import AdvisoryLock, LockSkipped
+from celery_pglock.db import engines
 
 from .conftest import outcomes, skipped, wait_until
 
@@ -43,7 +44,7 @@ def threads_worker(request, acceptance, start_workers):
 
 
 def key_is_free(acceptance, task, *args):
-    engine = db.engine_for(acceptance.app.conf)
+    engine = engines.engine_for(acceptance.app.conf)
     return not AdvisoryLock(engine=engine, key=task.lock_key_for(*args)).locked()
 
 
@@ -128,7 +129,7 @@ def test_transaction_scope_commits_or_rolls_back_in_the_worker(
     assert 1 == acceptance.writes_in_lock.delay(run).get(timeout=30)
     failed = acceptance.writes_in_lock.delay(run, fail=True)
     wait_until(lambda: failed.state == "FAILURE", timeout=30, what="the failing run")
-    engine = db.engine_for(acceptance.app.conf)
+    engine = engines.engine_for(acceptance.app.conf)
     with engine.connect() as connection:
         rows = connection.execute(
             sa.text("SELECT count(*) FROM pglock_test_writes WHERE run = :r"),

@@ -12,8 +12,9 @@ import uuid
 
 import pytest
 
-from celery_pglock import LockLostError, _holder, db
-from celery_pglock.lock import AdvisoryLock
+from celery_pglock import LockLostError
+from celery_pglock.db import engines
+from celery_pglock.lock import AdvisoryLock, holder_lookup
 from celery_pglock.testing import WorkerProcess
 from tests.conftest import PROCESS_TAG
 
@@ -110,7 +111,7 @@ def test_a_paused_holders_late_write_is_refused(
     (SIGSTOP of its pool child); its session is ended, as the server does after a
     partition or a restart; run B takes the key with a newer token and writes. A is
     thawed and writes with its older token: the guard refuses it."""
-    engine = db.create_engine(database_url)
+    engine = engines.create_engine(database_url)
     with engine.begin() as connection:
         connection.exec_driver_sql(
             f"CREATE TABLE IF NOT EXISTS {fencing_app.WRITES_TABLE} "
@@ -123,7 +124,7 @@ def test_a_paused_holders_late_write_is_refused(
     wait_until(lambda: recorder.count(run, "k") == 1, timeout=30, what="run A to start")
     child = recorder.intervals(run)[0].pid
     key = fencing_app.fenced_write.lock_key_for(run, "k", "A")
-    holder = _holder.find(AdvisoryLock(engine=engine, key=key))
+    holder = holder_lookup.find(AdvisoryLock(engine=engine, key=key))
     assert holder is not None
     os.kill(child, signal.SIGSTOP)
     try:
@@ -202,7 +203,7 @@ def test_a_waiter_granted_while_frozen_and_cut_off_gets_no_token(
     takes the key, gets a token and writes. When A is thawed it reads the grant from its
     socket, but gets no token: it fails with LockLostError without running its body, and
     B's write stands."""
-    engine = db.create_engine(database_url)
+    engine = engines.create_engine(database_url)
     writes_table(engine, fencing_app)
     task = fencing_app.fenced_write_waiting
     key = task.lock_key_for(run, "fw", "A")
@@ -266,7 +267,7 @@ def test_a_try_lock_cut_off_before_its_token_gets_no_token(
     held up (here by a transaction outside the worker that locks the key's row of the
     fencing table). A's session is terminated meanwhile; run B takes the key. When the
     row is free, B gets its token and writes; A gets none (LockLostError, no body)."""
-    engine = db.create_engine(database_url)
+    engine = engines.create_engine(database_url)
     writes_table(engine, fencing_app)
     task = fencing_app.fenced_write
     assert task.apply_async((run, "fw", "first"), queue=QUEUE).get(timeout=60)

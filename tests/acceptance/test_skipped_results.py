@@ -246,6 +246,6 @@ def _lock_entry(env, key):
 
 
 def _host() -> str:
-    from celery_pglock import db
+    from celery_pglock.db import engines
 
-    return db.process_tag().rsplit(":", 1)[0]
+    return engines.process_tag().rsplit(":", 1)[0]

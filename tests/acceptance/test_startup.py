@@ -2,7 +2,7 @@
 
 Both records come from ``worker_ready``, after Celery configured logging, so they reach
 the worker's log; a database that does not answer is an ERROR at start (the worker keeps
-running: see celery_pglock._hooks), and the first failed connection of a task is reported
+running: see celery_pglock.task.worker_hooks), and the first failed connection of a task is reported
 as a failed connection, not as a dead pooled session.
 """
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 import sys
 import time
 
-from celery_pglock import AdvisoryLock, _session, db, keys
+from celery_pglock import AdvisoryLock, keys
+from celery_pglock.db import engines
+from celery_pglock.lock import strategy
 
 #: The channel ``--listen`` listens on.
 CHANNEL = "pglock_frozen"
@@ -27,7 +29,7 @@ HOLD_SECONDS = 600
 def main(argv: list[str]) -> int:
     url, namespace, name, *flags = argv
     conf = {"pglock_server_keepalives": "--no-server-keepalives" not in flags}
-    engine = db.create_engine(url, conf)
+    engine = engines.create_engine(url, conf)
     lock = AdvisoryLock(engine=engine, key=keys.make_key(namespace, name))
     if not lock.acquire():
         print("busy", flush=True)
@@ -36,7 +38,7 @@ def main(argv: list[str]) -> int:
         # On the lock's own session (the process session of the default session mode;
         # private, but this is a test's helper): the lock must be on the session whose
         # notification goes unacknowledged.
-        connection = _session.process_session(engine)._connection
+        connection = strategy.process_session(engine)._connection
         with connection.cursor() as cursor:
             cursor.execute(f"LISTEN {CHANNEL}")
     print("held", flush=True)

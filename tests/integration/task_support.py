@@ -5,7 +5,7 @@ from __future__ import annotations
 from celery.app.trace import build_tracer
 
 from celery_pglock import AdvisoryLock, SingletonTask
-from celery_pglock import db as db_module
+from celery_pglock.db import engines as db_module
 
 
 def define(app, fun, **options):

@@ -25,11 +25,11 @@ from celery_pglock import (
     LockLostError,
     PgLockError,
     SingletonTask,
-    _session,
     cli,
     current_lock,
-    db,
 )
+from celery_pglock.db import engines
+from celery_pglock.lock import strategy
 from celery_pglock.testing import EmbeddedPostgres, _support
 from tests.integration.loss_support import make_app, wait_for
 
@@ -133,7 +133,7 @@ def test_key_refuses_unknown_tasks_and_bad_json(cli_app):
 def test_locks_names_holders_waiters_and_foreign_locks(cli_app, database_url):
     """`pglock locks` shows a held lock by task, host:pid and backend pid, who waits for
     it, and a lock some other program took, labelled as such; nothing once released."""
-    engine = db.engine_for(cli_app.app.conf)
+    engine = engines.engine_for(cli_app.app.conf)
     key = cli_app.settle.lock_key_for()
     lock = AdvisoryLock(engine=engine, key=key, label=cli_app.settle.name)
     assert lock.acquire()
@@ -149,7 +149,7 @@ def test_locks_names_holders_waiters_and_foreign_locks(cli_app, database_url):
             lambda: bool((_entry(cli_app, str(key)) or {}).get("waiters")), timeout=10
         )
         entry = _entry(cli_app, str(key))
-        assert db.process_tag() == entry["holder"]
+        assert engines.process_tag() == entry["holder"]
         assert cli_app.settle.name == entry["task"]
         assert cli_app.settle.name == entry["lock_name"]  # a fixed key: known by name
         assert entry["celery_pglock"]
@@ -160,7 +160,7 @@ def test_locks_names_holders_waiters_and_foreign_locks(cli_app, database_url):
         assert "psql" == other["application_name"]
         table = run("--app", APP, "locks")
         assert "(not celery-pglock)" in table
-        assert db.process_tag() in table
+        assert engines.process_tag() in table
     finally:
         lock.release()
         waiting.join(10)
@@ -400,13 +400,13 @@ def test_release_ends_the_holder_which_reports_lock_lost(
     assert isinstance(result.result, LockLostError)
     (event,) = lost_events
     assert key == event["key"]
-    assert not AdvisoryLock(engine=db.engine_for(app.conf), key=key).locked()
+    assert not AdvisoryLock(engine=engines.engine_for(app.conf), key=key).locked()
 
 
 def test_release_by_task_and_arguments_asks_first(cli_app, database_url):
     """By task and arguments: the key the worker would lock; a 'no' leaves it held, a
     'yes' frees it; a key nobody holds and a malformed key are told apart."""
-    engine = db.create_engine(database_url)
+    engine = engines.create_engine(database_url)
     key = cli_app.export.lock_key_for(7, spec={"b": 1})
     lock = AdvisoryLock(engine=engine, key=key)
     assert lock.acquire()
@@ -424,7 +424,7 @@ def test_release_by_task_and_arguments_asks_first(cli_app, database_url):
     assert "No session holds" in run(*call, "--yes", expect=1)
     run("--app", APP, "release", "--key", "1,x", expect=2)
     assert "Name the lock" in run("--app", APP, "release", expect=2)
-    _session.close_for(engine)
+    strategy.close_for(engine)
     engine.dispose()
 
 
@@ -564,7 +564,7 @@ def test_each_documented_exit_status_is_what_the_command_returns(
 def test_release_by_key_ends_the_holding_session(cli_app, database_url):
     """`release --key`: shows the holder and every other key its session holds, ends
     that session (PostgreSQL frees both locks), and says who did it."""
-    engine = db.engine_for(cli_app.app.conf)
+    engine = engines.engine_for(cli_app.app.conf)
     first = AdvisoryLock(engine=engine, key=cli_app.settle.lock_key_for(), label="a")
     second = AdvisoryLock(engine=engine, key=cli_app.pinned.lock_key_for(), label="b")
     assert first.acquire()
@@ -573,7 +573,7 @@ def test_release_by_key_ends_the_holding_session(cli_app, database_url):
         call = ["--app", APP, "release", "--key", str(first.key)]
         kept = CliRunner().invoke(cli.standalone_command, call, input="n\n")
         assert 1 == kept.exit_code, kept.output
-        assert db.process_tag() in kept.output
+        assert engines.process_tag() in kept.output
         assert f"also held:  {second.key}" in kept.output
         assert _entry(cli_app, str(first.key)) is not None  # declined: nothing done
         output = run(*call, "--yes")

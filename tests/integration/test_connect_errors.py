@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from celery_pglock import AdvisoryLock, DatabaseError, _driver_errors, db, keys
+from celery_pglock import AdvisoryLock, DatabaseError, keys
+from celery_pglock.db import driver_errors, engines
 from celery_pglock.testing import _support
 from tests.conftest import GHOST_ROLE, PASSWORD_ROLE, ROLE_PASSWORD
 
@@ -27,7 +28,7 @@ def _url(server, *, user, password=None, database="postgres", query=""):
 
 def _refusal(url):
     with pytest.raises(DatabaseError) as caught:
-        db.probe({"pglock_database_url": url})
+        engines.probe({"pglock_database_url": url})
     return caught.value
 
 
@@ -73,9 +74,9 @@ def test_a_refused_login_is_a_configuration_error(
 ):
     error = _refusal(_url(password_postgres, **who))
     message = str(error)
-    assert not _driver_errors.is_transient(error.__cause__)
-    assert not db.is_transient(error.__cause__)
-    problem = _driver_errors.misconfiguration(error.__cause__)
+    assert not driver_errors.is_transient(error.__cause__)
+    assert not engines.is_transient(error.__cause__)
+    problem = driver_errors.misconfiguration(error.__cause__)
     assert problem is not None
     assert sqlstate == problem.sqlstate
     assert "not an outage, so it is not retried" in message
@@ -89,27 +90,27 @@ def test_a_refused_login_is_a_configuration_error(
 
 def test_the_right_password_gets_in(password_postgres):
     url = _url(password_postgres, user=PASSWORD_ROLE, password=ROLE_PASSWORD)
-    assert db.probe({"pglock_database_url": url})
+    assert engines.probe({"pglock_database_url": url})
 
 
 def test_an_outage_stays_transient():
     """Nothing listens: an outage, retried as before, with no misconfiguration named."""
     url = f"postgresql+{_support.driver()}://app:x@{_support.HOST}:{_support.free_port()}/locks"
     error = _refusal(url)
-    assert _driver_errors.is_transient(error.__cause__)
-    assert None is _driver_errors.misconfiguration(error.__cause__)
+    assert driver_errors.is_transient(error.__cause__)
+    assert None is driver_errors.misconfiguration(error.__cause__)
     assert "not retried" not in str(error)
 
 
 def test_a_lock_acquire_names_the_cause(password_postgres):
     """The path a task takes: acquiring through a lock engine."""
     url = _url(password_postgres, user=PASSWORD_ROLE, password=WRONG_PASSWORD)
-    engine = db.create_engine(url, {})
+    engine = engines.create_engine(url, {})
     try:
         lock = AdvisoryLock(engine=engine, key=keys.make_key("connect-errors", "x"))
         with pytest.raises(DatabaseError, match=r"SQLSTATE 28P01") as caught:
             lock.acquire()
-        assert not db.is_transient(caught.value.__cause__)
+        assert not engines.is_transient(caught.value.__cause__)
     finally:
         engine.dispose()
 
@@ -123,4 +124,4 @@ def test_a_statement_error_is_no_misconfiguration(password_postgres):
             connection.exec_driver_sql('SELECT * FROM "database ""x"" does not exist"')
     finally:
         engine.dispose()
-    assert None is _driver_errors.misconfiguration(caught.value)
+    assert None is driver_errors.misconfiguration(caught.value)

@@ -24,13 +24,13 @@ from celery_pglock import (
     LockScope,
     PgLockError,
     SingletonTask,
-    _session,
     config,
     current_lock,
-    db,
     fencing,
     keys,
 )
+from celery_pglock.db import engines
+from celery_pglock.lock import strategy
 from tests.integration.task_support import define, hold
 
 
@@ -114,7 +114,7 @@ def test_a_cut_off_holders_token_is_never_issued_again_after_a_crash(
     step was lost with the WAL buffers and the same token was issued again.)"""
     url = f"postgresql+psycopg2://postgres@127.0.0.1:{private_postgres.port}/postgres"
     key = keys.make_key("restart", "fence")
-    engine = db.create_engine(url)
+    engine = engines.create_engine(url)
     before = []
     for _ in range(3):
         lock, token = take(engine, key, scope)
@@ -125,11 +125,11 @@ def test_a_cut_off_holders_token_is_never_issued_again_after_a_crash(
     # the one a crash can lose.
     private_postgres.crash()
     private_postgres.start()
-    engine = db.create_engine(url)
+    engine = engines.create_engine(url)
     _holder, held = take(engine, key, scope)
     private_postgres.crash()  # the holder's session dies; it never releases
     private_postgres.start()
-    after_engine = db.create_engine(url)
+    after_engine = engines.create_engine(url)
     try:
         lock, after = take(after_engine, key, scope)
         lock.release()
@@ -149,15 +149,15 @@ def test_the_table_is_created_on_first_use_by_racing_creators(database_url):
     with admin.begin() as connection:
         connection.exec_driver_sql(f"CREATE SCHEMA {schema}")
     options = {"connect_args": {"options": f"-c search_path={schema}"}}
-    engines = [
-        db.create_engine(database_url, {"pglock_engine_options": options})
+    made = [
+        engines.create_engine(database_url, {"pglock_engine_options": options})
         for _ in range(4)
     ]
     try:
 
         def first_use(index):
             key = keys.make_key(schema, "race", index)
-            lock, token = take(engines[index], key)
+            lock, token = take(made[index], key)
             lock.release()
             return token
 
@@ -172,7 +172,7 @@ def test_the_table_is_created_on_first_use_by_racing_creators(database_url):
                 ).scalar()
             )
     finally:
-        for engine in engines:
+        for engine in made:
             engine.dispose()
         with admin.begin() as connection:
             connection.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
@@ -187,7 +187,7 @@ def own_schema_engine(database_url):
     with admin.begin() as connection:
         connection.exec_driver_sql(f"CREATE SCHEMA {schema}")
     options = {"connect_args": {"options": f"-c search_path={schema}"}}
-    engine = db.create_engine(database_url, {"pglock_engine_options": options})
+    engine = engines.create_engine(database_url, {"pglock_engine_options": options})
     yield engine
     engine.dispose()
     with admin.begin() as connection:
@@ -294,7 +294,7 @@ def test_the_guard_refuses_a_paused_holders_late_write(
     """Run A gets a token and pauses; its lock ends (its session is terminated), run B
     (another process: an engine of its own) gets a newer token and writes; A's late
     write with its older token is refused."""
-    other_process = db.create_engine(
+    other_process = engines.create_engine(
         database_url, {config.SESSION_MODE_SETTING: session_mode}
     )
     with lock_engine.begin() as connection:
@@ -326,7 +326,7 @@ def test_the_guard_refuses_a_paused_holders_late_write(
                 f"SELECT body, fencing_token FROM {reports} WHERE tenant = 7"
             ).one()
         )
-    _session.close_for(other_process)
+    strategy.close_for(other_process)
     other_process.dispose()
 
 
@@ -365,7 +365,7 @@ def test_a_run_that_lost_its_lock_after_the_grant_gets_no_token(
     session outside the library), then stalls before its token; its session is ended and
     run B takes the key, gets a token and writes. When A goes on, it gets no token
     (LockLostError, lock released): B's write stands, and B keeps writing."""
-    other_process = db.create_engine(
+    other_process = engines.create_engine(
         database_url, {config.SESSION_MODE_SETTING: session_mode}
     )
     with lock_engine.begin() as connection:
@@ -411,7 +411,7 @@ def test_a_run_that_lost_its_lock_after_the_grant_gets_no_token(
     run_c, token_c = take(other_process, key, scope)  # and tokens go on rising
     assert token_b < token_c
     run_c.release()
-    _session.close_for(other_process)
+    strategy.close_for(other_process)
     other_process.dispose()
 
 
@@ -420,13 +420,13 @@ def test_shadow_mode_applies_a_would_be_skips_writes_unfenced(app, reports):
     would-be skip runs its body without one (fencing_token None), and the fenced helpers
     apply its writes as they would without the library, leaving the stored token as it
     was, instead of failing the body."""
-    with db.engine_for(app.conf).begin() as connection:
+    with engines.engine_for(app.conf).begin() as connection:
         connection.exec_driver_sql(f"INSERT INTO {reports} VALUES (1, 'none', NULL)")
     seen = []
 
     def shadowed(tenant, body):
         token = current_lock().fencing_token
-        with db.engine_for(app.conf).begin() as connection:
+        with engines.engine_for(app.conf).begin() as connection:
             applied = (
                 fencing.fenced_update(
                     connection,
@@ -459,7 +459,7 @@ def test_shadow_mode_applies_a_would_be_skips_writes_unfenced(app, reports):
     assert (True, True) == holder_applied
     assert shadow_token is None
     assert (True, True) == shadow_applied
-    with db.engine_for(app.conf).connect() as connection:
+    with engines.engine_for(app.conf).connect() as connection:
         rows = connection.exec_driver_sql(
             f"SELECT tenant, body, fencing_token FROM {reports} ORDER BY tenant"
         ).all()
@@ -537,7 +537,7 @@ def lp_role(database_url):
     try:
         yield url, role, schema, conn
     finally:
-        db.dispose_all()
+        engines.dispose_all()
         with conn.cursor() as cursor:
             cursor.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",

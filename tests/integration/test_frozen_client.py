@@ -25,7 +25,8 @@ from pathlib import Path
 import psycopg2
 import pytest
 
-from celery_pglock import db, keys
+from celery_pglock import keys
+from celery_pglock.db import startup_options
 from celery_pglock.testing import _support
 from celery_pglock.testing.postgres import EmbeddedPostgres
 from tests.integration import frozen_client, netns
@@ -34,7 +35,7 @@ from tests.integration.loss_support import dsn
 pytestmark = pytest.mark.netns
 
 REPO = Path(__file__).resolve().parents[2]
-KEEPALIVES = dict(db.SERVER_KEEPALIVES)
+KEEPALIVES = dict(startup_options.SERVER_KEEPALIVES)
 #: The documented latest: idle + interval x count (tcp_user_timeout equals it).
 BOUND = int(KEEPALIVES["tcp_keepalives_idle"]) + int(
     KEEPALIVES["tcp_keepalives_interval"]
@@ -101,7 +102,7 @@ def test_the_server_frees_a_vanished_clients_lock_within_the_keepalive_bound(
         freed_after = _wait_until_free(server.url(), key, BOUND + SLACK)
     assert freed_after is not None, (
         f"the server still held the vanished client's lock {BOUND + SLACK} s after "
-        f"the link was cut (bound {BOUND} s: {db.SERVER_OPTIONS})"
+        f"the link was cut (bound {BOUND} s: {startup_options.SERVER_OPTIONS})"
     )
     assert freed_after >= NOT_BEFORE, (
         f"freed {freed_after:.1f} s after the cut: sooner than any keepalive, so "

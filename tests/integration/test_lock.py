@@ -19,10 +19,10 @@ from celery_pglock import (
     LockLostError,
     LockNotOwnedError,
     LockScope,
-    _session,
     keys,
 )
-from celery_pglock import db as db_module
+from celery_pglock.db import engines as db_module
+from celery_pglock.lock import strategy
 
 from ..unit.test_keys import VECTORS
 
@@ -38,7 +38,7 @@ def single_engine(database_url, session_mode):
         },
     )
     yield engine
-    _session.close_for(engine)
+    strategy.close_for(engine)
     engine.dispose()
 
 
@@ -207,7 +207,7 @@ def test_checkin_safety_net_unlocks_a_forgotten_lock(lock_engine, namespace):
     if hold.pooled is not None:  # per_lock: a buggy path returns the connection
         hold.pooled.close()
     else:  # per_process: the session is closed (shutdown) with the lock still held
-        _session.process_session(lock_engine).close()
+        strategy.process_session(lock_engine).close()
     lock._hold = None
     assert not lock.locked()
 
@@ -220,7 +220,7 @@ def test_closing_the_process_session_reports_its_holds_lost(database_url, namesp
     try:
         lock = AdvisoryLock(engine=engine, key=make_key(namespace))
         assert lock.acquire()
-        session = _session.process_session(engine)
+        session = strategy.process_session(engine)
         assert [lock._hold] == session.holds()
         session.lose("terminated by a test")
         assert not lock.locked()
@@ -229,7 +229,7 @@ def test_closing_the_process_session_reports_its_holds_lost(database_url, namesp
         assert lock.acquire()  # the next acquire opens a new session
         lock.release()
     finally:
-        _session.close_for(engine)
+        strategy.close_for(engine)
         engine.dispose()
 
 
@@ -316,8 +316,9 @@ def test_killed_holder_process_frees_the_lock(database_url, lock_engine, namespa
     script = textwrap.dedent(
         f"""
         import sys, time
-        from celery_pglock import AdvisoryLock, keys, db
-        engine = db.create_engine({database_url!r})
+        from celery_pglock import AdvisoryLock, keys
+        from celery_pglock.db import engines
+        engine = engines.create_engine({database_url!r})
         lock = AdvisoryLock(engine=engine, key=keys.make_key({namespace!r}, "it.lock"))
         assert lock.acquire()
         print("held", flush=True)
@@ -389,15 +390,15 @@ def test_an_interrupt_between_the_grant_and_its_record_frees_the_lock(
     """A soft time limit (or SIGINT) landing after PostgreSQL granted the key but before
     the process recorded it: the key must not stay granted on the process's session,
     where no one would release it and a later run of the process would re-enter it."""
-    from celery_pglock import _hold
+    from celery_pglock.lock import base
 
-    record = _hold.Hold
+    record = base.Hold
 
     def interrupted(*args, **kwargs):
-        monkeypatch.setattr(_hold, "Hold", record)  # once
+        monkeypatch.setattr(base, "Hold", record)  # once
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_hold, "Hold", interrupted)
+    monkeypatch.setattr(base, "Hold", interrupted)
     key = make_key(namespace, "interrupted")
     lock = AdvisoryLock(engine=lock_engine, key=key)
     with pytest.raises(KeyboardInterrupt):

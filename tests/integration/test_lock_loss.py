@@ -24,13 +24,12 @@ from celery_pglock import (
     LockSkipped,
     PgLockError,
     SingletonTask,
-    _observer,
-    _session,
-    _watch,
     current_lock,
     keys,
 )
-from celery_pglock import db as db_module
+from celery_pglock.db import engines as db_module
+from celery_pglock.lock import strategy
+from celery_pglock.watch import loss_watcher, observer_session
 from tests.integration.loss_support import (
     dsn,
     holder_pid,
@@ -100,11 +99,11 @@ def test_short_tasks_run_no_check(
     def short():
         return 1
 
-    before = _observer.checks_run
+    before = observer_session.checks_run
     for _ in range(50):
         assert short.apply().get() == 1
     time.sleep(1.5)  # past the default interval: nothing was due
-    assert _observer.checks_run == before
+    assert observer_session.checks_run == before
 
 
 def test_interval_zero_turns_checks_off(
@@ -169,13 +168,13 @@ def test_terminate_policy_ends_a_sleeping_main_thread_body(database_url, termina
         time.sleep(20)
         return "slept"
 
-    previous = signal.getsignal(_watch.SIGNAL)
+    previous = signal.getsignal(loss_watcher.SIGNAL)
     started = time.monotonic()
     result = body.apply()
     assert time.monotonic() - started < 3
     assert isinstance(result.result, LockLostError)
     # Our handler chains whatever was there before; a stray signal now is harmless.
-    assert signal.getsignal(_watch.SIGNAL) is not previous or previous is not None
+    assert signal.getsignal(loss_watcher.SIGNAL) is not previous or previous is not None
 
 
 def test_settings_are_validated_at_bind(
@@ -230,9 +229,10 @@ def test_settings_are_validated_at_bind(
 _FORK_SCRIPT = textwrap.dedent(
     """
     import gc, os, sys
-    from celery_pglock import AdvisoryLock, LockNotOwnedError, db, keys
+    from celery_pglock import AdvisoryLock, LockNotOwnedError, keys
+    from celery_pglock.db import engines
     database_url, namespace, mode, how = sys.argv[1:5]
-    engine = db.create_engine(database_url, {"pglock_session_mode": mode})
+    engine = engines.create_engine(database_url, {"pglock_session_mode": mode})
     idle = engine.raw_connection(); idle.close()  # an idle pooled session too
     lock = AdvisoryLock(engine=engine, key=keys.make_key(namespace, "fork"))
     assert lock.acquire()
@@ -284,7 +284,7 @@ def test_a_forked_child_never_touches_the_parents_lock_session(
     """Both session modes. Without _forks.py's os.dup2, "close" ends the parent's session
     (psycopg2's PQfinish sends Terminate from the child): the parent's lock is gone and
     its release fails. (The other cases still passed without it: "release" is refused by
-    the pid check, and the pool's after-fork handling in db.py keeps "gc" and "dispose"
+    the pid check, and the pool's after-fork handling in engines.py keeps "gc" and "dispose"
     off the parent's socket.) The child must exit 0: a child that died of an error never
     did what its case names."""
     completed = subprocess.run(
@@ -447,7 +447,7 @@ def test_a_lost_key_stays_claimed_in_its_process_until_its_release(
         terminate_backend(database_url, other.backend_pid)  # lost again
         with pytest.raises(PgLockError):
             other.release()
-        _session.close_for(lock_engine)  # and closed
+        strategy.close_for(lock_engine)  # and closed
     assert not _granted_elsewhere(database_url, key)  # free for other processes
     waiter: dict = {}
     after = AdvisoryLock(engine=lock_engine, key=key)
@@ -497,15 +497,15 @@ def test_a_terminate_landing_as_the_body_returns_still_releases_the_lock(
     def unverifiable(self, entries, deadline, session=None):
         return {id(entry): "unverifiable: simulated" for entry in entries}
 
-    interrupt = _watch._interrupt
+    interrupt = loss_watcher._interrupt
 
     def late_interrupt(entry):
         deciding.set()
         time.sleep(0.3)  # the body returns meanwhile, and waits in unwatch()
         interrupt(entry)
 
-    monkeypatch.setattr(_observer.Observer, "check", unverifiable)
-    monkeypatch.setattr(_watch, "_interrupt", late_interrupt)
+    monkeypatch.setattr(observer_session.Observer, "check", unverifiable)
+    monkeypatch.setattr(loss_watcher, "_interrupt", late_interrupt)
 
     @app.task(base=SingletonTask, shared=False)
     def body(name):
@@ -528,7 +528,7 @@ def test_a_terminate_landing_as_the_body_returns_still_releases_the_lock(
     assert isinstance(outcome.get("error"), LockLostError), outcome
     probe = AdvisoryLock(engine=db_module.engine_for(app.conf), key=body.lock_key_for())
     assert not probe.locked()
-    assert not _watch._mutex.locked()
+    assert not loss_watcher._mutex.locked()
     monkeypatch.undo()
     later: dict = {}
     thread = threading.Thread(target=call, args=("later", later), daemon=True)
@@ -555,7 +555,7 @@ def test_a_busy_lock_session_is_no_news_about_its_locks(
 
     @app.task(base=SingletonTask, shared=False)
     def body():
-        session = _session.process_session(db_module.engine_for(app.conf))
+        session = strategy.process_session(db_module.engine_for(app.conf))
         with session._mutex:  # busy for three check timeouts
             time.sleep(3)
         time.sleep(0.6)  # and checked again on the session itself

@@ -21,11 +21,11 @@ from celery_pglock import (
     LockLostError,
     LockScope,
     SingletonTask,
-    _session,
     current_lock,
     keys,
 )
-from celery_pglock import db as db_module
+from celery_pglock.db import engines as db_module
+from celery_pglock.lock import strategy
 from tests.integration.loss_support import dsn, make_app, wait_for
 
 
@@ -137,7 +137,8 @@ def test_a_release_into_a_frozen_server_is_bounded(private_postgres, namespace, 
     """AdvisoryLock.release() on a server that does not answer gives up after
     round_trip_timeout: the socket is shut down, the session closed, DatabaseError says
     why; the worker is not blocked (25-214 s before)."""
-    from celery_pglock import DatabaseError, _deadline
+    from celery_pglock import DatabaseError
+    from celery_pglock.db import deadlines
 
     engine = db_module.create_engine(private_postgres.url())
     lock = AdvisoryLock(
@@ -155,7 +156,7 @@ def test_a_release_into_a_frozen_server_is_bounded(private_postgres, namespace, 
         took = time.monotonic() - started
     finally:
         _stop_server(postmaster, signal.SIGCONT)
-    assert took < 0.5 + _deadline.TICK + 0.5, took
+    assert took < 0.5 + deadlines.TICK + 0.5, took
     assert not lock.owned()
     engine.dispose()
 
@@ -167,7 +168,8 @@ def test_an_acquire_from_a_frozen_server_is_bounded(
     """acquire() on a server that does not answer gives up after round_trip_timeout
     with DatabaseError (lock_on_error then re-queues the run): no hang, and on the
     process's shared lock session no mutex held for as long as TCP waits."""
-    from celery_pglock import DatabaseError, _deadline, config
+    from celery_pglock import DatabaseError, config
+    from celery_pglock.db import deadlines
 
     engine = db_module.create_engine(
         private_postgres.url(),
@@ -197,9 +199,9 @@ def test_an_acquire_from_a_frozen_server_is_bounded(
         _stop_server(postmaster, signal.SIGCONT)
     # The bounded try, then one reconnect (a dead session is replaced once), bounded by
     # connect_timeout (2 s here).
-    assert took < 0.5 + _deadline.TICK + 2 + 1.5, took
+    assert took < 0.5 + deadlines.TICK + 2 + 1.5, took
     assert not lock.owned()
-    _session.close_for(engine)
+    strategy.close_for(engine)
     engine.dispose()
 
 
@@ -218,8 +220,8 @@ def _stop_server(postmaster: int, signum: int) -> None:
 
 
 def test_a_bounded_round_trip_is_cut_at_its_deadline(database_url):
-    """_deadline.bounded shuts the socket down: a blocked statement returns at once."""
-    from celery_pglock import _deadline
+    """deadlines.bounded shuts the socket down: a blocked statement returns at once."""
+    from celery_pglock.db import deadlines
 
     connection = psycopg2.connect(dsn(database_url))
     try:
@@ -227,10 +229,10 @@ def test_a_bounded_round_trip_is_cut_at_its_deadline(database_url):
         cursor = connection.cursor()
         with (
             pytest.raises(psycopg2.OperationalError),
-            _deadline.bounded(connection, 0.5) as bound,
+            deadlines.bounded(connection, 0.5) as bound,
         ):
             cursor.execute("SELECT pg_sleep(30)")
-        assert time.monotonic() - started < 0.5 + _deadline.TICK + 0.5
+        assert time.monotonic() - started < 0.5 + deadlines.TICK + 0.5
         assert bound.fired
     finally:
         connection.close()
@@ -240,7 +242,7 @@ def test_a_bound_that_fired_after_the_answer_still_fails_the_round_trip(database
     """The answer came, but this thread was descheduled until the reaper had shut the
     socket down: the server is ending the session, so the round trip must fail like a
     dead session, not report success."""
-    from celery_pglock import _deadline
+    from celery_pglock.db import deadlines
 
     connection = psycopg2.connect(dsn(database_url))
     try:
@@ -248,11 +250,11 @@ def test_a_bound_that_fired_after_the_answer_still_fails_the_round_trip(database
         bounds = []
 
         def answer_then_stall():
-            with _deadline.bounded(connection, 0.2) as bound:
+            with deadlines.bounded(connection, 0.2) as bound:
                 bounds.append(bound)
                 cursor.execute("SELECT 1")
                 assert (1,) == cursor.fetchone()
-                time.sleep(0.2 + _deadline.TICK + 0.3)  # the stall after the answer
+                time.sleep(0.2 + deadlines.TICK + 0.3)  # the stall after the answer
 
         with pytest.raises(psycopg2.OperationalError, match="no answer in time"):
             answer_then_stall()
@@ -270,19 +272,20 @@ def test_an_acquire_whose_bound_fired_after_the_grant_is_not_a_held_lock(
     """The same stall after a granted try-lock: acquire() must not return True for a lock
     whose session the reaper has just cut (PostgreSQL frees it). The session is
     replaced once, as for any dead session, and the lock is really held after."""
-    from celery_pglock import _deadline, _process_session
+    from celery_pglock.db import deadlines
+    from celery_pglock.lock import per_process
 
-    try_once = _process_session.ProcessSession._try
+    try_once = per_process.ProcessSession._try
     stalls = []
 
     def stalled_try(self, *args, **kwargs):
         answer = try_once(self, *args, **kwargs)
         if not stalls:
             stalls.append(1)
-            time.sleep(0.2 + _deadline.TICK + 0.3)  # the stall after the answer
+            time.sleep(0.2 + deadlines.TICK + 0.3)  # the stall after the answer
         return answer
 
-    monkeypatch.setattr(_process_session.ProcessSession, "_try", stalled_try)
+    monkeypatch.setattr(per_process.ProcessSession, "_try", stalled_try)
     lock = AdvisoryLock(engine=lock_engine, key=keys.make_key(namespace, "stall"))
     lock.round_trip_timeout = 0.2
     assert lock.acquire()

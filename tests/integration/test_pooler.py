@@ -19,22 +19,16 @@ import time
 
 import pytest
 
-from celery_pglock import (
-    AdvisoryLock,
-    ConfigurationError,
-    DatabaseError,
-    _driver_errors,
-    _server,
-    db,
-    keys,
-)
+from celery_pglock import AdvisoryLock, ConfigurationError, DatabaseError, keys
+from celery_pglock.db import driver_errors, server_probe
+from celery_pglock.db import engines as db_engines
 from celery_pglock.testing import _support
 
 MODES = ("session", "transaction", "statement")
 POOLING = {
-    "session": _server.Pooling.NONE,
-    "transaction": _server.Pooling.TRANSACTION,
-    "statement": _server.Pooling.STATEMENT,
+    "session": server_probe.Pooling.NONE,
+    "transaction": server_probe.Pooling.TRANSACTION,
+    "statement": server_probe.Pooling.STATEMENT,
 }
 #: pool_mode -> is the scope refused?
 SESSION_REFUSED = {"session": False, "transaction": True, "statement": True}
@@ -43,11 +37,11 @@ TRANSACTION_REFUSED = {"session": False, "transaction": False, "statement": True
 
 @pytest.fixture
 def engines():
-    """Lock engines made by the test (db.create_engine), disposed at teardown."""
+    """Lock engines made by the test (engines.create_engine), disposed at teardown."""
     made = []
 
     def make(url, conf=None):
-        engine = db.create_engine(url, conf)
+        engine = db_engines.create_engine(url, conf)
         made.append(engine)
         return engine
 
@@ -62,8 +56,8 @@ def make_key(namespace):
 
 def test_probe_of_a_direct_connection_sees_no_pooler(database_url):
     """Direct to PostgreSQL: no multiplexing, no proxy, a primary."""
-    facts = _server.probe(database_url)
-    assert _server.Pooling.NONE == facts.pooling
+    facts = server_probe.probe(database_url)
+    assert server_probe.Pooling.NONE == facts.pooling
     assert facts.proxied is False
     assert facts.reports_backend_pid is True  # the watcher trusts libpq's pid
     assert facts.is_standby is False
@@ -78,7 +72,7 @@ def test_probe_of_a_direct_connection_sees_no_pooler(database_url):
 def test_probe_tells_the_pgbouncer_pool_mode(pgbouncer_factory, mode, round_robin):
     """The pooling mode is told right with PgBouncer's LIFO default and round robin."""
     bouncer = pgbouncer_factory(mode, server_round_robin=round_robin)
-    facts = _server.probe(bouncer.url())
+    facts = server_probe.probe(bouncer.url())
     assert POOLING[mode] == facts.pooling
     assert facts.proxied is True
     assert facts.reports_backend_pid is False  # PgBouncer invents the pid it reports
@@ -102,7 +96,7 @@ def test_probe_is_right_with_a_busy_pool(pgbouncer_factory, mode, database_url):
             with others[0].cursor() as cursor:
                 cursor.execute("BEGIN")
                 cursor.execute("SELECT pg_backend_pid()")
-        assert POOLING[mode] == _server.probe(bouncer.url()).pooling
+        assert POOLING[mode] == server_probe.probe(bouncer.url()).pooling
     finally:
         for other in others:
             other.close()
@@ -176,7 +170,7 @@ def test_default_options_work_through_pgbouncer(
     by a statement at connect."""
     bouncer = pgbouncer_factory("session")
     engine = engines(bouncer.url())
-    caplog.set_level(logging.INFO, logger="celery_pglock._options")
+    caplog.set_level(logging.INFO, logger="celery_pglock.db.startup_options")
     locks = [
         AdvisoryLock(engine=engine, key=make_key(f"{namespace}-{index}"))
         for index in range(2)
@@ -235,10 +229,10 @@ def test_probe_is_bounded_in_time(pgbouncer_factory):
         with pytest.raises(
             DatabaseError, match=r"probe had no answer within 1 s"
         ) as late:
-            _server.probe(bouncer.url(), timeout=1.0)
+            server_probe.probe(bouncer.url(), timeout=1.0)
         assert time.monotonic() - started < 3.0
         # lock_on_error retries it.
-        assert _driver_errors.is_transient(late.value.__cause__)
+        assert driver_errors.is_transient(late.value.__cause__)
     finally:
         holder.close()
 
@@ -251,7 +245,7 @@ def test_probe_runs_once_per_engine(pgbouncer_factory, engines, namespace):
     lock = AdvisoryLock(engine=engine, key=make_key(namespace))
     with pytest.raises(ConfigurationError):
         lock.acquire()
-    facts = _server.facts_for(engine)
+    facts = server_probe.facts_for(engine)
     with pytest.raises(ConfigurationError):
         lock.acquire()
-    assert facts is _server.facts_for(engine)
+    assert facts is server_probe.facts_for(engine)

@@ -22,14 +22,9 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy import event
 
-from celery_pglock import (
-    AdvisoryLock,
-    DatabaseError,
-    _driver_errors,
-    _session,
-    db,
-    keys,
-)
+from celery_pglock import AdvisoryLock, DatabaseError, keys
+from celery_pglock.db import driver_errors, engines
+from celery_pglock.lock import strategy
 from celery_pglock.testing import _support
 from celery_pglock.testing import postgres as embedded
 
@@ -93,11 +88,11 @@ def locker_url(server: embedded.EmbeddedPostgres) -> str:
 
 @contextlib.contextmanager
 def lock_engine(url: str, conf: dict[str, Any]) -> Iterator[sa.Engine]:
-    engine = db.create_engine(url, conf)
+    engine = engines.create_engine(url, conf)
     try:
         yield engine
     finally:
-        _session.close_for(engine)
+        strategy.close_for(engine)
         engine.dispose()
 
 
@@ -241,8 +236,8 @@ def test_b_full_server_and_a_stopped_one_are_not_dead_sessions(
                 )
                 with pytest.raises(DatabaseError, match=expected) as caught:
                     lock.acquire()
-                assert _driver_errors.is_transient(caught.value.__cause__)
-                assert not _driver_errors.is_dead_session(caught.value)
+                assert driver_errors.is_transient(caught.value.__cause__)
+                assert not driver_errors.is_dead_session(caught.value)
                 assert not lock.owned()
             reconnects = [
                 r

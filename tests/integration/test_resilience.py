@@ -7,16 +7,11 @@ import os
 import pytest
 from celery import signals as celery_signals
 
-from celery_pglock import (
-    AdvisoryLock,
-    DatabaseError,
-    LockNotOwnedError,
-    _session,
-    context,
-    keys,
-)
-from celery_pglock import _hooks as hooks
-from celery_pglock import db as db_module
+from celery_pglock import AdvisoryLock, DatabaseError, LockNotOwnedError, keys
+from celery_pglock.db import engines as db_module
+from celery_pglock.lock import strategy
+from celery_pglock.task import context
+from celery_pglock.task import worker_hooks as hooks
 
 
 def make_key(namespace):
@@ -142,7 +137,7 @@ def test_postgres_restart_loses_locks_and_the_next_acquire_reconnects(
         assert again.acquire()
         again.release()
     finally:
-        _session.close_for(engine)
+        strategy.close_for(engine)
         engine.dispose()
 
 

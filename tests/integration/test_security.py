@@ -20,9 +20,9 @@ from celery_pglock import (
     LockScope,
     SingletonTask,
     current_lock,
-    db,
     keys,
 )
+from celery_pglock.db import engines
 
 MARKER = "LeakMe"
 
@@ -69,7 +69,7 @@ def least_privilege_url(database_url):
     try:
         yield url
     finally:
-        db.dispose_all()
+        engines.dispose_all()
         with conn.cursor() as cursor:
             cursor.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
@@ -88,7 +88,7 @@ def test_least_privilege_role_locks_in_both_scopes(
 ):
     """acquire / locked / release as a role with no privileges beyond LOGIN and CONNECT."""
     caplog.set_level(logging.DEBUG, logger="celery_pglock")
-    engine = db.create_engine(least_privilege_url)
+    engine = engines.create_engine(least_privilege_url)
     try:
         key = keys.make_key(namespace, "lp", {"tenant": 7})
         holder = AdvisoryLock(engine=engine, key=key, scope=scope)
@@ -195,7 +195,7 @@ def test_singleton_task_failure_stores_no_password(
     try:
         result = app.tasks["down.export"].apply()
     finally:
-        db.dispose_all()
+        engines.dispose_all()
         app.close()
     assert isinstance(result.result, DatabaseError)
     assert MARKER not in str(result.result)
@@ -235,12 +235,12 @@ def app_for_names(
         base=SingletonTask, name="names.by_email", lock_args=("email",), shared=False
     )
     def by_email(email):
-        with db.engine_for(app.conf).connect() as connection:
+        with engines.engine_for(app.conf).connect() as connection:
             return list(
                 connection.exec_driver_sql(
                     "SELECT application_name FROM pg_stat_activity "
                     "WHERE application_name LIKE %s",
-                    (f"{db.DEFAULT_APPLICATION_NAME} {db.process_tag()}%",),
+                    (f"{engines.DEFAULT_APPLICATION_NAME} {engines.process_tag()}%",),
                 ).scalars()
             )
 

@@ -20,15 +20,9 @@ from typing import TYPE_CHECKING
 import psycopg2
 import pytest
 
-from celery_pglock import (
-    AdvisoryLock,
-    LockBusy,
-    SingletonTask,
-    _session,
-    current_lock,
-    db,
-    keys,
-)
+from celery_pglock import AdvisoryLock, LockBusy, SingletonTask, current_lock, keys
+from celery_pglock.db import engines
+from celery_pglock.lock import strategy
 from celery_pglock.testing.postgres import EmbeddedPostgres
 from tests.integration.loss_support import dsn, make_app
 
@@ -71,8 +65,8 @@ def role_url(server: EmbeddedPostgres) -> Iterator[object]:
         return server.url().replace("://postgres@", f"://{role}@")
 
     yield make
-    _session.close_all()
-    db.dispose_all()
+    strategy.close_all()
+    engines.dispose_all()
     for role in roles:
         _admin(
             server,
@@ -95,7 +89,7 @@ class Competitor:
     """Another process's view, as a second lock engine: tries the key while a body runs."""
 
     def __init__(self, url: str, key: object) -> None:
-        self.engine = db.create_engine(url)
+        self.engine = engines.create_engine(url)
         self.key = key
         self.granted = 0
         self.tries = 0
@@ -108,7 +102,7 @@ class Competitor:
             lock.release()
 
     def close(self) -> None:
-        _session.close_for(self.engine)
+        strategy.close_for(self.engine)
         self.engine.dispose()
 
 
@@ -224,7 +218,7 @@ def test_statement_timeout_does_not_cut_a_wait_and_the_message_says_how_long(
     def body():
         return "ran"
 
-    holder = AdvisoryLock(engine=db.create_engine(url), key=body.lock_key_for())
+    holder = AdvisoryLock(engine=engines.create_engine(url), key=body.lock_key_for())
     assert holder.acquire()
     try:
         started = time.monotonic()
@@ -232,7 +226,7 @@ def test_statement_timeout_does_not_cut_a_wait_and_the_message_says_how_long(
         took = time.monotonic() - started
     finally:
         holder.release()
-        _session.close_for(holder.engine)
+        strategy.close_for(holder.engine)
         holder.engine.dispose()
     assert isinstance(result.result, LockBusy), result.result
     assert 1.5 <= took < 4.0, took
@@ -267,7 +261,7 @@ def test_a_wait_longer_than_statement_timeout_is_granted(
             )
         return "ran"
 
-    holder = AdvisoryLock(engine=db.create_engine(url), key=body.lock_key_for())
+    holder = AdvisoryLock(engine=engines.create_engine(url), key=body.lock_key_for())
     assert holder.acquire()
     timer = threading.Timer(1.0, holder.release)
     timer.start()
@@ -277,7 +271,7 @@ def test_a_wait_longer_than_statement_timeout_is_granted(
         took = time.monotonic() - started
     finally:
         timer.join()
-        _session.close_for(holder.engine)
+        strategy.close_for(holder.engine)
         holder.engine.dispose()
     assert ("300ms" if scope == "transaction" else "ran") == result.get()
     assert took >= 0.9, took
@@ -322,7 +316,7 @@ def test_lock_sessions_carry_their_settings(role_url, namespace, conf):
     session has idle_session_timeout 0 under a role that says 1s; with keepalives, the
     server-side keepalives and tcp_user_timeout are set too."""
     url = role_url("idle_session_timeout", "1s")
-    engine = db.create_engine(url, conf)
+    engine = engines.create_engine(url, conf)
     try:
         with AdvisoryLock(
             engine=engine, key=keys.make_key(namespace, "settings")
@@ -339,5 +333,5 @@ def test_lock_sessions_carry_their_settings(role_url, namespace, conf):
         if conf == {}:
             assert ("30", "60000") == (keepalives_idle, user_timeout)
     finally:
-        _session.close_for(engine)
+        strategy.close_for(engine)
         engine.dispose()

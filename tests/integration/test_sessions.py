@@ -17,17 +17,20 @@ import textwrap
 
 import pytest
 
-from celery_pglock import AdvisoryLock, _session, keys
-from celery_pglock import db as db_module
+from celery_pglock import AdvisoryLock, keys
+from celery_pglock.db import engines as db_module
+from celery_pglock.lock import strategy
 
 FORK_SCRIPT = textwrap.dedent(
     """
     import gc, json, os, sys
-    from celery_pglock import AdvisoryLock, LockNotOwnedError, keys, db, _session
+    from celery_pglock import AdvisoryLock, LockNotOwnedError, keys
+    from celery_pglock.db import engines
+    from celery_pglock.lock import strategy
 
     database_url, namespace, mode, how = sys.argv[1:5]
     settings = {"pglock_session_mode": mode}
-    engine = db.create_engine(database_url, settings)
+    engine = engines.create_engine(database_url, settings)
     lock = AdvisoryLock(engine=engine, key=keys.make_key(namespace, "it.fork"))
     assert lock.acquire()
     parent_backend = lock._hold.connection.info.backend_pid
@@ -40,7 +43,7 @@ FORK_SCRIPT = textwrap.dedent(
             lock.release()
         except LockNotOwnedError as error:
             report["release"] = "refused: " + str(error)
-        own = AdvisoryLock(engine=db.create_engine(database_url, settings), key=keys.make_key(namespace, "it.child"))
+        own = AdvisoryLock(engine=engines.create_engine(database_url, settings), key=keys.make_key(namespace, "it.child"))
         report["child_acquired"] = own.acquire()
         report["child_backend"] = own._hold.connection.info.backend_pid
         own.release()
@@ -125,7 +128,7 @@ def test_one_session_carries_many_locks_and_excludes_each_key_once(
             lock.release()
         assert twin.acquire()
         twin.release()
-        assert [] == _session.process_session(engine).holds()
+        assert [] == strategy.process_session(engine).holds()
     finally:
-        _session.close_for(engine)
+        strategy.close_for(engine)
         engine.dispose()

@@ -19,12 +19,11 @@ from celery_pglock import (
     ConfigurationError,
     LockLostError,
     SingletonTask,
-    _server,
     current_lock,
-    db,
     keys,
     signals,
 )
+from celery_pglock.db import engines, server_probe
 from celery_pglock.testing import EmbeddedPostgres, _support
 from celery_pglock.testing.postgres import SUPERUSER
 from tests.acceptance._proxy import FreezableProxy
@@ -87,7 +86,7 @@ def test_postgres_grants_a_standby_advisory_lock_that_excludes_nobody(replica):
 def test_standby_is_refused_in_both_scopes(replica, scope):
     """A lock on a standby raises ConfigurationError naming the primary as the fix."""
     _, standby = replica
-    engine = db.create_engine(standby.url())
+    engine = engines.create_engine(standby.url())
     try:
         lock = AdvisoryLock(
             engine=engine, key=keys.make_key("standby", "it.standby"), scope=scope
@@ -105,8 +104,8 @@ def test_standby_is_refused_in_both_scopes(replica, scope):
 
 def test_probe_reports_standby_and_primary(replica):
     primary, standby = replica
-    assert _server.probe(standby.url()).is_standby is True
-    assert _server.probe(primary.url()).is_standby is False
+    assert server_probe.probe(standby.url()).is_standby is True
+    assert server_probe.probe(primary.url()).is_standby is False
 
 
 @pytest.mark.parametrize(

@@ -289,7 +289,7 @@ def test_a_commit_answered_after_its_bound_fired_still_succeeds(
     pooled."""
     from sqlalchemy.engine import base
 
-    from celery_pglock import _deadline
+    from celery_pglock.db import deadlines
 
     table = f"it_late_commit_{uuid.uuid4().hex[:8]}"
     admin = sa.create_engine(database_url, poolclass=sa.pool.NullPool)
@@ -306,7 +306,7 @@ def test_a_commit_answered_after_its_bound_fired_still_succeeds(
 
     def commit_then_stall(self, *args, **kwargs):
         answer = commit(self, *args, **kwargs)
-        time.sleep(0.2 + _deadline.TICK + 0.3)  # the stall after the answer
+        time.sleep(0.2 + deadlines.TICK + 0.3)  # the stall after the answer
         return answer
 
     monkeypatch.setattr(base.RootTransaction, "commit", commit_then_stall)

@@ -20,14 +20,12 @@ from celery_pglock import (
     ConfigurationError,
     LockBusy,
     LockSkipped,
-    _holder,
-    _per_lock,
-    _process_session,
     current_lock,
     keys,
     skip_info,
 )
-from celery_pglock import db as db_module
+from celery_pglock.db import engines as db_module
+from celery_pglock.lock import holder_lookup, per_lock, per_process
 from tests.integration.task_support import (
     current_engine,
     define,
@@ -127,9 +125,9 @@ def test_a_hot_keys_holder_is_looked_up_once_a_second_on_the_lock_session(
     itself (no pooled connection)."""
     lookups = []
     strategy = (
-        _process_session.ProcessSession
+        per_process.ProcessSession
         if session_mode == "per_process"
-        else _per_lock.PerLockSessions
+        else per_lock.PerLockSessions
     )
     original = strategy.holder_of
 
@@ -144,7 +142,7 @@ def test_a_hot_keys_holder_is_looked_up_once_a_second_on_the_lock_session(
     sa.event.listen(current_engine(app), "checkout", lambda *_: checkouts.append(1))
     try:
         skips = [task.apply().result for _ in range(5)]
-        monkeypatch.setattr(_holder, "RECENT_SECONDS", 0.0)
+        monkeypatch.setattr(holder_lookup, "RECENT_SECONDS", 0.0)
         skips.append(task.apply().result)
     finally:
         holder.release()

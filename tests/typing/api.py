@@ -26,7 +26,7 @@ from celery_pglock import (
     signals,
     skip_info,
 )
-from celery_pglock.db import create_engine
+from celery_pglock.db.engines import create_engine
 
 app = Celery("billing", broker="redis://localhost:6379/0")
 app.conf.pglock_database_url = "postgresql+psycopg2://app@db/app"

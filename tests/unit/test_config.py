@@ -13,16 +13,16 @@ from celery_pglock import (
     OnBusy,
     SingletonTask,
     SkipResult,
-    db,
     metrics,
 )
 from celery_pglock import config as config_module
+from celery_pglock.db import engines
 
 
 @pytest.fixture
 def app():
     app = Celery("unit", broker="memory://", set_as_current=False)
-    app.conf.pglock_database_url = "postgresql+psycopg2://u:secret@db.invalid/app"
+    app.conf.pglock_database_url = "postgresql+psycopg2://u:secret@engines.invalid/app"
     return app
 
 
@@ -387,6 +387,6 @@ def test_bad_session_mode_stops_the_engine_too():
     """The engine (what a worker builds at its first task) refuses it as well."""
 
     with pytest.raises(ConfigurationError, match="pglock_session_mode"):
-        db.create_engine(
+        engines.create_engine(
             "postgresql+psycopg2://u@127.0.0.1/db", {"pglock_session_mode": "shared"}
         )

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from celery_pglock import (
-    ConfigurationError,
-    db,
-)
+from celery_pglock import ConfigurationError
 from celery_pglock import config as config_module
+from celery_pglock.db import engines
 
 
 def test_missing_database_url_names_setting_and_variable(monkeypatch):
@@ -31,25 +29,25 @@ def test_missing_database_url_names_setting_and_variable(monkeypatch):
 def test_unsupported_urls_are_refused_with_password_masked(url):
     """Only PostgreSQL + psycopg2; the message never shows the password."""
     with pytest.raises(ConfigurationError) as caught:
-        db.check_url(url)
+        engines.check_url(url)
     assert "pw" not in str(caught.value)
 
 
 def test_plain_postgresql_url_means_psycopg2():
     """postgresql:// (no driver) is accepted and runs on psycopg2, whatever SQLAlchemy's default."""
-    assert "psycopg2" == db.check_url("postgresql://u@h/db").get_driver_name()
+    assert "psycopg2" == engines.check_url("postgresql://u@h/db").get_driver_name()
 
 
 def test_mask_url_hides_password():
     """Passwords never reach logs."""
-    masked = db.mask_url("postgresql+psycopg2://app:s3cr3t@db:5432/app")
+    masked = engines.mask_url("postgresql+psycopg2://app:s3cr3t@db:5432/app")
     assert "s3cr3t" not in masked
     assert "app:***@db:5432/app" in masked
 
 
 def test_application_name_fits_and_keeps_task_tail():
     """application_name stays within 63 bytes and keeps the most specific part of the name."""
-    name = db.application_name(
+    name = engines.application_name(
         "pglock",
         "host:123",
         -9223372036854775808,
@@ -70,6 +68,6 @@ def test_application_name_fits_and_keeps_task_tail():
 )
 def test_mask_url_hides_secrets_in_query_parameters(url):
     """Passwords in the query string are masked too."""
-    masked = db.mask_url(url)
+    masked = engines.mask_url(url)
     assert "s3cret" not in masked
     assert "***" in masked

@@ -11,7 +11,9 @@ import psycopg2.extras
 import pytest
 import sqlalchemy as sa
 
-from celery_pglock import ConfigurationError, _driver_errors, _statements, db
+from celery_pglock import ConfigurationError
+from celery_pglock.db import driver_errors, engines
+from celery_pglock.lock import lock_statements
 from celery_pglock.testing import ServiceError, _support
 
 
@@ -31,12 +33,12 @@ class _Psycopg2LockNotAvailable(psycopg2.OperationalError):
     ],
 )
 def test_both_drivers_are_accepted_and_no_driver_means_psycopg2(url, driver):
-    assert driver == db.check_url(url).get_driver_name()
+    assert driver == engines.check_url(url).get_driver_name()
 
 
 def test_an_unsupported_driver_is_refused_naming_the_setting_and_both_drivers():
     with pytest.raises(ConfigurationError) as caught:
-        db.check_url("postgresql+asyncpg://app:s3cret@h/db")
+        engines.check_url("postgresql+asyncpg://app:s3cret@h/db")
     message = str(caught.value)
     assert "pglock_database_url" in message
     assert "postgresql+psycopg2://" in message
@@ -50,28 +52,28 @@ def test_an_unsupported_driver_is_refused_naming_the_setting_and_both_drivers():
     ids=["psycopg2 pgcode", "psycopg sqlstate"],
 )
 def test_sqlstate_reads_either_drivers_attribute(error):
-    assert "55P03" == _driver_errors.sqlstate(error)
+    assert "55P03" == driver_errors.sqlstate(error)
     wrapped = sa.exc.OperationalError("SELECT 1", {}, error)
-    assert "55P03" == _driver_errors.sqlstate(wrapped)
+    assert "55P03" == driver_errors.sqlstate(wrapped)
 
 
 @pytest.mark.parametrize("module", [psycopg2, psycopg], ids=["psycopg2", "psycopg"])
 def test_a_lost_connection_is_a_disconnect_and_a_lock_timeout_is_not(module):
     lost = module.OperationalError("server closed the connection unexpectedly")
-    assert _driver_errors.is_disconnect(lost)
-    assert _driver_errors.is_transient(lost)
-    assert _driver_errors.misconfiguration(lost) is None
-    assert None is _driver_errors.sqlstate(lost)
+    assert driver_errors.is_disconnect(lost)
+    assert driver_errors.is_transient(lost)
+    assert driver_errors.misconfiguration(lost) is None
+    assert None is driver_errors.sqlstate(lost)
     timed_out = (
         psycopg.errors.LockNotAvailable()
         if module is psycopg
         else _Psycopg2LockNotAvailable("lock timeout")
     )
-    assert not _driver_errors.is_disconnect(timed_out)
+    assert not driver_errors.is_disconnect(timed_out)
 
 
 def test_a_terminated_backend_is_a_disconnect_on_psycopg():
-    assert _driver_errors.is_disconnect(psycopg.errors.AdminShutdown())
+    assert driver_errors.is_disconnect(psycopg.errors.AdminShutdown())
 
 
 @pytest.mark.parametrize("module", [psycopg2, psycopg], ids=["psycopg2", "psycopg"])
@@ -80,10 +82,10 @@ def test_a_refused_login_is_a_misconfiguration_on_either_driver(module):
         'connection failed: connection to server at "127.0.0.1", port 5432 failed: '
         'FATAL:  password authentication failed for user "app"'
     )
-    problem = _driver_errors.misconfiguration(refused)
+    problem = driver_errors.misconfiguration(refused)
     assert problem is not None
     assert "password authentication failed" == problem.cause
-    assert not _driver_errors.is_transient(refused)
+    assert not driver_errors.is_transient(refused)
 
 
 def test_a_late_answer_raises_the_connections_own_drivers_error():
@@ -92,15 +94,15 @@ def test_a_late_answer_raises_the_connections_own_drivers_error():
     connection = object.__new__(
         psycopg.Connection
     )  # no socket: a class is all it reads
-    assert psycopg.OperationalError is _driver_errors.operational_error(connection)
+    assert psycopg.OperationalError is driver_errors.operational_error(connection)
     connection2 = psycopg2.extensions.connection.__new__(psycopg2.extensions.connection)
-    assert psycopg2.OperationalError is _driver_errors.operational_error(connection2)
+    assert psycopg2.OperationalError is driver_errors.operational_error(connection2)
 
     class LoggingConnection(psycopg2.extensions.connection):
         """A user's connection_factory, defined outside the driver's package."""
 
     connection3 = LoggingConnection.__new__(LoggingConnection)
-    assert psycopg2.OperationalError is _driver_errors.operational_error(connection3)
+    assert psycopg2.OperationalError is driver_errors.operational_error(connection3)
 
 
 def test_the_test_driver_variable_picks_the_embedded_urls_driver(monkeypatch):
@@ -129,24 +131,28 @@ def test_a_psycopg_url_without_a_working_psycopg_says_which_extra(
 
     def version(name: str) -> str:
         if installed is None:
-            raise db.importlib.metadata.PackageNotFoundError(name)
+            raise engines.importlib.metadata.PackageNotFoundError(name)
         return installed
 
-    monkeypatch.setattr(db.importlib.metadata, "version", version)
+    monkeypatch.setattr(engines.importlib.metadata, "version", version)
     with pytest.raises(ConfigurationError) as caught:
-        db.check_url("postgresql+psycopg://app:s3cret@h/db")
+        engines.check_url("postgresql+psycopg://app:s3cret@h/db")
     message = str(caught.value)
     assert "pglock_database_url" in message
     assert expected in message
     assert "celery-pglock[psycopg]" in message
     assert "s3cret" not in message
-    db.check_url("postgresql+psycopg2://app@h/db")  # psycopg 3 not needed for psycopg2
+    engines.check_url(
+        "postgresql+psycopg2://app@h/db"
+    )  # psycopg 3 not needed for psycopg2
 
 
 @pytest.mark.parametrize("installed", ["3.1.8", "3.2", "3.3.9", "4.0.0.dev1"])
 def test_a_recent_enough_psycopg_is_accepted(monkeypatch, installed):
-    monkeypatch.setattr(db.importlib.metadata, "version", lambda name: installed)
-    assert db.check_url("postgresql+psycopg://u@h/db").get_driver_name() == "psycopg"
+    monkeypatch.setattr(engines.importlib.metadata, "version", lambda name: installed)
+    assert (
+        engines.check_url("postgresql+psycopg://u@h/db").get_driver_name() == "psycopg"
+    )
 
 
 @pytest.mark.parametrize(
@@ -162,11 +168,11 @@ def test_the_watchers_connect_keeps_libpq_keywords_and_drops_the_drivers_own(url
         "sslmode": "prefer",  # libpq's: kept
         "target_session_attrs": "read-write",  # libpq's: kept
     }
-    engine = db.create_engine(
+    engine = engines.create_engine(
         url, {"pglock_engine_options": {"connect_args": user_args}}
     )
     try:
-        params = db.connect_params(engine)
+        params = engines.connect_params(engine)
     finally:
         engine.dispose()
     assert {"prepare_threshold", "autocommit", "cursor_factory", "context"}.isdisjoint(
@@ -202,5 +208,5 @@ def test_the_last_result_of_a_statement_string_is_read_on_psycopg_3(module, read
 
     Cursor.__module__ = f"{module}.cursor"
     cursor = Cursor()
-    _statements.to_last_result(cursor)
+    lock_statements.to_last_result(cursor)
     assert Cursor.results[cursor.at] == read

@@ -10,13 +10,8 @@ import pickle
 
 import pytest
 
-from celery_pglock import (
-    ConfigurationError,
-    LockBusy,
-    LockNotOwnedError,
-    LockSkipped,
-    _holder,
-)
+from celery_pglock import ConfigurationError, LockBusy, LockNotOwnedError, LockSkipped
+from celery_pglock.lock import holder_lookup
 
 
 @pytest.mark.parametrize(
@@ -71,4 +66,4 @@ def test_lock_skipped_round_trips_like_a_json_result_backend():
 )
 def test_holder_is_read_from_application_name(application_name, expected):
     """The holder's host:pid and task name come from its application_name."""
-    assert expected == _holder.parse_application_name(application_name)
+    assert expected == holder_lookup.parse_application_name(application_name)

@@ -7,7 +7,8 @@ import gc
 import weakref
 from types import SimpleNamespace
 
-from celery_pglock import _holder, keys
+from celery_pglock import keys
+from celery_pglock.lock import holder_lookup
 
 
 class Session:
@@ -32,16 +33,16 @@ def busy_lock(session: Session) -> SimpleNamespace:
 def test_a_key_is_looked_up_once_per_session_within_the_window():
     first, second = Session(), Session()
     for _ in range(3):
-        holder = _holder.find(busy_lock(first))
+        holder = holder_lookup.find(busy_lock(first))
         assert holder is not None
         assert (holder.backend_pid, holder.process) == (4242, "web-1:7")
-    _holder.find(busy_lock(second))
+    holder_lookup.find(busy_lock(second))
     assert (first.lookups, second.lookups) == (1, 1)
 
 
 def test_the_cache_keeps_no_session_alive():
     session = Session()
-    _holder.find(busy_lock(session))
+    holder_lookup.find(busy_lock(session))
     gone = weakref.ref(session)
     del session
     gc.collect()

@@ -11,7 +11,8 @@ from pathlib import Path
 import prometheus_client
 import pytest
 
-from celery_pglock import ConfigurationError, _metrics_server, metrics
+from celery_pglock import ConfigurationError, metrics
+from celery_pglock.task import metrics_endpoint
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 METRIC = re.compile(r"\bcelery_pglock_[a-z_]+")
@@ -62,17 +63,17 @@ def test_a_taken_port_is_reported_and_changes_nothing(monkeypatch, tmp_path):
     memory; tasks are unaffected)."""
     import socket
 
-    monkeypatch.delenv(_metrics_server.MULTIPROC_ENV, raising=False)
+    monkeypatch.delenv(metrics_endpoint.MULTIPROC_ENV, raising=False)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(ConfigurationError, match=f"pglock_metrics_port={port}"):
-            _metrics_server.serve(
+            metrics_endpoint.serve(
                 {"pglock_metrics_port": port, "pglock_metrics_address": "127.0.0.1"}
             )
-    assert _metrics_server.MULTIPROC_ENV not in os.environ
+    assert metrics_endpoint.MULTIPROC_ENV not in os.environ
     assert [] == list(tmp_path.iterdir())
 
 
@@ -81,7 +82,8 @@ def test_without_prometheus_client_only_the_worker_refuses(monkeypatch):
     the extra to install."""
     from celery import Celery
 
-    from celery_pglock import SingletonTask, _hooks
+    from celery_pglock import SingletonTask
+    from celery_pglock.task import worker_hooks
 
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import fails
     app = Celery("unit", broker="memory://", set_as_current=False)
@@ -95,7 +97,7 @@ def test_without_prometheus_client_only_the_worker_refuses(monkeypatch):
     app.finalize(auto=True)
     assert isinstance(metrics.current(), metrics.NullMetrics)
     with pytest.raises(ConfigurationError, match=r"celery-pglock\[prometheus\]"):
-        _hooks.check_app(app)
+        worker_hooks.check_app(app)
 
 
 def _values(registry, name):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import psycopg2
 import pytest
 
-from celery_pglock import _options, db
+from celery_pglock.db import startup_options
 
 
 class FakeConnection:
@@ -57,7 +57,7 @@ class FakeDialect:
         return FakeConnection(self.log)
 
 
-def _connect(fallback: _options.OptionsFallback, dialect: FakeDialect) -> None:
+def _connect(fallback: startup_options.OptionsFallback, dialect: FakeDialect) -> None:
     fallback(dialect, None, [], {"options": fallback.ours})
 
 
@@ -65,7 +65,7 @@ def test_an_older_server_gets_the_options_it_knows_and_the_rest_by_statement():
     """PostgreSQL 13 (no idle_session_timeout) and 11 (no tcp_user_timeout either): each
     unknown setting is dropped once, then never sent again; no statement is needed for a
     setting the server does not have (the statement filters on pg_settings anyway)."""
-    fallback = _options.OptionsFallback("db", db.SERVER_OPTIONS)
+    fallback = startup_options.OptionsFallback("db", startup_options.SERVER_OPTIONS)
     dialect = FakeDialect({"idle_session_timeout", "tcp_user_timeout"})
     _connect(fallback, dialect)
     assert 3 == len(dialect.connects)
@@ -81,25 +81,25 @@ def test_an_older_server_gets_the_options_it_knows_and_the_rest_by_statement():
 
 
 def test_a_pooler_refusing_options_gets_the_settings_by_statement():
-    fallback = _options.OptionsFallback("db", db.SERVER_OPTIONS)
+    fallback = startup_options.OptionsFallback("db", startup_options.SERVER_OPTIONS)
     dialect = FakeDialect(set(), refuse_options=True)
     _connect(fallback, dialect)
-    assert [db.SERVER_OPTIONS, None] == dialect.connects
+    assert [startup_options.SERVER_OPTIONS, None] == dialect.connects
     assert ["SET"] == dialect.log
     _connect(fallback, dialect)
-    assert [db.SERVER_OPTIONS, None, None] == dialect.connects
+    assert [startup_options.SERVER_OPTIONS, None, None] == dialect.connects
 
 
 def test_accepted_options_need_no_statement():
-    fallback = _options.OptionsFallback("db", db.SERVER_OPTIONS)
+    fallback = startup_options.OptionsFallback("db", startup_options.SERVER_OPTIONS)
     dialect = FakeDialect(set())
     _connect(fallback, dialect)
-    assert [db.SERVER_OPTIONS] == dialect.connects
+    assert [startup_options.SERVER_OPTIONS] == dialect.connects
     assert [] == dialect.log
 
 
 def test_the_users_own_options_are_never_dropped():
-    fallback = _options.OptionsFallback("db", db.SERVER_OPTIONS)
+    fallback = startup_options.OptionsFallback("db", startup_options.SERVER_OPTIONS)
     dialect = FakeDialect({"work_mem"})
     with pytest.raises(psycopg2.OperationalError, match="work_mem"):
         fallback(dialect, None, [], {"options": "-c work_mem=8MB"})

@@ -15,7 +15,8 @@ import sqlalchemy as sa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from celery_pglock import ConfigurationError, DatabaseError, _driver_errors, _redact, db
+from celery_pglock import ConfigurationError, DatabaseError
+from celery_pglock.db import driver_errors, engines, redact
 
 MARKER = re.compile("leak", re.IGNORECASE)
 
@@ -90,7 +91,10 @@ READABLE_URLS = [
         "postgresql+psycopg2://postgres@127.0.0.1:5432/test",
         "postgresql+psycopg2://postgres@127.0.0.1:5432/test",
     ),
-    ("postgresql://app:pw@db.example.com/x", "postgresql://app:***@db.example.com/x"),
+    (
+        "postgresql://app:pw@engines.example.com/x",
+        "postgresql://app:***@engines.example.com/x",
+    ),
     (
         "postgresql://app%40srv:pw@[::1]:5432/x",
         "postgresql://app%40srv:***@[::1]:5432/x",
@@ -109,7 +113,7 @@ READABLE_URLS = [
 @pytest.mark.parametrize(("url", "expected"), HOSTILE_URLS)
 def test_hostile_urls_never_show_the_secret(url, expected):
     """Whatever the shape, the masked form holds no part of the secret."""
-    masked = db.mask_url(url)
+    masked = engines.mask_url(url)
     assert not MARKER.search(masked), masked
     if expected is not None:
         assert expected == masked
@@ -118,7 +122,7 @@ def test_hostile_urls_never_show_the_secret(url, expected):
 @pytest.mark.parametrize(("url", "expected"), READABLE_URLS)
 def test_well_formed_urls_stay_readable(url, expected):
     """Scheme, user, host, port, database and harmless options are shown."""
-    assert expected == db.mask_url(url)
+    assert expected == engines.mask_url(url)
 
 
 #: Pieces a hostile password is made of: the marker and every URL delimiter.
@@ -156,7 +160,7 @@ _PASSWORDS = (
 )
 def test_any_unescaped_password_is_masked(password, tail):
     """A password made of any URL delimiters, unescaped, is never shown."""
-    assert "LEAK" not in db.mask_url(f"postgresql://app:{password}{tail}")
+    assert "LEAK" not in engines.mask_url(f"postgresql://app:{password}{tail}")
 
 
 @settings(max_examples=200, deadline=None)
@@ -166,7 +170,7 @@ def test_any_unescaped_password_is_masked(password, tail):
 )
 def test_any_secret_query_value_is_masked(value, name):
     """Query values are shown only for allow-listed options with plain values."""
-    assert "LEAK" not in db.mask_url(f"postgresql://app@db/x?{name}={value}")
+    assert "LEAK" not in engines.mask_url(f"postgresql://app@db/x?{name}={value}")
 
 
 @pytest.mark.parametrize(
@@ -181,7 +185,7 @@ def test_any_secret_query_value_is_masked(value, name):
 def test_ambiguous_userinfo_is_refused_without_the_secret(url):
     """An unescaped "@" would connect to a host made of half the password: refused."""
     with pytest.raises(ConfigurationError) as caught:
-        db.check_url(url)
+        engines.check_url(url)
     message = str(caught.value)
     assert "%40" in message
     assert "pglock_database_url" in message
@@ -195,14 +199,14 @@ def test_ambiguous_userinfo_is_refused_without_the_secret(url):
 def test_invalid_urls_are_refused_without_the_secret(url):
     """A bad port (ValueError inside SQLAlchemy) or scheme is a ConfigurationError."""
     with pytest.raises(ConfigurationError) as caught:
-        db.check_url(url)
+        engines.check_url(url)
     assert not MARKER.search(str(caught.value))
 
 
 def test_engine_options_that_are_not_a_dict_are_not_echoed():
     """pglock_engine_options set to a DSN string by mistake is named by type only."""
     with pytest.raises(ConfigurationError) as caught:
-        db.create_engine(
+        engines.create_engine(
             "postgresql://app@db/x",
             {"pglock_engine_options": "postgresql://app:LEAK@db/x"},
         )
@@ -223,7 +227,7 @@ def test_engine_options_that_are_not_a_dict_are_not_echoed():
     ],
 )
 def test_scrub_text_removes_urls_pairs_and_known_secrets(text, secrets):
-    assert not MARKER.search(_redact.scrub_text(text, secrets))
+    assert not MARKER.search(redact.scrub_text(text, secrets))
 
 
 @pytest.mark.parametrize(
@@ -240,13 +244,13 @@ def test_scrub_text_removes_urls_pairs_and_known_secrets(text, secrets):
 )
 def test_scrub_text_keeps_the_punctuation_after_a_url(text, expected):
     """A URL at the end of a clause keeps its database name readable."""
-    assert _redact.scrub_text(text) == expected
+    assert redact.scrub_text(text) == expected
 
 
 def test_short_secrets_do_not_garble_messages():
     """A one-letter password is removed as a word, not from every word."""
-    assert "password p*** ***" != _redact.scrub_text("password p wrong", ["p"])
-    assert "user pat: *** wrong" == _redact.scrub_text("user pat: p wrong", ["p"])
+    assert "password p*** ***" != redact.scrub_text("password p wrong", ["p"])
+    assert "user pat: *** wrong" == redact.scrub_text("user pat: p wrong", ["p"])
 
 
 def test_wrap_db_errors_scrubs_the_whole_chain():
@@ -259,7 +263,7 @@ def test_wrap_db_errors_scrubs_the_whole_chain():
     wrapped.__cause__ = driver_error
     with (
         pytest.raises(DatabaseError) as caught,
-        _driver_errors.wrap_db_errors("connect", engine),
+        driver_errors.wrap_db_errors("connect", engine),
     ):
         raise wrapped
     rendered = "".join(traceback.format_exception(caught.value))

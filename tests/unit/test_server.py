@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from celery_pglock._server import Pooling, ServerFacts
 from celery_pglock.config import LockScope
+from celery_pglock.db.server_probe import Pooling, ServerFacts
 
 URL = "postgresql+psycopg2://app:***@pooler:6432/app"
 

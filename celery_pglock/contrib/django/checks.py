@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 import celery
 from django.core import checks
 
-from celery_pglock import config, db, exceptions, metrics
+from celery_pglock import config, exceptions, metrics
+from celery_pglock.db import engines
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -64,7 +65,7 @@ def check_settings(
             )
         )
     else:
-        run(lambda: db.check_url(url), "celery_pglock.E003")
+        run(lambda: engines.check_url(url), "celery_pglock.E003")
     return messages
 
 

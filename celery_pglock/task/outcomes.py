@@ -11,7 +11,7 @@ Logging rule: celery-pglock logs at INFO or above only what Celery does not alre
 A skip that ends as FAILURE or SUCCESS is logged by Celery's own task line, whose text is
 our message (lock, key, holder); a run's end is Celery's "succeeded"/"raised" line. So those
 records are DEBUG here, and an operator sees one line per skip. The database URL is never
-repeated per task: the worker logs it once at start (``_hooks.check_app``).
+repeated per task: the worker logs it once at start (``worker_hooks.check_app``).
 """
 
 from __future__ import annotations

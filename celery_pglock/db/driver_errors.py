@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import exc as sa_exc
 
-from celery_pglock import _redact, exceptions
+from celery_pglock import exceptions
+from celery_pglock.db import redact
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -45,11 +46,11 @@ def wrap_db_errors(
     except Exception as exc:
         if not isinstance(exc, (sa_exc.SQLAlchemyError, OSError, *_driver_error())):
             raise
-        where = f" on {_redact.mask_url(engine.url)}" if engine is not None else ""
+        where = f" on {redact.mask_url(engine.url)}" if engine is not None else ""
         # libpq echoes connection options (a host name holding half a password, a DSN
         # fragment) in its messages; scrub the whole chain, which tracebacks print.
-        _redact.scrub_exception(
-            exc, _redact.secrets_of(engine.url) if engine is not None else ()
+        redact.scrub_exception(
+            exc, redact.secrets_of(engine.url) if engine is not None else ()
         )
         message = f"Could not {action}{where}: {str(exc).strip()}"
         problem = misconfiguration(exc)

@@ -1,6 +1,6 @@
 """AdvisoryLock: one PostgreSQL advisory lock, on the session its strategy picks.
 
-Which session carries the lock is :mod:`celery_pglock._session`'s business (one shared
+Which session carries the lock is :mod:`celery_pglock.lock.strategy`'s business (one shared
 session per process, or a pooled connection per lock); this module is the public verbs.
 
 Lifetimes (see the design article):
@@ -36,17 +36,10 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from celery_pglock import (
-    _driver_errors,
-    _fencing,
-    _hold,
-    _server,
-    _session,
-    _sql,
-    db,
-    exceptions,
-)
+from celery_pglock import exceptions
 from celery_pglock.config import LockScope
+from celery_pglock.db import driver_errors, engines, server_probe, sql_text
+from celery_pglock.lock import base, fencing_tokens, strategy
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -62,7 +55,7 @@ class AdvisoryLock:
     """One advisory lock of ``engine``'s database.
 
     Args:
-        engine: A lock engine (see ``celery_pglock.db.create_engine``); its pool
+        engine: A lock engine (see ``celery_pglock.db.engines.create_engine``); its pool
             must be used for lock connections only. Its ``pglock_session_mode`` says
             whether a session-scope lock lives on the process's shared lock session
             (``per_process``, the default) or on a pooled connection of its own.
@@ -85,10 +78,10 @@ class AdvisoryLock:
         self.key = key
         self.scope = scope if type(scope) is LockScope else LockScope(scope)
         self._label = label or key.name
-        self._session = _session.for_lock(
+        self._session = strategy.for_lock(
             engine, transaction=self.scope is LockScope.TRANSACTION
         )
-        self._hold: _hold.Hold | None = None
+        self._hold: base.Hold | None = None
         #: time.monotonic() when the lock was granted, or None.
         self.acquired_at: float | None = None
         #: time.monotonic() when the lock was released, or None.
@@ -105,7 +98,7 @@ class AdvisoryLock:
         self.lost_cause: str | None = None
         #: Longest one lock round trip (acquire beyond its ``timeout``, or release) may
         #: wait on the database before its socket is shut down (_deadline.py).
-        self.round_trip_timeout: float = _hold.DEFAULT_ROUND_TRIP_TIMEOUT
+        self.round_trip_timeout: float = base.DEFAULT_ROUND_TRIP_TIMEOUT
         #: True in a shadow-mode run that did not get this lock and runs its body anyway:
         #: ensure_held() does not stop it, and fenced writes apply unfenced.
         self.shadowed = False
@@ -151,23 +144,23 @@ class AdvisoryLock:
             timeout_ms = max(1, math.ceil(timeout * 1000))
         # A standby or a multiplexing pooler: refused. Probes once per engine, then
         # costs a dict lookup.
-        _server.check(self.engine, self.scope, self.key.name)
+        server_probe.check(self.engine, self.scope, self.key.name)
         asked_at = time.monotonic()
         try:
             granted = self._do_acquire(timeout_ms)
         except exceptions.DatabaseError as error:
             # A failed connect (refused, too many clients) had no session to lose: not
             # retried here (lock_on_error retries the run later, with backoff).
-            if not _driver_errors.is_dead_session(error):
+            if not driver_errors.is_dead_session(error):
                 raise
             # The session was already dead (server restart, failover, idle timeout, cut
             # network), so it held nothing: try once more on a fresh connection, instead
             # of failing one task per dead connection. The strategy has already closed
             # it, and retired the pooled connections opened before it died, which are
-            # likely dead too (db.mark_pool_stale).
+            # likely dead too (engines.mark_pool_stale).
             logger.warning(
                 "Lock connection to %s was dead (%s); reconnecting once",
-                db.engine_info(self.engine)["masked_url"],
+                engines.engine_info(self.engine)["masked_url"],
                 error.__cause__,
                 extra={"action": "lock_reconnect", "lock_key": str(self.key)},
             )
@@ -217,7 +210,7 @@ class AdvisoryLock:
         if hold.pid != os.getpid():
             # A forked child's copy: the lock is its parent's. Forgotten here without a
             # word on the inherited session (see _forks.py), and refused loudly.
-            raise _hold.foreign(hold, self.key)
+            raise base.foreign(hold, self.key)
         try:
             # The hold knows its session (a bounded wait's lives on a connection of its
             # own). Bounded: on a cut or frozen link the socket is shut down (_deadline).
@@ -245,14 +238,14 @@ class AdvisoryLock:
                 "only issued to the holder."
             )
         try:
-            _fencing.ensure_table(self.engine)
+            fencing_tokens.ensure_table(self.engine)
             holder = hold.session.fencing_holder(
                 hold, self.key, bound=self.round_trip_timeout
             )
             token = (
                 None
                 if holder is None
-                else _fencing.issue(
+                else fencing_tokens.issue(
                     self.engine, self.key, holder, self.round_trip_timeout
                 )
             )
@@ -334,11 +327,11 @@ class AdvisoryLock:
     def locked(self) -> bool:
         """True if any session in this database holds the key (one ``pg_locks`` query)."""
         with (
-            _driver_errors.wrap_db_errors("read pg_locks", self.engine),
+            driver_errors.wrap_db_errors("read pg_locks", self.engine),
             self.engine.connect() as connection,
         ):
             result = connection.exec_driver_sql(
-                _sql.IS_LOCKED, self.key.pg_locks_ids
+                sql_text.IS_LOCKED, self.key.pg_locks_ids
             ).scalar()
             return bool(result)
 
@@ -411,6 +404,6 @@ class AdvisoryLock:
             except exceptions.PgLockError:
                 logger.debug("Release after a failed fencing token", exc_info=True)
 
-    def _granted(self, hold: _hold.Hold) -> None:
+    def _granted(self, hold: base.Hold) -> None:
         # Owned from the moment the session recorded the grant (see LockSession.acquire).
         self._hold = hold

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from celery_pglock import _driver_errors
+from celery_pglock.db import driver_errors
 
 #: How often the reaper looks for expired round trips (seconds).
 TICK = 0.25
@@ -62,7 +62,7 @@ class Bound:
             # The answer came, but after the reaper had shut the socket down (this
             # thread was descheduled in between): the server is ending the session and
             # everything it holds. A dead session, however well the statement went.
-            raise _driver_errors.operational_error(self.connection)(
+            raise driver_errors.operational_error(self.connection)(
                 "no answer in time: the socket was shut down and the session closed"
             )
 

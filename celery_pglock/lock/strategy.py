@@ -1,13 +1,13 @@
 """Which PostgreSQL session carries a lock: the strategies, per engine and per process.
 
-Two strategies implement :class:`~celery_pglock._hold.LockSession`; :func:`for_lock`
+Two strategies implement :class:`~celery_pglock.lock.base.LockSession`; :func:`for_lock`
 picks one for each :class:`~celery_pglock.lock.AdvisoryLock`, which never sees the
 difference (and ``SingletonTask`` never sees either):
 
-- ``ProcessSession`` (:mod:`~celery_pglock._process_session`), for session-scope try-locks
+- ``ProcessSession`` (:mod:`~celery_pglock.lock.per_process`), for session-scope try-locks
   in ``pglock_session_mode='per_process'``, the default for every pool: one long-lived
   connection per process and engine, with exclusion per key inside the process.
-- ``PerLockSessions`` (:mod:`~celery_pglock._per_lock`), for transaction scope and bounded
+- ``PerLockSessions`` (:mod:`~celery_pglock.lock.per_lock`), for transaction scope and bounded
   waits always, and for everything in ``pglock_session_mode='per_lock'``: a pooled
   connection pinned from acquire to release.
 
@@ -25,57 +25,57 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
-from celery_pglock import _hold, _per_lock, _process_session, config, db
+from celery_pglock import config
+from celery_pglock.db import engines
+from celery_pglock.lock import base, per_lock, per_process
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
 
-_per_lock_sessions: weakref.WeakKeyDictionary[sa.Engine, _per_lock.PerLockSessions] = (
+_per_lock_sessions: weakref.WeakKeyDictionary[sa.Engine, per_lock.PerLockSessions] = (
     weakref.WeakKeyDictionary()
 )
-_process: dict[sa.Engine, _process_session.ProcessSession] = {}
+_process: dict[sa.Engine, per_process.ProcessSession] = {}
 #: The keys held by runs of this process, per engine, shared by both strategies (see
-#: _hold.Claims). Never cleared while the process lives: a run that lost its session
+#: base.Claims). Never cleared while the process lives: a run that lost its session
 #: keeps its key until its release, even across close_for() and a new session.
-_claims: weakref.WeakKeyDictionary[sa.Engine, _hold.Claims] = (
-    weakref.WeakKeyDictionary()
-)
+_claims: weakref.WeakKeyDictionary[sa.Engine, base.Claims] = weakref.WeakKeyDictionary()
 _process_pid = os.getpid()
 _registry_guard = threading.Lock()
 #: A forked child's copies of its parent's sessions: kept referenced, never used or
 #: closed, so no finaliser of the child ever writes to the parent's socket.
-_inherited: list[_process_session.ProcessSession] = []
+_inherited: list[per_process.ProcessSession] = []
 
 
-def for_lock(engine: sa.Engine, *, transaction: bool) -> _hold.LockSession:
+def for_lock(engine: sa.Engine, *, transaction: bool) -> base.LockSession:
     """The strategy a lock of ``engine`` uses (a cheap lookup: once per lock)."""
     if _process_pid == os.getpid():
         session = _process.get(engine)
         if session is not None and not transaction:
             return session
     if transaction or (
-        db.engine_info(engine)["session_mode"] == config.SessionMode.PER_LOCK.value
+        engines.engine_info(engine)["session_mode"] == config.SessionMode.PER_LOCK.value
     ):
-        per_lock = _per_lock_sessions.get(engine)
-        if per_lock is None:
+        pinned = _per_lock_sessions.get(engine)
+        if pinned is None:
             with _registry_guard:
                 _forget_after_fork()
-                per_lock = _per_lock_sessions.get(engine)
-                if per_lock is None:
-                    per_lock = _per_lock_sessions[engine] = _per_lock.PerLockSessions(
+                pinned = _per_lock_sessions.get(engine)
+                if pinned is None:
+                    pinned = _per_lock_sessions[engine] = per_lock.PerLockSessions(
                         engine, _claims_of(engine)
                     )
-        return per_lock
+        return pinned
     return process_session(engine)
 
 
-def process_session(engine: sa.Engine) -> _process_session.ProcessSession:
+def process_session(engine: sa.Engine) -> per_process.ProcessSession:
     """This process's session for ``engine`` (created on first use, not at import)."""
     with _registry_guard:
         _forget_after_fork()
         session = _process.get(engine)
         if session is None:
-            session = _process[engine] = _process_session.ProcessSession(
+            session = _process[engine] = per_process.ProcessSession(
                 engine, _claims_of(engine)
             )
         return session
@@ -83,7 +83,7 @@ def process_session(engine: sa.Engine) -> _process_session.ProcessSession:
 
 def open_process_session(
     engine: sa.Engine,
-) -> _process_session.ProcessSession | None:
+) -> per_process.ProcessSession | None:
     """This process's session for ``engine`` if it has one (never creates it): the lock
     watcher checks locks on it, instead of a connection of its own."""
     if _process_pid != os.getpid():
@@ -91,15 +91,15 @@ def open_process_session(
     return _process.get(engine)
 
 
-def _claims_of(engine: sa.Engine) -> _hold.Claims:
+def _claims_of(engine: sa.Engine) -> base.Claims:
     """The claims table of ``engine`` in this process (call with _registry_guard held)."""
     claims = _claims.get(engine)
     if claims is None:
-        claims = _claims[engine] = _hold.Claims()
+        claims = _claims[engine] = base.Claims()
     return claims
 
 
-def sessions() -> list[_process_session.ProcessSession]:
+def sessions() -> list[per_process.ProcessSession]:
     """This process's lock sessions (for lock-loss detection and shutdown)."""
     with _registry_guard:
         _forget_after_fork()

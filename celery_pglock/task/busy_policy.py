@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Ignore
 
-from celery_pglock import _holder, _outcomes, exceptions, keys
+from celery_pglock import exceptions, keys
 from celery_pglock.config import OnBusy, SkipResult
+from celery_pglock.lock import holder_lookup
+from celery_pglock.task import outcomes
 
 if TYPE_CHECKING:
     from celery_pglock.lock import AdvisoryLock
@@ -60,7 +62,7 @@ def apply_policy(
             "so no result was stored."
         )
         skip_result = None
-    _outcomes.skipped(
+    outcomes.skipped(
         task,
         task_id,
         lock,
@@ -119,12 +121,12 @@ def report(
 ) -> tuple[str, dict[str, Any]]:
     """The sentence and the plain-data record of a busy run, naming its holder.
 
-    Costs one more round trip (the holder lookup, see _holder.find) on the busy
+    Costs one more round trip (the holder lookup, see holder_lookup.find) on the busy
     path only. Carries names and numbers only, never argument values.
     """
     options = task._guard().config
     key = lock.key
-    holder = _holder.find(lock)
+    holder = holder_lookup.find(lock)
     details: dict[str, Any] = {
         "reason": "lock_busy",
         "task": task.name,

@@ -3,7 +3,7 @@
 Opened on first use and kept for the life of the process (a prefork child: no pool
 checkout per task; a threads/gevent worker: one connection, not one per in-flight task).
 PostgreSQL session locks are re-entrant *within* a session, so exclusion between the
-tasks of one process is done in the process, per key (``_hold.Claims``, shared with the
+tasks of one process is done in the process, per key (``base.Claims``, shared with the
 engine's PerLockSessions, which keeps a key whose session was lost excluded until its
 body ends), and every statement on the connection is serialised under one mutex (a
 psycopg2 connection runs one statement at a time; its cursors are not thread-safe). A
@@ -19,16 +19,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import (
-    _deadline,
-    _driver_errors,
-    _fencing,
-    _hold,
-    _per_lock,
-    _sql,
-    db,
-    exceptions,
-)
+from celery_pglock import exceptions
+from celery_pglock.db import deadlines, driver_errors, engines, sql_text
+from celery_pglock.lock import base, fencing_tokens, per_lock
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -44,32 +37,32 @@ class SessionBusyError(Exception):
     """The lock session was kept busy by other statements until a check's deadline."""
 
 
-class ProcessSession(_hold.LockSession):
+class ProcessSession(base.LockSession):
     """One connection per process carrying every session-scope try-lock of the process.
 
     Thread-safe: one mutex serialises the exclusion table and every statement on the
     connection. Bounded waits go to ``waits`` (a connection of their own).
     """
 
-    def __init__(self, engine: sa.Engine, claims: _hold.Claims) -> None:
+    def __init__(self, engine: sa.Engine, claims: base.Claims) -> None:
         self.engine = engine
         self.claims = claims
         self.pid = os.getpid()
-        self.waits = _per_lock.PerLockSessions(engine, claims)
+        self.waits = per_lock.PerLockSessions(engine, claims)
         self._mutex = threading.Lock()
         self._pooled: Any = None  # the detached pool proxy owning the connection
         self._connection: Any = None
         self._cursor: Any = None
         #: Who this session is (fencing tokens), asked once per connection.
-        self._holder: _fencing.Holder | None = None
-        self._prefix = db.engine_info(engine)["application_name_prefix"]
+        self._holder: fencing_tokens.Holder | None = None
+        self._prefix = engines.engine_info(engine)["application_name_prefix"]
         self._names: dict[str, str] = {}  # task label -> application_name
         self._shown: str | None = None  # the application_name the session shows
         #: key ids -> the hold living on the current connection (a hold lost with its
         #: connection leaves; its key stays in ``claims`` until its release).
-        self._owners: dict[tuple[int, ...], _hold.Hold] = {}
+        self._owners: dict[tuple[int, ...], base.Hold] = {}
         #: run lock ids -> the hold that carries it (see keys.run_key).
-        self._runs: dict[tuple[int, ...], _hold.Hold] = {}
+        self._runs: dict[tuple[int, ...], base.Hold] = {}
 
     # -- LockSession ----------------------------------------------------------------------
 
@@ -80,10 +73,10 @@ class ProcessSession(_hold.LockSession):
         label: str,
         timeout_ms: int | None,
         transaction: bool,
-        bound: float = _hold.DEFAULT_ROUND_TRIP_TIMEOUT,
+        bound: float = base.DEFAULT_ROUND_TRIP_TIMEOUT,
         run: LockKey | None = None,
-        on_granted: Callable[[_hold.Hold], None] | None = None,
-    ) -> _hold.Hold | None:
+        on_granted: Callable[[base.Hold], None] | None = None,
+    ) -> base.Hold | None:
         if transaction or timeout_ms is not None:
             return self.waits.acquire(
                 key,
@@ -96,7 +89,7 @@ class ProcessSession(_hold.LockSession):
             )
         ids = key.ids
         with self._mutex:
-            hold = _hold.Hold(self, ids)
+            hold = base.Hold(self, ids)
             try:
                 # Inside the try: an exception landing just after the claim (a soft
                 # time limit) must not leave the key claimed by nobody.
@@ -114,12 +107,12 @@ class ProcessSession(_hold.LockSession):
 
     def _acquire(
         self,
-        hold: _hold.Hold,
+        hold: base.Hold,
         key: LockKey,
         label: str,
         bound: float,
         run: LockKey | None,
-        on_granted: Callable[[_hold.Hold], None] | None,
+        on_granted: Callable[[base.Hold], None] | None,
     ) -> bool:
         """Under the mutex, ``hold`` claimed: the try-lock round trip and its record."""
         ids = hold.ids
@@ -132,13 +125,13 @@ class ProcessSession(_hold.LockSession):
         if name is None:
             if len(self._names) >= 1024:  # labels are task names: few; stay bounded
                 self._names.clear()
-            name = self._names[label] = db.application_name(
-                self._prefix, db.process_tag(), label
+            name = self._names[label] = engines.application_name(
+                self._prefix, engines.process_tag(), label
             )
         try:
             # Bounded: a frozen link or server would otherwise hold the mutex, and
             # with it every lock statement of the process, for as long as TCP waits.
-            with _deadline.bounded(self._connection, bound):
+            with deadlines.bounded(self._connection, bound):
                 granted, run_granted = self._try(cursor, ids, name, run_ids)
             if not granted:
                 return False
@@ -156,7 +149,7 @@ class ProcessSession(_hold.LockSession):
         except BaseException as exc:
             self._fail(f"acquiring lock {key.name!r} failed: {exc!r}", exc)
             if isinstance(exc, Exception):
-                with _driver_errors.wrap_db_errors(
+                with driver_errors.wrap_db_errors(
                     f"acquire lock {key.name!r}", self.engine
                 ):
                     raise
@@ -176,18 +169,18 @@ class ProcessSession(_hold.LockSession):
             # The session already shows this task: no relabel (relabelling costs the
             # server about as much as the lock statements).
             if run_ids is None:
-                cursor.execute(_sql.TRY_LOCK_SESSION_BARE[arity], ids)
+                cursor.execute(sql_text.TRY_LOCK_SESSION_BARE[arity], ids)
                 row = cursor.fetchone()
                 return row is not None and row[0] is True, False
-            cursor.execute(_sql.TRY_LOCK_SESSION_BARE_RUN[arity], (*ids, *run_ids))
+            cursor.execute(sql_text.TRY_LOCK_SESSION_BARE_RUN[arity], (*ids, *run_ids))
             row = cursor.fetchone()
             return row is not None and row[0] is not None, bool(row and row[0])
         if run_ids is None:
-            cursor.execute(_sql.TRY_LOCK_SESSION[arity], (*ids, name))
+            cursor.execute(sql_text.TRY_LOCK_SESSION[arity], (*ids, name))
             row = cursor.fetchone()
             run_granted = False
         else:
-            cursor.execute(_sql.TRY_LOCK_SESSION_RUN[arity], (*ids, name, *run_ids))
+            cursor.execute(sql_text.TRY_LOCK_SESSION_RUN[arity], (*ids, name, *run_ids))
             row = cursor.fetchone()
             run_granted = bool(row and row[0] is not None and row[0][1] == "true")
         granted = row is not None and row[0] is not None
@@ -197,14 +190,14 @@ class ProcessSession(_hold.LockSession):
 
     def release(
         self,
-        hold: _hold.Hold,
+        hold: base.Hold,
         key: LockKey,
         *,
         commit: bool,
-        timeout: float = _hold.DEFAULT_ROUND_TRIP_TIMEOUT,
+        timeout: float = base.DEFAULT_ROUND_TRIP_TIMEOUT,
     ) -> None:
         if hold.pid != os.getpid():
-            raise _hold.foreign(hold, key)
+            raise base.foreign(hold, key)
         ids = hold.ids
         with self._mutex:
             # The run has ended, whatever became of its lock: its key is free in the
@@ -222,26 +215,26 @@ class ProcessSession(_hold.LockSession):
             run_ids = hold.run_ids
             if run_ids is not None:
                 del self._runs[run_ids]
-            bound: _deadline.Bound | None = None
+            bound: deadlines.Bound | None = None
             try:
                 # Bounded: a cut or frozen link would otherwise block this release, and
                 # with it (the mutex) every lock statement of the process.
-                with _deadline.bounded(self._connection, timeout) as bound:
+                with deadlines.bounded(self._connection, timeout) as bound:
                     if run_ids is None:
                         self._cursor.execute(
-                            _sql.UNLOCK_SESSION_KEEP_NAME[len(ids)], ids
+                            sql_text.UNLOCK_SESSION_KEEP_NAME[len(ids)], ids
                         )
                     else:
                         self._cursor.execute(
-                            _sql.UNLOCK_SESSION_KEEP_NAME_RUN[len(ids)],
+                            sql_text.UNLOCK_SESSION_KEEP_NAME_RUN[len(ids)],
                             (*ids, *run_ids),
                         )
                     row = self._cursor.fetchone()
             except BaseException as exc:
                 self._fail(f"releasing lock {key.name!r} failed: {exc!r}", exc)
                 if isinstance(exc, Exception):
-                    with _driver_errors.wrap_db_errors(
-                        f"release lock {key.name!r}{_deadline.explain(bound)}",
+                    with driver_errors.wrap_db_errors(
+                        f"release lock {key.name!r}{deadlines.explain(bound)}",
                         self.engine,
                     ):
                         raise
@@ -258,8 +251,8 @@ class ProcessSession(_hold.LockSession):
             )
 
     def fencing_holder(
-        self, hold: _hold.Hold, key: LockKey, *, bound: float
-    ) -> _fencing.Holder | None:
+        self, hold: base.Hold, key: LockKey, *, bound: float
+    ) -> fencing_tokens.Holder | None:
         with self._mutex:
             if (
                 self._owners.get(hold.ids) is not hold
@@ -269,13 +262,13 @@ class ProcessSession(_hold.LockSession):
                 return None  # the session that was granted the key has ended
             if self._holder is None:  # once per session: who it is never changes
                 try:
-                    with _deadline.bounded(self._connection, bound):
-                        self._holder = _fencing.session_holder(self._cursor)
+                    with deadlines.bounded(self._connection, bound):
+                        self._holder = fencing_tokens.session_holder(self._cursor)
                 except BaseException as exc:
-                    if self._connection.closed or _driver_errors.is_disconnect(exc):
+                    if self._connection.closed or driver_errors.is_disconnect(exc):
                         self._fail(f"naming the session failed: {exc!r}", exc)
                         return None
-                    with _driver_errors.wrap_db_errors(
+                    with driver_errors.wrap_db_errors(
                         f"issue a fencing token for lock {key.name!r}", self.engine
                     ):
                         raise
@@ -288,7 +281,7 @@ class ProcessSession(_hold.LockSession):
             if self._cursor is not None:
                 row = self._one_row(
                     f"looking up the holder of {key.name!r}",
-                    _sql.HOLDER,
+                    sql_text.HOLDER,
                     key.pg_locks_ids,
                     bound,
                 )
@@ -302,7 +295,7 @@ class ProcessSession(_hold.LockSession):
             if self._cursor is not None:
                 row = self._one_row(
                     f"checking run lock {run}",
-                    _sql.RUN_ALIVE,
+                    sql_text.RUN_ALIVE,
                     (*run.ids, *run.ids),
                     bound,
                 )
@@ -315,12 +308,12 @@ class ProcessSession(_hold.LockSession):
         """Under the mutex, on the open session: one statement's row, or None if it
         failed (logged at DEBUG; a session found dead is ended)."""
         try:
-            with _deadline.bounded(self._connection, bound):
+            with deadlines.bounded(self._connection, bound):
                 self._cursor.execute(statement, params)
                 row: tuple[Any, ...] | None = self._cursor.fetchone()
         except Exception as exc:
             logger.debug("%s failed", what, exc_info=True)
-            if self._connection.closed or _driver_errors.is_disconnect(exc):
+            if self._connection.closed or driver_errors.is_disconnect(exc):
                 self._fail(f"{what} failed: {exc!r}", exc)  # the session died
             return None
         return row
@@ -355,23 +348,23 @@ class ProcessSession(_hold.LockSession):
             if remaining < least:
                 raise SessionBusyError
             try:
-                with _deadline.bounded(self._connection, remaining):
+                with deadlines.bounded(self._connection, remaining):
                     self._cursor.execute(statement, params)
                     rows: list[tuple[Any, ...]] = self._cursor.fetchall()
             except BaseException as exc:
-                if self._connection.closed or _driver_errors.is_disconnect(exc):
+                if self._connection.closed or driver_errors.is_disconnect(exc):
                     self._fail(f"checking its locks failed: {exc!r}", exc)
                 raise
             return rows
         finally:
             self._mutex.release()
 
-    def holds(self) -> list[_hold.Hold]:
+    def holds(self) -> list[base.Hold]:
         """The locks held on this session right now."""
         with self._mutex:
             return list(self._owners.values())
 
-    def lose(self, cause: str) -> list[_hold.Hold]:
+    def lose(self, cause: str) -> list[base.Hold]:
         """Close the session (which frees all its locks) and mark its holds lost."""
         with self._mutex:
             return self._close(cause)
@@ -403,7 +396,7 @@ class ProcessSession(_hold.LockSession):
             dbapi.autocommit = True
             cursor = dbapi.cursor()
         except Exception:
-            with _driver_errors.wrap_db_errors(
+            with driver_errors.wrap_db_errors(
                 f"acquire lock {key.name!r}", self.engine, connecting=True
             ):
                 raise
@@ -419,12 +412,12 @@ class ProcessSession(_hold.LockSession):
         next checkout, the next of which may be this session's replacement.
         """
         self._close(cause)
-        if _driver_errors.is_disconnect(exc):
+        if driver_errors.is_disconnect(exc):
             # Detached from the pool, this connection cannot say when it was opened:
             # every pooled connection opened until now is retired (once per death).
-            db.mark_pool_stale(self.engine, None, exc)
+            engines.mark_pool_stale(self.engine, None, exc)
 
-    def _close(self, cause: str) -> list[_hold.Hold]:
+    def _close(self, cause: str) -> list[base.Hold]:
         """Under the mutex: end the session; every hold on it is lost.
 
         Their keys stay claimed (``claims``) until their release: PostgreSQL has freed

@@ -14,7 +14,7 @@ import click
 from celery_pglock import exceptions
 
 if TYPE_CHECKING:
-    from celery_pglock.cli import Target
+    from celery_pglock.cli.target import Target
 
 
 F = TypeVar("F", bound=Any)

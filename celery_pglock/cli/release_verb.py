@@ -9,7 +9,7 @@ FAILURE with ``LockLostError``. Ending the session also frees every other lock i
 a process's lock session may hold several (threads, gevent), and the command says so.
 
 Who ran it, against what and when is printed and logged (``action="lock_released_by_operator"``,
-logger ``celery_pglock._cli_release``); PostgreSQL's own log shows the termination too.
+logger ``celery_pglock.cli.release_verb``); PostgreSQL's own log shows the termination too.
 """
 
 from __future__ import annotations
@@ -22,17 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from celery_pglock import (
-    _cli_key,
-    _cli_locks,
-    _driver_errors,
-    _sql_admin,
-    exceptions,
-    keys,
-)
+from celery_pglock import exceptions, keys
+from celery_pglock.cli import admin_sql, key_verb, locks_verb
+from celery_pglock.db import driver_errors
 
 if TYPE_CHECKING:
-    from celery_pglock.cli import Target
+    from celery_pglock.cli.target import Target
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +47,7 @@ WHERE l.locktype = 'advisory' AND l.granted AND l.pid = %s
     "reports it lost."
 )
 @click.argument("task_name", metavar="[TASK]", required=False)
-@_cli_key.with_call_options
+@key_verb.with_call_options
 @click.option(
     "--key",
     "key_text",
@@ -72,7 +67,7 @@ def release(
     if (task_name is None) == (key_text is None):
         raise click.UsageError("Name the lock: a TASK (with --args/--kwargs) or --key.")
     if task_name is not None:
-        _, lock_key = _cli_key.key_of_call(
+        _, lock_key = key_verb.key_of_call(
             target, task_name, args_json, kwargs_json, verb="release"
         )
     else:
@@ -80,11 +75,11 @@ def release(
     engine = target.engine()
     try:
         with (
-            _driver_errors.wrap_db_errors("read pg_locks", engine),
+            driver_errors.wrap_db_errors("read pg_locks", engine),
             engine.connect() as connection,
         ):
-            rows = connection.exec_driver_sql(_sql_admin.LOCKS).mappings().all()
-        entries = _cli_locks.describe_locks([dict(row) for row in rows], target)
+            rows = connection.exec_driver_sql(admin_sql.LOCKS).mappings().all()
+        entries = locks_verb.describe_locks([dict(row) for row in rows], target)
         holder = next(
             (e for e in entries if e["key"] == str(lock_key) and e["backend_pid"]),
             None,
@@ -110,7 +105,7 @@ def release(
             )
         classid, objid, objsubid = lock_key.pg_locks_ids
         with (
-            _driver_errors.wrap_db_errors("end the holder's session", engine),
+            driver_errors.wrap_db_errors("end the holder's session", engine),
             engine.connect() as connection,
         ):
             ended = connection.exec_driver_sql(

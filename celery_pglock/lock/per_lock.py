@@ -14,17 +14,15 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import (
-    _deadline,
-    _driver_errors,
-    _fencing,
-    _hold,
-    _options,
-    _sql,
-    _statements,
-    db,
-    exceptions,
+from celery_pglock import exceptions
+from celery_pglock.db import (
+    deadlines,
+    driver_errors,
+    engines,
+    sql_text,
+    startup_options,
 )
+from celery_pglock.lock import base, fencing_tokens, lock_statements
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -39,10 +37,10 @@ logger = logging.getLogger(__name__)
 _HOLDER = "celery_pglock_fencing_holder"
 
 
-class PerLockSessions(_hold.LockSession):
+class PerLockSessions(base.LockSession):
     """A pooled connection per held lock, pinned from acquire to release."""
 
-    def __init__(self, engine: sa.Engine, claims: _hold.Claims) -> None:
+    def __init__(self, engine: sa.Engine, claims: base.Claims) -> None:
         self.engine = engine
         self.claims = claims
 
@@ -53,17 +51,17 @@ class PerLockSessions(_hold.LockSession):
         label: str,
         timeout_ms: int | None,
         transaction: bool,
-        bound: float = _hold.DEFAULT_ROUND_TRIP_TIMEOUT,
+        bound: float = base.DEFAULT_ROUND_TRIP_TIMEOUT,
         run: LockKey | None = None,
-        on_granted: Callable[[_hold.Hold], None] | None = None,
-    ) -> _hold.Hold | None:
-        prefix = db.engine_info(self.engine)["application_name_prefix"]
-        tag = db.process_tag()
+        on_granted: Callable[[base.Hold], None] | None = None,
+    ) -> base.Hold | None:
+        prefix = engines.engine_info(self.engine)["application_name_prefix"]
+        tag = engines.process_tag()
         # str(key): the ids only. The LockKey itself would pin its key text (the
         # argument values, possibly megabytes) in the cache below.
         holding_name = _application_name(prefix, tag, str(key), label)
         idle_name = _application_name(prefix, tag, "idle")
-        hold = _hold.Hold(self, key.ids, idle_name)
+        hold = base.Hold(self, key.ids, idle_name)
         hold.holding_name = holding_name
         # Another run of this process holding the key (on a connection of its own, or
         # one whose session is gone) is refused, or waited for, here: PostgreSQL would
@@ -101,14 +99,14 @@ class PerLockSessions(_hold.LockSession):
 
     def release(
         self,
-        hold: _hold.Hold,
+        hold: base.Hold,
         key: LockKey,
         *,
         commit: bool,
-        timeout: float = _hold.DEFAULT_ROUND_TRIP_TIMEOUT,
+        timeout: float = base.DEFAULT_ROUND_TRIP_TIMEOUT,
     ) -> None:
         if hold.pid != os.getpid():
-            raise _hold.foreign(hold, key)
+            raise base.foreign(hold, key)
         try:
             if hold.sa_connection is not None:
                 self._release_transaction(hold, key, commit, timeout)
@@ -120,38 +118,38 @@ class PerLockSessions(_hold.LockSession):
             self.claims.release(hold)
 
     def fencing_holder(
-        self, hold: _hold.Hold, key: LockKey, *, bound: float
-    ) -> _fencing.Holder | None:
+        self, hold: base.Hold, key: LockKey, *, bound: float
+    ) -> fencing_tokens.Holder | None:
         connection = hold.connection
         if hold.lost is not None or connection is None or connection.closed:
             return None
         try:
-            with _deadline.bounded(connection, bound), connection.cursor() as cursor:
+            with deadlines.bounded(connection, bound), connection.cursor() as cursor:
                 if hold.sa_connection is not None:  # which transaction: each time
-                    return _fencing.transaction_holder(cursor, key)
+                    return fencing_tokens.transaction_holder(cursor, key)
                 # Who the session is never changes: asked once per pooled connection.
                 info = hold.pooled.info
                 if _HOLDER not in info:
-                    info[_HOLDER] = _fencing.session_holder(cursor)
-                holder: _fencing.Holder = info[_HOLDER]
+                    info[_HOLDER] = fencing_tokens.session_holder(cursor)
+                holder: fencing_tokens.Holder = info[_HOLDER]
                 return holder
         except BaseException as exc:
-            if connection.closed or _driver_errors.is_disconnect(exc):
+            if connection.closed or driver_errors.is_disconnect(exc):
                 # The lock's session ended: it holds nothing. Its release will say so
                 # and discard the connection.
                 return None
-            with _driver_errors.wrap_db_errors(
+            with driver_errors.wrap_db_errors(
                 f"issue a fencing token for lock {key.name!r}", self.engine
             ):
                 raise
             raise
 
     def holder_of(self, key: LockKey, *, bound: float) -> str | None:
-        row = self._one_row(_sql.HOLDER, key.pg_locks_ids, bound)
+        row = self._one_row(sql_text.HOLDER, key.pg_locks_ids, bound)
         return None if row is None else row[0]
 
     def run_alive(self, run: LockKey, *, bound: float) -> bool | None:
-        row = self._one_row(_sql.RUN_ALIVE, (*run.ids, *run.ids), bound)
+        row = self._one_row(sql_text.RUN_ALIVE, (*run.ids, *run.ids), bound)
         return None if row is None else bool(row[0])
 
     def _one_row(
@@ -167,7 +165,7 @@ class PerLockSessions(_hold.LockSession):
         try:
             dbapi: Any = pooled.dbapi_connection
             dbapi.autocommit = True
-            with _deadline.bounded(dbapi, bound), dbapi.cursor() as cursor:
+            with deadlines.bounded(dbapi, bound), dbapi.cursor() as cursor:
                 cursor.execute(statement, params)
                 row: tuple[Any, ...] | None = cursor.fetchone()
         except Exception as exc:
@@ -188,12 +186,12 @@ class PerLockSessions(_hold.LockSession):
 
         Only a dead established session does: a failed connect never reaches here.
         """
-        if _driver_errors.is_disconnect(exc):
-            db.mark_pool_stale(self.engine, pooled, exc)
+        if driver_errors.is_disconnect(exc):
+            engines.mark_pool_stale(self.engine, pooled, exc)
 
     def _acquire_session(
         self,
-        hold: _hold.Hold,
+        hold: base.Hold,
         key: LockKey,
         holding_name: str,
         timeout_ms: int | None,
@@ -203,7 +201,7 @@ class PerLockSessions(_hold.LockSession):
         try:
             pooled = self.engine.raw_connection()
         except Exception:
-            with _driver_errors.wrap_db_errors(
+            with driver_errors.wrap_db_errors(
                 f"acquire lock {key.name!r}", self.engine, connecting=True
             ):
                 raise
@@ -212,7 +210,7 @@ class PerLockSessions(_hold.LockSession):
             dbapi: Any = pooled.dbapi_connection
             dbapi.autocommit = True
             with dbapi.cursor() as cursor:
-                granted, run_granted, discard = _statements.lock(
+                granted, run_granted, discard = lock_statements.lock(
                     cursor,
                     key,
                     holding_name,
@@ -226,7 +224,7 @@ class PerLockSessions(_hold.LockSession):
             self._discard(pooled, exc)
             pooled.close()
             if isinstance(exc, Exception):
-                with _driver_errors.wrap_db_errors(
+                with driver_errors.wrap_db_errors(
                     f"acquire lock {key.name!r}", self.engine
                 ):
                     raise
@@ -236,30 +234,30 @@ class PerLockSessions(_hold.LockSession):
                 pooled.invalidate()
             pooled.close()
             return False
-        db.held_keys(pooled.info)[key.ids] += 1
-        pooled.info[db.IDLE_NAME] = hold.idle_name
+        engines.held_keys(pooled.info)[key.ids] += 1
+        pooled.info[engines.IDLE_NAME] = hold.idle_name
         hold.pooled, hold.connection = pooled, dbapi
         hold.run_ids = run_ids if run_granted else None
         return True
 
-    def _release_session(self, hold: _hold.Hold, key: LockKey, timeout: float) -> None:
+    def _release_session(self, hold: base.Hold, key: LockKey, timeout: float) -> None:
         pooled = hold.pooled
         arity = len(key.ids)
-        held = db.held_keys(pooled.info)
-        bound: _deadline.Bound | None = None
+        held = engines.held_keys(pooled.info)
+        bound: deadlines.Bound | None = None
         try:
-            # Bounded: on a cut or frozen link the socket is shut down (_deadline.py).
+            # Bounded: on a cut or frozen link the socket is shut down (deadlines.py).
             with (
-                _deadline.bounded(hold.connection, timeout) as bound,
+                deadlines.bounded(hold.connection, timeout) as bound,
                 hold.connection.cursor() as cursor,
             ):
                 if hold.run_ids is None:
                     cursor.execute(
-                        _sql.UNLOCK_SESSION[arity], (*key.ids, hold.idle_name)
+                        sql_text.UNLOCK_SESSION[arity], (*key.ids, hold.idle_name)
                     )
                 else:
                     cursor.execute(
-                        _sql.UNLOCK_SESSION_RUN[arity],
+                        sql_text.UNLOCK_SESSION_RUN[arity],
                         (*key.ids, hold.idle_name, *hold.run_ids),
                     )
                 row = cursor.fetchone()
@@ -269,8 +267,8 @@ class PerLockSessions(_hold.LockSession):
             self._discard(pooled, exc)  # the session's end frees whatever it held
             pooled.close()
             if isinstance(exc, Exception):
-                with _driver_errors.wrap_db_errors(
-                    f"release lock {key.name!r}{_deadline.explain(bound)}", self.engine
+                with driver_errors.wrap_db_errors(
+                    f"release lock {key.name!r}{deadlines.explain(bound)}", self.engine
                 ):
                     raise
             raise
@@ -291,14 +289,14 @@ class PerLockSessions(_hold.LockSession):
 
     def _acquire_transaction(
         self,
-        hold: _hold.Hold,
+        hold: base.Hold,
         key: LockKey,
         holding_name: str,
         timeout_ms: int | None,
         bound: float,
         run_ids: tuple[int, ...] | None,
     ) -> bool:
-        with _driver_errors.wrap_db_errors(
+        with driver_errors.wrap_db_errors(
             f"acquire lock {key.name!r}", self.engine, connecting=True
         ):
             connection = self.engine.connect()
@@ -311,7 +309,7 @@ class PerLockSessions(_hold.LockSession):
             transaction = connection.begin()
             with dbapi.cursor() as cursor:
                 # A failed wait in a transaction is rolled back: nothing to discard.
-                granted, run_granted, _ = _statements.lock(
+                granted, run_granted, _ = lock_statements.lock(
                     cursor,
                     key,
                     holding_name,
@@ -329,7 +327,7 @@ class PerLockSessions(_hold.LockSession):
             connection.invalidate()
             connection.close()
             if isinstance(exc, Exception):
-                with _driver_errors.wrap_db_errors(
+                with driver_errors.wrap_db_errors(
                     f"acquire lock {key.name!r}", self.engine
                 ):
                     raise
@@ -341,7 +339,7 @@ class PerLockSessions(_hold.LockSession):
         return True
 
     def _release_transaction(
-        self, hold: _hold.Hold, key: LockKey, commit: bool, timeout: float
+        self, hold: base.Hold, key: LockKey, commit: bool, timeout: float
     ) -> None:
         connection, transaction = hold.sa_connection, hold.transaction
         if connection is None or transaction is None:  # a session-scope hold
@@ -350,7 +348,7 @@ class PerLockSessions(_hold.LockSession):
                 key=str(key),
                 name=key.name,
             )
-        bound: _deadline.Bound | None = None
+        bound: deadlines.Bound | None = None
         try:
             if not transaction.is_active:
                 raise exceptions.LockLostError(
@@ -360,14 +358,14 @@ class PerLockSessions(_hold.LockSession):
                     name=key.name,
                 )
             with (
-                _driver_errors.wrap_db_errors(
+                driver_errors.wrap_db_errors(
                     f"{'commit' if commit else 'roll back'} lock {key.name!r}",
                     self.engine,
                 ),
                 # Bounded: on a cut or frozen link the socket is shut down. An answer
                 # that came late still counts: the transaction did commit (or roll back),
                 # which is what released the lock.
-                _deadline.bounded(
+                deadlines.bounded(
                     hold.connection, timeout, late_answer_fails=False
                 ) as bound,
             ):
@@ -382,30 +380,30 @@ class PerLockSessions(_hold.LockSession):
         except BaseException as exc:
             self._retire_if_dead(hold.pooled, exc.__cause__ or exc)
             connection.invalidate()
-            if isinstance(exc, exceptions.DatabaseError) and _deadline.explain(bound):
+            if isinstance(exc, exceptions.DatabaseError) and deadlines.explain(bound):
                 raise exceptions.DatabaseError(
-                    f"{exc}{_deadline.explain(bound)}"
+                    f"{exc}{deadlines.explain(bound)}"
                 ) from exc.__cause__
             raise
         finally:
             connection.close()
 
-    def _discard_all(self, hold: _hold.Hold, timeout: float) -> None:
+    def _discard_all(self, hold: base.Hold, timeout: float) -> None:
         """After a transaction-scope run whose body had the connection: wipe what it may
         have left on the session (SET search_path, its own advisory locks, temp tables)
         before pooling it. Not needed (one round trip saved) otherwise. A failure only
         costs the connection: the transaction, and with it the lock, already ended."""
         connection = hold.sa_connection
         try:
-            with _deadline.bounded(hold.connection, timeout):
+            with deadlines.bounded(hold.connection, timeout):
                 hold.connection.autocommit = True
                 with hold.connection.cursor() as cursor:
-                    cursor.execute(_sql.DISCARD_ALL)
-                fallback = _options.fallback_of(self.engine)
+                    cursor.execute(sql_text.DISCARD_ALL)
+                fallback = startup_options.fallback_of(self.engine)
                 if fallback is None or not fallback.carries_settings():
                     # DISCARD ALL returns every setting to its startup value: ours
-                    # were set by a statement, not at startup (see _options.py).
-                    _options.apply_session_settings(hold.connection)
+                    # were set by a statement, not at startup (see startup_options.py).
+                    startup_options.apply_session_settings(hold.connection)
         except Exception as exc:
             logger.debug("DISCARD ALL after lock %s failed", hold.ids, exc_info=True)
             self._retire_if_dead(hold.pooled, exc)
@@ -416,4 +414,4 @@ class PerLockSessions(_hold.LockSession):
 @functools.lru_cache(maxsize=4096)
 def _application_name(prefix: str, *parts: object) -> str:
     # Per-lock hot path (per_lock mode, transaction scope): the same names recur.
-    return db.application_name(prefix, *parts)
+    return engines.application_name(prefix, *parts)

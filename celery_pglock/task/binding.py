@@ -13,7 +13,8 @@ import inspect
 import os
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _peers, config, db, exceptions, keys
+from celery_pglock import config, exceptions, keys
+from celery_pglock.db import engines
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -98,7 +99,7 @@ class Guard:
         cached = self._engine
         if cached is not None and cached[0] == os.getpid():
             return cached[1]
-        engine = db.engine_for(self.conf)
+        engine = engines.engine_for(self.conf)
         self._engine = (os.getpid(), engine)
         return engine
 
@@ -165,7 +166,7 @@ def option_attributes(cls: type, reserved: set[str]) -> dict[str, Any]:
             if (
                 name.startswith("lock_")
                 and (name in config.TASK_OPTIONS or name not in reserved)
-            ) or name in _peers.PEER_OPTIONS:
+            ) or name in config.PEER_OPTIONS:
                 value = inspect.getattr_static(cls, name)
                 if isinstance(value, staticmethod):
                     value = value.__func__

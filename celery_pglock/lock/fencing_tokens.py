@@ -19,14 +19,9 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import (
-    _deadline,
-    _driver_errors,
-    _sql_fencing,
-    _statements,
-    db,
-    exceptions,
-)
+from celery_pglock import exceptions
+from celery_pglock.db import deadlines, driver_errors, engines
+from celery_pglock.lock import fencing_sql, lock_statements
 
 if TYPE_CHECKING:
     import datetime
@@ -55,12 +50,12 @@ def ensure_table(engine: sa.Engine) -> None:
         if engine in _ready:
             return
         action = "set up the fencing table"
-        with _driver_errors.wrap_db_errors(action, engine):
+        with driver_errors.wrap_db_errors(action, engine):
             pooled: Any = engine.raw_connection()
             try:
                 pooled.dbapi_connection.autocommit = True
                 with pooled.dbapi_connection.cursor() as cursor:
-                    cursor.execute(_sql_fencing.EXISTS)
+                    cursor.execute(fencing_sql.EXISTS)
                     row = cursor.fetchone()
                     if not (row and all(row)):
                         _create(cursor, engine)
@@ -77,21 +72,21 @@ def forget(engine: sa.Engine) -> None:
 
 def _create(cursor: Any, engine: sa.Engine) -> None:
     try:
-        cursor.execute(_sql_fencing.CREATE.format(schema=""))
+        cursor.execute(fencing_sql.CREATE.format(schema=""))
     except Exception as exc:
-        if _driver_errors.sqlstate(exc) != _sql_fencing.INSUFFICIENT_PRIVILEGE:
+        if driver_errors.sqlstate(exc) != fencing_sql.INSUFFICIENT_PRIVILEGE:
             raise
         cursor.execute("ROLLBACK")  # autocommit: end the aborted BEGIN by hand
         raise exceptions.DatabaseError(
-            f"The fencing table {_sql_fencing.TABLE} does not exist on "
-            f"{db.engine_info(engine)['masked_url']} and this role may not create it; "
+            f"The fencing table {fencing_sql.TABLE} does not exist on "
+            f"{engines.engine_info(engine)['masked_url']} and this role may not create it; "
             f"{FIX}."
         ) from exc
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Holder:
-    """Who holds a lock, as PostgreSQL names it (_sql_fencing.SESSION_IDENTITY)."""
+    """Who holds a lock, as PostgreSQL names it (fencing_sql.SESSION_IDENTITY)."""
 
     pid: int
     started: datetime.datetime
@@ -102,7 +97,7 @@ class Holder:
 
 def session_holder(cursor: Any) -> Holder:
     """Ask the lock's own session who it is (once per session: it never changes)."""
-    cursor.execute(_sql_fencing.SESSION_IDENTITY)
+    cursor.execute(fencing_sql.SESSION_IDENTITY)
     pid, started, postmaster = cursor.fetchone()
     return Holder(pid, started, postmaster)
 
@@ -110,7 +105,7 @@ def session_holder(cursor: Any) -> Holder:
 def transaction_holder(cursor: Any, key: LockKey) -> Holder | None:
     """Ask the lock's connection, inside its transaction, which transaction holds
     ``key``: None if it does not."""
-    cursor.execute(_sql_fencing.TRANSACTION_IDENTITY, _ids(key))
+    cursor.execute(fencing_sql.TRANSACTION_IDENTITY, _ids(key))
     row = cursor.fetchone()
     if row is None:
         return None
@@ -131,14 +126,14 @@ def issue(engine: sa.Engine, key: LockKey, holder: Holder, bound: float) -> int 
         "postmaster": holder.postmaster,
         "vxid": holder.vxid,
     }
-    with _driver_errors.wrap_db_errors(action, engine):
+    with driver_errors.wrap_db_errors(action, engine):
         pooled: Any = engine.raw_connection()
     try:
         dbapi = pooled.dbapi_connection
         dbapi.autocommit = True
         with (
-            _driver_errors.wrap_db_errors(action, engine),
-            _deadline.bounded(dbapi, bound),
+            driver_errors.wrap_db_errors(action, engine),
+            deadlines.bounded(dbapi, bound),
             dbapi.cursor() as cursor,
         ):
             return _issue(cursor, params, key, engine)
@@ -158,21 +153,21 @@ def _issue(
     cursor: Any, params: dict[str, Any], key: LockKey, engine: sa.Engine
 ) -> int | None:
     try:
-        cursor.execute(_sql_fencing.ISSUE, params)
-        _statements.to_last_result(cursor)
+        cursor.execute(fencing_sql.ISSUE, params)
+        lock_statements.to_last_result(cursor)
         row = cursor.fetchone()
     except Exception as exc:
-        code = _driver_errors.sqlstate(exc)
-        if code in (_sql_fencing.UNDEFINED_TABLE, _sql_fencing.INSUFFICIENT_PRIVILEGE):
+        code = driver_errors.sqlstate(exc)
+        if code in (fencing_sql.UNDEFINED_TABLE, fencing_sql.INSUFFICIENT_PRIVILEGE):
             forget(engine)
             problem = (
                 "does not exist (dropped since this process checked?)"
-                if code == _sql_fencing.UNDEFINED_TABLE
+                if code == fencing_sql.UNDEFINED_TABLE
                 else "is not writable by this role"
             )
             raise exceptions.DatabaseError(
                 f"Could not issue a fencing token for lock {key.name!r}: "
-                f"{_sql_fencing.TABLE} {problem}; {FIX}."
+                f"{fencing_sql.TABLE} {problem}; {FIX}."
             ) from exc
         raise
     held, token = row if row is not None else (False, None)
@@ -181,9 +176,9 @@ def _issue(
     if token is None:
         raise exceptions.DatabaseError(
             f"Could not issue a fencing token for lock {key.name!r} (key "
-            f"{key}): {_sql_fencing.SEQUENCE} gave a token below the last one "
+            f"{key}): {fencing_sql.SEQUENCE} gave a token below the last one "
             "issued for this key (was it reset with setval, or given a CACHE above 1?). "
             "Tokens never go back: set CACHE 1 and the sequence past max(token) of "
-            f"{_sql_fencing.TABLE}."
+            f"{fencing_sql.TABLE}."
         )
     return int(token)

@@ -18,100 +18,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
-from celery_pglock import (
-    _checks,
-    _cli_key,
-    _cli_locks,
-    _cli_release,
-    _driver_errors,
-    _sql_admin,
-    config,
-    db,
-    exceptions,
+from celery_pglock import config, exceptions
+from celery_pglock.cli import (
+    admin_sql,
+    check_verb,
+    key_verb,
+    locks_verb,
+    release_verb,
 )
-
-if TYPE_CHECKING:
-    import sqlalchemy as sa
-
-CLI_APPLICATION_NAME = "celery-pglock cli"
-
-
-@dataclasses.dataclass
-class Target:
-    """What a verb works on: the app (if any) and the lock database URL."""
-
-    app: Any
-    url: str | None
-    _tasks_loaded: bool = dataclasses.field(default=False, repr=False)
-
-    def conf(self) -> dict[str, Any]:
-        if self.app is None:
-            return {}
-        return {k: v for k, v in self.app.conf.items() if k.startswith("pglock_")}
-
-    def require_url(self) -> str:
-        if self.url:
-            return self.url
-        raise click.UsageError(
-            "No lock database: pass --database-url, set app.conf.pglock_database_url "
-            f"in the app, or set {config.DATABASE_URL_ENV}."
-        )
-
-    def engine(self, *, timeout: int = 5) -> sa.Engine:
-        """A lock engine without a pool (each connect is a new session), labelled as us."""
-        from sqlalchemy.pool import NullPool
-
-        conf = self.conf()
-        options = dict(conf.get("pglock_engine_options") or {})
-        connect_args = dict(options.pop("connect_args", {}))
-        connect_args.update(
-            application_name=CLI_APPLICATION_NAME, connect_timeout=timeout
-        )
-        options.update(poolclass=NullPool, connect_args=connect_args)
-        conf["pglock_engine_options"] = options
-        return db.create_engine(self.require_url(), conf)
-
-    def lock_prefix(self) -> str:
-        return str(
-            self.conf().get("pglock_application_name") or db.DEFAULT_APPLICATION_NAME
-        )
-
-    def tasks(self) -> dict[str, Any]:
-        """The app's task registry once its task modules are imported as a worker would."""
-        if self.app is None:
-            return {}
-        if not self._tasks_loaded:
-            self._tasks_loaded = True
-            _import_task_modules(self.app)
-        return dict(self.app.tasks)
-
-    def singleton_tasks(self) -> list[Any]:
-        from celery_pglock.task import SingletonTask
-
-        return [t for t in self.tasks().values() if isinstance(t, SingletonTask)]
-
-
-def _import_task_modules(app: Any) -> None:
-    """Import the app's task modules the way ``celery worker`` does at start.
-
-    ``-A proj`` imports only the app's module; tasks listed in ``Celery(include=...)`` or
-    ``imports``, or found by ``app.autodiscover_tasks()`` (Django's layout, which also
-    needs ``django.setup()``: Celery's Django fix-up runs it on the same signal), are
-    imported by the loader when a worker starts (``loader.init_worker``), as ``celery
-    report`` does too. Without it a verb would see none of them.
-    """
-    try:
-        app.loader.import_default_modules()
-    except Exception as exc:
-        raise click.UsageError(
-            f"Cannot import the task modules of the app {app.main!r} "
-            f"(its include/imports settings and autodiscover_tasks): "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
+from celery_pglock.cli.target import Target
+from celery_pglock.db import driver_errors
 
 
 def _resolve_url(app: Any, given: str | None) -> str | None:
@@ -152,7 +72,7 @@ def _build(*, standalone: bool) -> click.Group:
             metavar="APP",
             help="The Celery app (module or module:attribute), for task names and settings.",
         )(group)
-    for command in (_cli_locks.locks, _cli_key.key, _cli_release.release, check, sql):
+    for command in (locks_verb.locks, key_verb.key, release_verb.release, check, sql):
         group.add_command(command)
     return group
 
@@ -189,7 +109,7 @@ def _load_app(path: str | None) -> Any:
 def check(
     target: Target, processes: int | None, scope: str | None, as_json: bool
 ) -> None:
-    findings = _checks.run_checks(target, processes=processes, scope=scope)
+    findings = check_verb.run_checks(target, processes=processes, scope=scope)
     if as_json:
         click.echo(json.dumps([dataclasses.asdict(f) for f in findings], indent=2))
     else:
@@ -226,9 +146,7 @@ def sql(
         _fencing_sql(target, apply_=apply_, uninstall=uninstall, schema=schema)
         return
     text = (
-        _sql_admin.uninstall_sql(schema)
-        if uninstall
-        else _sql_admin.install_sql(schema)
+        admin_sql.uninstall_sql(schema) if uninstall else admin_sql.install_sql(schema)
     )
     if not apply_:
         click.echo(text)
@@ -261,7 +179,7 @@ def _fencing_sql(target: Target, *, apply_: bool, uninstall: bool, schema: str) 
 def _apply(target: Target, text: str, action: str) -> None:
     engine = target.engine()
     try:
-        with _driver_errors.wrap_db_errors(action, engine):
+        with driver_errors.wrap_db_errors(action, engine):
             # Autocommit: the text goes as one simple query, which PostgreSQL runs as one
             # transaction unless it has its own BEGIN/COMMIT (the fencing SQL does).
             connection: Any = engine.raw_connection()

@@ -28,8 +28,15 @@ from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 
-# _forks first: its after-fork hook must run before ours (see _forks.py).
-from celery_pglock import _driver_errors, _forks, _redact, _sql, config, exceptions
+# _forks first: its after-fork hook must run before ours (see fork_safety.py).
+from celery_pglock import config, exceptions
+from celery_pglock.db import (
+    driver_errors,
+    fork_safety,
+    redact,
+    sql_text,
+    startup_options,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,24 +49,6 @@ IDLE_NAME = "celery_pglock.idle_name"
 APPLICATION_NAME_MAX = 63
 DEFAULT_APPLICATION_NAME = "pglock"
 
-#: Server-side TCP settings, so that PostgreSQL notices a vanished worker host (power loss,
-#: partition) and frees its locks within 30 to 60 s of the link breaking, instead of after
-#: the kernel defaults (two hours idle; some 15 minutes of retransmissions for an answer
-#: sent into the void). Idle, the session is probed after 30 s, then 3 times 10 s apart;
-#: ``tcp_user_timeout`` (60 s = idle + interval x count, so it never shortens that) bounds
-#: unacknowledged data, which keepalives do not cover. See docs/operations/lock-loss.md.
-SERVER_KEEPALIVES: tuple[tuple[str, str], ...] = (
-    ("tcp_keepalives_idle", "30"),
-    ("tcp_keepalives_interval", "10"),
-    ("tcp_keepalives_count", "3"),
-    ("tcp_user_timeout", "60000"),
-)
-#: Settings every lock session needs whatever the role or database says: a lock session
-#: sits idle while its body runs, by design, so ``idle_session_timeout`` (PostgreSQL 14+)
-#: must never end it. Transaction scope sets ``idle_in_transaction_session_timeout``, and
-#: a bounded wait ``statement_timeout``, in their own statements instead (transaction-local:
-#: a task body's own statements keep the role's bounds; see _sql.py).
-SESSION_SETTINGS: tuple[tuple[str, str], ...] = (("idle_session_timeout", "0"),)
 #: Client-side libpq keepalives: the worker notices a vanished server in bounded time.
 CLIENT_KEEPALIVES: dict[str, Any] = {
     "keepalives": 1,
@@ -69,12 +58,6 @@ CLIENT_KEEPALIVES: dict[str, Any] = {
 }
 
 
-#: The ``options`` startup parameter of a lock connection: our settings, which cost no
-#: round trip this way. Without it (``pglock_server_keepalives = False``, a pooler that
-#: refuses it, the user's own), SESSION_SETTINGS are set by a statement at connect.
-SERVER_OPTIONS = " ".join(
-    f"-c {name}={value}" for name, value in (*SERVER_KEEPALIVES, *SESSION_SETTINGS)
-)
 #: Seconds a new lock connection may take (libpq ``connect_timeout``), unless
 #: ``pglock_engine_options`` sets ``connect_args={"connect_timeout": ...}``.
 CONNECT_TIMEOUT = 10
@@ -102,9 +85,9 @@ def mask_url(url: str | sa.URL) -> str:
     Masks the password, every query value that is not a known-harmless libpq option
     (``?password=``, ``?sslpassword=``, ``?dsn=...``, ``?options=...``), and any part a
     malformed URL makes ambiguous (an unescaped ``@`` in the password). See
-    :mod:`celery_pglock._redact`.
+    :mod:`celery_pglock.db.redact`.
     """
-    return _redact.mask_url(url)
+    return redact.mask_url(url)
 
 
 _process_tag: tuple[int, str] = (0, "")
@@ -148,7 +131,7 @@ def check_url(url: str) -> sa.URL:
         raise exceptions.ConfigurationError(
             f"{config.DATABASE_URL_SETTING} is not a valid database URL: {mask_url(url)!r}."
         ) from None
-    if _redact.ambiguous_userinfo(url):
+    if redact.ambiguous_userinfo(url):
         # SQLAlchemy and libpq split at the first "@", so the rest of the password
         # would be taken for the host: a wrong host, and a password in its errors.
         raise exceptions.ConfigurationError(
@@ -237,7 +220,7 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
 
     ``app.conf.pglock_engine_options`` (a dict) is passed to ``sqlalchemy.create_engine``
     and wins over our defaults; ``pglock_server_keepalives = False`` drops the startup
-    options (SESSION_SETTINGS are then set by a statement at connect). A pooler that
+    options (startup_options.SESSION_SETTINGS are then set by a statement at connect). A pooler that
     refuses them (PgBouncer) gets a second connect without them (see ``_options``).
     """
     conf = conf or {}
@@ -256,14 +239,14 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
         event.listen(engine, "connect", _bind_on_client, insert=True)
     event.listen(engine, "checkin", _unlock_leftovers)
     _drop_options_if_refused(engine, options)
-    # Lock sessions: a forked child must never touch them (see _forks.py).
+    # Lock sessions: a forked child must never touch them (see fork_safety.py).
     event.listen(engine, "connect", _adopt)
     _connect_args[engine] = dict(options["connect_args"])
     return engine
 
 
 def _adopt(dbapi_connection: Any, record: Any) -> None:
-    _forks.adopt(dbapi_connection)
+    fork_safety.adopt(dbapi_connection)
 
 
 def driver_of(engine: sa.Engine) -> str:
@@ -273,7 +256,7 @@ def driver_of(engine: sa.Engine) -> str:
 
 def _bind_on_client(dbapi_connection: Any, record: Any) -> None:
     """psycopg 3 binds parameters on the server by default, which allows one statement
-    per execute; the lock statements are several in one round trip (``_sql.py``). A
+    per execute; the lock statements are several in one round trip (``sql_text.py``). A
     ClientCursor binds them as psycopg2 does."""
     import psycopg  # only a psycopg engine gets here
 
@@ -311,11 +294,10 @@ def _libpq_only(params: Mapping[str, Any]) -> dict[str, Any]:
 def _drop_options_if_refused(engine: sa.Engine, options: Mapping[str, Any]) -> None:
     """Let ``engine`` connect without our ``options`` where they are refused (a pooler, an
     older server), and apply our session settings another way then (see ``_options``)."""
-    from celery_pglock import _options  # imports this module
 
     given = options["connect_args"].get("options")
-    ours = given if given == SERVER_OPTIONS else None
-    _options.install_fallback(engine, mask_url(engine.url), ours)
+    ours = given if given == startup_options.SERVER_OPTIONS else None
+    startup_options.install_fallback(engine, mask_url(engine.url), ours)
 
 
 def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
@@ -328,7 +310,7 @@ def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
         "application_name": application_name(prefix, process_tag(), "idle"),
     }
     if conf.get("pglock_server_keepalives", True):
-        connect_args["options"] = SERVER_OPTIONS
+        connect_args["options"] = startup_options.SERVER_OPTIONS
     extra = conf.get("pglock_engine_options") or {}
     if not isinstance(extra, Mapping):
         raise exceptions.ConfigurationError(
@@ -372,7 +354,7 @@ def probe(conf: Mapping[str, Any]) -> str:
     _drop_options_if_refused(engine, options)
     try:
         # raw_connection(): the driver's own error text, without SQLAlchemy's wrapping.
-        with _driver_errors.wrap_db_errors("connect to the lock database", engine):
+        with driver_errors.wrap_db_errors("connect to the lock database", engine):
             connection: Any = engine.raw_connection()
             try:
                 with connection.cursor() as cursor:
@@ -394,10 +376,9 @@ def engine_info(engine: sa.Engine) -> dict[str, str]:
         if not event.contains(engine, "checkin", _unlock_leftovers):
             event.listen(engine, "checkin", _unlock_leftovers)
             event.listen(engine, "connect", _adopt)
-            from celery_pglock import _options  # imports this module
 
             # No startup options of ours: the session settings by a statement at connect.
-            _options.install_fallback(engine, mask_url(engine.url), None)
+            startup_options.install_fallback(engine, mask_url(engine.url), None)
         labels = _labels[engine] = {
             "application_name_prefix": DEFAULT_APPLICATION_NAME,
             "masked_url": mask_url(engine.url),
@@ -423,7 +404,7 @@ def _unlock_leftovers(dbapi_connection: Any, record: Any) -> None:
     invalidated: closing the session is the one release PostgreSQL always honours.
     """
     held = record.info.get(HELD)
-    if not held or dbapi_connection is None or _forks.is_foreign(dbapi_connection):
+    if not held or dbapi_connection is None or fork_safety.is_foreign(dbapi_connection):
         return  # (a forked child's copy of its parent's lock session: not ours to unlock)
     logger.warning(
         "A lock connection came back to the pool still holding advisory keys %s; unlocking them all",
@@ -435,7 +416,8 @@ def _unlock_leftovers(dbapi_connection: Any, record: Any) -> None:
             dbapi_connection.rollback()
         with dbapi_connection.cursor() as cursor:
             cursor.execute(
-                _sql.UNLOCK_ALL, (record.info.get(IDLE_NAME, DEFAULT_APPLICATION_NAME),)
+                sql_text.UNLOCK_ALL,
+                (record.info.get(IDLE_NAME, DEFAULT_APPLICATION_NAME),),
             )
         held.clear()
     except Exception:
@@ -445,12 +427,12 @@ def _unlock_leftovers(dbapi_connection: Any, record: Any) -> None:
         record.invalidate()
 
 
-#: Public (``celery_pglock.db.is_transient``): does an error's cause say the lock database
+#: Public (``celery_pglock.db.engines.is_transient``): does an error's cause say the lock database
 #: is unavailable for now (worth retrying later) rather than that the caller is wrong?
-is_transient = _driver_errors.is_transient
-#: Public (``celery_pglock.db.is_connect_failure``): does an error look like a failure to
+is_transient = driver_errors.is_transient
+#: Public (``celery_pglock.db.engines.is_connect_failure``): does an error look like a failure to
 #: open a connection (refused, unknown host, authentication, too many clients)?
-is_connect_failure = _driver_errors.is_connect_failure
+is_connect_failure = driver_errors.is_connect_failure
 
 
 def mark_pool_stale(

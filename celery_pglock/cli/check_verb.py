@@ -1,7 +1,7 @@
 """``pglock check``: what must hold for locks to mean anything, each with its fix.
 
 Configuration, connectivity, server version, standby, role privileges, a connection pooler
-in the way (see ``_server.py``) and ``max_connections`` against the lock sessions the
+in the way (see ``server_probe.py``) and ``max_connections`` against the lock sessions the
 workers will open. Each check yields a :class:`Finding`; any FAIL makes the command exit 1.
 """
 
@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING
 
 import click
 
-from celery_pglock import _server, _sql_admin, config, db, exceptions
+from celery_pglock import config, exceptions
+from celery_pglock.cli import admin_sql
+from celery_pglock.db import engines, server_probe
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
 
-    from celery_pglock.cli import Target
+    from celery_pglock.cli.target import Target
 
 
 @dataclasses.dataclass
@@ -42,7 +44,7 @@ def run_checks(
             for task in target.singleton_tasks():
                 scopes.add(task.lock_config.scope.value)
         url = target.require_url()
-        parsed = db.check_url(url)
+        parsed = engines.check_url(url)
     except (exceptions.ConfigurationError, click.UsageError) as error:
         return [
             Finding(
@@ -58,7 +60,7 @@ def run_checks(
         Finding(
             "OK",
             "configuration",
-            f"{db.mask_url(parsed)}"
+            f"{engines.mask_url(parsed)}"
             + (
                 f"; {tasks} SingletonTask(s), scope {', '.join(sorted(scopes))}"
                 if target.app is not None
@@ -84,7 +86,7 @@ def run_checks(
     try:
         try:
             with engine.connect() as connection:
-                facts = connection.exec_driver_sql(_sql_admin.SERVER_FACTS).one()
+                facts = connection.exec_driver_sql(admin_sql.SERVER_FACTS).one()
         except Exception as exc:
             text = (
                 str(getattr(exc, "orig", exc)).strip().splitlines()[0]
@@ -105,7 +107,7 @@ def run_checks(
                     "FAIL",
                     name,
                     f"{'cannot connect to ' if name == 'connectivity' else ''}"
-                    f"{db.mask_url(parsed)}: {text}",
+                    f"{engines.mask_url(parsed)}: {text}",
                     fix,
                 )
             )
@@ -117,7 +119,7 @@ def run_checks(
             max_connections,
             reserved,
             in_use,
-            _server_port,  # unused: _server.probe tells a proxy by the client port
+            _server_port,  # unused: server_probe.probe tells a proxy by the client port
             role,
             try_ok,
             xact_ok,
@@ -181,25 +183,25 @@ def _statement_pooling(engine: sa.Engine) -> bool:
     connection opens a transaction, which statement pooling answers by closing it; the
     probe's autocommit connections get through.)"""
     try:
-        return _server.probe(engine).pooling is _server.Pooling.STATEMENT
+        return server_probe.probe(engine).pooling is server_probe.Pooling.STATEMENT
     except exceptions.PgLockError:
         return False
 
 
 def _pooler_finding(engine: sa.Engine, scopes: set[str]) -> Finding:
     try:
-        facts = _server.probe(engine)
+        facts = server_probe.probe(engine)
     except exceptions.PgLockError as exc:
         return Finding("WARN", "pooler", f"could not probe for a pooler: {exc}".strip())
     direct = "or a URL that reaches PostgreSQL directly (or through session pooling)"
-    if facts.pooling is _server.Pooling.STATEMENT:
+    if facts.pooling is server_probe.Pooling.STATEMENT:
         return Finding(
             "FAIL",
             "pooler",
             f"statement pooling ({facts.evidence}): multi-statement transactions are refused, and both lock scopes need them",
             f"use a URL that reaches PostgreSQL directly, or a pool in session (or, with lock_scope='transaction', transaction) mode; {direct}",
         )
-    if facts.pooling is _server.Pooling.TRANSACTION:
+    if facts.pooling is server_probe.Pooling.TRANSACTION:
         if "session" in scopes:
             return Finding(
                 "FAIL",

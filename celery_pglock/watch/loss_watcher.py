@@ -18,14 +18,14 @@ How (docs/operations/lock-loss.md has the full story and the deadline arithmetic
   restart, or a failover to a promoted standby: the two look alike) and
   ``pg_is_in_recovery()`` (the address now reaches a standby). A body shorter than the
   interval costs one dict insert and one removal, and no query.
-- The watcher's own session (``_observer.py``) is asynchronous: every connect and query
+- The watcher's own session (``observer_session.py``) is asynchronous: every connect and query
   waits until the check's deadline (``lock_check_timeout``) at most, so a frozen link or a
   frozen server cannot block it; a check on the lock session is bounded the same way
   (``_deadline``), and one that gets no answer ends that session. A check that cannot complete in time means the lock can
   no longer be verified: it is reported as lost ("unverifiable"), because the server will
   free it through its keepalives soon anyway (see config.SERVER_KEEPALIVE_DEADLINE).
 - On loss: ``lock.lost_cause`` is set (``current_lock().lost``, ``ensure_held()``), the loss
-  is reported once (``_outcomes.lost``: signal, ERROR log, metric) from this process, and
+  is reported once (``outcomes.lost``: signal, ERROR log, metric) from this process, and
   with ``lock_on_lost='terminate'`` (the default) the body is interrupted: a signal
   (:data:`SIGNAL`) to the main thread for prefork and solo, whose handler raises
   LockLostError like Celery's soft time limit; an asynchronous exception at the next
@@ -51,10 +51,14 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _observer, _outcomes, _session, exceptions
+from celery_pglock import exceptions
 from celery_pglock.config import OnLost
+from celery_pglock.lock import strategy
+from celery_pglock.watch import observer_session
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from celery_pglock.config import LockConfig
     from celery_pglock.lock import AdvisoryLock
 
@@ -85,10 +89,9 @@ class Entry:
         "interval",
         "lock",
         "pid_confirmed",
+        "report",
         "reported",
         "server_start",
-        "task",
-        "task_id",
         "terminate",
         "thread_id",
         "timeout",
@@ -97,16 +100,14 @@ class Entry:
     def __init__(
         self,
         lock: AdvisoryLock,
-        task: Any,
-        task_id: str | None,
+        report: Callable[[str], None],
         options: LockConfig,
         terminate: bool,
         thread_id: int,
         in_main: bool,
     ) -> None:
         self.lock = lock
-        self.task = task
-        self.task_id = task_id
+        self.report = report  #: Called once with the cause when the loss is found.
         self.interval: float = options.watch_interval
         self.timeout: float = options.check_timeout
         self.terminate = terminate
@@ -135,16 +136,17 @@ _mutex = threading.Lock()
 _cond = threading.Condition(_mutex)
 _idle = False  #: The watcher waits for an entry (notify it on insert).
 _thread: threading.Thread | None = None
-_observers: dict[int, _observer.Observer] = {}
+_observers: dict[int, observer_session.Observer] = {}
 #: The main-thread body to interrupt when SIGNAL arrives.
 _target: Entry | None = None
 _handler: tuple[int, Any] | None = None  #: (pid, previous handler) once installed.
 
 
 def watch(
-    lock: AdvisoryLock, task: Any, task_id: str | None, options: LockConfig
+    lock: AdvisoryLock, report: Callable[[str], None], options: LockConfig
 ) -> None:
-    """Watch ``lock`` while the body of ``task`` runs (no-op if checks are off)."""
+    """Watch ``lock`` while its body runs; ``report(cause)`` once if it is lost (no-op if
+    checks are off)."""
     if not options.watch_interval:
         return
     thread_id = threading.get_ident()
@@ -152,7 +154,7 @@ def watch(
     terminate = options.on_lost is OnLost.TERMINATE and not _green()
     if terminate and in_main:
         _install_handler()
-    entry = Entry(lock, task, task_id, options, terminate, thread_id, in_main)
+    entry = Entry(lock, report, options, terminate, thread_id, in_main)
     # The bare lock, as in unwatch(): an outer body's interrupt may land here too (a
     # terminate-mode body calling another SingletonTask).
     with _mutex:
@@ -252,12 +254,12 @@ def _check(due: list[Entry]) -> None:
         engine = entries[0].lock.engine
         observer = _observers.get(id(engine))
         if observer is None:
-            observer = _observers[id(engine)] = _observer.Observer(engine)
+            observer = _observers[id(engine)] = observer_session.Observer(engine)
         started = time.monotonic()
         timeout = min(entry.timeout for entry in entries)
         # On the process's own lock session when it has one (no second connection).
         losses = observer.check(
-            entries, started + timeout, _session.open_process_session(engine)
+            entries, started + timeout, strategy.open_process_session(engine)
         )
         for entry in entries:
             cause = losses.get(id(entry))
@@ -279,7 +281,7 @@ def _lost(entry: Entry, cause: str) -> None:
         if entry.terminate:
             _interrupt(entry)
     try:
-        _outcomes.lost(entry.task, entry.task_id, entry.lock, cause)
+        entry.report(cause)
     except Exception:
         logger.exception("celery-pglock: reporting a lost lock failed")
     finally:

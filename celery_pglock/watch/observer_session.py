@@ -19,18 +19,18 @@ import select
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import (
-    _forks,
-    _options,
-    _process_session,
-    _redact,
-    _server,
-    _sql,
-    db,
+from celery_pglock.db import (
+    engines,
+    fork_safety,
+    redact,
+    server_probe,
+    sql_text,
+    startup_options,
 )
+from celery_pglock.lock import per_process
 
 if TYPE_CHECKING:
-    from celery_pglock._watch import Entry
+    from celery_pglock.watch.loss_watcher import Entry
 
 #: Statements run by observers in this process (tests prove short tasks run none).
 checks_run = 0
@@ -52,7 +52,7 @@ class Observer:
         self,
         entries: list[Entry],
         deadline: float,
-        session: _process_session.ProcessSession | None = None,
+        session: per_process.ProcessSession | None = None,
     ) -> dict[int, str]:
         """{id(entry): cause} for each lock found lost; every entry if unverifiable.
 
@@ -66,9 +66,9 @@ class Observer:
             timeout = entries[0].timeout
             try:
                 rows = session.run_check(
-                    _sql.CHECK_HELD, _params(entries), deadline, least=timeout / 2
+                    sql_text.CHECK_HELD, _params(entries), deadline, least=timeout / 2
                 )
-            except _process_session.SessionBusyError:
+            except per_process.SessionBusyError:
                 # Busy with lock statements (each bounded): no news about its locks.
                 # Checked here instead, with a whole budget of its own, so a busy
                 # session never makes a held lock look unverifiable.
@@ -103,7 +103,7 @@ class Observer:
                 break
             time.sleep(0.1)
         # libpq may echo connection options: scrub as the security layer does.
-        text = _redact.scrub_text(str(last_error), _redact.secrets_of(self.engine.url))
+        text = redact.scrub_text(str(last_error), redact.secrets_of(self.engine.url))
         reason = " ".join(text.split()) or type(last_error).__name__
         cause = (
             "unverifiable: the lock database did not confirm it within "
@@ -120,7 +120,7 @@ class Observer:
         if self.connection is None:
             self._connect(deadline)
         cursor = self.connection.cursor()
-        cursor.execute(_sql.CHECK_HELD, _params(entries))
+        cursor.execute(sql_text.CHECK_HELD, _params(entries))
         self._counted()
         wait(self.connection, deadline)
         rows = cursor.fetchall()
@@ -182,22 +182,22 @@ class Observer:
 
     def _pids_invented(self) -> bool:
         """May libpq's backend pids be a pooler's invention here? (Yes if unknown.)"""
-        facts = _server.known_facts(self.engine)
+        facts = server_probe.known_facts(self.engine)
         return facts is None or not facts.reports_backend_pid
 
     def _connect(self, deadline: float) -> None:
         import psycopg2  # the only supported driver; imported lazily
 
         timeout = max(1, int(deadline - time.monotonic() + 0.999))
-        params = db.connect_params(self.engine)
-        params["application_name"] = db.application_name(
-            db.engine_info(self.engine)["application_name_prefix"],
-            db.process_tag(),
+        params = engines.connect_params(self.engine)
+        params["application_name"] = engines.application_name(
+            engines.engine_info(self.engine)["application_name_prefix"],
+            engines.process_tag(),
             "watch",
         )
         params["connect_timeout"] = timeout
         # What the engine learnt its server accepts (a pooler, an older server).
-        fallback = _options.fallback_of(self.engine)
+        fallback = startup_options.fallback_of(self.engine)
         if fallback is not None and params.get("options") == fallback.ours:
             options = fallback.current()
             if options is None:
@@ -205,12 +205,12 @@ class Observer:
             else:
                 params["options"] = options
         connection = psycopg2.connect(**params, async_=1)
-        _forks.adopt(connection)  # a forked child must not touch it either
+        fork_safety.adopt(connection)  # a forked child must not touch it either
         self.connection = connection
         try:
             wait(connection, deadline)
         except psycopg2.OperationalError as error:
-            # Refused options (see _options.py): the lock sessions connect without the
+            # Refused options (see startup_options.py): the lock sessions connect without the
             # refused part, and so does the watcher.
             if fallback is None or not fallback.learn(error):
                 raise
@@ -225,9 +225,9 @@ class Observer:
         wait(connection, deadline)
         if fallback is None or not fallback.carries_settings():
             # Idle between checks: never ended by a role's idle_session_timeout.
-            names = [name for name, _ in db.SESSION_SETTINGS]
-            values = [value for _, value in db.SESSION_SETTINGS]
-            cursor.execute(_options.APPLY_SESSION_SETTINGS, (names, values))
+            names = [name for name, _ in startup_options.SESSION_SETTINGS]
+            values = [value for _, value in startup_options.SESSION_SETTINGS]
+            cursor.execute(startup_options.APPLY_SESSION_SETTINGS, (names, values))
             wait(connection, deadline)
         cursor.close()
 

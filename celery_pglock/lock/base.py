@@ -1,7 +1,7 @@
 """What a lock-session strategy hands out (a Hold), the interface strategies implement,
 and the table of keys held in the process (Claims) that both of them share.
 
-See :mod:`celery_pglock._session` for the two strategies and which one a lock gets.
+See :mod:`celery_pglock.lock.strategy` for the two strategies and which one a lock gets.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 
     import sqlalchemy as sa
 
-    from celery_pglock import _fencing
     from celery_pglock.keys import LockKey
+    from celery_pglock.lock import fencing_tokens
 
 
 #: Seconds one lock round trip (acquire, beyond any lock_timeout wait, or release) may
@@ -81,7 +81,7 @@ class Claims:
     released (the body has ended), whatever became of its session, so a run that lost
     its lock can overlap only with a run of another process (lock_on_lost's business),
     never with one beside it. Both strategies share one Claims per engine and process
-    (kept by :mod:`~celery_pglock._session`), and consult it before their round trip: a
+    (kept by :mod:`~celery_pglock.lock.strategy`), and consult it before their round trip: a
     key held in the process is refused (or waited for, by a bounded wait) without one.
 
     A claim refers to its hold weakly: a hold dropped without a release (an AdvisoryLock
@@ -216,9 +216,9 @@ class LockSession(Protocol):
 
     def fencing_holder(
         self, hold: Hold, key: LockKey, *, bound: float
-    ) -> _fencing.Holder | None:
+    ) -> fencing_tokens.Holder | None:
         """Who holds ``key`` for ``hold``, as PostgreSQL names it (fencing tokens are
-        issued to that holder only, see :mod:`celery_pglock._fencing`): None when its
+        issued to that holder only, see :mod:`celery_pglock.lock.fencing_tokens`): None when its
         session has ended. Raises DatabaseError when it cannot be asked.
         """
         ...

@@ -1,7 +1,7 @@
 """One lock statement on a pinned connection: try, or wait (bounded), and the run lock.
 
-Used by :class:`~celery_pglock._per_lock.PerLockSessions` for both scopes; every round
-trip is bounded client-side (:mod:`celery_pglock._deadline`), and a wait server-side too
+Used by :class:`~celery_pglock.lock.per_lock.PerLockSessions` for both scopes; every round
+trip is bounded client-side (:mod:`celery_pglock.db.deadlines`), and a wait server-side too
 (``lock_timeout``).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import _deadline, _driver_errors, _sql
+from celery_pglock.db import deadlines, driver_errors, sql_text
 
 if TYPE_CHECKING:
     from celery_pglock.keys import LockKey
@@ -34,19 +34,27 @@ def lock(
     if timeout_ms is None:
         if transaction:
             tries = (
-                _sql.TRY_LOCK_TRANSACTION_RUN if run_ids else _sql.TRY_LOCK_TRANSACTION
+                sql_text.TRY_LOCK_TRANSACTION_RUN
+                if run_ids
+                else sql_text.TRY_LOCK_TRANSACTION
             )
         else:
-            tries = _sql.TRY_LOCK_SESSION_RUN if run_ids else _sql.TRY_LOCK_SESSION
+            tries = (
+                sql_text.TRY_LOCK_SESSION_RUN if run_ids else sql_text.TRY_LOCK_SESSION
+            )
         granted, run_granted = try_lock(
             cursor, tries[arity], key, holding_name, bound, run_ids
         )
         return granted, run_granted, False
-    waits = _sql.WAIT_LOCK_TRANSACTION if transaction else _sql.WAIT_LOCK_SESSION
+    waits = (
+        sql_text.WAIT_LOCK_TRANSACTION if transaction else sql_text.WAIT_LOCK_SESSION
+    )
     granted, discard = wait_lock(
         cursor, waits[arity], key, holding_name, timeout_ms, bound
     )
-    run_statement = _sql.RUN_LOCK_TRANSACTION if transaction else _sql.RUN_LOCK_SESSION
+    run_statement = (
+        sql_text.RUN_LOCK_TRANSACTION if transaction else sql_text.RUN_LOCK_SESSION
+    )
     run_granted = granted and run_lock(cursor, run_statement, run_ids, bound)
     return granted, run_granted, discard
 
@@ -63,7 +71,7 @@ def try_lock(
 
     With ``run_ids`` the statement is a ``*_RUN`` one, answering ARRAY[name, run granted].
     """
-    with _deadline.bounded(cursor.connection, bound):
+    with deadlines.bounded(cursor.connection, bound):
         cursor.execute(statement, (*key.ids, holding_name, *(run_ids or ())))
         row = cursor.fetchone()
     value = None if row is None else row[0]
@@ -78,7 +86,7 @@ def run_lock(
     """After a granted bounded wait: take the run lock too (True if taken)."""
     if run_ids is None:
         return False
-    with _deadline.bounded(cursor.connection, bound):
+    with deadlines.bounded(cursor.connection, bound):
         cursor.execute(statement, run_ids)
         row = cursor.fetchone()
     return bool(row and row[0])
@@ -95,25 +103,25 @@ def wait_lock(
     """Run a bounded blocking lock statement: (granted, the session must be discarded)."""
     try:
         # lock_timeout bounds the wait server-side; bound, a server that never answers.
-        with _deadline.bounded(cursor.connection, timeout_ms / 1000 + bound):
+        with deadlines.bounded(cursor.connection, timeout_ms / 1000 + bound):
             cursor.execute(statement, (str(timeout_ms), holding_name, *key.ids))
     except Exception as exc:
-        code = _driver_errors.sqlstate(exc)
-        if code not in (_sql.LOCK_NOT_AVAILABLE, _sql.QUERY_CANCELED):
+        code = driver_errors.sqlstate(exc)
+        if code not in (sql_text.LOCK_NOT_AVAILABLE, sql_text.QUERY_CANCELED):
             raise
         if not cursor.connection.autocommit:
             # Transaction scope: the rollback ends the transaction and the wait.
             cursor.connection.rollback()
             return False, False
-        if code == _sql.QUERY_CANCELED:
+        if code == sql_text.QUERY_CANCELED:
             # A cancel (statement_timeout, pg_cancel_backend) may land after the session
             # lock was granted, and a session lock outlives the aborted transaction: this
             # session cannot be trusted. The caller closes it.
             return False, True
         # lock_timeout fired inside pg_advisory_lock: nothing was granted. psycopg2's
         # rollback() is a no-op in autocommit mode, so end the aborted BEGIN by hand.
-        with _deadline.bounded(cursor.connection, bound):
-            cursor.execute(_sql.ROLLBACK)
+        with deadlines.bounded(cursor.connection, bound):
+            cursor.execute(sql_text.ROLLBACK)
         return False, False
     return True, False
 

@@ -13,10 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from celery_pglock import _driver_errors, _holder, _sql_admin, exceptions
+from celery_pglock import exceptions
+from celery_pglock.cli import admin_sql
+from celery_pglock.db import driver_errors
+from celery_pglock.lock import holder_lookup
 
 if TYPE_CHECKING:
-    from celery_pglock.cli import Target
+    from celery_pglock.cli.target import Target
 
 
 @click.command(help="Every advisory lock held or awaited in the lock database.")
@@ -26,10 +29,10 @@ def locks(target: Target, as_json: bool) -> None:
     engine = target.engine()
     try:
         with (
-            _driver_errors.wrap_db_errors("read pg_locks", engine),
+            driver_errors.wrap_db_errors("read pg_locks", engine),
             engine.connect() as connection,
         ):
-            rows = connection.exec_driver_sql(_sql_admin.LOCKS).mappings().all()
+            rows = connection.exec_driver_sql(admin_sql.LOCKS).mappings().all()
     except exceptions.DatabaseError as error:
         raise click.ClickException(str(error)) from None
     finally:
@@ -94,7 +97,9 @@ def describe_locks(rows: list[dict[str, Any]], target: Target) -> list[dict[str,
         application_name = row.get("application_name") or None
         ours = bool(application_name and application_name.startswith(prefix))
         process, task = (
-            _holder.parse_application_name(application_name) if ours else (None, None)
+            holder_lookup.parse_application_name(application_name)
+            if ours
+            else (None, None)
         )
         seconds = (
             (row["now"] - row["since"]).total_seconds()

@@ -10,7 +10,7 @@ Where things happen, and why there (each line is a bug in an existing library):
   (SUCCESS, FAILURE, IGNORED, REJECTED) and *before* Celery stores the result and sends
   chain callbacks: a client that saw the result can send the next run at once.
   ``task_postrun`` (per execution, never by task id) and worker shutdown are idempotent
-  safety nets (see ``_hooks.py``). A killed pool child needs no hook: its session ends
+  safety nets (see ``worker_hooks.py``). A killed pool child needs no hook: its session ends
   and PostgreSQL frees the lock.
 - ``self.retry()`` publishes the retry at once; the attempt keeps its lock until
   ``task_postrun``, after Celery stored RETRY, and the retry's run waits for it, bounded
@@ -20,12 +20,14 @@ Where things happen, and why there (each line is a bug in an existing library):
   task's ``throws``: logged at INFO without a traceback, ignored by error trackers), so
   ``get()`` returns, monitors get a terminal event and chains and chords end. See
   docs/guide/skipped-results.md for the alternatives and their effect on canvases.
-- Outcomes are reported (signals, log, metrics) by ``_outcomes.py``; this module (and
-  ``_busy.py``, for a run whose lock is held) only decides them.
+- Outcomes are reported (signals, log, metrics) by ``outcomes.py``; this module (and
+  ``busy_policy.py``, for a run whose lock is held) only decides them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
@@ -34,21 +36,12 @@ import celery
 from celery import states
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_pglock import (
-    _binding,
-    _busy,
-    _driver_errors,
-    _hooks,
-    _outcomes,
-    _watch,
-    config,
-    context,
-    exceptions,
-    keys,
-    metrics,
-)
+from celery_pglock import config, exceptions, keys, metrics
 from celery_pglock.config import LockScope, OnBusy, OnError, SkipResult
+from celery_pglock.db import driver_errors
 from celery_pglock.lock import AdvisoryLock
+from celery_pglock.task import binding, busy_policy, context, outcomes
+from celery_pglock.watch import loss_watcher
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -105,7 +98,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     #: per acquisition. App: pglock_fencing. See docs/guide/fencing.md.
     lock_fencing: ClassVar[bool | None] = None
 
-    _pglock: ClassVar[_binding.Guard | None] = None
+    _pglock: ClassVar[binding.Guard | None] = None
 
     @classmethod
     def on_bound(cls, app: celery.Celery) -> None:
@@ -118,30 +111,29 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         if cls.name:  # an abstract base has no name and no real run() yet
             cls._pglock = cls._build_guard(app)
             metrics.configure(app.conf)
-        _hooks.connect()
 
     @classmethod
-    def _build_guard(cls, app: celery.Celery) -> _binding.Guard:
+    def _build_guard(cls, app: celery.Celery) -> binding.Guard:
         try:
-            parameters = _binding.call_parameters(cls)
+            parameters = binding.call_parameters(cls)
         except (TypeError, ValueError) as exc:
             raise exceptions.ConfigurationError(
                 f"Task {cls.name!r}: cannot read its signature ({exc})."
             ) from exc
         options = config.resolve(
             task_name=cls.name,
-            attributes=_binding.option_attributes(cls, _RESERVED),
+            attributes=binding.option_attributes(cls, _RESERVED),
             conf=app.conf,
             parameters=parameters,
         )
-        return _binding.Guard(options, parameters, app.conf)
+        return binding.Guard(options, parameters, app.conf)
 
     @property
     def lock_config(self) -> config.LockConfig:
         """The resolved options of this task."""
         return self._guard().config
 
-    def _guard(self) -> _binding.Guard:
+    def _guard(self) -> binding.Guard:
         guard = type(self)._pglock
         if guard is None:
             guard = type(self)._pglock = type(self)._build_guard(self.app)
@@ -184,7 +176,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             execution.lock = lock
             if task_id is not None and self.acks_late:
                 # Its message may be redelivered while this run goes on: the run lock
-                # tells that redelivery so (see _busy.py).
+                # tells that redelivery so (see busy_policy.py).
                 lock.run_key = keys.run_key(task_id)
             # A retry's run may find its predecessor still unwinding (it keeps its lock
             # until Celery stored RETRY, see retry()): it waits for it, bounded. An
@@ -205,17 +197,21 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             except exceptions.LockLostError:
                 # Lost between the grant and the token: reported like any loss, and the
                 # run fails without its body (another run may hold the key now).
-                _outcomes.lost(self, task_id, lock, lock.lost_cause or "unknown")
+                outcomes.lost(self, task_id, lock, lock.lost_cause or "unknown")
                 raise
             if not granted:
                 if options.shadow:
                     return self._run_shadowed(execution, lock, task_id, args, kwargs)
-                return _busy.apply_policy(self, lock, task_id, direct=direct)
+                return busy_policy.apply_policy(self, lock, task_id, direct=direct)
             context.hold(lock)
             try:
-                _outcomes.acquired(self, task_id, lock)
-                # Lock loss: watched while the body runs (_watch.py); no-op if disabled.
-                _watch.watch(lock, self, task_id, options)
+                outcomes.acquired(self, task_id, lock)
+                # Lock loss: watched while the body runs (loss_watcher.py); no-op if disabled.
+                loss_watcher.watch(
+                    lock,
+                    functools.partial(outcomes.lost, self, task_id, lock),
+                    options,
+                )
                 # In a worker (and in apply()) Celery's tracer has already pushed this
                 # request and task, so Task.__call__ would only push copies (~35 us per
                 # task); a plain task gets the same shortcut from the tracer itself.
@@ -285,14 +281,14 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             direct
             or request.is_eager
             or options.on_error is OnError.RAISE
-            or not _driver_errors.is_transient(error.__cause__)
+            or not driver_errors.is_transient(error.__cause__)
             or request.retries >= options.error_retries
         ):
             raise error
         countdown = min(
             options.error_backoff * 2**request.retries, config.MAX_ERROR_COUNTDOWN
         )
-        _outcomes.database_error(self, request.id, error, countdown)
+        outcomes.database_error(self, request.id, error, countdown)
         try:
             raise self.retry(
                 countdown=countdown, exc=error, max_retries=options.error_retries
@@ -319,8 +315,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     ) -> Any:
         """Shadow mode, lock busy: report the would-be outcome, then run the body unlocked."""
         action = self._guard().config.on_busy
-        message, details = _busy.report(self, lock, task_id, action)
-        _outcomes.skipped(
+        message, details = busy_policy.report(self, lock, task_id, action)
+        outcomes.skipped(
             self,
             task_id,
             lock,
@@ -349,12 +345,14 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         task_postrun hook then calls :meth:`_finish_run`.
         """
         try:
-            _watch.unwatch(lock)  # first: a loss found from now on never interrupts
+            loss_watcher.unwatch(
+                lock
+            )  # first: a loss found from now on never interrupts
         except exceptions.LockLostError as interrupted:
             # lock_on_lost='terminate' interrupted the body just as it returned: the run
             # ends as an interrupted one, and its lock is still released below.
             exc = exc if exc is not None else interrupted
-            _watch.unwatch(lock)
+            loss_watcher.unwatch(lock)
         if execution.release_at_postrun:
             execution.ended_with = exc
             return
@@ -393,7 +391,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             or (release_error is not None and lock.scope is LockScope.TRANSACTION)
         )
         state = _state_of(exc) if failed else states.SUCCESS
-        _outcomes.released(
+        outcomes.released(
             self,
             task_id,
             lock,
@@ -417,9 +415,55 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             lock.release(commit=commit)
         except exceptions.PgLockError as error:
             if not lock.lost:  # a lost lock's release fails; lock_lost said it all
-                _outcomes.release_failed(self, task_id, lock, error)
+                outcomes.release_failed(self, task_id, lock, error)
             return error
         return None
+
+
+def after_task(task: Any = None, retval: Any = None, **_: Any) -> None:
+    """task_postrun: release a retried run's lock now that Celery stored RETRY, or a
+    leftover one (docs/guide/retries.md)."""
+    if isinstance(retval, exceptions.LockSkipped):
+        # Celery breaks the cycle between a failure and the tracer's frame (which holds
+        # it) by clearing the frames of exc.__traceback__; a skip answers that with its
+        # fixed frame, so the frames it unwound are dropped here, or each skip would
+        # leave ~30 objects (its lock, execution, frames) to the cyclic collector.
+        retval.__traceback__ = None
+    request: Any = getattr(task, "request", None)
+    execution = getattr(request, "_pglock_execution", None)
+    if execution is None:
+        return
+    # The request is done with: a nested call can no longer be mistaken for this run.
+    request._pglock_execution = None
+    lock = execution.lock
+    if execution.release_at_postrun and lock is not None:
+        # The run published a retry; Celery has now stored its RETRY state.
+        execution.release_at_postrun = False
+        # A release failure is reported as lock_release_failed; a signal receiver
+        # cannot fail the task any more.
+        with contextlib.suppress(exceptions.PgLockError):
+            task._finish_run(execution, lock, execution.ended_with)
+        return
+    if lock is not None and lock.owned():
+        release_leftover(lock, f"task_postrun of {execution.task_id}")
+
+
+def release_leftover(lock: AdvisoryLock, where: str) -> None:
+    """A lock still held where its run has ended (a safety net): release it, loudly."""
+    logger.warning(
+        "Lock %s (key %s) was still held at %s; releasing it",
+        lock.key.name,
+        lock.key,
+        where,
+        extra={"action": "lock_leftover_released", "lock_key": str(lock.key)},
+    )
+    context.drop(lock)
+    try:
+        lock.release(commit=False)
+    except exceptions.PgLockError:
+        logger.exception(
+            "Releasing leftover lock %s failed; its connection was closed", lock.key
+        )
 
 
 def _state_of(exc: BaseException | None) -> str:

@@ -1,7 +1,7 @@
 """The lock sessions' own settings: sent as startup options, or applied at connect.
 
 A lock connection sends its settings as the ``options`` startup parameter
-(``db.SERVER_OPTIONS``: server keepalives and ``idle_session_timeout=0``), which costs no
+(``SERVER_OPTIONS``: server keepalives and ``idle_session_timeout=0``), which costs no
 round trip and survives ``DISCARD ALL`` (a ``RESET`` returns to the startup value). Two
 kinds of server refuse them, and would fail every connection:
 
@@ -30,7 +30,30 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import event
 
-from celery_pglock import db
+#: Server-side TCP settings, so that PostgreSQL notices a vanished worker host (power loss,
+#: partition) and frees its locks within 30 to 60 s of the link breaking, instead of after
+#: the kernel defaults (two hours idle; some 15 minutes of retransmissions for an answer
+#: sent into the void). Idle, the session is probed after 30 s, then 3 times 10 s apart;
+#: ``tcp_user_timeout`` (60 s = idle + interval x count, so it never shortens that) bounds
+#: unacknowledged data, which keepalives do not cover. See docs/operations/lock-loss.md.
+SERVER_KEEPALIVES: tuple[tuple[str, str], ...] = (
+    ("tcp_keepalives_idle", "30"),
+    ("tcp_keepalives_interval", "10"),
+    ("tcp_keepalives_count", "3"),
+    ("tcp_user_timeout", "60000"),
+)
+#: Settings every lock session needs whatever the role or database says: a lock session
+#: sits idle while its body runs, by design, so ``idle_session_timeout`` (PostgreSQL 14+)
+#: must never end it. Transaction scope sets ``idle_in_transaction_session_timeout``, and
+#: a bounded wait ``statement_timeout``, in their own statements instead (transaction-local:
+#: a task body's own statements keep the role's bounds; see sql_text.py).
+SESSION_SETTINGS: tuple[tuple[str, str], ...] = (("idle_session_timeout", "0"),)
+#: The ``options`` startup parameter of a lock connection: our settings, which cost no
+#: round trip this way. Without it (``pglock_server_keepalives = False``, a pooler that
+#: refuses it, the user's own), SESSION_SETTINGS are set by a statement at connect.
+SERVER_OPTIONS = " ".join(
+    f"-c {name}={value}" for name, value in (*SERVER_KEEPALIVES, *SESSION_SETTINGS)
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +68,7 @@ _UNKNOWN = re.compile(r'unrecognized configuration parameter "([a-z_]+)"')
 #: One ``-c name=value`` of an options string the library built.
 _SETTING = re.compile(r"-c ([a-z_]+)=(\S+)")
 
-#: Applies db.SESSION_SETTINGS on a connection made without them, in one statement.
+#: Applies SESSION_SETTINGS on a connection made without them, in one statement.
 #: pg_settings filters out what the server does not know (idle_session_timeout < 14).
 #: Params: names (text[]), values (text[]).
 APPLY_SESSION_SETTINGS = (
@@ -56,10 +79,10 @@ APPLY_SESSION_SETTINGS = (
 
 
 def apply_session_settings(dbapi_connection: Any) -> None:
-    """Set db.SESSION_SETTINGS on a lock connection (one round trip, outside any
+    """Set SESSION_SETTINGS on a lock connection (one round trip, outside any
     transaction): a session whose startup options went without them."""
-    names = [name for name, _ in db.SESSION_SETTINGS]
-    values = [value for _, value in db.SESSION_SETTINGS]
+    names = [name for name, _ in SESSION_SETTINGS]
+    values = [value for _, value in SESSION_SETTINGS]
     previous = dbapi_connection.autocommit
     # Autocommit: a statement pooler refuses the BEGIN the driver would send first.
     dbapi_connection.autocommit = True
@@ -72,7 +95,7 @@ def apply_session_settings(dbapi_connection: Any) -> None:
 
 class OptionsFallback:
     """``do_connect`` hook: connect with our ``options`` where accepted, else without the
-    refused part, and make sure every lock session carries db.SESSION_SETTINGS.
+    refused part, and make sure every lock session carries SESSION_SETTINGS.
 
     ``ours`` is the ``options`` value the library set (None if none): a connection
     asked for with another value (the user's own) is made as asked, then given the
@@ -102,7 +125,7 @@ class OptionsFallback:
         current = self.current()
         return current is not None and all(
             f"-c {name}={value}" in current or name in self.unknown
-            for name, value in db.SESSION_SETTINGS
+            for name, value in SESSION_SETTINGS
         )
 
     def learn(self, error: BaseException) -> bool:
@@ -146,7 +169,7 @@ class OptionsFallback:
             apply_session_settings(connection)
             return connection
         # Bounded: each retry drops one more setting (or all of them).
-        for _ in range(len(db.SERVER_KEEPALIVES) + len(db.SESSION_SETTINGS) + 1):
+        for _ in range(len(SERVER_KEEPALIVES) + len(SESSION_SETTINGS) + 1):
             options = self.current()
             if options is None:
                 cparams.pop("options", None)
@@ -167,7 +190,7 @@ class OptionsFallback:
 
 
 def install_fallback(engine: sa.Engine, masked_url: str, ours: str | None) -> None:
-    """Add :class:`OptionsFallback` to a lock engine (db.create_engine calls this)."""
+    """Add :class:`OptionsFallback` to a lock engine (engines.create_engine calls this)."""
     fallback = _fallbacks[engine] = OptionsFallback(masked_url, ours)
     event.listen(engine, "do_connect", fallback)
 

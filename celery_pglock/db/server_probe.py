@@ -45,8 +45,9 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from celery_pglock import _driver_errors, config, db, exceptions
+from celery_pglock import exceptions
 from celery_pglock.config import LockScope
+from celery_pglock.db import driver_errors, engines
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -146,7 +147,7 @@ def probe(
     Args:
         target: A lock engine (its connection options are used, on two connections of
             the probe's own, outside the pool) or a database URL (a temporary engine
-            is made with ``db.create_engine(url, conf)`` and disposed).
+            is made with ``engines.create_engine(url, conf)`` and disposed).
         conf: App configuration for a URL target (application_name, engine options).
         timeout: Seconds the whole probe may take.
         action: What failed, for the DatabaseError message ("Could not <action> ...").
@@ -157,7 +158,7 @@ def probe(
     """
     if isinstance(target, sa.Engine):
         return _bounded(target, timeout, action)
-    engine = db.create_engine(target, conf)
+    engine = engines.create_engine(target, conf)
     try:
         return _bounded(engine, timeout, action)
     finally:
@@ -166,7 +167,7 @@ def probe(
 
 def _bounded(engine: sa.Engine, timeout: float, action: str) -> ServerFacts:
     """Run the probe in a thread so that a stuck connect or queue wait cannot hold us."""
-    masked = db.engine_info(engine)["masked_url"]
+    masked = engines.engine_info(engine)["masked_url"]
     opened: list[Any] = []
     outcome: list[ServerFacts | BaseException] = []
 
@@ -184,7 +185,7 @@ def _bounded(engine: sa.Engine, timeout: float, action: str) -> ServerFacts:
             with contextlib.suppress(Exception):
                 connection.cancel()  # the thread then fails and closes them
         # Caused by a driver OperationalError, as an expired connect_timeout would be, so
-        # that _driver_errors.is_transient() (lock_on_error='retry') treats it as an outage.
+        # that driver_errors.is_transient() (lock_on_error='retry') treats it as an outage.
         raise exceptions.DatabaseError(
             f"Could not {action} on {masked}: the server probe had no answer within "
             f"{timeout:g} s."
@@ -195,7 +196,7 @@ def _bounded(engine: sa.Engine, timeout: float, action: str) -> ServerFacts:
     if isinstance(result, BaseException):
         if isinstance(result, exceptions.PgLockError):
             raise result
-        with _driver_errors.wrap_db_errors(action, engine):
+        with driver_errors.wrap_db_errors(action, engine):
             raise result
     return result
 
@@ -257,9 +258,9 @@ def _statement_or_transaction(connection: Any) -> Pooling:
             cursor.execute("BEGIN")
             cursor.execute("SELECT 1")
             cursor.execute("COMMIT")
-    except _driver_errors.errors_named(
-        "OperationalError"
-    ) + _driver_errors.errors_named("InterfaceError"):
+    except driver_errors.errors_named("OperationalError") + driver_errors.errors_named(
+        "InterfaceError"
+    ):
         # PgBouncer answers BEGIN in statement pooling by dropping the client.
         return Pooling.STATEMENT
     return Pooling.TRANSACTION
@@ -348,37 +349,3 @@ def check(engine: sa.Engine, scope: LockScope, lock_name: str = "") -> None:
     message = refusals[scope]
     if message is not None:
         raise exceptions.ConfigurationError(message)
-
-
-def check_app(app: Any) -> None:
-    """Worker start: refuse a lock database that no SingletonTask of ``app`` can use.
-
-    Probes with a temporary engine (the worker's own engines are made after the fork).
-    An unreachable database does not stop the worker: each process checks again at its
-    first lock.
-
-    Raises:
-        ConfigurationError: a standby, or a pooling mode that breaks the scope of some
-            tasks; the message names them and the fix.
-    """
-    from celery_pglock.task import SingletonTask  # imports this module's importers
-
-    scopes: dict[LockScope, list[str]] = {}
-    for name, task in sorted(app.tasks.items()):
-        if isinstance(task, SingletonTask):
-            scopes.setdefault(task.lock_config.scope, []).append(name)
-    if not scopes:
-        return
-    url = config.database_url(app.conf)
-    try:
-        facts = probe(url, app.conf)
-    except exceptions.DatabaseError:
-        # Reported at worker_ready (logging is not set up yet in worker_init); each
-        # process probes again at its first lock.
-        return
-    for scope, names in scopes.items():
-        message = facts.refusal(scope)
-        if message is not None:
-            raise exceptions.ConfigurationError(
-                f"{message} (tasks with lock_scope={scope.value!r}: {', '.join(names)})"
-            )

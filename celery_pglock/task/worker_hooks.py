@@ -23,7 +23,7 @@ global, and the receivers work for any app). None of these is the normal release
   stops the worker at start with a message naming the setting and the environment
   variable, instead of failing every locked task later. (It exits: Celery logs and
   swallows ordinary exceptions raised by signal receivers.) So does a lock database that
-  is a standby, or a pooler that breaks a task's lock scope (``_server.check_app``;
+  is a standby, or a pooler that breaks a task's lock scope (``check_lock_server``;
   an unreachable database is left to ``worker_ready``). It also starts the
   /metrics endpoint when ``pglock_metrics_port`` is set: in the main process, before the
   pool forks, so children inherit its multiprocess directory. Worker shutdown stops it.
@@ -41,24 +41,16 @@ global, and the receivers work for any app). None of these is the normal release
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from typing import Any
 
 from celery import signals as celery_signals
 
-from celery_pglock import (
-    _driver_errors,
-    _metrics_server,
-    _server,
-    _session,
-    config,
-    context,
-    db,
-    exceptions,
-    metrics,
-)
+from celery_pglock import config, exceptions, metrics
+from celery_pglock.db import driver_errors, engines, server_probe
+from celery_pglock.lock import strategy
+from celery_pglock.task import context, metrics_endpoint, singleton_task
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +61,7 @@ _SHUTDOWN_SIGNALS = {
 _connected = False
 _connect_guard = threading.Lock()
 #: What start_metrics() did, for report_lock_database() to log once logging is set up.
-_metrics_outcome: _metrics_server.Server | exceptions.ConfigurationError | None = None
+_metrics_outcome: metrics_endpoint.Server | exceptions.ConfigurationError | None = None
 
 
 def connect() -> None:
@@ -85,7 +77,9 @@ def connect() -> None:
             _report_at_ready, weak=False, dispatch_uid="celery_pglock.worker_ready"
         )
         celery_signals.task_postrun.connect(
-            _after_task, weak=False, dispatch_uid="celery_pglock.task_postrun"
+            singleton_task.after_task,
+            weak=False,
+            dispatch_uid="celery_pglock.task_postrun",
         )
         for name, signal in _SHUTDOWN_SIGNALS.items():
             signal.connect(
@@ -120,8 +114,39 @@ def check_app(app: Any) -> None:
         return
     config.check_unknown_settings(app.conf)
     config.session_mode(app.conf)
-    db.check_url(config.database_url(app.conf))
+    engines.check_url(config.database_url(app.conf))
     metrics.from_conf(app.conf)
+
+
+def check_lock_server(app: Any) -> None:
+    """Worker start: refuse a lock database that no SingletonTask of ``app`` can use.
+
+    Probes with a temporary engine (the worker's own engines are made after the fork).
+    An unreachable database does not stop the worker: each process checks again at its
+    first lock.
+
+    Raises:
+        ConfigurationError: a standby, or a pooling mode that breaks the scope of some
+            tasks; the message names them and the fix.
+    """
+    scopes: dict[config.LockScope, list[str]] = {}
+    for task in sorted(_singleton_tasks(app), key=lambda task: str(task.name)):
+        scopes.setdefault(task.lock_config.scope, []).append(task.name)
+    if not scopes:
+        return
+    url = config.database_url(app.conf)
+    try:
+        facts = server_probe.probe(url, app.conf)
+    except exceptions.DatabaseError:
+        # Reported at worker_ready (logging is not set up yet in worker_init); each
+        # process probes again at its first lock.
+        return
+    for scope, names in scopes.items():
+        message = facts.refusal(scope)
+        if message is not None:
+            raise exceptions.ConfigurationError(
+                f"{message} (tasks with lock_scope={scope.value!r}: {', '.join(names)})"
+            )
 
 
 def report_lock_database(app: Any) -> None:
@@ -134,10 +159,10 @@ def report_lock_database(app: Any) -> None:
     if not tasks:
         return
     try:
-        url = db.mask_url(config.database_url(app.conf))
-        version = db.probe(app.conf)
+        url = engines.mask_url(config.database_url(app.conf))
+        version = engines.probe(app.conf)
     except exceptions.PgLockError as error:
-        if _driver_errors.misconfiguration(error.__cause__) is not None:
+        if driver_errors.misconfiguration(error.__cause__) is not None:
             # The error's text ends with the cause and its fix; "check that PostgreSQL
             # runs" would send the operator the wrong way.
             logger.error(
@@ -191,7 +216,7 @@ def start_metrics(app: Any) -> None:
     if not tasks:
         return
     try:
-        _metrics_outcome = _metrics_server.serve(
+        _metrics_outcome = metrics_endpoint.serve(
             app.conf, [(task.name, task.lock_config.on_busy.value) for task in tasks]
         )
     except exceptions.ConfigurationError as error:
@@ -215,9 +240,11 @@ def _report_metrics() -> None:
 
 
 def _singleton_tasks(app: Any) -> list[Any]:
-    from celery_pglock.task import SingletonTask
-
-    return [task for task in app.tasks.values() if isinstance(task, SingletonTask)]
+    return [
+        task
+        for task in app.tasks.values()
+        if isinstance(task, singleton_task.SingletonTask)
+    ]
 
 
 def _check_worker_config(sender: Any = None, **_: Any) -> None:
@@ -226,7 +253,7 @@ def _check_worker_config(sender: Any = None, **_: Any) -> None:
         return
     try:
         check_app(app)
-        _server.check_app(app)  # standby, pooling mode against the tasks' scopes
+        check_lock_server(app)  # standby, pooling mode against the tasks' scopes
     except exceptions.ConfigurationError as error:
         # Said once, by the interpreter on stderr as the worker exits: a log record here
         # would reach Python's last-resort handler (Celery has not set up logging yet),
@@ -241,53 +268,10 @@ def _report_at_ready(sender: Any = None, **_: Any) -> None:
         report_lock_database(app)
 
 
-def _after_task(task: Any = None, retval: Any = None, **_: Any) -> None:
-    if isinstance(retval, exceptions.LockSkipped):
-        # Celery breaks the cycle between a failure and the tracer's frame (which holds
-        # it) by clearing the frames of exc.__traceback__; a skip answers that with its
-        # fixed frame, so the frames it unwound are dropped here, or each skip would
-        # leave ~30 objects (its lock, execution, frames) to the cyclic collector.
-        retval.__traceback__ = None
-    request: Any = getattr(task, "request", None)
-    execution = getattr(request, "_pglock_execution", None)
-    if execution is None:
-        return
-    # The request is done with: a nested call can no longer be mistaken for this run.
-    request._pglock_execution = None
-    lock = execution.lock
-    if execution.release_at_postrun and lock is not None:
-        # The run published a retry; Celery has now stored its RETRY state.
-        execution.release_at_postrun = False
-        # A release failure is reported as lock_release_failed; a signal receiver
-        # cannot fail the task any more.
-        with contextlib.suppress(exceptions.PgLockError):
-            task._finish_run(execution, lock, execution.ended_with)
-        return
-    if lock is not None and lock.owned():
-        _release_leftover(lock, f"task_postrun of {execution.task_id}")
-
-
-def _release_leftover(lock: Any, where: str) -> None:
-    logger.warning(
-        "Lock %s (key %s) was still held at %s; releasing it",
-        lock.key.name,
-        lock.key,
-        where,
-        extra={"action": "lock_leftover_released", "lock_key": str(lock.key)},
-    )
-    context.drop(lock)
-    try:
-        lock.release(commit=False)
-    except exceptions.PgLockError:
-        logger.exception(
-            "Releasing leftover lock %s failed; its connection was closed", lock.key
-        )
-
-
 def _release_everything(**_: Any) -> None:
     for lock in context.all_held():
         if lock.owned():
-            _release_leftover(lock, "worker shutdown")
-    _session.close_all()
-    db.dispose_all()
-    _metrics_server.stop()  # the main process's /metrics endpoint; no-op in children
+            singleton_task.release_leftover(lock, "worker shutdown")
+    strategy.close_all()
+    engines.dispose_all()
+    metrics_endpoint.stop()  # the main process's /metrics endpoint; no-op in children
