@@ -6,6 +6,6 @@ nothing imports it but the entry points. docs/operations/cli.md is its manual.
 
 from __future__ import annotations
 
-from celery_pglock.cli.commands import celery_command, main
+from celery_pglock.cli.commands import celery_command, main, standalone_command
 
-__all__ = ["celery_command", "main"]
+__all__ = ["celery_command", "main", "standalone_command"]
