@@ -36,7 +36,7 @@ def apply_policy(
     Raises (LockSkipped, LockBusy, Retry or Ignore), except under
     ``lock_skip_result='success'``, where it returns the skip record as the value.
     """
-    options = task._guard().config
+    options = task.lock_config
     request = task.request
     # A direct call has no message to skip or re-queue: whatever the policy, it raises.
     action = (
@@ -124,7 +124,7 @@ def report(
     Costs one more round trip (the holder lookup, see holder_lookup.find) on the busy
     path only. Carries names and numbers only, never argument values.
     """
-    options = task._guard().config
+    options = task.lock_config
     key = lock.key
     holder = holder_lookup.find(lock)
     details: dict[str, Any] = {

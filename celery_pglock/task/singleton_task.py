@@ -153,14 +153,14 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         # second run of that message (which would take over its request).
         direct = (
             request.called_directly
-            or getattr(request, "_pglock_execution", None) is not None
+            or getattr(request, "pglock_execution", None) is not None
         )
         task_id: str | None = None if direct else request.id
         execution, token = context.begin(task_id)
         if not direct:
             # task_postrun finds this execution's lock on the tracer's request: per
             # execution and per thread, never by task id (see context.py).
-            request._pglock_execution = execution  # type: ignore[attr-defined]
+            request.pglock_execution = execution  # type: ignore[attr-defined]
         try:
             key = guard.key(args, kwargs)
             lock = AdvisoryLock(
@@ -382,8 +382,10 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             release_error = self._release(
                 lock, task_id, commit=exc is None and not lock.lost
             )
-        # A session-scope release failure leaves the run's outcome as it was (the body's
-        # work is done and the session is closed); lock_release_failed reports it. In
+        # A session-scope release failure leaves the run's outcome as it was: the body's
+        # work is done, and the lock is gone either way (a failed round trip ended its
+        # session; an unlock PostgreSQL refused held nothing); lock_release_failed
+        # reports it. In
         # transaction scope it means the work was not committed under the lock: a failure.
         failed = (
             exc is not None
@@ -409,7 +411,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     def _release(
         self, lock: AdvisoryLock, task_id: str | None, *, commit: bool
     ) -> exceptions.PgLockError | None:
-        """Release ``lock``; report (not raise) a failure, which already closed the connection."""
+        """Release ``lock``; a failure is reported (lock_release_failed) and returned."""
         context.drop(lock)
         try:
             lock.release(commit=commit)
@@ -430,11 +432,11 @@ def after_task(task: Any = None, retval: Any = None, **_: Any) -> None:
         # leave ~30 objects (its lock, execution, frames) to the cyclic collector.
         retval.__traceback__ = None
     request: Any = getattr(task, "request", None)
-    execution = getattr(request, "_pglock_execution", None)
+    execution = getattr(request, "pglock_execution", None)
     if execution is None:
         return
     # The request is done with: a nested call can no longer be mistaken for this run.
-    request._pglock_execution = None
+    request.pglock_execution = None
     lock = execution.lock
     if execution.release_at_postrun and lock is not None:
         # The run published a retry; Celery has now stored its RETRY state.

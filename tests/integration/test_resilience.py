@@ -30,7 +30,7 @@ def test_task_postrun_releases_a_leftover_lock(lock_engine, namespace):
     execution = context.Execution("task-1", lock=lock)
 
     class Request:
-        _pglock_execution = execution
+        pglock_execution = execution
 
     class Task:
         request = Request()
@@ -60,7 +60,7 @@ def test_task_postrun_of_another_execution_leaves_the_lock_alone(
 
         class Task:
             request = type(
-                "Request", (), {"_pglock_execution": context.Execution("shared-id")}
+                "Request", (), {"pglock_execution": context.Execution("shared-id")}
             )()
 
         celery_signals.task_postrun.send(
