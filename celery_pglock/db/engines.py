@@ -1,10 +1,9 @@
 """The lock database: one SQLAlchemy engine per URL per process, and its pool hooks.
 
-Fork hazard: a pooled connection must never be used by two processes. Engines are keyed by
-process id and forgotten in a forked child (``os.register_at_fork``) with
-``dispose(close=False)``, which drops the parent's sockets without sending a Terminate on
-them; the child then opens its own connections lazily. Celery's prefork pool forks children
-after the app is imported, so this is the normal path, not an edge case.
+Fork hazard: a pooled connection must never be used by two processes, so engines are
+keyed by process id and forgotten in a forked child (``dispose(close=False)``: no
+Terminate on the parent's sockets). Celery's prefork pool forks after the app is
+imported, so this is the normal path. See docs/design.md.
 
 Locks use this engine, never the application's: the pool's ``checkin`` hook below assumes
 every connection in it is a lock connection.
