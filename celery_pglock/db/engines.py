@@ -1,10 +1,9 @@
 """The lock database: one SQLAlchemy engine per URL per process, and its pool hooks.
 
-Fork hazard: a pooled connection must never be used by two processes. Engines are keyed by
-process id and forgotten in a forked child (``os.register_at_fork``) with
-``dispose(close=False)``, which drops the parent's sockets without sending a Terminate on
-them; the child then opens its own connections lazily. Celery's prefork pool forks children
-after the app is imported, so this is the normal path, not an edge case.
+Fork hazard: a pooled connection must never be used by two processes, so engines are
+keyed by process id and forgotten in a forked child (``dispose(close=False)``: no
+Terminate on the parent's sockets). Celery's prefork pool forks after the app is
+imported, so this is the normal path. See docs/design.md.
 
 Locks use this engine, never the application's: the pool's ``checkin`` hook below assumes
 every connection in it is a lock connection.
@@ -18,6 +17,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import weakref
 from collections import Counter
 from collections.abc import Mapping
@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 #: and the application_name it shows when idle.
 HELD = "celery_pglock.held"
 IDLE_NAME = "celery_pglock.idle_name"
+#: Key in a pooled connection's ``info`` dict: when (``time.monotonic()``) its DBAPI
+#: connection was opened, for :func:`mark_pool_stale`.
+OPENED = "celery_pglock.opened"
 
 #: PostgreSQL truncates application_name to NAMEDATALEN - 1 bytes.
 APPLICATION_NAME_MAX = 63
@@ -238,6 +241,7 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
         # First, before any listener runs a statement on the new connection.
         event.listen(engine, "connect", _bind_on_client, insert=True)
     event.listen(engine, "checkin", _unlock_leftovers)
+    _track_staleness(engine)
     _drop_options_if_refused(engine, options)
     # Lock sessions: a forked child must never touch them (see fork_safety.py).
     event.listen(engine, "connect", _adopt)
@@ -376,6 +380,7 @@ def engine_info(engine: sa.Engine) -> dict[str, str]:
         if not event.contains(engine, "checkin", _unlock_leftovers):
             event.listen(engine, "checkin", _unlock_leftovers)
             event.listen(engine, "connect", _adopt)
+            _track_staleness(engine)
 
             # No startup options of ours: the session settings by a statement at connect.
             startup_options.install_fallback(engine, mask_url(engine.url), None)
@@ -438,23 +443,58 @@ is_connect_failure = driver_errors.is_connect_failure
 def mark_pool_stale(
     engine: sa.Engine, pooled: Any, exc: BaseException | None = None
 ) -> None:
-    """``pooled`` (a connection of ``engine``'s pool) was found dead: retire its siblings.
+    """``pooled`` (a connection of ``engine``'s pool, or None) was found dead: retire its
+    siblings.
 
-    Its idle siblings are likely dead too (a server restart ends every session), so
-    every connection of the pool opened before ``pooled`` died is replaced at its next
-    checkout, which is SQLAlchemy's own reaction to a disconnect (``Pool._invalidate``,
-    what ``Connection`` calls on a disconnect error: our lock statements run on the
-    driver's cursor, so SQLAlchemy never sees them). Connections checked out now keep
-    their sessions, and so their locks, until they are given back, and are replaced at
-    their next checkout; none leaves the pool's books, so none is orphaned, unlike
-    ``engine.dispose()``, after which connections checked out earlier are returned to
-    the discarded pool and their sessions stay open until the garbage collector finds
-    it. Once per death: a connection opened before the last invalidation does not
-    move it again (many tasks finding one restart's corpses retire the pool once).
-
-    ``pooled`` itself is not invalidated here: the caller does that (and gives it back).
+    A server restart ends every session, so every connection of the pool opened before
+    now is replaced at its next checkout (a ``checkout`` listener raises
+    ``DisconnectionError`` for it, and the pool reconnects it). Connections checked out
+    now keep their sessions, and so their locks, until they are given back; none leaves
+    the pool's books, unlike with ``engine.dispose()``, which orphans them. Once per
+    death: a ``pooled`` opened before the last mark does not move it again (many tasks
+    finding one restart's corpses retire the pool once). ``pooled`` itself is not
+    invalidated here: the caller does that (and gives it back).
     """
-    engine.pool._invalidate(pooled, exc, _checkin=False)
+    staleness = _staleness.get(engine) or _track_staleness(engine)
+    opened = float("-inf") if pooled is None else pooled.info.get(OPENED, float("-inf"))
+    if pooled is None or staleness.before is None or staleness.before < opened:
+        staleness.before = time.monotonic()
+
+
+class _Staleness:
+    """Pool listeners of one engine: stamp each new connection, and retire at checkout
+    those opened before :attr:`before` (the last :func:`mark_pool_stale`)."""
+
+    def __init__(self) -> None:
+        self.before: float | None = None
+
+    def stamp(self, dbapi_connection: Any, record: Any) -> None:
+        record.info[OPENED] = time.monotonic()
+
+    def retire(self, dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        before = self.before
+        if before is not None and record.info.get(OPENED, float("-inf")) < before:
+            raise sa_exc.DisconnectionError(
+                "opened before the lock database was last found dead"
+            )
+
+
+_staleness: weakref.WeakKeyDictionary[sa.Engine, _Staleness] = (
+    weakref.WeakKeyDictionary()
+)
+_staleness_lock = threading.Lock()  # not _engines_lock: engine_for holds that one
+
+
+def _track_staleness(engine: sa.Engine) -> _Staleness:
+    """Install :class:`_Staleness` on ``engine`` (once)."""
+    with _staleness_lock:
+        staleness = _staleness.get(engine)
+        if staleness is None:
+            staleness = _staleness[engine] = _Staleness()
+            event.listen(engine, "connect", staleness.stamp)
+            # First: before any other checkout listener sees a stale connection.
+            event.listen(engine, "checkout", staleness.retire, insert=True)
+    return staleness
 
 
 def _forget_engines_after_fork() -> None:
@@ -479,8 +519,9 @@ def dispose_all() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _engines_lock
+    global _engines_lock, _staleness_lock
     _engines_lock = threading.Lock()  # another thread of the parent may have held it
+    _staleness_lock = threading.Lock()
     _forget_engines_after_fork()
 
 

@@ -13,7 +13,7 @@ that ends the parent's session (and so its lock). Only ``os._exit`` was safe bef
 After a fork, in the child, every lock-database connection this process opened gets its
 socket descriptor replaced by ``/dev/null`` (``os.dup2``): the parent's socket is closed in
 the child and nothing written by the child reaches it (a Terminate goes to /dev/null; a
-query fails as a lost connection). This handler is registered before ``db.py``'s own
+query fails as a lost connection). This handler is registered before ``engines.py``'s own
 after-fork hook, whose ``engine.dispose(close=False)`` drops pooled connections that
 would otherwise be finalised on the real socket. The release paths also check the pid
 that took the lock (``AdvisoryLock.owner_pid``), so a child never even tries.

@@ -1,31 +1,12 @@
-"""What sits at the other end of the lock database URL: a standby? a multiplexing pooler?
+"""What sits at the other end of the lock database URL: its version, a standby, a
+transaction- or statement-pooling proxy (which break advisory locks silently, so they are
+refused).
 
-An advisory lock excludes others only if every holder asks one primary PostgreSQL, and a
-session lock only lasts as long as the client keeps its server session. Two setups break
-that silently, so they are detected once per engine and refused with a clear error:
-
-- a **standby** (``pg_is_in_recovery()``): advisory locks work there, but are local to
-  that standby; workers on the primary or on another standby never see them;
-- a **transaction- or statement-pooling proxy** (PgBouncer, Odyssey, pgcat, RDS Proxy...):
-  between statements (statement pooling) or transactions (transaction pooling) the
-  client's server session goes back to the pool, so the unlock, or another client's
-  statements, can run on the locked session. Statement pooling also refuses the
-  multi-statement transactions that transaction scope needs.
-
-How a multiplexing proxy is recognised, from two client connections A and B opened side
-by side (both idle, autocommit) and one trivial query at a time, alternating::
-
-    A: SELECT pg_backend_pid() -> 101     (direct/session pooling: A is always 101,
-    B: SELECT pg_backend_pid() -> 101      B always another pid)
-    A: ... -> 102
-
-A pid seen on both connections, or two pids on one, cannot happen when each client owns
-its server session: proof of multiplexing, never a guess. PgBouncer's default
-(``server_round_robin = 0``) hands out the most recently released server first, so the
-first query on B already shares A's backend; with round robin, A's next query moves on.
-Then, and only then, one ``BEGIN`` on B tells statement pooling (the proxy drops the
-client) from transaction pooling. Both connections are closed after the probe: B may be
-dead, and neither should go back to a pool.
+Multiplexing is told from two side-by-side client connections A and B, alternating one
+``SELECT pg_backend_pid()`` at a time: a pid seen on both, or two pids on one, is proof;
+then one ``BEGIN`` on B tells statement from transaction pooling. Both connections are
+closed afterwards (B may be dead). Why, and the detection in detail:
+docs/operations/pgbouncer.md.
 
 Hazard: the probe costs two connections and about eight round trips, so it runs once per
 engine (per process, at the first lock) and once at worker start, never per task.

@@ -1,19 +1,11 @@
-"""The lock sessions' own settings: sent as startup options, or applied at connect.
+"""The lock sessions' own settings: sent as the ``options`` startup parameter
+(``SERVER_OPTIONS``), or applied by a statement at connect where that is refused.
 
-A lock connection sends its settings as the ``options`` startup parameter
-(``SERVER_OPTIONS``: server keepalives and ``idle_session_timeout=0``), which costs no
-round trip and survives ``DISCARD ALL`` (a ``RESET`` returns to the startup value). Two
-kinds of server refuse them, and would fail every connection:
-
-- a pooler: PgBouncer refuses the parameter (before 1.20: any ``options``; from 1.20:
-  settings it does not track). The engine connects without our options from then on,
-  says so once at INFO, and applies the session settings with one statement per new
-  connection instead (never per task).
-- an older PostgreSQL, which does not know a setting (``idle_session_timeout`` is 14+,
-  ``tcp_user_timeout`` 12+): that one setting is left out from then on.
-
-A ``do_connect`` hook (:class:`OptionsFallback`) does both; the lock watcher's own session
-connects with the same knowledge (``OptionsFallback.current`` and ``learn``).
+A ``do_connect`` hook (:class:`OptionsFallback`) retries without what a pooler (PgBouncer
+refuses the parameter) or an older PostgreSQL (an unknown setting) refuses, and remembers
+it; the lock watcher's own session connects with the same knowledge
+(``OptionsFallback.current`` and ``learn``). Why: docs/operations/pgbouncer.md
+("Connection options through PgBouncer") and docs/operations/lock-loss.md.
 
 Hazard: only the library's own options are ever dropped. Options a user set in
 ``pglock_engine_options["connect_args"]`` fail loudly, as they should; the session
