@@ -21,16 +21,16 @@ declare -A PINS=(
 # policies, fencing, the CLI, and cross-process exclusion with real workers.
 TESTS=(
   tests/unit
-  tests/integration/test_keys_sql.py tests/integration/test_lock.py
-  tests/integration/test_task.py tests/integration/test_task_skips.py
-  tests/integration/test_task_release.py tests/integration/test_fencing.py
-  tests/integration/test_sessions.py tests/integration/test_cli.py
+  tests/integration/test_keys_sql.py tests/integration/lock/test_lock.py
+  tests/integration/task/test_task.py tests/integration/task/test_task_skips.py
+  tests/integration/task/test_task_release.py tests/integration/test_fencing.py
+  tests/integration/lock/test_sessions.py tests/integration/cli/test_cli.py
   tests/acceptance/test_exclusivity.py
 )
 # Then the lock and task tests again with psycopg 3 as the lock driver (at its floor).
 PSYCOPG3_TESTS=(
-  tests/unit/test_drivers.py
-  tests/integration/test_lock.py tests/integration/test_task.py
+  tests/unit/db/test_drivers.py
+  tests/integration/lock/test_lock.py tests/integration/task/test_task.py
   tests/integration/test_fencing.py
 )
 

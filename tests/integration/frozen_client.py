@@ -1,4 +1,4 @@
-"""The lock holder of tests/integration/test_frozen_client.py, run in a network namespace.
+"""The lock holder of tests/integration/db/test_frozen_client.py, run in a network namespace.
 
     python -m tests.integration.frozen_client URL NAMESPACE NAME [--listen] [--no-server-keepalives]
 

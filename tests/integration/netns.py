@@ -1,6 +1,6 @@
 """A client host of its own for a test: a network namespace joined to this one by a veth pair.
 
-tests/integration/test_frozen_client.py runs a lock holder inside it and then cuts the link,
+tests/integration/db/test_frozen_client.py runs a lock holder inside it and then cuts the link,
 which is how a vanished worker host looks to the server: its keepalive probes go out and
 nothing answers. On loopback the server's TCP peer (the client's kernel, or a proxy) always
 answers them, so only a link of its own shows that the library's server keepalives free the

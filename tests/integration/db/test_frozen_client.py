@@ -34,7 +34,7 @@ from tests.integration.loss_support import dsn
 
 pytestmark = pytest.mark.netns
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 KEEPALIVES = dict(startup_options.SERVER_KEEPALIVES)
 #: The documented latest: idle + interval x count (tcp_user_timeout equals it).
 BOUND = int(KEEPALIVES["tcp_keepalives_idle"]) + int(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-PROJECT = Path(__file__).parent / "django_project"
+PROJECT = Path(__file__).parent.parent / "django_project"
 TYPO = "proj.settings_typo"  # CELERY_PGLOCK_ON_BUSSY
 INVALID = "proj.settings_invalid"  # CELERY_PGLOCK_ON_BUSY = "skp"
 

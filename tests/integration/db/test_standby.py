@@ -27,7 +27,7 @@ from celery_pglock.db import engines, server_probe
 from celery_pglock.testing import EmbeddedPostgres, _support
 from celery_pglock.testing.postgres import SUPERUSER
 from tests.acceptance._proxy import FreezableProxy
-from tests.integration.test_lock_loss import wait_for
+from tests.integration.watch.test_lock_loss import wait_for
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from celery_pglock import (
 from celery_pglock.db import engines as db_module
 from celery_pglock.lock import strategy
 
-from ..unit.test_keys import VECTORS
+from ...unit.test_keys import VECTORS
 
 
 @pytest.fixture

@@ -61,7 +61,7 @@ def test_server_idle_session_timeout_does_not_end_the_holder(
 ):
     """idle_session_timeout set server-wide no longer ends a session-scope holder that
     sits idle while its body runs (it used to: the lock was lost after 1 s). Lock
-    sessions set it to 0 at connect; tests/integration/test_server_settings.py has the
+    sessions set it to 0 at connect; tests/integration/db/test_server_settings.py has the
     role-level settings and the overlap checks."""
     url = private_postgres.url()
     connection = psycopg2.connect(dsn(url))

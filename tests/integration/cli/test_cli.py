@@ -518,7 +518,7 @@ def test_check_fails_on_an_app_without_singleton_tasks(database_url):
 
 def _documented_exit_statuses():
     """The exit statuses docs/operations/cli.md's table lists."""
-    text = (Path(__file__).resolve().parents[2] / "docs/operations/cli.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs/operations/cli.md").read_text()
     return sorted(int(status) for status in re.findall(r"(?m)^\| (\d+) \|", text))
 
 
