@@ -1,10 +1,10 @@
 """Lock metrics: a Metrics protocol, a no-op default and a Prometheus adapter (extra).
 
-Every outcome reaches the process's one :class:`Metrics` sink through ``_outcomes.py``.
+Every outcome reaches the process's one :class:`Metrics` sink through ``task/outcomes.py``.
 The default, :class:`NullMetrics`, costs one no-op method call per outcome.
 ``app.conf.pglock_metrics_port = 9808`` installs :class:`PrometheusMetrics` and serves
 ``/metrics`` from the worker's main process (``pip install celery-pglock[prometheus]``;
-the serving, and the prefork hazard it handles, are in ``_metrics_server.py``).
+the serving, and the prefork hazard it handles, are in ``task/metrics_endpoint.py``).
 
 Labels are task names, policies and states only: never argument values (unbounded, and
 often personal data).
@@ -50,7 +50,7 @@ class Metrics(Protocol):
         """Releasing a lock went wrong (the connection was closed instead)."""
 
     def lost(self, task: str) -> None:
-        """A held lock was found lost while its body ran (the lock watcher, ``_watch.py``)."""
+        """A held lock was found lost while its body ran (the lock watcher, ``watch/loss_watcher.py``)."""
 
 
 class NullMetrics:
@@ -256,7 +256,7 @@ def _create_collectors(registry: Any) -> dict[str, Any]:
             **kwargs,
         ),
         # One series per live process (multiprocess), 0 where it holds none: the
-        # /metrics endpoint turns them into OLDEST_HELD (_metrics_server.py). In one
+        # /metrics endpoint turns them into OLDEST_HELD (task/metrics_endpoint.py). In one
         # process it is not registered: _HeldAgeCollector serves the age instead.
         "oldest_start": prom.Gauge(
             OLDEST_START,

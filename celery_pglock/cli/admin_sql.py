@@ -1,6 +1,6 @@
 """Operator SQL: what the ``pglock`` command runs and installs. Never on a task's path.
 
-Kept apart from ``_sql.py`` (the hot-path statements) because none of it runs while a
+Kept apart from ``db/sql_text.py`` (the hot-path statements) because none of it runs while a
 task holds or asks for a lock. Parameters are DBAPI ``%s`` placeholders; the only text
 spliced in is a schema name quoted by :func:`install_sql`.
 """

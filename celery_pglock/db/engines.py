@@ -224,7 +224,7 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
     ``app.conf.pglock_engine_options`` (a dict) is passed to ``sqlalchemy.create_engine``
     and wins over our defaults; ``pglock_server_keepalives = False`` drops the startup
     options (startup_options.SESSION_SETTINGS are then set by a statement at connect). A pooler that
-    refuses them (PgBouncer) gets a second connect without them (see ``_options``).
+    refuses them (PgBouncer) gets a second connect without them (see ``startup_options``).
     """
     conf = conf or {}
     parsed = check_url(url)
@@ -297,7 +297,7 @@ def _libpq_only(params: Mapping[str, Any]) -> dict[str, Any]:
 
 def _drop_options_if_refused(engine: sa.Engine, options: Mapping[str, Any]) -> None:
     """Let ``engine`` connect without our ``options`` where they are refused (a pooler, an
-    older server), and apply our session settings another way then (see ``_options``)."""
+    older server), and apply our session settings another way then (see ``startup_options``)."""
 
     given = options["connect_args"].get("options")
     ours = given if given == startup_options.SERVER_OPTIONS else None

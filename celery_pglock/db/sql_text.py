@@ -136,7 +136,7 @@ HOLDER = f"SELECT ({_HOLDER_TEXT})"
 LOCK_NOT_AVAILABLE = "55P03"
 QUERY_CANCELED = "57014"
 
-#: The lock watcher's one statement per check (see _watch.py), on its own session: one row
+#: The lock watcher's one statement per check (see watch/loss_watcher.py), on its own session: one row
 #: per held lock, in order, with the session the key is granted to now (NULL: nobody) and
 #: its application_name, whether the holder's own backend still exists, and the server's
 #: identity (postmaster start time; is it a standby?). Params: classid, objid (oid[]),
@@ -159,7 +159,7 @@ CHECK_HELD = (
 # An acks_late run also holds a lock keyed by its task id (keys.run_key), taken in the same
 # statement as its key and released with it, so that a redelivery of that task which finds
 # the key busy can tell its own first delivery (still running: the run lock is held) from
-# another run (see _busy.py, _first_delivery_runs). Run keys are always in the two-int form.
+# another run (see task/busy_policy.py, _first_delivery_runs). Run keys are always in the two-int form.
 
 _RUN = "%s::integer, %s::integer"
 

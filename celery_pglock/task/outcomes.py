@@ -1,6 +1,6 @@
 """Outcome reporting: each lock outcome, once, to signals, the log and metrics.
 
-``task.py`` and ``_busy.py`` decide what happens to a run (Celery semantics); they call
+``task.py`` and ``task/busy_policy.py`` decide what happens to a run (Celery semantics); they call
 one function here per outcome - :func:`acquired`, :func:`skipped`, :func:`released`,
 :func:`release_failed`, :func:`database_error`, :func:`lost` - and this module fans it
 out: the public signals (only when someone listens), one log record (only when its level
@@ -177,7 +177,7 @@ def release_failed(
 
 def lost(task: Any, task_id: str | None, lock: AdvisoryLock, cause: str) -> None:
     """The lock was found lost: while the body ran (the lock watcher thread of the
-    process running the task; see _watch.py), or before it (no fencing token)."""
+    process running the task; see watch/loss_watcher.py), or before it (no fencing token)."""
     try:
         metrics.current().lost(task.name)
     except Exception as exc:

@@ -13,7 +13,7 @@ How (docs/operations/lock-loss.md has the full story and the deadline arithmetic
 - Every lock older than its ``lock_watch_interval`` is checked, all of a database's locks
   in ONE query per tick, on the process's lock session when it has one (idle while bodies
   run: no second connection), else on the watcher's own session (never on a pooled lock
-  connection: a transaction-scope body may be using it). The query (``_sql.CHECK_HELD``)
+  connection: a transaction-scope body may be using it). The query (``sql_text.CHECK_HELD``)
   reads ``pg_locks`` for who holds each key now, plus the postmaster start time (a
   restart, or a failover to a promoted standby: the two look alike) and
   ``pg_is_in_recovery()`` (the address now reaches a standby). A body shorter than the
@@ -21,7 +21,7 @@ How (docs/operations/lock-loss.md has the full story and the deadline arithmetic
 - The watcher's own session (``observer_session.py``) is asynchronous: every connect and query
   waits until the check's deadline (``lock_check_timeout``) at most, so a frozen link or a
   frozen server cannot block it; a check on the lock session is bounded the same way
-  (``_deadline``), and one that gets no answer ends that session. A check that cannot complete in time means the lock can
+  (``deadlines``), and one that gets no answer ends that session. A check that cannot complete in time means the lock can
   no longer be verified: it is reported as lost ("unverifiable"), because the server will
   free it through its keepalives soon anyway (see config.SERVER_KEEPALIVE_DEADLINE).
 - On loss: ``lock.lost_cause`` is set (``current_lock().lost``, ``ensure_held()``), the loss
@@ -31,7 +31,7 @@ How (docs/operations/lock-loss.md has the full story and the deadline arithmetic
   LockLostError like Celery's soft time limit; an asynchronous exception at the next
   bytecode for a threads-pool body. A gevent/eventlet body cannot be interrupted: it goes
   on, as with ``'signal'``, but no other run of its process takes the key meanwhile
-  (``_hold.Claims``).
+  (``base.Claims``).
 
 The lock layer's side of the interface is small on purpose (the lock-session work may
 change how locks hold their sessions): ``lock.key.pg_locks_ids``, ``lock.backend_pid``,

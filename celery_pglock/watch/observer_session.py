@@ -9,7 +9,7 @@ that stopped answering (to name a restart, a failover or a standby), closed agai
 The observer's own session is asynchronous (psycopg2 ``async_``): every connect and query waits in ``poll()`` until the
 check's deadline, so a frozen link or a frozen server can never block the watcher. A
 check that cannot complete in time raises nothing: it answers "unverifiable" for every
-lock it was asked about (see ``_watch.py`` for what happens then).
+lock it was asked about (see ``watch/loss_watcher.py`` for what happens then).
 """
 
 from __future__ import annotations
