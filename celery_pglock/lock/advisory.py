@@ -253,7 +253,7 @@ class AdvisoryLock:
             self._release_quietly()  # a fenced run never runs without its token
             raise
         if token is None:
-            self._mark_lost(
+            self.mark_lost(
                 "its session no longer held it when its fencing token was issued, "
                 "before the body started"
             )
@@ -292,7 +292,7 @@ class AdvisoryLock:
                 child).
         """
         if self.lost_cause is not None:
-            raise self._lost_error()
+            raise self.lost_error()
         if self.shadowed:
             return  # shadow mode promises to run the body whatever the lock says
         if not self.owned() or self.owner_pid != os.getpid():
@@ -303,20 +303,29 @@ class AdvisoryLock:
             )
 
     @property
-    def _holding_name(self) -> str | None:
+    def session(self) -> base.LockSession:
+        """The session strategy's object this lock takes its key on."""
+        return self._session
+
+    def run_alive(self, run_key: LockKey) -> bool | None:
+        """Is ``run_key`` (keys.run_key) held by some session? None when unknown."""
+        return self._session.run_alive(run_key, bound=self.round_trip_timeout)
+
+    @property
+    def holding_name(self) -> str | None:
         """The application_name the lock's session showed when it was granted (the
         watcher uses it once to learn the real backend pid behind PgBouncer)."""
         hold = self._hold
         return hold.holding_name if hold is not None else None
 
-    def _mark_lost(self, cause: str) -> bool:
+    def mark_lost(self, cause: str) -> bool:
         """Record that the lock was lost; True the first time (the watcher reports it)."""
         if self.lost_cause is not None or not self.owned():
             return False
         self.lost_cause = cause
         return True
 
-    def _lost_error(self) -> exceptions.LockLostError:
+    def lost_error(self) -> exceptions.LockLostError:
         return exceptions.LockLostError(
             f"Lock {self.key.name!r} (key {self.key}) was lost while its body ran: "
             f"{self.lost_cause}.",
