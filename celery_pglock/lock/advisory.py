@@ -1,31 +1,13 @@
 """AdvisoryLock: one PostgreSQL advisory lock, on the session its strategy picks.
 
-Which session carries the lock is :mod:`celery_pglock.lock.strategy`'s business (one shared
-session per process, or a pooled connection per lock); this module is the public verbs.
+This module is the public verbs; which session carries the lock is
+:mod:`celery_pglock.lock.strategy`'s business. ``session`` scope releases with a checked
+``pg_advisory_unlock`` (a failed unlock closes the session); ``transaction`` scope ends
+when ``release()`` commits or rolls back. Lifetimes and timelines: docs/design.md and
+docs/guide/how-it-works.md.
 
-Lifetimes (see the design article):
-
-- ``session`` scope: ``pg_try_advisory_lock`` in autocommit mode, on the process's lock
-  session (default) or on a connection pinned from acquire to release; released with
-  ``pg_advisory_unlock``, whose result is checked. If the unlock fails, the session is
-  closed rather than reused: closing the session is the one release PostgreSQL always
-  honours.
-- ``transaction`` scope: ``pg_try_advisory_xact_lock`` inside a transaction on the lock's
-  connection, which the caller may use for its own work; ``release()`` commits (or rolls
-  back), and that ends the lock. There is no other way to release a transaction lock.
-
-A timeline for two workers on one key, session scope::
-
-    time  worker A                         worker B
-    0     acquire() -> True (pinned conn)
-    1                                      acquire() -> False (busy; skip/raise/retry)
-    2     release() -> unlock returns t
-    3                                      acquire() -> True
-
-Not thread-safe: one AdvisoryLock belongs to one thread (or greenlet) at a time. Separate
-AdvisoryLock objects are safe in any number of threads: on the shared process session the
-key is excluded inside the process before PostgreSQL is asked, which is what makes
-PostgreSQL's per-session re-entrancy harmless here.
+Not thread-safe: one AdvisoryLock belongs to one thread (or greenlet) at a time; separate
+AdvisoryLock objects are safe in any number of threads.
 """
 
 from __future__ import annotations
