@@ -1,31 +1,13 @@
 """AdvisoryLock: one PostgreSQL advisory lock, on the session its strategy picks.
 
-Which session carries the lock is :mod:`celery_pglock.lock.strategy`'s business (one shared
-session per process, or a pooled connection per lock); this module is the public verbs.
+This module is the public verbs; which session carries the lock is
+:mod:`celery_pglock.lock.strategy`'s business. ``session`` scope releases with a checked
+``pg_advisory_unlock`` (a failed unlock closes the session); ``transaction`` scope ends
+when ``release()`` commits or rolls back. Lifetimes and timelines: docs/design.md and
+docs/guide/how-it-works.md.
 
-Lifetimes (see the design article):
-
-- ``session`` scope: ``pg_try_advisory_lock`` in autocommit mode, on the process's lock
-  session (default) or on a connection pinned from acquire to release; released with
-  ``pg_advisory_unlock``, whose result is checked. If the unlock fails, the session is
-  closed rather than reused: closing the session is the one release PostgreSQL always
-  honours.
-- ``transaction`` scope: ``pg_try_advisory_xact_lock`` inside a transaction on the lock's
-  connection, which the caller may use for its own work; ``release()`` commits (or rolls
-  back), and that ends the lock. There is no other way to release a transaction lock.
-
-A timeline for two workers on one key, session scope::
-
-    time  worker A                         worker B
-    0     acquire() -> True (pinned conn)
-    1                                      acquire() -> False (busy; skip/raise/retry)
-    2     release() -> unlock returns t
-    3                                      acquire() -> True
-
-Not thread-safe: one AdvisoryLock belongs to one thread (or greenlet) at a time. Separate
-AdvisoryLock objects are safe in any number of threads: on the shared process session the
-key is excluded inside the process before PostgreSQL is asked, which is what makes
-PostgreSQL's per-session re-entrancy harmless here.
+Not thread-safe: one AdvisoryLock belongs to one thread (or greenlet) at a time; separate
+AdvisoryLock objects are safe in any number of threads.
 """
 
 from __future__ import annotations
@@ -253,7 +235,7 @@ class AdvisoryLock:
             self._release_quietly()  # a fenced run never runs without its token
             raise
         if token is None:
-            self._mark_lost(
+            self.mark_lost(
                 "its session no longer held it when its fencing token was issued, "
                 "before the body started"
             )
@@ -292,7 +274,7 @@ class AdvisoryLock:
                 child).
         """
         if self.lost_cause is not None:
-            raise self._lost_error()
+            raise self.lost_error()
         if self.shadowed:
             return  # shadow mode promises to run the body whatever the lock says
         if not self.owned() or self.owner_pid != os.getpid():
@@ -303,20 +285,29 @@ class AdvisoryLock:
             )
 
     @property
-    def _holding_name(self) -> str | None:
+    def session(self) -> base.LockSession:
+        """The session strategy's object this lock takes its key on."""
+        return self._session
+
+    def run_alive(self, run_key: LockKey) -> bool | None:
+        """Is ``run_key`` (keys.run_key) held by some session? None when unknown."""
+        return self._session.run_alive(run_key, bound=self.round_trip_timeout)
+
+    @property
+    def holding_name(self) -> str | None:
         """The application_name the lock's session showed when it was granted (the
         watcher uses it once to learn the real backend pid behind PgBouncer)."""
         hold = self._hold
         return hold.holding_name if hold is not None else None
 
-    def _mark_lost(self, cause: str) -> bool:
+    def mark_lost(self, cause: str) -> bool:
         """Record that the lock was lost; True the first time (the watcher reports it)."""
         if self.lost_cause is not None or not self.owned():
             return False
         self.lost_cause = cause
         return True
 
-    def _lost_error(self) -> exceptions.LockLostError:
+    def lost_error(self) -> exceptions.LockLostError:
         return exceptions.LockLostError(
             f"Lock {self.key.name!r} (key {self.key}) was lost while its body ran: "
             f"{self.lost_cause}.",

@@ -10,9 +10,10 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from celery_pglock import exceptions
+from celery_pglock.db import driver_errors
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -240,3 +241,13 @@ def foreign(hold: Hold, key: LockKey) -> exceptions.LockNotOwnedError:
         key=str(key),
         name=key.name,
     )
+
+
+def reraise(exc: BaseException, action: str, engine: sa.Engine) -> NoReturn:
+    """Raise ``exc`` (being handled) again: a driver error as the DatabaseError
+    driver_errors.wrap_db_errors makes of it, anything else unchanged. For the error
+    paths of both strategies, after they have cleaned up."""
+    if isinstance(exc, Exception):
+        with driver_errors.wrap_db_errors(action, engine):
+            raise exc
+    raise exc

@@ -95,7 +95,7 @@ def find(lock: AdvisoryLock) -> Holder | None:
     times what the refused try did. Never raises.
     """
     key = lock.key
-    session = lock._session
+    session = lock.session
     remembered = _recent.get(session)
     if remembered is None:
         remembered = _recent[session] = {}

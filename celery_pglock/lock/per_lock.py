@@ -138,11 +138,9 @@ class PerLockSessions(base.LockSession):
                 # The lock's session ended: it holds nothing. Its release will say so
                 # and discard the connection.
                 return None
-            with driver_errors.wrap_db_errors(
-                f"issue a fencing token for lock {key.name!r}", self.engine
-            ):
-                raise
-            raise
+            base.reraise(
+                exc, f"issue a fencing token for lock {key.name!r}", self.engine
+            )
 
     def holder_of(self, key: LockKey, *, bound: float) -> str | None:
         row = self._one_row(sql_text.HOLDER, key.pg_locks_ids, bound)
@@ -223,12 +221,7 @@ class PerLockSessions(base.LockSession):
             # Unknown state (e.g. interrupted mid-statement): closing is the only safe release.
             self._discard(pooled, exc)
             pooled.close()
-            if isinstance(exc, Exception):
-                with driver_errors.wrap_db_errors(
-                    f"acquire lock {key.name!r}", self.engine
-                ):
-                    raise
-            raise
+            base.reraise(exc, f"acquire lock {key.name!r}", self.engine)
         if not granted:
             if discard:
                 pooled.invalidate()
@@ -266,12 +259,9 @@ class PerLockSessions(base.LockSession):
             held.clear()
             self._discard(pooled, exc)  # the session's end frees whatever it held
             pooled.close()
-            if isinstance(exc, Exception):
-                with driver_errors.wrap_db_errors(
-                    f"release lock {key.name!r}{deadlines.explain(bound)}", self.engine
-                ):
-                    raise
-            raise
+            base.reraise(
+                exc, f"release lock {key.name!r}{deadlines.explain(bound)}", self.engine
+            )
         held[key.ids] -= 1
         if held[key.ids] <= 0:
             del held[key.ids]
@@ -326,12 +316,7 @@ class PerLockSessions(base.LockSession):
             self._retire_if_dead(pooled, exc)
             connection.invalidate()
             connection.close()
-            if isinstance(exc, Exception):
-                with driver_errors.wrap_db_errors(
-                    f"acquire lock {key.name!r}", self.engine
-                ):
-                    raise
-            raise
+            base.reraise(exc, f"acquire lock {key.name!r}", self.engine)
         hold.pooled, hold.connection = pooled, dbapi
         hold.sa_connection, hold.transaction = connection, transaction
         # A transaction-level run lock ends with the transaction: nothing to release.

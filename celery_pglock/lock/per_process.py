@@ -148,12 +148,7 @@ class ProcessSession(base.LockSession):
                 on_granted(hold)
         except BaseException as exc:
             self._fail(f"acquiring lock {key.name!r} failed: {exc!r}", exc)
-            if isinstance(exc, Exception):
-                with driver_errors.wrap_db_errors(
-                    f"acquire lock {key.name!r}", self.engine
-                ):
-                    raise
-            raise
+            base.reraise(exc, f"acquire lock {key.name!r}", self.engine)
         return True
 
     def _try(
@@ -232,13 +227,11 @@ class ProcessSession(base.LockSession):
                     row = self._cursor.fetchone()
             except BaseException as exc:
                 self._fail(f"releasing lock {key.name!r} failed: {exc!r}", exc)
-                if isinstance(exc, Exception):
-                    with driver_errors.wrap_db_errors(
-                        f"release lock {key.name!r}{deadlines.explain(bound)}",
-                        self.engine,
-                    ):
-                        raise
-                raise
+                base.reraise(
+                    exc,
+                    f"release lock {key.name!r}{deadlines.explain(bound)}",
+                    self.engine,
+                )
         if not (row and row[0]):
             # Someone unlocked our key behind our back (pg_advisory_unlock_all on this
             # session is ours only). The other keys of the session are unaffected, so the
@@ -268,11 +261,9 @@ class ProcessSession(base.LockSession):
                     if self._connection.closed or driver_errors.is_disconnect(exc):
                         self._fail(f"naming the session failed: {exc!r}", exc)
                         return None
-                    with driver_errors.wrap_db_errors(
-                        f"issue a fencing token for lock {key.name!r}", self.engine
-                    ):
-                        raise
-                    raise
+                    base.reraise(
+                        exc, f"issue a fencing token for lock {key.name!r}", self.engine
+                    )
             return self._holder
 
     def holder_of(self, key: LockKey, *, bound: float) -> str | None:

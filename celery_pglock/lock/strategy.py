@@ -1,21 +1,13 @@
-"""Which PostgreSQL session carries a lock: the strategies, per engine and per process.
+"""Which PostgreSQL session carries a lock: :func:`for_lock` picks a strategy.
 
-Two strategies implement :class:`~celery_pglock.lock.base.LockSession`; :func:`for_lock`
-picks one for each :class:`~celery_pglock.lock.AdvisoryLock`, which never sees the
-difference (and ``SingletonTask`` never sees either):
+``ProcessSession`` (:mod:`~celery_pglock.lock.per_process`): session-scope try-locks in
+``pglock_session_mode='per_process'`` (the default), one connection per process and
+engine. ``PerLockSessions`` (:mod:`~celery_pglock.lock.per_lock`): transaction scope,
+bounded waits, and everything in ``pglock_session_mode='per_lock'``, a pooled connection
+pinned from acquire to release. Both implement :class:`~celery_pglock.lock.base.LockSession`.
 
-- ``ProcessSession`` (:mod:`~celery_pglock.lock.per_process`), for session-scope try-locks
-  in ``pglock_session_mode='per_process'``, the default for every pool: one long-lived
-  connection per process and engine, with exclusion per key inside the process.
-- ``PerLockSessions`` (:mod:`~celery_pglock.lock.per_lock`), for transaction scope and bounded
-  waits always, and for everything in ``pglock_session_mode='per_lock'``: a pooled
-  connection pinned from acquire to release.
-
-Fork safety: a child forgets its parent's sessions (keeping them referenced, so no
-finaliser of the child ever writes to the parent's socket) and opens its own on first
-use; a hold records its process and is refused at release anywhere else. Lock-loss
-detection (issue 8) watches :func:`sessions`: one ``ProcessSession`` per process and
-engine (``holds()``, and ``lose(cause)`` to close it and mark its holds lost).
+A forked child forgets its parent's sessions (keeping them referenced, so no finaliser
+of the child writes to the parent's socket) and opens its own. See docs/design.md.
 """
 
 from __future__ import annotations
@@ -100,7 +92,7 @@ def _claims_of(engine: sa.Engine) -> base.Claims:
 
 
 def sessions() -> list[per_process.ProcessSession]:
-    """This process's lock sessions (for lock-loss detection and shutdown)."""
+    """This process's lock sessions (for shutdown)."""
     with _registry_guard:
         _forget_after_fork()
         return list(_process.values())

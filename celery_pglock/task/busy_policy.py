@@ -110,9 +110,7 @@ def _first_delivery_runs(task: Any, lock: AdvisoryLock, task_id: str | None) -> 
     """
     if task_id is None or not task.acks_late:
         return False
-    alive = lock._session.run_alive(
-        keys.run_key(task_id), bound=lock.round_trip_timeout
-    )
+    alive = lock.run_alive(keys.run_key(task_id))
     return alive is not False
 
 

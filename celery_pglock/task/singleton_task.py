@@ -376,7 +376,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         # own exception, if any, is kept. Its transaction is rolled back, not committed.
         lost_error: exceptions.LockLostError | None = None
         if lock.lost and (exc is None or type(exc) is exceptions.LockLostError):
-            lost_error = lock._lost_error()
+            lost_error = lock.lost_error()
         release_error: exceptions.PgLockError | None = None
         if lock.owned():
             release_error = self._release(

@@ -35,8 +35,8 @@ How (docs/operations/lock-loss.md has the full story and the deadline arithmetic
 
 The lock layer's side of the interface is small on purpose (the lock-session work may
 change how locks hold their sessions): ``lock.key.pg_locks_ids``, ``lock.backend_pid``,
-``lock.engine``, ``lock.acquired_at``, ``lock.owned()``, ``lock._mark_lost(cause)`` and,
-optionally, ``lock._holding_name`` (the application_name the lock's session shows while
+``lock.engine``, ``lock.acquired_at``, ``lock.owned()``, ``lock.mark_lost(cause)`` and,
+optionally, ``lock.holding_name`` (the application_name the lock's session shows while
 holding, used once to learn the real backend pid behind PgBouncer).
 """
 
@@ -273,7 +273,7 @@ def _lost(entry: Entry, cause: str) -> None:
     with _cond:
         if entry.ended or _entries.get(id(entry.lock)) is not entry:
             return  # the body ended meanwhile (a release is not a loss)
-        if not entry.lock._mark_lost(cause):
+        if not entry.lock.mark_lost(cause):
             return
         # The entry stays registered (unchecked) until the body ends: unwatch() must
         # still see it, to never interrupt an ended body and to wait for this report.
@@ -336,7 +336,7 @@ def _on_signal(signum: int, frame: Any) -> None:
     entry = _target
     if entry is not None and not entry.ended:
         _target = None
-        raise entry.lock._lost_error()
+        raise entry.lock.lost_error()
     previous = _handler[1] if _handler is not None else None
     if callable(previous):
         previous(signum, frame)

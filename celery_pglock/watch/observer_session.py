@@ -153,7 +153,7 @@ class Observer:
                 holder is not None
                 and not entry.pid_confirmed
                 and self._pids_invented()
-                and holder_name == getattr(entry.lock, "_holding_name", None)
+                and holder_name == getattr(entry.lock, "holding_name", None)
             ):
                 # Through PgBouncer libpq's backend pid is the pooler's invention: the
                 # session showing this lock's own application_name is ours. Learnt once.

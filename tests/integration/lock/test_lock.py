@@ -420,7 +420,7 @@ def test_an_interrupt_as_the_grant_is_returned_leaves_the_lock_owned(
     handles the interrupt (task_postrun for a task) can release it."""
     key = make_key(namespace, "interrupted-late")
     lock = AdvisoryLock(engine=lock_engine, key=key)
-    session = lock._session
+    session = lock.session
     mutex = session._mutex
 
     class InterruptedOnExit:

@@ -25,7 +25,7 @@ class Session:
 def busy_lock(session: Session) -> SimpleNamespace:
     return SimpleNamespace(
         key=keys.make_key("ns", "billing.settle", 1),
-        _session=session,
+        session=session,
         round_trip_timeout=1.0,
     )
 
