@@ -70,16 +70,16 @@ class AdvisoryLock:
         self.released_at: float | None = None
         #: Seconds acquire() took, including any bounded wait.
         self.wait_seconds: float | None = None
-        # -- lock loss (see _watch.py and docs/operations/lock-loss.md) --
+        # -- lock loss (see watch/loss_watcher.py and docs/operations/lock-loss.md) --
         #: PostgreSQL backend pid of the session holding the lock, while held.
         self.backend_pid: int | None = None
         #: os.getpid() of the process that took the lock: the only one that may release
-        #: it (a forked child must never touch its parent's session, see _forks.py).
+        #: it (a forked child must never touch its parent's session, see db/fork_safety.py).
         self.owner_pid: int | None = None
         #: Why the lock was lost while held (None: not lost).
         self.lost_cause: str | None = None
         #: Longest one lock round trip (acquire beyond its ``timeout``, or release) may
-        #: wait on the database before its socket is shut down (_deadline.py).
+        #: wait on the database before its socket is shut down (db/deadlines.py).
         self.round_trip_timeout: float = base.DEFAULT_ROUND_TRIP_TIMEOUT
         #: True in a shadow-mode run that did not get this lock and runs its body anyway:
         #: ensure_held() does not stop it, and fenced writes apply unfenced.
@@ -191,7 +191,7 @@ class AdvisoryLock:
             )
         if hold.pid != os.getpid():
             # A forked child's copy: the lock is its parent's. Forgotten here without a
-            # word on the inherited session (see _forks.py), and refused loudly.
+            # word on the inherited session (see db/fork_safety.py), and refused loudly.
             raise base.foreign(hold, self.key)
         try:
             # The hold knows its session (a bounded wait's lives on a connection of its

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 #: Seconds one lock round trip (acquire, beyond any lock_timeout wait, or release) may
-#: wait on the database before its socket is shut down (_deadline.py).
+#: wait on the database before its socket is shut down (db/deadlines.py).
 DEFAULT_ROUND_TRIP_TIMEOUT = 5.0
 
 
@@ -157,7 +157,7 @@ class Claims:
 class LockSession(Protocol):
     """Where locks of one engine live: take one, and give it back.
 
-    Implemented by ``_per_lock.PerLockSessions`` and ``_process_session.ProcessSession``.
+    Implemented by ``per_lock.PerLockSessions`` and ``per_process.ProcessSession``.
     """
 
     engine: sa.Engine
@@ -210,7 +210,7 @@ class LockSession(Protocol):
 
         The key's claim is given back whatever the outcome (the run has ended).
 
-        ``timeout`` bounds the round trip client-side (``_deadline.bounded``): past it
+        ``timeout`` bounds the round trip client-side (``deadlines.bounded``): past it
         the socket is shut down and the session closed, which frees the lock.
         """
         ...

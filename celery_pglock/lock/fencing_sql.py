@@ -1,6 +1,6 @@
 """Every SQL statement of fencing tokens, as named constants (see celery_pglock.fencing).
 
-Kept apart from ``_sql.py`` so that fencing stays opt-in and self-contained. Parameters
+Kept apart from ``db/sql_text.py`` so that fencing stays opt-in and self-contained. Parameters
 are DBAPI ``%s`` placeholders filled by the driver; ``{schema}`` (operator SQL only) is a
 quoted identifier.
 
