@@ -345,9 +345,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         task_postrun hook then calls :meth:`_finish_run`.
         """
         try:
-            loss_watcher.unwatch(
-                lock
-            )  # first: a loss found from now on never interrupts
+            # First: a loss found from now on never interrupts the body.
+            loss_watcher.unwatch(lock)
         except exceptions.LockLostError as interrupted:
             # lock_on_lost='terminate' interrupted the body just as it returned: the run
             # ends as an interrupted one, and its lock is still released below.

@@ -1,6 +1,6 @@
 """Worker signal hooks: configuration checks at start, and the lock-release safety nets.
 
-Connected once per process, the first time a SingletonTask is bound (celery signals are
+Connected once per process, when ``celery_pglock.task`` is imported (celery signals are
 global, and the receivers work for any app). None of these is the normal release path:
 ``SingletonTask.__call__`` releases in its own ``finally``. They catch what that cannot:
 
