@@ -120,7 +120,7 @@ APP_SETTINGS = {
     "lock_fencing": "pglock_fencing",
 }
 #: Options that only make sense per task.
-TASK_ONLY_OPTIONS = ("lock_args", "lock_key", "lock_id", "lock_name")
+TASK_ONLY_OPTIONS = ("lock_args", "lock_id", "lock_name")
 TASK_OPTIONS = (*TASK_ONLY_OPTIONS, *APP_SETTINGS)
 #: Settings read by the connection layer (db.py), listed here so typos are caught.
 DATABASE_SETTINGS = (
@@ -186,7 +186,6 @@ class LockConfig:
     #: Issue a fencing token to each acquisition (docs/guide/fencing.md).
     fencing: bool = False
     lock_args: tuple[str, ...] = ()  #: Parameter names whose values form the key.
-    lock_key: Callable[..., object] | None = None  #: Custom key-material function.
     fixed_key: keys.LockKey | None = None  #: The key when it never varies per call.
 
 
@@ -246,6 +245,12 @@ def resolve(
         ConfigurationError: naming the task, the option and what was expected.
     """
     for attribute in attributes:
+        if attribute == "lock_key":
+            raise exceptions.ConfigurationError(
+                f"Task {task_name!r}: the lock_key option was removed. Use lock_args for "
+                "keys made of arguments, or override lock_key_for(*args, **kwargs) in a "
+                "SingletonTask subclass (docs/guide/keys.md)."
+            )
         if attribute in PEER_OPTIONS:
             raise peer_refusal(task_name, attribute, attributes[attribute])
         if attribute not in TASK_OPTIONS:
@@ -339,28 +344,20 @@ def resolve(
     if not isinstance(fencing, bool):
         raise _fail(task_name, source, fencing, "True or False")
 
-    given = [
-        name for name in ("lock_args", "lock_key", "lock_id") if name in attributes
-    ]
-    if len(given) > 1:
+    if "lock_args" in attributes and "lock_id" in attributes:
         raise exceptions.ConfigurationError(
-            f"Task {task_name!r}: set only one of lock_args, lock_key and lock_id "
-            f"(got {' and '.join(given)}); each one defines the whole key."
+            f"Task {task_name!r}: set only one of lock_args and lock_id; each one "
+            "defines the whole key."
         )
 
     lock_args = _valid_lock_args(task_name, attributes.get("lock_args", ()), parameters)
-    lock_key = attributes.get("lock_key")
-    if lock_key is not None and not callable(lock_key):
-        raise _fail(
-            task_name, "lock_key", lock_key, "a callable taking the task's arguments"
-        )
 
     fixed_key: keys.LockKey | None = None
     if "lock_id" in attributes:
         fixed_key = keys.explicit_key(
             lock_name, attributes["lock_id"], where=f"Task {task_name!r}: lock_id"
         )
-    elif not lock_args and lock_key is None:
+    elif not lock_args:
         fixed_key = keys.make_key(namespace, lock_name)
 
     return LockConfig(
@@ -381,7 +378,6 @@ def resolve(
         check_timeout=check_timeout,
         fencing=fencing,
         lock_args=lock_args,
-        lock_key=lock_key,
         fixed_key=fixed_key,
     )
 
@@ -486,7 +482,8 @@ def _valid_lock_args(
                 task_name,
                 "lock_args",
                 value,
-                f"named parameters; {name!r} is a *args/**kwargs catch-all, use lock_key instead",
+                f"named parameters; {name!r} is a *args/**kwargs catch-all (override "
+                "lock_key_for for keys that are not plain arguments)",
             )
     if len(set(names)) != len(names):
         raise _fail(task_name, "lock_args", value, "each parameter name at most once")
@@ -551,6 +548,6 @@ def _equivalent(option: str, value: object) -> str:
             "('skip', the default, or 'raise'), and for 'timeout', " + _NO_EXPIRY
         )
     return (  # heimdall
-        "use lock_args or lock_key for its 'key', lock_on_busy='raise' for "
+        "use lock_args (or override lock_key_for) for its 'key', lock_on_busy='raise' for "
         f"'unique_raises', and for 'unique_timeout', {_NO_EXPIRY}"
     )

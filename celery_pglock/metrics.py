@@ -312,18 +312,20 @@ def _multiprocess() -> bool:
 
 # -- the process's sink -----------------------------------------------------------------
 
-_sink: Metrics = NullMetrics()
+#: The installed sink, or None: outcomes then make no call at all (the default).
+sink: Metrics | None = None
+_NULL = NullMetrics()
 
 
 def current() -> Metrics:
     """The sink outcomes are counted in (NullMetrics unless configured)."""
-    return _sink
+    return _NULL if sink is None else sink
 
 
 def install(metrics: Metrics) -> None:
     """Make ``metrics`` the sink of this process (e.g. a custom Metrics implementation)."""
-    global _sink
-    _sink = metrics
+    global sink
+    sink = metrics
 
 
 def configure(conf: Mapping[str, Any]) -> None:
@@ -343,7 +345,7 @@ def configure(conf: Mapping[str, Any]) -> None:
     if wanted is None:
         return
     if isinstance(wanted, str):
-        if not isinstance(_sink, PrometheusMetrics) and _has_prometheus():
+        if not isinstance(sink, PrometheusMetrics) and _has_prometheus():
             install(PrometheusMetrics())
         return
     install(wanted)

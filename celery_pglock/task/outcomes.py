@@ -30,10 +30,12 @@ logger = logging.getLogger(__name__)
 def acquired(task: Any, task_id: str | None, lock: AdvisoryLock) -> None:
     """The run got its lock and its body is about to run."""
     wait = lock.wait_seconds or 0.0
-    try:
-        metrics.current().acquired(task.name, wait)
-    except Exception as exc:
-        _metrics_failed(exc)
+    sink = metrics.sink
+    if sink is not None:
+        try:
+            sink.acquired(task.name, wait)
+        except Exception as exc:
+            _metrics_failed(exc)
     if signals.lock_acquired.receivers:
         signals.lock_acquired.send(
             sender=task,
@@ -75,10 +77,12 @@ def skipped(
         shadow: Shadow mode: the body runs anyway; this is a would-be skip.
     """
     wait = lock.wait_seconds or 0.0
-    try:
-        metrics.current().skipped(task.name, action, wait)
-    except Exception as exc:
-        _metrics_failed(exc)
+    sink = metrics.sink
+    if sink is not None:
+        try:
+            sink.skipped(task.name, action, wait)
+        except Exception as exc:
+            _metrics_failed(exc)
     if signals.lock_skipped.receivers:
         signals.lock_skipped.send(
             sender=task,
@@ -119,10 +123,12 @@ def released(
 ) -> None:
     """The run ended (its lock released, or its release already reported as failed)."""
     held = (lock.released_at or 0.0) - (lock.acquired_at or 0.0)
-    try:
-        metrics.current().released(task.name, state, held)
-    except Exception as exc:
-        _metrics_failed(exc)
+    sink = metrics.sink
+    if sink is not None:
+        try:
+            sink.released(task.name, state, held)
+        except Exception as exc:
+            _metrics_failed(exc)
     if not failed:
         if signals.lock_completed.receivers:
             signals.lock_completed.send(**_payload(task, task_id, lock, held, state))
@@ -150,10 +156,12 @@ def release_failed(
     task: Any, task_id: str | None, lock: AdvisoryLock, error: BaseException
 ) -> None:
     """Releasing failed; the lock's connection was closed, so PostgreSQL freed it."""
-    try:
-        metrics.current().release_failed(task.name)
-    except Exception as exc:
-        _metrics_failed(exc)
+    sink = metrics.sink
+    if sink is not None:
+        try:
+            sink.release_failed(task.name)
+        except Exception as exc:
+            _metrics_failed(exc)
     logger.error(
         "Releasing lock %s (key %s) of %s[%s] failed: %s. The connection was closed, "
         "so PostgreSQL no longer holds the lock.",
@@ -178,10 +186,12 @@ def release_failed(
 def lost(task: Any, task_id: str | None, lock: AdvisoryLock, cause: str) -> None:
     """The lock was found lost: while the body ran (the lock watcher thread of the
     process running the task; see watch/loss_watcher.py), or before it (no fencing token)."""
-    try:
-        metrics.current().lost(task.name)
-    except Exception as exc:
-        _metrics_failed(exc)
+    sink = metrics.sink
+    if sink is not None:
+        try:
+            sink.lost(task.name)
+        except Exception as exc:
+            _metrics_failed(exc)
     logger.error(
         "Lock %s (key %s) of %s[%s] was lost: %s. Another run may hold it now; the run "
         "will end FAILURE with LockLostError.",

@@ -50,7 +50,7 @@ from celery import signals as celery_signals
 from celery_pglock import config, exceptions, metrics
 from celery_pglock.db import driver_errors, engines, server_probe
 from celery_pglock.lock import strategy
-from celery_pglock.task import context, metrics_endpoint, singleton_task
+from celery_pglock.task import metrics_endpoint, singleton_task
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ def _report_at_ready(sender: Any = None, **_: Any) -> None:
 
 
 def _release_everything(**_: Any) -> None:
-    for lock in context.all_held():
+    for lock in singleton_task.held_locks():
         if lock.owned():
             singleton_task.release_leftover(lock, "worker shutdown")
     strategy.close_all()
