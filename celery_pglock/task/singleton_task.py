@@ -366,14 +366,10 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     ) -> Any:
         """Celery's retry, with this run's lock kept until Celery has stored RETRY.
 
-        The retry message is published at once, as Celery does, so a worker killed
-        after ``self.retry()`` loses no retry. This run then keeps its lock until the
-        task_postrun hook, after Celery has stored the attempt's RETRY state, and the
-        retry's run waits (up to ``lock_wait_timeout``) for it rather than being
-        skipped by its own predecessor. When Celery would not publish (a direct call,
-        no retries left) or the run is eager, the lock is released as usual, once the
-        body has handled the exception. Why, and what it means for callers:
-        docs/guide/retries.md.
+        The retry is published at once (a worker killed afterwards loses no retry); the
+        lock is released at task_postrun, and the retry's run waits for it (bounded)
+        instead of being skipped by its predecessor. A direct, eager or last attempt
+        releases as usual. See docs/guide/retries.md.
         """
         retry_options = {
             "args": args,
@@ -427,8 +423,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             vars(self).pop("override_max_retries", None)
 
     def _retry_publishes(self, max_retries: int | None) -> bool:
-        """Are retries left, so that Celery's retry() will publish? (Its own check; the
-        direct-call case is ruled out by the caller.)"""
+        """Will Celery's retry() publish (retries left)? Celery's own check."""
         limit = self.max_retries if max_retries is None else max_retries
         return limit is None or self.request.retries + 1 <= limit
 
@@ -465,12 +460,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         lock: AdvisoryLock,
         exc: BaseException | None,
     ) -> None:
-        """The body has ended: finish now, or at task_postrun if it published a retry.
-
-        A run that published a retry keeps its lock until Celery has stored its RETRY
-        state, so the retry's own outcome can never be overwritten by it; the
-        task_postrun hook then calls :meth:`_finish_run`.
-        """
+        """The body has ended: finish now, or at task_postrun if it published a retry
+        (so that the retry's own outcome is never overwritten by this run's)."""
         try:
             # First: a loss found from now on never interrupts the body.
             loss_watcher.unwatch(lock)
@@ -490,10 +481,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         lock: AdvisoryLock,
         exc: BaseException | None,
     ) -> None:
-        """Release ``lock`` (if still held) and report the outcome of the run.
-
-        Internal: called when the body ends, or by the task_postrun hook (see _end).
-        """
+        """Release ``lock`` (if still held) and report the run's outcome (from _end, or
+        from the task_postrun hook)."""
         if lock.owner_pid is not None and lock.owner_pid != os.getpid():
             return  # a forked child's copy of the run: lock and outcome are the parent's
         task_id = execution.task_id
@@ -508,11 +497,9 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             release_error = self._release(
                 lock, task_id, commit=exc is None and not lock.lost
             )
-        # A session-scope release failure leaves the run's outcome as it was: the body's
-        # work is done, and the lock is gone either way (a failed round trip ended its
-        # session; an unlock PostgreSQL refused held nothing); lock_release_failed
-        # reports it. In
-        # transaction scope it means the work was not committed under the lock: a failure.
+        # A session-scope release failure leaves the outcome as it was (the work is done;
+        # the lock is gone either way: a failed round trip ended its session, a refused
+        # unlock held nothing). In transaction scope the work was not committed: failed.
         failed = (
             exc is not None
             or lost_error is not None
@@ -530,9 +517,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         if lost_error is not None:
             raise lost_error from exc
         if failed and exc is None and release_error is not None:
-            # Transaction scope: the body's work was not committed under the lock, so
-            # the run must not succeed.
-            raise release_error
+            raise release_error  # transaction scope: nothing was committed
 
     def _release(
         self, lock: AdvisoryLock, task_id: str | None, *, commit: bool
@@ -553,10 +538,9 @@ def after_task(task: Any = None, retval: Any = None, **_: Any) -> None:
     """task_postrun: release a retried run's lock now that Celery stored RETRY, or a
     leftover one (docs/guide/retries.md)."""
     if isinstance(retval, exceptions.LockSkipped):
-        # Celery breaks the cycle between a failure and the tracer's frame (which holds
-        # it) by clearing the frames of exc.__traceback__; a skip answers that with its
-        # fixed frame, so the frames it unwound are dropped here, or each skip would
-        # leave ~30 objects (its lock, execution, frames) to the cyclic collector.
+        # Celery clears a failure's traceback frames to break the cycle with its own
+        # frame; a skip's fixed frame defeats that, so drop them here, or each skip
+        # leaves ~30 objects (lock, execution, frames) to the cyclic collector.
         retval.__traceback__ = None
     request: Any = getattr(task, "request", None)
     execution = getattr(request, "pglock_execution", None)
@@ -568,8 +552,7 @@ def after_task(task: Any = None, retval: Any = None, **_: Any) -> None:
     if execution.release_at_postrun and lock is not None:
         # The run published a retry; Celery has now stored its RETRY state.
         execution.release_at_postrun = False
-        # A release failure is reported as lock_release_failed; a signal receiver
-        # cannot fail the task any more.
+        # Reported as lock_release_failed; a signal receiver cannot fail the task.
         with contextlib.suppress(exceptions.PgLockError):
             task._finish_run(execution, lock, execution.ended_with)
         return
@@ -592,7 +575,7 @@ def release_leftover(lock: AdvisoryLock, where: str) -> None:
         lock.release(commit=False)
     except exceptions.PgLockError:
         logger.exception(
-            "Releasing leftover lock %s failed; its connection was closed", lock.key
+            "Releasing leftover lock %s failed; PostgreSQL no longer holds it", lock.key
         )
 
 
