@@ -1,22 +1,9 @@
 """Lock keys: task name + arguments -> a PostgreSQL advisory key. Pure functions, no I/O.
 
-The algorithm (key format 1) is a contract with every process that takes these locks,
-including non-Python code and ``psql`` sessions, so it must never change silently:
-
-1. Canonicalise the key material (see :func:`canonical`): JSON types only, object keys
-   sorted, tuples as arrays, UUID/Decimal/date/datetime/time as their text form.
-2. Build the *key text*: the compact JSON array
-   ``["celery_pglock/1", <namespace>, <lock name>, <material>]`` with ``ensure_ascii``
-   off, keys sorted and no whitespace.
-3. Hash the UTF-8 bytes of the key text with SHA-256 and read the first 8 bytes as a
-   big-endian *signed* 64-bit integer. Big-endian on purpose: ``struct.unpack('q')``
-   would depend on the host's byte order (a known pals trap).
-
-The same key in SQL (PostgreSQL >= 11)::
-
-    SELECT ('x' || left(encode(sha256(convert_to(:key_text, 'UTF8')), 'hex'), 16))::bit(64)::bigint;
-
-Never Python's ``hash()``: it is salted per process, so two workers would disagree.
+The algorithm (key format 1: canonical JSON, SHA-256, first 8 bytes big-endian signed) is a
+contract with every process that takes these locks, psql and other languages included, and
+must never change silently: docs/reference/keys.md. Never Python's ``hash()``: it is
+salted per process, so two workers would disagree.
 """
 
 from __future__ import annotations
@@ -98,7 +85,7 @@ _ENCODER = json.JSONEncoder(
 
 
 def key_from_text(text: str) -> int:
-    """Hash a key text to a signed 64-bit advisory key (step 3 of the module docstring)."""
+    """Hash a key text to a signed 64-bit advisory key (step 3 of the format)."""
     if len(text) <= CHUNK:
         digest = hashlib.sha256(text.encode("utf-8")).digest()
     else:
