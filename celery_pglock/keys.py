@@ -192,6 +192,16 @@ class CallKeys:
     Python binds the call, without ``inspect.Signature.bind``'s cost), and a bounded memo
     for scalar values, keyed with each value's exact type (7, "7" and True differ)."""
 
+    __slots__ = (
+        "_scalars",
+        "arguments",
+        "fixed",
+        "memo",
+        "name",
+        "namespace",
+        "task_name",
+    )
+
     def __init__(
         self,
         task_name: str,
@@ -230,30 +240,26 @@ class CallKeys:
         """The key of one call's arguments."""
         if self.fixed is not None:
             return self.fixed
-        values = tuple(
-            self._value(argument, args, kwargs) for argument in self.arguments
-        )
+        # One plain loop (no generator or comprehension frames): this runs once per task.
+        values = []
+        typed = []
+        for name, position, keyword, default in self.arguments:
+            if keyword and name in kwargs:
+                value = kwargs[name]
+            elif position is not None and position < len(args):
+                value = args[position]
+            elif default is not inspect.Parameter.empty:
+                value = default
+            else:
+                raise exceptions.LockKeyError(
+                    f"Task {self.task_name!r} was called without its lock argument "
+                    f"{name!r}, so there is no key to lock; the body did not run."
+                )
+            values.append(value)
+            typed.append((type(value), value))
         if _memoisable(values):
-            return self.memo(tuple((type(value), value) for value in values))
-        return self._make_key(values)
-
-    def _value(
-        self,
-        argument: tuple[str, int | None, bool, Any],
-        args: Sequence[Any],
-        kwargs: Mapping[str, Any],
-    ) -> Any:
-        name, position, keyword, default = argument
-        if keyword and name in kwargs:
-            return kwargs[name]
-        if position is not None and position < len(args):
-            return args[position]
-        if default is not inspect.Parameter.empty:
-            return default
-        raise exceptions.LockKeyError(
-            f"Task {self.task_name!r} was called without its lock argument {name!r}, so "
-            "there is no key to lock; the body did not run."
-        )
+            return self.memo(tuple(typed))
+        return self._make_key(tuple(values))
 
     def _make_key(self, values: tuple[Any, ...], *, short: bool = False) -> LockKey:
         material = {
@@ -267,7 +273,7 @@ class CallKeys:
         return self._scalars.key(values) or self._make_key(values, short=True)
 
 
-def _memoisable(values: tuple[Any, ...]) -> bool:
+def _memoisable(values: list[Any]) -> bool:
     """Small scalars only (a 5 MB argument must not be pinned in the memo)."""
     chars = 0
     for value in values:
