@@ -44,11 +44,8 @@ class SkipResult(str, enum.Enum):
 
 
 class OnLost(str, enum.Enum):
-    """What a SingletonTask does when its lock is lost while the body runs.
-
-    Either way the loss is reported and the run ends FAILURE with LockLostError
-    (docs/operations/lock-loss.md).
-    """
+    """What a SingletonTask does when its lock is lost while the body runs (the run then
+    ends FAILURE with LockLostError either way: docs/operations/lock-loss.md)."""
 
     SIGNAL = "signal"  #: Report it; the body goes on until it checks ensure_held().
     #: Also end the body with LockLostError where the pool allows it (not gevent/eventlet,
@@ -98,16 +95,17 @@ def _choice(enum_cls: type[enum.Enum]) -> Callable[[object], Any]:
     return check
 
 
-def _flag(value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError("True or False")
-    return value
+def _expect(test: Callable[[Any], object], expected: str) -> Callable[[object], Any]:
+    def check(value: object) -> object:
+        if not test(value):
+            raise ValueError(expected)
+        return value
+
+    return check
 
 
-def _text(value: object) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError("a non-empty string")
-    return value
+_flag = _expect(lambda value: isinstance(value, bool), "True or False")
+_text = _expect(lambda value: isinstance(value, str) and value, "a non-empty string")
 
 
 def _skip_result(value: object) -> SkipResult:
@@ -139,23 +137,6 @@ _CHECKS: dict[str, Callable[[object], Any]] = {
     "db_timeout": _seconds,
     "fencing": _flag,
 }
-#: Task attribute -> app setting for the options that have an app-wide default.
-APP_SETTINGS = {f"lock_{field}": f"pglock_{field}" for field in _CHECKS}
-#: Options that only make sense per task.
-TASK_ONLY_OPTIONS = ("lock_args", "lock_key", "lock_id", "lock_name")
-TASK_OPTIONS = (*TASK_ONLY_OPTIONS, *APP_SETTINGS)
-#: Settings read by the connection layer (db/), listed here so typos are caught.
-DATABASE_SETTINGS = (
-    DATABASE_URL_SETTING,
-    "pglock_engine_options",
-    "pglock_application_name",
-    "pglock_server_keepalives",
-    SESSION_MODE_SETTING,
-)
-#: Settings read by the metrics layer (metrics.py), validated by metrics.from_conf().
-METRICS_SETTINGS = ("pglock_metrics", "pglock_metrics_port", "pglock_metrics_address")
-KNOWN_SETTINGS = (*APP_SETTINGS.values(), *DATABASE_SETTINGS, *METRICS_SETTINGS)
-
 _AUTORETRY = (
     "a DatabaseError at acquire is retried by Celery's own options, as for the body: "
     "autoretry_for=(celery_pglock.DatabaseError,) with retry_backoff and max_retries "
@@ -207,15 +188,28 @@ class LockConfig:
 
 
 _DEFAULTS = LockConfig(task_name="", name="")
+#: Task attribute -> app setting for the options that have an app-wide default.
+APP_SETTINGS = {f"lock_{field}": f"pglock_{field}" for field in _CHECKS}
+#: Options that only make sense per task.
+TASK_ONLY_OPTIONS = ("lock_args", "lock_key", "lock_id", "lock_name")
+TASK_OPTIONS = (*TASK_ONLY_OPTIONS, *APP_SETTINGS)
+#: Settings read by the connection layer (db/), listed here so typos are caught.
+DATABASE_SETTINGS = (
+    DATABASE_URL_SETTING,
+    "pglock_engine_options",
+    "pglock_application_name",
+    "pglock_server_keepalives",
+    SESSION_MODE_SETTING,
+)
+#: Settings read by the metrics layer (metrics.py), validated by metrics.from_conf().
+METRICS_SETTINGS = ("pglock_metrics", "pglock_metrics_port", "pglock_metrics_address")
+KNOWN_SETTINGS = (*APP_SETTINGS.values(), *DATABASE_SETTINGS, *METRICS_SETTINGS)
 
 
 def check_unknown_settings(conf: Mapping[str, Any]) -> None:
-    """Refuse ``pglock_*`` settings we do not know (did-you-mean) or that were removed.
-
-    Django-style namespaced settings (``CELERY_PGLOCK_*``) are named as written.
-    """
-    # Celery keeps a namespace's keys as given and finds them through its prefix. Listed
-    # first: a PendingConfiguration (celery.current_app) only knows its prefix once read.
+    """Refuse ``pglock_*`` settings unknown or removed (``CELERY_PGLOCK_*`` as written)."""
+    # A namespace's keys are kept as given (CELERY_PGLOCK_ON_BUSY). list() first: a
+    # PendingConfiguration (celery.current_app) only knows its prefix once read.
     settings = list(conf)
     prefix = getattr(conf, "prefix", None) or ""
     for spelled in settings:
@@ -224,20 +218,28 @@ def check_unknown_settings(conf: Mapping[str, Any]) -> None:
             setting = setting[len(prefix) :].lower()
         if not setting.lower().startswith("pglock_") or setting in KNOWN_SETTINGS:
             continue
-        if (removed := REMOVED.get(setting.removeprefix("pglock_"))) is not None:
-            raise exceptions.ConfigurationError(
-                f"Setting {spelled!r} was removed: {removed}."
-            )
-        hint = difflib.get_close_matches(setting, KNOWN_SETTINGS, n=1)
         known: Sequence[str] = KNOWN_SETTINGS
         if spelled != setting:  # show names the way this configuration writes them
-            hint = [f"{prefix}{name}".upper() for name in hint]
             known = [f"{prefix}{name}".upper() for name in known]
-        raise exceptions.ConfigurationError(
-            f"Unknown setting {spelled!r}"
+        raise _unknown("", "setting", spelled, known)
+
+
+def _unknown(
+    where: str, kind: str, spelled: str, known: Sequence[str]
+) -> exceptions.ConfigurationError:
+    """A removed option or setting, naming its replacement, or an unknown one, with a
+    did-you-mean hint."""
+    bare = spelled.lower().split("pglock_" if kind == "setting" else "lock_", 1)[-1]
+    if bare in REMOVED:
+        message = f"{where}{kind} {spelled!r} was removed: {REMOVED[bare]}."
+    else:
+        hint = difflib.get_close_matches(spelled, known, n=1)
+        message = (
+            f"{where}unknown {kind} {spelled!r}"
             + (f"; did you mean {hint[0]!r}?" if hint else ".")
-            + f" Known settings: {', '.join(known)}."
+            + f" Known {kind}s: {', '.join(known)}."
         )
+    return exceptions.ConfigurationError(message[0].upper() + message[1:])
 
 
 def task_parameters(
@@ -255,47 +257,29 @@ def resolve(
     conf: Mapping[str, Any],
     parameters: Sequence[inspect.Parameter],
 ) -> LockConfig:
-    """Resolve one task's options: task attribute > ``app.conf.pglock_*`` > default.
-
-    Args:
-        task_name: The Celery task name.
-        attributes: The task's ``lock_*`` attributes that are not None.
-        conf: The app configuration.
-        parameters: The task's call parameters, to check ``lock_args`` against.
-
-    Raises:
-        ConfigurationError: naming the task, the option and what was expected.
-    """
+    """One task's options (its ``lock_*`` attributes that are not None): task attribute,
+    else ``app.conf.pglock_*``, else the default; ConfigurationError if any is wrong."""
     for attribute in attributes:
         if attribute in PEER_OPTIONS:
             raise peer_refusal(task_name, attribute, attributes[attribute])
-        if (removed := REMOVED.get(attribute.removeprefix("lock_"))) is not None:
-            raise exceptions.ConfigurationError(
-                f"Task {task_name!r}: option {attribute!r} was removed: {removed}."
-            )
         if attribute not in TASK_OPTIONS:
-            hint = difflib.get_close_matches(attribute, TASK_OPTIONS, n=1)
-            raise exceptions.ConfigurationError(
-                f"Task {task_name!r}: unknown option {attribute!r}"
-                + (f"; did you mean {hint[0]!r}?" if hint else ".")
-                + f" Known options: {', '.join(TASK_OPTIONS)}."
-            )
+            raise _unknown(f"Task {task_name!r}: ", "option", attribute, TASK_OPTIONS)
     check_unknown_settings(conf)
 
     values: dict[str, Any] = {}
     source: dict[str, str] = {}  # how to name each option in an error
     for field, check in _CHECKS.items():
         name, setting = f"lock_{field}", f"pglock_{field}"
+        where, value = name, getattr(_DEFAULTS, field)
         if name in attributes:
-            source[field], value = name, attributes[name]
+            value = attributes[name]
         elif conf.get(setting) is not None:
-            source[field], value = f"{name} (from app.conf.{setting})", conf[setting]
-        else:
-            source[field], value = name, getattr(_DEFAULTS, field)
+            where, value = f"{name} (from app.conf.{setting})", conf[setting]
+        source[field] = where
         try:
             values[field] = check(value)
         except ValueError as exc:
-            raise _fail(task_name, source[field], value, str(exc)) from None
+            raise _fail(task_name, where, value, str(exc)) from None
     lock_name = attributes.get("lock_name", task_name)
     if not isinstance(lock_name, str) or not lock_name:
         raise _fail(task_name, "lock_name", lock_name, "a non-empty string")
@@ -304,10 +288,9 @@ def resolve(
             task_name,
             source["shadow"],
             True,
-            "False with lock_scope='transaction' (a shadowed run that finds the lock "
-            "busy has no lock transaction to lend its body). Set lock_shadow=False on "
-            "this task to keep it out of shadow mode (an app-wide pglock_shadow then "
-            "applies to the other tasks), or shadow it with lock_scope='session' first",
+            "False with lock_scope='transaction' (a shadowed busy run has no lock "
+            "transaction to lend its body): set lock_shadow=False on this task, or "
+            "shadow it with lock_scope='session' first",
         )
     interval, timeout = values["watch_interval"], values["db_timeout"]
     if (
@@ -315,13 +298,12 @@ def resolve(
         and conf.get("pglock_server_keepalives", True)
         and interval + timeout + LOSS_MARGIN > SERVER_KEEPALIVE_DEADLINE
     ):
-        # A cut-off holder must learn it before the server frees its lock.
-        raise exceptions.ConfigurationError(
+        raise exceptions.ConfigurationError(  # docs/operations/lock-loss.md
             f"Task {task_name!r}: {source['watch_interval']}={interval!r} plus "
             f"{source['db_timeout']}={timeout!r} is too long: a holder cut off from the "
-            f"server would learn it after up to {interval + timeout:g}s, but the server "
-            f"may free its lock {SERVER_KEEPALIVE_DEADLINE:g}s after the link breaks "
-            "(keepalives). Expected lock_watch_interval + lock_db_timeout <= "
+            f"server learns it after up to {interval + timeout:g}s, but the server may "
+            f"free its lock {SERVER_KEEPALIVE_DEADLINE:g}s after the link breaks. "
+            "Expected lock_watch_interval + lock_db_timeout <= "
             f"{SERVER_KEEPALIVE_DEADLINE - LOSS_MARGIN:g}."
         )
 
@@ -401,24 +383,22 @@ def _fail(
 def _valid_lock_args(
     task_name: str, value: object, parameters: Sequence[inspect.Parameter]
 ) -> tuple[str, ...]:
-    if not isinstance(value, (str, list, tuple)):
-        raise _fail(
-            task_name, "lock_args", value, "a parameter name or a tuple of them"
-        )
-    names: tuple[object, ...] = (value,) if isinstance(value, str) else tuple(value)
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)):
+        expected = "a parameter name or a tuple of parameter names"
+        raise _fail(task_name, "lock_args", value, expected)
     by_name = {parameter.name: parameter for parameter in parameters}
     for name in names:
         parameter = by_name.get(name) if isinstance(name, str) else None
         if parameter is None:
             expected = f"names of the task's parameters ({', '.join(by_name) or 'it takes none'}); {name!r} is not one of them"
-        elif parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            raise _fail(task_name, "lock_args", value, expected)
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             expected = f"named parameters; {name!r} is a *args/**kwargs catch-all, use lock_key instead"
-        else:
-            continue
-        raise _fail(task_name, "lock_args", value, expected)
+            raise _fail(task_name, "lock_args", value, expected)
     if len(set(names)) != len(names):
         raise _fail(task_name, "lock_args", value, "each parameter name at most once")
-    return tuple(str(name) for name in names)
+    return tuple(names)
 
 
 #: Per-task options of the Redis-based peers -> (their library, what to write instead),
@@ -449,9 +429,8 @@ def peer_refusal(
     task_name: str, option: str, value: object
 ) -> exceptions.ConfigurationError:
     """The error for a peer library's option, naming what to write instead."""
-    if option == "unique_on":
-        names = value
-    else:  # celery-once's 'keys'; without them it locks on every argument
+    names = value  # unique_on, or celery-once's 'keys' (without them: every argument)
+    if option != "unique_on":
         names = value.get("keys", ...) if isinstance(value, dict) else ...
     names = [names] if isinstance(names, str) else names
     library, instead = PEER_OPTIONS[option]

@@ -1,9 +1,6 @@
-"""What a run whose lock is held becomes: ``lock_on_busy`` applied, and the skip record.
+"""What a run whose lock is held becomes (``lock_on_busy``), and its skip record.
 
-:func:`apply_policy` names the holder (one more round trip, on this path only), reports
-the outcome and ends the run: ``LockSkipped`` (FAILURE), a skip record (SUCCESS),
-``LockBusy`` or Celery's retry (docs/guide/policies.md, docs/guide/skipped-results.md).
-:func:`skip_info` reads a skip back from a result.
+See docs/guide/policies.md and docs/guide/skipped-results.md.
 """
 
 from __future__ import annotations
@@ -29,27 +26,22 @@ SKIP_MARKER = "celery_pglock"
 def apply_policy(
     task: Any, lock: AdvisoryLock, task_id: str | None, *, direct: bool
 ) -> Any:
-    """Apply lock_on_busy to a run whose lock is held.
-
-    Raises (LockSkipped, LockBusy, Retry or Ignore), except under
-    ``lock_skip_result='success'``, where it returns the skip record as the value.
-    """
+    """Raise a busy run's outcome, or return its skip record (lock_skip_result='success')."""
     options = task.lock_config
     request = task.request
-    # A direct call has no message to skip or re-queue: whatever the policy, it raises.
-    action = (
-        OnBusy.RAISE
-        if direct and options.on_busy is not OnBusy.WAIT
-        else options.on_busy
-    )
+    action = options.on_busy
+    if direct and action is not OnBusy.WAIT:
+        action = OnBusy.RAISE  # a direct call has no message to skip or re-queue
     message, details = report(task, lock, task_id, action)
-    # This very message, redelivered (visibility timeout, lost connection) while its
-    # first delivery still runs: anything stored under its id would end its caller's
-    # wait with the wrong outcome; the first delivery stores the real one.
+    # This message, redelivered while its first delivery (an acks_late run holding its
+    # run lock; unknown counts as yes) still runs: storing anything under its id would
+    # end its caller's wait with the wrong outcome. The first delivery stores the real one.
     first_delivery_runs = (
-        not direct
+        task_id is not None
+        and not direct
+        and task.acks_late
         and bool((request.delivery_info or {}).get("redelivered"))
-        and _first_delivery_runs(task, lock, task_id)
+        and lock.run_alive(keys.run_key(task_id)) is not False
     )
     if first_delivery_runs:
         message += (
@@ -86,24 +78,10 @@ def apply_policy(
     raise busy
 
 
-def _first_delivery_runs(task: Any, lock: AdvisoryLock, task_id: str | None) -> bool:
-    """Is the first delivery of this redelivered message still running?
-
-    An acks_late run holds its run lock (keys.run_key) beside its key; any other message
-    was acknowledged when it started, so its redelivery never ran. Unknown counts as yes.
-    """
-    if task_id is None or not task.acks_late:
-        return False
-    return lock.run_alive(keys.run_key(task_id)) is not False
-
-
 def report(
     task: Any, lock: AdvisoryLock, task_id: str | None, action: OnBusy
 ) -> tuple[str, dict[str, Any]]:
-    """The sentence and the plain-data record of a busy run, naming its holder.
-
-    Carries names and numbers only, never argument values.
-    """
+    """The sentence and the record (names and numbers, never arguments) of a busy run."""
     options = task.lock_config
     key = lock.key
     holder = holder_lookup.find(lock)
@@ -117,13 +95,11 @@ def report(
         "holder_pid": None,
         "holder_task": None,
     }
-    if holder is None:
-        by = "another session"
-    elif holder.process is None:
+    by = "another session"
+    if holder is not None:
         details.update(holder.as_details())
         by = f"PostgreSQL backend {holder.backend_pid} (not a celery-pglock session)"
-    else:
-        details.update(holder.as_details())
+    if holder is not None and holder.process is not None:
         running = f"{holder.task}, " if holder.task else ""
         by = f"{holder.process} ({running}backend {holder.backend_pid})"
     # The time it really waited: a server setting or a cancel may end a wait early.
@@ -141,12 +117,8 @@ def report(
 
 
 def skip_info(outcome: object) -> dict[str, Any] | None:
-    """The skip record if ``outcome`` is a skipped run's result, else None.
-
-    ``outcome`` is what ``AsyncResult.get(propagate=False)`` or ``.result`` gives: a
-    ``LockSkipped`` (``lock_skip_result='failure'``), a skip record dict (``'success'``),
-    or anything else (not a skip).
-    """
+    """The skip record if ``outcome`` (``AsyncResult.result``, or ``get(propagate=False)``)
+    is a skipped run's: a ``LockSkipped`` or a ``lock_skip_result='success'`` record."""
     if isinstance(outcome, exceptions.LockSkipped):
         return dict(outcome.details)
     if isinstance(outcome, dict) and outcome.get(SKIP_MARKER) == "skipped":
