@@ -213,7 +213,7 @@ def database_error(
     """The lock database failed at acquire; the run is re-queued (autoretry_for)."""
     logger.warning(
         "%s[%s] could not take its lock: %s. The lock database looks unavailable; the "
-        "run is re-queued in %.0fs (retry %d of %s), and its body has not run.",
+        "run is re-queued in %gs (retry %d of %s), and its body has not run.",
         task.name,
         task_id,
         error,

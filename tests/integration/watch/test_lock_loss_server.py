@@ -166,7 +166,7 @@ def test_an_acquire_from_a_frozen_server_is_bounded(
     private_postgres, namespace, scope, session_mode
 ):
     """acquire() on a server that does not answer gives up after round_trip_timeout
-    with DatabaseError (lock_on_error then re-queues the run): no hang, and on the
+    with DatabaseError (autoretry_for may then re-queue the run): no hang, and on the
     process's shared lock session no mutex held for as long as TCP waits."""
     from celery_pglock import DatabaseError, config
     from celery_pglock.db import deadlines
