@@ -180,11 +180,13 @@ class LockConfig:
     lock_key: Callable[..., object] | None = None  #: Custom key-material function.
     fixed_key: keys.LockKey | None = None  #: The key when it never varies per call.
 
-    @property
-    def check_timeout(self) -> float:
-        # The old name of db_timeout, still read by watch/loss_watcher.py (not this
-        # change's to edit): remove once it reads db_timeout.
-        return self.db_timeout
+    #: The old name of db_timeout, still read by watch/loss_watcher.py (not this
+    #: change's to edit): remove once it reads db_timeout. A copy, not a property, so
+    #: that the locked path runs no code of this module.
+    check_timeout: float = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "check_timeout", self.db_timeout)
 
 
 _DEFAULTS = LockConfig(task_name="", name="")
