@@ -66,6 +66,8 @@ SINGLETON = "bench.singleton"
 #: A measurement only, never a library mode: SingletonTask with its release sent but its
 #: reply read only before the session's next statement (see _unawaited_release below).
 UNAWAITED = "pglock-unawaited"
+#: SingletonTask from the checkout on BENCH_BASELINE (compare.py --baseline).
+BASELINE = "pglock-baseline"
 contender = os.environ.get(CONTENDER_ENV, "all")
 _broker_url = os.environ.get(BROKER_URL_ENV, "memory://")
 
@@ -123,7 +125,7 @@ def plain_round_trips(key: str, body: float = 0.0) -> None:
         cursor.fetchone()
 
 
-if contender in ("pglock", UNAWAITED, "all"):
+if contender in ("pglock", UNAWAITED, BASELINE, "all"):
     from celery_pglock import SingletonTask
 
     app.conf.update(

@@ -49,6 +49,7 @@ import compare_report  # noqa: E402
 import compare_runs  # noqa: E402
 import measuring  # noqa: E402
 from contenders import (  # noqa: E402
+    BASELINE_ROW,
     CONTENDERS,
     PLAIN,
     ROUND_TRIPS,
@@ -104,7 +105,12 @@ class Bench:
             loglevel="INFO",
             log_path=record_dir / "worker.log",
             env={
-                "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO)]),
+                # The baseline worker imports celery_pglock from the other checkout.
+                "PYTHONPATH": os.pathsep.join(
+                    [str(HERE), str(self.args.baseline or REPO)]
+                    if kind == bench_app.BASELINE
+                    else [str(HERE), str(REPO)]
+                ),
                 bench_app.CONTENDER_ENV: kind,
                 bench_app.BROKER_URL_ENV: self.services.broker_url,
                 bench_app.DATABASE_URL_ENV: self.services.database_url,
@@ -157,6 +163,7 @@ class Bench:
         if workload.keys != "hot" or contender.worker not in (
             "pglock",
             bench_app.UNAWAITED,
+            bench_app.BASELINE,
         ):
             yield
             return
@@ -309,9 +316,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path)
     parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="a checkout of an earlier celery-pglock (e.g. a git worktree): adds the row "
+        f"{BASELINE_ROW!r}, the same harness on that code, and its ratio to ours",
+    )
+    parser.add_argument(
         "--contenders",
         type=lambda text: text.split(","),
-        default=list(CONTENDERS),
+        default=[name for name in CONTENDERS if name != BASELINE_ROW],
         help="comma-separated subset of: " + ", ".join(CONTENDERS),
     )
     parser.add_argument(
@@ -339,6 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     if unknown:
         parser.error(f"unknown contenders/workloads: {', '.join(sorted(unknown))}")
+    if args.baseline is not None:
+        if not (args.baseline / "celery_pglock" / "__init__.py").is_file():
+            parser.error(f"--baseline {args.baseline}: no celery_pglock/ package there")
+        args.baseline = args.baseline.resolve()
+        if BASELINE_ROW not in args.contenders:
+            args.contenders.append(BASELINE_ROW)
+    elif BASELINE_ROW in args.contenders:
+        parser.error(f"{BASELINE_ROW!r} needs --baseline PATH")
     started = time.monotonic()
     command = "benchmarks/compare.py " + " ".join(
         argv if argv is not None else sys.argv[1:]

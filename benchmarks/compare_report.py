@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
-from contenders import CONTENDERS, PLAIN, ROUND_TRIPS, SESSION, WORKLOADS
+from contenders import BASELINE_ROW, CONTENDERS, PLAIN, ROUND_TRIPS, SESSION, WORKLOADS
 
 if TYPE_CHECKING:
     import argparse
@@ -117,6 +117,7 @@ def verdicts(
     ratio = distinct.get("ratio")
     growth = flat.get("after run", 0.0) - flat.get("warm", 0.0)
     return [
+        *baseline_verdicts(rows),
         (
             f"distinct keys ≥ 0.95{TIMES} plain",
             f"{fmt(ratio, '.3f')}{TIMES}",
@@ -189,3 +190,33 @@ def write_docs(path: Path, text: str) -> None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("# Benchmarks\n\n" + block + "\n", encoding="utf-8")
+
+
+def baseline_verdicts(
+    rows: dict[tuple[str, str], dict[str, Any]],
+) -> list[tuple[str, str, bool]]:
+    """With --baseline: no regression against the earlier code, per workload (its
+    "x plain" ratio within 3 % of the baseline's, and worker CPU within 5 %)."""
+    checks = []
+    for workload in WORKLOADS:
+        ours, theirs = rows.get((SESSION, workload)), rows.get((BASELINE_ROW, workload))
+        if not ours or not theirs:
+            continue
+        rate = (
+            ours["ratio"] / theirs["ratio"]
+            if ours.get("ratio") and theirs.get("ratio")
+            else None
+        )
+        cpu = (
+            ours["worker_us"] / theirs["worker_us"]
+            if ours.get("worker_us") and theirs.get("worker_us")
+            else None
+        )
+        checks.append(
+            (
+                f"{workload}: no regression against the baseline code",
+                f"rate {fmt(rate, '.3f')}{TIMES}, worker CPU {fmt(cpu, '.3f')}{TIMES} the baseline's",
+                rate is not None and rate >= 0.97 and cpu is not None and cpu <= 1.05,
+            )
+        )
+    return checks

@@ -22,6 +22,9 @@ class Contender:
 SKIP_SUCCESS_ROW = "SingletonTask session, skips end SUCCESS"
 #: Not a library mode: the release's reply read later (unsafe; see bench_app).
 UNAWAITED_ROW = "SingletonTask session (release not awaited; measured only)"
+#: SingletonTask session run by another checkout of celery-pglock (compare.py --baseline):
+#: the same harness, the previous code, in the same run.
+BASELINE_ROW = "SingletonTask session, baseline code"
 CONTENDERS = {
     "plain": Contender("plain", bench_app.PLAIN),
     "plain + 2 round trips": Contender("plain", bench_app.PLAIN_ROUND_TRIPS),
@@ -29,6 +32,7 @@ CONTENDERS = {
     "SingletonTask transaction": Contender("pglock", bench_app.TRANSACTION),
     SKIP_SUCCESS_ROW: Contender("pglock", bench_app.SKIP_SUCCESS),
     UNAWAITED_ROW: Contender(bench_app.UNAWAITED, bench_app.SESSION),
+    BASELINE_ROW: Contender(bench_app.BASELINE, bench_app.SESSION),
     "celery-once 3.0.1": Contender("once", bench_app.ONCE, True),
     "celery-singleton 0.3.1": Contender("singleton", bench_app.SINGLETON, True),
 }

@@ -148,6 +148,8 @@ REMOVED = {
     "on_error": _AUTORETRY,
     "error_retries": _AUTORETRY,
     "error_backoff": _AUTORETRY,
+    "key": "use lock_args for keys made of arguments, or override "
+    "lock_key_for(*args, **kwargs) in a SingletonTask subclass (docs/guide/keys.md)",
     "check_timeout": "it is renamed lock_db_timeout (app-wide: pglock_db_timeout), as it "
     "bounds every round trip to the lock database, not only the lock check",
 }
@@ -177,7 +179,6 @@ class LockConfig:
     db_timeout: float = 5.0  #: Longest one round trip to the lock database may take.
     fencing: bool = False  #: Issue a fencing token to each acquisition.
     lock_args: tuple[str, ...] = ()  #: Parameter names whose values form the key.
-    lock_key: Callable[..., object] | None = None  #: Custom key-material function.
     fixed_key: keys.LockKey | None = None  #: The key when it never varies per call.
 
     #: The old name of db_timeout, still read by watch/loss_watcher.py (not this
@@ -193,7 +194,7 @@ _DEFAULTS = LockConfig(task_name="", name="")
 #: Task attribute -> app setting for the options that have an app-wide default.
 APP_SETTINGS = {f"lock_{field}": f"pglock_{field}" for field in _CHECKS}
 #: Options that only make sense per task.
-TASK_ONLY_OPTIONS = ("lock_args", "lock_key", "lock_id", "lock_name")
+TASK_ONLY_OPTIONS = ("lock_args", "lock_id", "lock_name")
 TASK_OPTIONS = (*TASK_ONLY_OPTIONS, *APP_SETTINGS)
 #: Settings read by the connection layer (db/), listed here so typos are caught.
 DATABASE_SETTINGS = (
@@ -309,32 +310,23 @@ def resolve(
             f"{SERVER_KEEPALIVE_DEADLINE - LOSS_MARGIN:g}."
         )
 
-    given = [
-        name for name in ("lock_args", "lock_key", "lock_id") if name in attributes
-    ]
-    if len(given) > 1:
+    if "lock_args" in attributes and "lock_id" in attributes:
         raise exceptions.ConfigurationError(
-            f"Task {task_name!r}: set only one of lock_args, lock_key and lock_id "
-            f"(got {' and '.join(given)}); each one defines the whole key."
+            f"Task {task_name!r}: set only one of lock_args and lock_id; each one "
+            "defines the whole key."
         )
     lock_args = _valid_lock_args(task_name, attributes.get("lock_args", ()), parameters)
-    lock_key = attributes.get("lock_key")
-    if lock_key is not None and not callable(lock_key):
-        raise _fail(
-            task_name, "lock_key", lock_key, "a callable taking the task's arguments"
-        )
     fixed_key: keys.LockKey | None = None
     if "lock_id" in attributes:
         fixed_key = keys.explicit_key(
             lock_name, attributes["lock_id"], where=f"Task {task_name!r}: lock_id"
         )
-    elif not lock_args and lock_key is None:
+    elif not lock_args:
         fixed_key = keys.make_key(values["namespace"], lock_name)
     return LockConfig(
         task_name=task_name,
         name=lock_name,
         lock_args=lock_args,
-        lock_key=lock_key,
         fixed_key=fixed_key,
         **values,
     )
@@ -396,7 +388,7 @@ def _valid_lock_args(
             expected = f"names of the task's parameters ({', '.join(by_name) or 'it takes none'}); {name!r} is not one of them"
             raise _fail(task_name, "lock_args", value, expected)
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
-            expected = f"named parameters; {name!r} is a *args/**kwargs catch-all, use lock_key instead"
+            expected = f"named parameters; {name!r} is a *args/**kwargs catch-all, (override lock_key_for for keys that are not plain arguments)"
             raise _fail(task_name, "lock_args", value, expected)
     if len(set(names)) != len(names):
         raise _fail(task_name, "lock_args", value, "each parameter name at most once")
@@ -421,7 +413,7 @@ PEER_OPTIONS = {
     "lock_expiry": ("celery-singleton", "{no_expiry}"),
     "heimdall": (
         "celery-heimdall",
-        "use lock_args or lock_key for its 'key', lock_on_busy='raise' for "
+        "use lock_args (or override lock_key_for) for its 'key', lock_on_busy='raise' for "
         "'unique_raises', and for 'unique_timeout', {no_expiry}",
     ),
 }

@@ -26,7 +26,7 @@ import sqlalchemy as sa
 from celery_pglock import exceptions
 from celery_pglock.cli import admin_sql
 from celery_pglock.lock import fencing_sql
-from celery_pglock.task import context
+from celery_pglock.task import singleton_task
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -211,7 +211,7 @@ def _check_columns(key: Mapping[str, object], values: Mapping[str, object]) -> N
 
 
 def _in_shadowed_run() -> bool:
-    execution = context.current_execution()
+    execution = singleton_task.current_execution()
     return (
         execution is not None and execution.lock is not None and execution.lock.shadowed
     )

@@ -1,22 +1,9 @@
 """Lock keys: task name + arguments -> a PostgreSQL advisory key. Pure functions, no I/O.
 
-The algorithm (key format 1) is a contract with every process that takes these locks,
-including non-Python code and ``psql`` sessions, so it must never change silently:
-
-1. Canonicalise the key material (see :func:`canonical`): JSON types only, object keys
-   sorted, tuples as arrays, UUID/Decimal/date/datetime/time as their text form.
-2. Build the *key text*: the compact JSON array
-   ``["celery_pglock/1", <namespace>, <lock name>, <material>]`` with ``ensure_ascii``
-   off, keys sorted and no whitespace.
-3. Hash the UTF-8 bytes of the key text with SHA-256 and read the first 8 bytes as a
-   big-endian *signed* 64-bit integer. Big-endian on purpose: ``struct.unpack('q')``
-   would depend on the host's byte order (a known pals trap).
-
-The same key in SQL (PostgreSQL >= 11)::
-
-    SELECT ('x' || left(encode(sha256(convert_to(:key_text, 'UTF8')), 'hex'), 16))::bit(64)::bigint;
-
-Never Python's ``hash()``: it is salted per process, so two workers would disagree.
+The algorithm (key format 1: canonical JSON, SHA-256, first 8 bytes big-endian signed) is a
+contract with every process that takes these locks, psql and other languages included, and
+must never change silently: docs/reference/keys.md. Never Python's ``hash()``: it is
+salted per process, so two workers would disagree.
 """
 
 from __future__ import annotations
@@ -25,12 +12,14 @@ import dataclasses
 import datetime
 import decimal
 import enum
+import functools
 import hashlib
+import inspect
 import json.encoder
 import math
 import re
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeAlias
 
 from celery_pglock import exceptions
@@ -96,7 +85,7 @@ _ENCODER = json.JSONEncoder(
 
 
 def key_from_text(text: str) -> int:
-    """Hash a key text to a signed 64-bit advisory key (step 3 of the module docstring)."""
+    """Hash a key text to a signed 64-bit advisory key (step 3 of the format)."""
     if len(text) <= CHUNK:
         digest = hashlib.sha256(text.encode("utf-8")).digest()
     else:
@@ -188,6 +177,109 @@ class ScalarKeys:
             parts.append(f"{encoded_name}:{text}")
         text = f"{self._head}{{{','.join(parts)}}}]"
         return LockKey(name=self.name, ids=(key_from_text(text),), text=text)
+
+
+#: Memo bounds per task: only calls whose str arguments total at most MEMO_MAX_CHARS
+#: characters and whose ints fit in 64 bits are memoised, so the memo stays under about
+#: 10 MiB per task (2 MiB for ASCII tenant ids); larger values are keyed afresh each call.
+MEMO_ENTRIES = 4096
+MEMO_MAX_CHARS = 256
+_MEMO_SCALARS = frozenset({int, str, bool, type(None)})
+
+
+class CallKeys:
+    """One task's key per call: where each ``lock_args`` value sits in a call (bound as
+    Python binds the call, without ``inspect.Signature.bind``'s cost), and a bounded memo
+    for scalar values, keyed with each value's exact type (7, "7" and True differ)."""
+
+    def __init__(
+        self,
+        task_name: str,
+        namespace: str,
+        name: str,
+        parameters: Sequence[inspect.Parameter],
+        lock_args: Sequence[str],
+        fixed: LockKey | None,
+    ) -> None:
+        self.task_name, self.namespace, self.name, self.fixed = (
+            task_name,
+            namespace,
+            name,
+            fixed,
+        )
+        positional = [
+            p.name
+            for p in parameters
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        by_name = {p.name: p for p in parameters}
+        #: (name, position or None, may be passed by keyword, default) per lock_args name
+        self.arguments = [
+            (
+                arg,
+                positional.index(arg) if arg in positional else None,
+                by_name[arg].kind is not inspect.Parameter.POSITIONAL_ONLY,
+                by_name[arg].default,
+            )
+            for arg in lock_args
+        ]
+        self._scalars = ScalarKeys(namespace, name, list(lock_args))
+        self.memo = functools.lru_cache(maxsize=MEMO_ENTRIES)(self._scalar_key)
+
+    def key(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> LockKey:
+        """The key of one call's arguments."""
+        if self.fixed is not None:
+            return self.fixed
+        values = tuple(
+            self._value(argument, args, kwargs) for argument in self.arguments
+        )
+        if _memoisable(values):
+            return self.memo(tuple((type(value), value) for value in values))
+        return self._make_key(values)
+
+    def _value(
+        self,
+        argument: tuple[str, int | None, bool, Any],
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+    ) -> Any:
+        name, position, keyword, default = argument
+        if keyword and name in kwargs:
+            return kwargs[name]
+        if position is not None and position < len(args):
+            return args[position]
+        if default is not inspect.Parameter.empty:
+            return default
+        raise exceptions.LockKeyError(
+            f"Task {self.task_name!r} was called without its lock argument {name!r}, so "
+            "there is no key to lock; the body did not run."
+        )
+
+    def _make_key(self, values: tuple[Any, ...], *, short: bool = False) -> LockKey:
+        material = {
+            name: canonical(value, f"Task {self.task_name!r}: argument {name!r}")
+            for (name, *_), value in zip(self.arguments, values, strict=True)
+        }
+        return key_for_canonical(self.namespace, self.name, material, short=short)
+
+    def _scalar_key(self, typed_values: tuple[tuple[type, Any], ...]) -> LockKey:
+        values = tuple(value for _, value in typed_values)
+        return self._scalars.key(values) or self._make_key(values, short=True)
+
+
+def _memoisable(values: tuple[Any, ...]) -> bool:
+    """Small scalars only (a 5 MB argument must not be pinned in the memo)."""
+    chars = 0
+    for value in values:
+        kind = type(value)
+        if kind is str:
+            chars += len(value)
+        elif kind is int:
+            if not INT64_MIN <= value < 2**64:
+                return False
+        elif kind not in _MEMO_SCALARS:
+            return False
+    return chars <= MEMO_MAX_CHARS
 
 
 def _key_from_digest(digest: bytes) -> int:
@@ -393,7 +485,7 @@ def _canonical(value: object, depth: int) -> Json:
     raise _Refusal(
         f"is {kind}, which has no stable text form for a lock key. Pass plain "
         "data (str, int, float, bool, None, lists, dicts with str keys, UUID, Decimal, "
-        "date/time), or set lock_key to a function that returns such data."
+        "date/time), or override lock_key_for in a SingletonTask subclass to return such data."
     )
 
 
@@ -415,8 +507,6 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 #: Characters encoded per piece (at most 256 KiB of UTF-8).
 CHUNK = 64 * 1024
-#: What json.dumps(ensure_ascii=False) uses for strings (the C version when available).
-_encode_string = json.encoder.encode_basestring
 
 
 def _longer_than(value: Json, limit: int) -> bool:

@@ -1,18 +1,8 @@
 """Lock metrics: a Metrics protocol, a no-op default and a Prometheus adapter (extra).
 
-Every outcome reaches the process's one :class:`Metrics` sink through ``task/outcomes.py``.
-The default, :class:`NullMetrics`, costs one no-op method call per outcome.
-``app.conf.pglock_metrics_port = 9808`` installs :class:`PrometheusMetrics` and serves
-``/metrics`` from the worker's main process (``pip install celery-pglock[prometheus]``;
-the serving, and the prefork hazard it handles, are in ``task/metrics_endpoint.py``).
-
-Labels are task names, policies and states only: never argument values (unbounded, and
-often personal data).
-
-Besides the outcome counters, :class:`PrometheusMetrics` keeps what is true *now*: how many
-locks each task holds and since when the oldest was held, so a stuck lock shows while it
-is stuck, not only when it ends. :meth:`PrometheusMetrics.declare` creates every series at
-zero when a worker starts, so an idle worker's /metrics is not empty.
+Every outcome reaches the process's sink through ``task/outcomes.py`` (no call at all while
+none is installed). Labels are task names, policies and states only, never argument
+values. What each series means, and serving /metrics: docs/operations/metrics.md.
 """
 
 from __future__ import annotations
@@ -47,7 +37,7 @@ class Metrics(Protocol):
         """A run released its lock; ``state`` is the run's Celery state."""
 
     def release_failed(self, task: str) -> None:
-        """Releasing a lock went wrong (the connection was closed instead)."""
+        """Releasing a lock went wrong (PostgreSQL no longer holds it)."""
 
     def lost(self, task: str) -> None:
         """A held lock was found lost while its body ran (the lock watcher, ``watch/loss_watcher.py``)."""
@@ -114,9 +104,8 @@ class PrometheusMetrics:
 
     def declare(self, tasks: Iterable[tuple[str, str]]) -> None:
         """Create the series of ``tasks`` (``(name, lock_on_busy action)`` pairs) at zero,
-        and ``celery_pglock_info``: a worker's /metrics then answers with every series
-        from its start, and counters exist before their first event (``rate()`` and
-        ``increase()`` need a first sample; alerts on ``absent()`` need one too)."""
+        and ``celery_pglock_info``, so that ``rate()`` and ``absent()`` work from a
+        worker's start."""
         import importlib.metadata
 
         try:
@@ -223,7 +212,7 @@ def _create_collectors(registry: Any) -> dict[str, Any]:
         ),
         "release_failed": prom.Counter(
             "celery_pglock_release_failed",
-            "Releases that failed; the lock connection was closed instead.",
+            "Releases that failed; PostgreSQL no longer held the lock.",
             ["task"],
             **kwargs,
         ),
@@ -312,29 +301,27 @@ def _multiprocess() -> bool:
 
 # -- the process's sink -----------------------------------------------------------------
 
-_sink: Metrics = NullMetrics()
+#: The installed sink, or None: outcomes then make no call at all (the default).
+sink: Metrics | None = None
+_NULL = NullMetrics()
 
 
 def current() -> Metrics:
     """The sink outcomes are counted in (NullMetrics unless configured)."""
-    return _sink
+    return _NULL if sink is None else sink
 
 
 def install(metrics: Metrics) -> None:
     """Make ``metrics`` the sink of this process (e.g. a custom Metrics implementation)."""
-    global _sink
-    _sink = metrics
+    global sink
+    sink = metrics
 
 
 def configure(conf: Mapping[str, Any]) -> None:
     """Install the sink the app settings ask for (called when a SingletonTask is bound).
 
-    ``pglock_metrics``: None (default; NullMetrics unless ``pglock_metrics_port`` is set),
-    ``"prometheus"``, or an object implementing :class:`Metrics`.
-
-    A process without prometheus_client (a web app sharing the workers' settings, say)
-    keeps NullMetrics: only a worker needs the extra, and its start refuses to go on
-    without it (``worker_hooks.check_app`` calls :func:`from_conf`).
+    A process without prometheus_client (a web app sharing the workers' settings) keeps
+    none: only a worker needs the extra, and its start refuses to go on without it.
 
     Raises:
         ConfigurationError: a bad value.
@@ -343,7 +330,7 @@ def configure(conf: Mapping[str, Any]) -> None:
     if wanted is None:
         return
     if isinstance(wanted, str):
-        if not isinstance(_sink, PrometheusMetrics) and _has_prometheus():
+        if not isinstance(sink, PrometheusMetrics) and _has_prometheus():
             install(PrometheusMetrics())
         return
     install(wanted)

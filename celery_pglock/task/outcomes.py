@@ -1,17 +1,10 @@
-"""Outcome reporting: each lock outcome, once, to signals, the log and metrics.
+"""Outcome reporting: each lock outcome, once, to the signals, the log and the metrics sink.
 
-``task.py`` and ``task/busy_policy.py`` decide what happens to a run (Celery semantics); they call
-one function here per outcome - :func:`acquired`, :func:`skipped`, :func:`released`,
-:func:`release_failed`, :func:`database_error`, :func:`lost` - and this module fans it
-out: the public signals (only when someone listens), one log record (only when its level
-is enabled) and the process's metrics sink (``metrics.current()``). The hot path (acquired + released) builds no dict
-and formats no string unless a receiver or DEBUG logging asks for it.
-
-Logging rule: celery-pglock logs at INFO or above only what Celery does not already log.
-A skip that ends as FAILURE or SUCCESS is logged by Celery's own task line, whose text is
-our message (lock, key, holder); a run's end is Celery's "succeeded"/"raised" line. So those
-records are DEBUG here, and an operator sees one line per skip. The database URL is never
-repeated per task: the worker logs it once at start (``worker_hooks.check_app``).
+``singleton_task.py`` and ``busy_policy.py`` decide what happens to a run and call one
+function here per outcome. The hot path (acquired + released) builds no dict and formats
+no string unless a receiver, DEBUG logging or a metrics sink asks for it. What is logged
+at which level (Celery's own task line already carries a skip's message):
+docs/operations/monitoring.md.
 """
 
 from __future__ import annotations
@@ -30,18 +23,10 @@ logger = logging.getLogger(__name__)
 def acquired(task: Any, task_id: str | None, lock: AdvisoryLock) -> None:
     """The run got its lock and its body is about to run."""
     wait = lock.wait_seconds or 0.0
-    try:
-        metrics.current().acquired(task.name, wait)
-    except Exception as exc:
-        _metrics_failed(exc)
+    if metrics.sink is not None:
+        _count("acquired", task.name, wait)
     if signals.lock_acquired.receivers:
-        signals.lock_acquired.send(
-            sender=task,
-            task_id=task_id,
-            task_name=task.name,
-            key=lock.key,
-            wait_seconds=wait,
-        )
+        signals.lock_acquired.send(**_payload(task, task_id, lock, wait_seconds=wait))
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
             "Acquired lock %s (key %s) for %s[%s] in %.3fs",
@@ -68,26 +53,21 @@ def skipped(
     """The run did not get its lock; ``action`` is the lock_on_busy policy applied.
 
     Args:
-        message: The sentence naming lock, key and holder (it is also the message of the
-            exception or record the run ends with).
+        message: The sentence naming lock, key and holder (also the message the run ends
+            with).
         details: The skip as plain data (``LockSkipped.details``).
-        celery_logs: Celery's own task log line will carry ``message``, so ours is DEBUG.
+        celery_logs: Celery's own task log line carries ``message``, so ours is DEBUG.
         shadow: Shadow mode: the body runs anyway; this is a would-be skip.
     """
     wait = lock.wait_seconds or 0.0
-    try:
-        metrics.current().skipped(task.name, action, wait)
-    except Exception as exc:
-        _metrics_failed(exc)
+    if metrics.sink is not None:
+        _count("skipped", task.name, action, wait)
+    holder = details.get("holder")
     if signals.lock_skipped.receivers:
         signals.lock_skipped.send(
-            sender=task,
-            task_id=task_id,
-            task_name=task.name,
-            key=lock.key,
-            wait_seconds=wait,
+            **_payload(task, task_id, lock, wait_seconds=wait),
             action=action,
-            holder=details.get("holder"),
+            holder=holder,
             shadow=shadow,
         )
     level = logging.DEBUG if celery_logs else logging.INFO
@@ -101,7 +81,7 @@ def skipped(
             extra={
                 **_extra("lock_skipped", lock, task_id),
                 "on_busy": action,
-                "holder": details.get("holder"),
+                "holder": holder,
                 "holder_pid": details.get("holder_pid"),
                 "shadow": shadow,
             },
@@ -119,16 +99,17 @@ def released(
 ) -> None:
     """The run ended (its lock released, or its release already reported as failed)."""
     held = (lock.released_at or 0.0) - (lock.acquired_at or 0.0)
-    try:
-        metrics.current().released(task.name, state, held)
-    except Exception as exc:
-        _metrics_failed(exc)
+    if metrics.sink is not None:
+        _count("released", task.name, state, held)
     if not failed:
         if signals.lock_completed.receivers:
-            signals.lock_completed.send(**_payload(task, task_id, lock, held, state))
+            signals.lock_completed.send(
+                **_payload(task, task_id, lock, held_seconds=held, state=state)
+            )
     elif signals.lock_failed.receivers:
         signals.lock_failed.send(
-            exception=exception, **_payload(task, task_id, lock, held, state)
+            **_payload(task, task_id, lock, held_seconds=held, state=state),
+            exception=exception,
         )
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
@@ -149,14 +130,12 @@ def released(
 def release_failed(
     task: Any, task_id: str | None, lock: AdvisoryLock, error: BaseException
 ) -> None:
-    """Releasing failed; the lock's connection was closed, so PostgreSQL freed it."""
-    try:
-        metrics.current().release_failed(task.name)
-    except Exception as exc:
-        _metrics_failed(exc)
+    """Releasing failed: the lock is gone (its session was ended, or held nothing)."""
+    if metrics.sink is not None:
+        _count("release_failed", task.name)
     logger.error(
-        "Releasing lock %s (key %s) of %s[%s] failed: %s. The connection was closed, "
-        "so PostgreSQL no longer holds the lock.",
+        "Releasing lock %s (key %s) of %s[%s] failed: %s. PostgreSQL no longer holds "
+        "the lock.",
         lock.key.name,
         lock.key,
         task.name,
@@ -166,22 +145,15 @@ def release_failed(
     )
     if signals.lock_release_failed.receivers:
         signals.lock_release_failed.send(
-            sender=task,
-            task_id=task_id,
-            task_name=task.name,
-            key=lock.key,
-            wait_seconds=lock.wait_seconds,
-            exception=error,
+            **_payload(task, task_id, lock), exception=error
         )
 
 
 def lost(task: Any, task_id: str | None, lock: AdvisoryLock, cause: str) -> None:
-    """The lock was found lost: while the body ran (the lock watcher thread of the
-    process running the task; see watch/loss_watcher.py), or before it (no fencing token)."""
-    try:
-        metrics.current().lost(task.name)
-    except Exception as exc:
-        _metrics_failed(exc)
+    """The lock was found lost: while the body ran (the process's lock watcher thread),
+    or before it (no fencing token)."""
+    if metrics.sink is not None:
+        _count("lost", task.name)
     logger.error(
         "Lock %s (key %s) of %s[%s] was lost: %s. Another run may hold it now; the run "
         "will end FAILURE with LockLostError.",
@@ -193,14 +165,7 @@ def lost(task: Any, task_id: str | None, lock: AdvisoryLock, cause: str) -> None
         extra={**_extra("lock_lost", lock, task_id), "cause": cause},
     )
     if signals.lock_lost.receivers:
-        signals.lock_lost.send(
-            sender=task,
-            task_id=task_id,
-            task_name=task.name,
-            key=lock.key,
-            wait_seconds=lock.wait_seconds,
-            cause=cause,
-        )
+        signals.lock_lost.send(**_payload(task, task_id, lock), cause=cause)
 
 
 def database_error(
@@ -224,32 +189,35 @@ def database_error(
     )
 
 
-def _metrics_failed(exc: Exception) -> None:
+def _count(event: str, *args: Any) -> None:
     # A metrics sink must never fail a task: log (once per process) and go on.
     global _metrics_warned
-    if not _metrics_warned:
-        _metrics_warned = True
-        logger.error(
-            "celery-pglock: the metrics sink failed; tasks go on, counts may be lost",
-            exc_info=exc,
-        )
+    try:
+        getattr(metrics.sink, event)(*args)
+    except Exception as exc:
+        if not _metrics_warned:
+            _metrics_warned = True
+            logger.error(
+                "celery-pglock: the metrics sink failed; tasks go on, counts may be lost",
+                exc_info=exc,
+            )
 
 
 _metrics_warned = False
 
 
 def _payload(
-    task: Any, task_id: str | None, lock: AdvisoryLock, held: float, state: str
+    task: Any, task_id: str | None, lock: AdvisoryLock, **more: Any
 ) -> dict[str, Any]:
-    return {
+    payload = {
         "sender": task,
         "task_id": task_id,
         "task_name": task.name,
         "key": lock.key,
         "wait_seconds": lock.wait_seconds,
-        "held_seconds": held,
-        "state": state,
     }
+    payload.update(more)
+    return payload
 
 
 def _extra(action: str, lock: AdvisoryLock, task_id: str | None) -> dict[str, Any]:

@@ -1,35 +1,21 @@
 """SingletonTask: a Celery task whose body runs under a PostgreSQL advisory lock.
 
-Where things happen, and why there (each line is a bug in an existing library):
-
-- The lock is taken in ``__call__``, the task's own call path, not in ``task_prerun``:
-  Celery swallows exceptions raised by signal receivers, so a receiver cannot stop a
-  duplicate. Being worker-side, it also covers ``send_task``, beat without the task
-  imported, and producers in other services.
-- The lock is released by ``__call__`` itself, around the body, for every outcome
-  (SUCCESS, FAILURE, IGNORED, REJECTED) and *before* Celery stores the result and sends
-  chain callbacks: a client that saw the result can send the next run at once.
-  ``task_postrun`` (per execution, never by task id) and worker shutdown are idempotent
-  safety nets (see ``worker_hooks.py``). A killed pool child needs no hook: its session ends
-  and PostgreSQL frees the lock.
-- ``self.retry()`` publishes the retry at once; the attempt keeps its lock until
-  ``task_postrun``, after Celery stored RETRY, and the retry's run waits for it, bounded
-  (see :meth:`SingletonTask.retry` and docs/guide/retries.md).
-- A skipped run never runs its body and ends at once for its caller, as
-  ``lock_skip_result`` says: by default FAILURE with ``LockSkipped`` (listed in the
-  task's ``throws``: logged at INFO without a traceback, ignored by error trackers), so
-  ``get()`` returns, monitors get a terminal event and chains and chords end. See
-  docs/guide/skipped-results.md for the alternatives and their effect on canvases.
-- Outcomes are reported (signals, log, metrics) by ``outcomes.py``; this module (and
-  ``busy_policy.py``, for a run whose lock is held) only decides them.
+``__call__`` reads as the story of one run: bind the key, take the lock, run the body
+under watch, finish (release, report). Where each step happens and why there (the lock
+in ``__call__``, not ``task_prerun``; the release before Celery stores the result; a
+retried run's release at ``task_postrun``): docs/design.md and docs/guide/retries.md.
+Outcomes are reported by ``outcomes.py``; ``busy_policy.py`` decides a busy run's end.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
+import inspect
 import logging
 import os
+import threading
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import celery
@@ -39,16 +25,109 @@ from celery.utils.time import get_exponential_backoff_interval
 
 from celery_pglock import config, exceptions, keys, metrics
 from celery_pglock.config import LockScope, OnBusy, SkipResult
-from celery_pglock.db import driver_errors
+from celery_pglock.db import driver_errors, engines
 from celery_pglock.lock import AdvisoryLock
-from celery_pglock.task import binding, busy_policy, context, outcomes
+from celery_pglock.task import busy_policy, outcomes
 from celery_pglock.watch import loss_watcher
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
+
+    import sqlalchemy as sa
 
 
 logger = logging.getLogger(__name__)
+
+
+class Execution:
+    """One run of a SingletonTask: its lock once created, and how it ends.
+
+    Kept in a ContextVar (per thread and greenlet; nested calls each see their own), never
+    keyed by task id: a redelivery or a retry shares its id with another execution.
+    """
+
+    __slots__ = ("ended_with", "lock", "release_at_postrun", "task_id")
+
+    def __init__(self, task_id: str | None, lock: AdvisoryLock | None = None) -> None:
+        self.task_id = task_id
+        self.lock = lock
+        #: The body published a retry: task_postrun releases the lock, after RETRY is stored.
+        self.release_at_postrun = False
+        #: With release_at_postrun: the exception the body ended with (None: returned).
+        self.ended_with: BaseException | None = None
+
+
+_current: contextvars.ContextVar[Execution | None] = contextvars.ContextVar(
+    "celery_pglock_execution", default=None
+)
+#: The locks SingletonTasks of this process hold (for the worker-shutdown safety net).
+_held: set[AdvisoryLock] = set()
+_held_guard = threading.Lock()
+
+
+def current_lock() -> AdvisoryLock:
+    """The lock of the SingletonTask body running in this thread/greenlet.
+
+    Its ``key`` says which lock; in transaction scope its ``connection`` is the open
+    transaction to do the protected database work in.
+
+    Raises:
+        PgLockError: no SingletonTask body is running here.
+    """
+    execution = _current.get()
+    if execution is None or execution.lock is None:
+        raise exceptions.PgLockError(
+            "current_lock() was called outside a running SingletonTask body."
+        )
+    return execution.lock
+
+
+def current_execution() -> Execution | None:
+    """The innermost SingletonTask execution of this thread/greenlet, if any."""
+    return _current.get()
+
+
+def held_locks() -> list[AdvisoryLock]:
+    """Every lock SingletonTasks of this process hold right now."""
+    with _held_guard:
+        return list(_held)
+
+
+class Binding:
+    """A task's resolved options, its key per call and its per-process engine: built once,
+    when Celery binds the task."""
+
+    __slots__ = ("conf", "config", "custom_key", "engine_of_pid", "keys")
+
+    def __init__(
+        self,
+        options: config.LockConfig,
+        parameters: Sequence[inspect.Parameter],
+        conf: Any,
+        custom_key: bool,
+    ) -> None:
+        self.config = options
+        self.conf = conf
+        self.keys = keys.CallKeys(
+            options.task_name,
+            options.namespace,
+            options.name,
+            parameters,
+            options.lock_args,
+            options.fixed_key,
+        )
+        #: A subclass overrides lock_key_for: every key comes from it.
+        self.custom_key = custom_key
+        self.engine_of_pid: tuple[int, sa.Engine] | None = None
+
+    def engine(self) -> sa.Engine:
+        """The lock engine of this process (fetched again after a fork)."""
+        cached = self.engine_of_pid
+        if cached is not None and cached[0] == os.getpid():
+            return cached[1]
+        engine = engines.engine_for(self.conf)
+        self.engine_of_pid = (os.getpid(), engine)
+        return engine
 
 
 class SingletonTask(celery.Task):  # type: ignore[type-arg]
@@ -56,14 +135,12 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
 
     Use it as a base: ``@app.task(base=SingletonTask, lock_args=("tenant_id",))``. Each
     option below may be a decorator keyword, a class attribute of a subclass, or (where
-    noted) an app-wide default ``app.conf.pglock_<option without lock_>``.
+    noted) an app-wide default ``app.conf.pglock_<option without lock_>``. For keys that
+    are not plain arguments, override :meth:`lock_key_for` in a subclass.
     """
 
     #: Names of the task's parameters whose values form the key. None: one lock per task.
     lock_args: ClassVar[Sequence[str] | str | None] = None
-    #: ``lock_key(*args, **kwargs)`` returns the key material, for keys that are not
-    #: plain arguments. Exclusive with lock_args and lock_id.
-    lock_key: ClassVar[Callable[..., object] | None] = None
     #: An explicit numeric key: one signed 64-bit int or two signed 32-bit ints.
     lock_id: ClassVar[int | tuple[int, int] | None] = None
     #: The name hashed into the key (default: the task name). Tasks that share a
@@ -90,7 +167,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     #: per acquisition. App: pglock_fencing. See docs/guide/fencing.md.
     lock_fencing: ClassVar[bool | None] = None
 
-    _pglock: ClassVar[binding.Guard | None] = None
+    _pglock: ClassVar[Binding | None] = None
 
     @classmethod
     def on_bound(cls, app: celery.Celery) -> None:
@@ -101,122 +178,172 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             # traceback, and error trackers (Sentry's Celery integration) skip it.
             cls.throws = (*cls.throws, exceptions.LockSkipped)
         if cls.name:  # an abstract base has no name and no real run() yet
-            cls._pglock = cls._build_guard(app)
+            cls._pglock = cls._bind(app)
             metrics.configure(app.conf)
 
     @classmethod
-    def _build_guard(cls, app: celery.Celery) -> binding.Guard:
+    def _bind(cls, app: celery.Celery) -> Binding:
         try:
-            parameters = binding.call_parameters(cls)
+            parameters = _call_parameters(cls)
         except (TypeError, ValueError) as exc:
             raise exceptions.ConfigurationError(
                 f"Task {cls.name!r}: cannot read its signature ({exc})."
             ) from exc
         options = config.resolve(
             task_name=cls.name,
-            attributes=binding.option_attributes(cls, _RESERVED),
+            attributes=_option_attributes(cls),
             conf=app.conf,
             parameters=parameters,
         )
-        return binding.Guard(options, parameters, app.conf)
+        custom_key = cls.lock_key_for is not SingletonTask.lock_key_for
+        return Binding(options, parameters, app.conf, custom_key)
 
     @property
     def lock_config(self) -> config.LockConfig:
         """The resolved options of this task."""
-        return self._guard().config
+        return self._binding().config
 
-    def _guard(self) -> binding.Guard:
-        guard = type(self)._pglock
-        if guard is None:
-            guard = type(self)._pglock = type(self)._build_guard(self.app)
-        return guard
+    def _binding(self) -> Binding:
+        binding = type(self)._pglock
+        if binding is None:
+            binding = type(self)._pglock = type(self)._bind(self.app)
+        return binding
 
     def lock_key_for(self, *args: Any, **kwargs: Any) -> keys.LockKey:
-        """The key a call with these arguments would lock (no I/O): for docs and tools."""
-        return self._guard().key(args, kwargs)
+        """The key a call with these arguments locks (no I/O).
+
+        Override it in a subclass for keys that are not plain arguments, e.g.
+        ``return celery_pglock.make_key(self.lock_config.namespace,
+        self.lock_config.name, material)``; the workers and ``celery pglock key`` then
+        both use it.
+        """
+        return self._binding().keys.key(args, kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        guard = self._guard()
-        options = guard.config
+        binding = self._binding()
         request = self.request
-        # A body calling its own task directly, itself or through other tasks' direct
-        # calls, finds the running message's request on the task's stack, already
-        # carrying that run's execution: it is the direct call it looks like, not a
-        # second run of that message (which would take over its request).
+        # A body calling its own task directly finds the running message's request on
+        # the task's stack, already carrying that run's execution: a direct call, not
+        # a second run of that message.
         direct = (
             request.called_directly
             or getattr(request, "pglock_execution", None) is not None
         )
-        task_id: str | None = None if direct else request.id
-        execution, token = context.begin(task_id)
+        execution = Execution(None if direct else request.id)
+        token = _current.set(execution)
         if not direct:
-            # task_postrun finds this execution's lock on the tracer's request: per
-            # execution and per thread, never by task id (see context.py).
+            # task_postrun finds the execution on the tracer's request (never by id).
             request.pglock_execution = execution  # type: ignore[attr-defined]
         try:
-            key = guard.key(args, kwargs)
-            lock = AdvisoryLock(
-                engine=guard.engine(),
-                key=key,
-                scope=options.scope,
-                label=options.task_name,
-            )
-            lock.round_trip_timeout = options.db_timeout
-            # Known to the execution before it is granted: if an exception (a soft time
-            # limit) lands between the grant and the body, task_postrun still finds the
-            # lock owned and releases it.
-            execution.lock = lock
-            if task_id is not None and self.acks_late:
-                # Its message may be redelivered while this run goes on: the run lock
-                # tells that redelivery so (see busy_policy.py).
-                lock.run_key = keys.run_key(task_id)
-            # A retry's run may find its predecessor still unwinding (it keeps its lock
-            # until Celery stored RETRY, see retry()): it waits for it, bounded. An
-            # eager retry's predecessor released its lock before retrying: no wait.
-            waits = options.on_busy is OnBusy.WAIT or (
-                request.retries and not direct and not request.is_eager
-            )
-            try:
-                granted = lock.acquire(
-                    timeout=options.wait_timeout
-                    if waits and not options.shadow
-                    else None
-                )
-                if granted and options.fencing:
-                    lock.issue_fencing_token()  # releases the lock if it cannot
-            except exceptions.DatabaseError as error:
-                return self._on_database_error(error, direct=direct)
-            except exceptions.LockLostError:
-                # Lost between the grant and the token: reported like any loss, and the
-                # run fails without its body (another run may hold the key now).
-                outcomes.lost(self, task_id, lock, lock.lost_cause or "unknown")
-                raise
-            if not granted:
-                if options.shadow:
-                    return self._run_shadowed(execution, lock, task_id, args, kwargs)
-                return busy_policy.apply_policy(self, lock, task_id, direct=direct)
-            context.hold(lock)
-            try:
-                outcomes.acquired(self, task_id, lock)
-                # Lock loss: watched while the body runs (loss_watcher.py); no-op if disabled.
-                loss_watcher.watch(
-                    lock,
-                    functools.partial(outcomes.lost, self, task_id, lock),
-                    options,
-                )
-                # In a worker (and in apply()) Celery's tracer has already pushed this
-                # request and task, so Task.__call__ would only push copies (~35 us per
-                # task); a plain task gets the same shortcut from the tracer itself.
-                # A direct call has no request yet and needs Task.__call__ to push one.
-                body = super().__call__ if direct else self.run
-                retval = body(*args, **kwargs)
-            except BaseException as exc:
-                self._end(execution, lock, exc)
-                raise
-            self._end(execution, lock, None)
-            return retval
+            lock = self._new_lock(binding, execution, args, kwargs)
+            if not self._acquire(binding.config, lock, execution.task_id, direct):
+                return self._busy(binding.config, execution, lock, args, kwargs, direct)
+            return self._run(binding.config, execution, lock, args, kwargs, direct)
         finally:
-            context.end(token)
+            _current.reset(token)
+
+    def _new_lock(
+        self,
+        binding: Binding,
+        execution: Execution,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> AdvisoryLock:
+        """Decide: this call's key, as an AdvisoryLock known to the execution."""
+        options = binding.config
+        key = (
+            self.lock_key_for(*args, **kwargs)
+            if binding.custom_key
+            else binding.keys.key(args, kwargs)
+        )
+        lock = AdvisoryLock(
+            engine=binding.engine(),
+            key=key,
+            scope=options.scope,
+            label=options.task_name,
+        )
+        lock.round_trip_timeout = options.db_timeout
+        # Known before it is granted: if an exception (a soft time limit) lands between
+        # the grant and the body, task_postrun still finds the lock and releases it.
+        execution.lock = lock
+        if execution.task_id is not None and self.acks_late:
+            # Its message may be redelivered while this run goes on: the run lock tells
+            # that redelivery so (busy_policy.py).
+            lock.run_key = keys.run_key(execution.task_id)
+        return lock
+
+    def _acquire(
+        self,
+        options: config.LockConfig,
+        lock: AdvisoryLock,
+        task_id: str | None,
+        direct: bool,
+    ) -> bool:
+        """Take the lock (and its fencing token); False when another run holds it."""
+        request = self.request
+        # A retry's run may find its predecessor still unwinding (it keeps its lock until
+        # Celery stored RETRY, see retry()): it waits for it, bounded. An eager retry's
+        # predecessor released its lock before retrying.
+        waits = options.on_busy is OnBusy.WAIT or (
+            request.retries and not direct and not request.is_eager
+        )
+        try:
+            granted = lock.acquire(
+                timeout=options.wait_timeout if waits and not options.shadow else None
+            )
+            if granted and options.fencing:
+                lock.issue_fencing_token()  # releases the lock if it cannot
+        except exceptions.DatabaseError as error:
+            self._on_database_error(error, direct=direct)
+        except exceptions.LockLostError:
+            # Lost between the grant and the token: reported like any loss; the run
+            # fails without its body (another run may hold the key now).
+            outcomes.lost(self, task_id, lock, lock.lost_cause or "unknown")
+            raise
+        return granted
+
+    def _busy(
+        self,
+        options: config.LockConfig,
+        execution: Execution,
+        lock: AdvisoryLock,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        direct: bool,
+    ) -> Any:
+        """Another run holds the key: the busy policy decides (shadow mode runs anyway)."""
+        if options.shadow:
+            return self._run_shadowed(execution, lock, args, kwargs)
+        return busy_policy.apply_policy(self, lock, execution.task_id, direct=direct)
+
+    def _run(
+        self,
+        options: config.LockConfig,
+        execution: Execution,
+        lock: AdvisoryLock,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        direct: bool,
+    ) -> Any:
+        """Run the body under its lock, watched for loss, then finish the run."""
+        task_id = execution.task_id
+        with _held_guard:
+            _held.add(lock)
+        try:
+            outcomes.acquired(self, task_id, lock)
+            loss_watcher.watch(
+                lock, functools.partial(outcomes.lost, self, task_id, lock), options
+            )
+            # In a worker (and in apply()) Celery's tracer has already pushed this request
+            # and task, so Task.__call__ would only push copies (~35 us per task); a
+            # direct call has no request yet and needs Task.__call__ to push one.
+            body = super().__call__ if direct else self.run
+            retval = body(*args, **kwargs)
+        except BaseException as exc:
+            self._end(execution, lock, exc)
+            raise
+        self._end(execution, lock, None)
+        return retval
 
     def retry(
         self,
@@ -231,14 +358,10 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     ) -> Any:
         """Celery's retry, with this run's lock kept until Celery has stored RETRY.
 
-        The retry message is published at once, as Celery does, so a worker killed
-        after ``self.retry()`` loses no retry. This run then keeps its lock until the
-        task_postrun hook, after Celery has stored the attempt's RETRY state, and the
-        retry's run waits (up to ``lock_wait_timeout``) for it rather than being
-        skipped by its own predecessor. When Celery would not publish (a direct call,
-        no retries left) or the run is eager, the lock is released as usual, once the
-        body has handled the exception. Why, and what it means for callers:
-        docs/guide/retries.md.
+        The retry is published at once (a worker killed afterwards loses no retry); the
+        lock is released at task_postrun, and the retry's run waits for it (bounded)
+        instead of being skipped by its predecessor. A direct, eager or last attempt
+        releases as usual. See docs/guide/retries.md.
         """
         retry_options = {
             "args": args,
@@ -249,7 +372,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             "max_retries": max_retries,
             **options,
         }
-        execution = context.current_execution()
+        execution = _current.get()
         lock = execution.lock if execution is not None else None
         if (
             execution is not None
@@ -301,21 +424,20 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             vars(self).pop("override_max_retries", None)
 
     def _retry_publishes(self, max_retries: int | None) -> bool:
-        """Are retries left, so that Celery's retry() will publish? (Its own check; the
-        direct-call case is ruled out by the caller.)"""
+        """Will Celery's retry() publish (retries left)? Celery's own check."""
         limit = self.max_retries if max_retries is None else max_retries
         return limit is None or self.request.retries + 1 <= limit
 
     def _run_shadowed(
         self,
-        execution: context.Execution,
+        execution: Execution,
         lock: AdvisoryLock,
-        task_id: str | None,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
         """Shadow mode, lock busy: report the would-be outcome, then run the body unlocked."""
-        action = self._guard().config.on_busy
+        task_id = execution.task_id
+        action = self._binding().config.on_busy
         message, details = busy_policy.report(self, lock, task_id, action)
         outcomes.skipped(
             self,
@@ -335,16 +457,12 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
 
     def _end(
         self,
-        execution: context.Execution,
+        execution: Execution,
         lock: AdvisoryLock,
         exc: BaseException | None,
     ) -> None:
-        """The body has ended: finish now, or at task_postrun if it published a retry.
-
-        A run that published a retry keeps its lock until Celery has stored its RETRY
-        state, so the retry's own outcome can never be overwritten by it; the
-        task_postrun hook then calls :meth:`_finish_run`.
-        """
+        """The body has ended: finish now, or at task_postrun if it published a retry
+        (so that the retry's own outcome is never overwritten by this run's)."""
         try:
             # First: a loss found from now on never interrupts the body.
             loss_watcher.unwatch(lock)
@@ -360,14 +478,12 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
 
     def _finish_run(
         self,
-        execution: context.Execution,
+        execution: Execution,
         lock: AdvisoryLock,
         exc: BaseException | None,
     ) -> None:
-        """Release ``lock`` (if still held) and report the outcome of the run.
-
-        Internal: called when the body ends, or by the task_postrun hook (see _end).
-        """
+        """Release ``lock`` (if still held) and report the run's outcome (from _end, or
+        from the task_postrun hook)."""
         if lock.owner_pid is not None and lock.owner_pid != os.getpid():
             return  # a forked child's copy of the run: lock and outcome are the parent's
         task_id = execution.task_id
@@ -382,11 +498,9 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             release_error = self._release(
                 lock, task_id, commit=exc is None and not lock.lost
             )
-        # A session-scope release failure leaves the run's outcome as it was: the body's
-        # work is done, and the lock is gone either way (a failed round trip ended its
-        # session; an unlock PostgreSQL refused held nothing); lock_release_failed
-        # reports it. In
-        # transaction scope it means the work was not committed under the lock: a failure.
+        # A session-scope release failure leaves the outcome as it was (the work is done;
+        # the lock is gone either way: a failed round trip ended its session, a refused
+        # unlock held nothing). In transaction scope the work was not committed: failed.
         failed = (
             exc is not None
             or lost_error is not None
@@ -404,15 +518,14 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         if lost_error is not None:
             raise lost_error from exc
         if failed and exc is None and release_error is not None:
-            # Transaction scope: the body's work was not committed under the lock, so
-            # the run must not succeed.
-            raise release_error
+            raise release_error  # transaction scope: nothing was committed
 
     def _release(
         self, lock: AdvisoryLock, task_id: str | None, *, commit: bool
     ) -> exceptions.PgLockError | None:
         """Release ``lock``; a failure is reported (lock_release_failed) and returned."""
-        context.drop(lock)
+        with _held_guard:
+            _held.discard(lock)
         try:
             lock.release(commit=commit)
         except exceptions.PgLockError as error:
@@ -426,10 +539,9 @@ def after_task(task: Any = None, retval: Any = None, **_: Any) -> None:
     """task_postrun: release a retried run's lock now that Celery stored RETRY, or a
     leftover one (docs/guide/retries.md)."""
     if isinstance(retval, exceptions.LockSkipped):
-        # Celery breaks the cycle between a failure and the tracer's frame (which holds
-        # it) by clearing the frames of exc.__traceback__; a skip answers that with its
-        # fixed frame, so the frames it unwound are dropped here, or each skip would
-        # leave ~30 objects (its lock, execution, frames) to the cyclic collector.
+        # Celery clears a failure's traceback frames to break the cycle with its own
+        # frame; a skip's fixed frame defeats that, so drop them here, or each skip
+        # leaves ~30 objects (lock, execution, frames) to the cyclic collector.
         retval.__traceback__ = None
     request: Any = getattr(task, "request", None)
     execution = getattr(request, "pglock_execution", None)
@@ -441,8 +553,7 @@ def after_task(task: Any = None, retval: Any = None, **_: Any) -> None:
     if execution.release_at_postrun and lock is not None:
         # The run published a retry; Celery has now stored its RETRY state.
         execution.release_at_postrun = False
-        # A release failure is reported as lock_release_failed; a signal receiver
-        # cannot fail the task any more.
+        # Reported as lock_release_failed; a signal receiver cannot fail the task.
         with contextlib.suppress(exceptions.PgLockError):
             task._finish_run(execution, lock, execution.ended_with)
         return
@@ -459,13 +570,44 @@ def release_leftover(lock: AdvisoryLock, where: str) -> None:
         where,
         extra={"action": "lock_leftover_released", "lock_key": str(lock.key)},
     )
-    context.drop(lock)
+    with _held_guard:
+        _held.discard(lock)
     try:
         lock.release(commit=False)
     except exceptions.PgLockError:
         logger.exception(
-            "Releasing leftover lock %s failed; its connection was closed", lock.key
+            "Releasing leftover lock %s failed; PostgreSQL no longer holds it", lock.key
         )
+
+
+def _option_attributes(cls: type) -> dict[str, Any]:
+    """The task's ``lock_*`` (and peer libraries') attributes that are set, unwrapped.
+
+    Peer options are collected so that config.resolve() refuses them instead of running
+    with one lock for all argument values.
+    """
+    found: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        for name in vars(klass):
+            if (
+                name.startswith("lock_")
+                and (name in config.TASK_OPTIONS or name not in _RESERVED)
+            ) or name in config.PEER_OPTIONS:
+                value = inspect.getattr_static(cls, name)
+                if isinstance(value, staticmethod):
+                    value = value.__func__
+                if value is not None:
+                    found[name] = value
+                else:
+                    found.pop(name, None)
+    return found
+
+
+def _call_parameters(cls: type) -> list[inspect.Parameter]:
+    run = inspect.getattr_static(cls, "run")
+    if isinstance(run, staticmethod):  # @app.task without bind=True
+        return config.task_parameters(run.__func__, drop_self=False)
+    return config.task_parameters(run, drop_self=True)  # bind=True, or a class
 
 
 def _state_of(exc: BaseException | None) -> str:

@@ -1,42 +1,6 @@
 """Worker signal hooks: configuration checks at start, and the lock-release safety nets.
 
-Connected once per process, when ``celery_pglock.task`` is imported (celery signals are
-global, and the receivers work for any app). None of these is the normal release path:
-``SingletonTask.__call__`` releases in its own ``finally``. They catch what that cannot:
-
-- ``task_postrun``: if the execution that just ended still holds its lock (a bug or an
-  unexpected exit path), it is released. The lock is found on the tracer's request, i.e.
-  per execution and per thread, never by task id: two executions can share an id (a
-  redelivery, an explicit task_id, a retry attempt) and must not release each other's
-  lock. Releasing is idempotent. It is also where a run that published a retry
-  releases its lock: the first moment after Celery stored the attempt's RETRY state.
-  Last, it cuts the request <-> execution link, so that the request (and the call's
-  arguments) is freed now rather than at the next garbage collection.
-- ``task_revoked`` needs no hook: a task revoked before it starts holds nothing, and
-  ``terminate=True`` kills the prefork child, whose session end frees the lock. (The
-  signal fires in the worker's main process, and can fire twice, celery#3805.)
-- ``worker_process_shutdown`` / ``worker_shutdown``: anything still held is released and
-  every lock connection (the process's lock session included) closed, so a stopping
-  worker frees its locks before it exits.
-- ``worker_init``: a missing or invalid database URL or ``pglock_session_mode``, or an
-  unknown ``pglock_*`` setting,
-  stops the worker at start with a message naming the setting and the environment
-  variable, instead of failing every locked task later. (It exits: Celery logs and
-  swallows ordinary exceptions raised by signal receivers.) So does a lock database that
-  is a standby, or a pooler that breaks a task's lock scope (``check_lock_server``;
-  an unreachable database is left to ``worker_ready``). It also starts the
-  /metrics endpoint when ``pglock_metrics_port`` is set: in the main process, before the
-  pool forks, so children inherit its multiprocess directory. Worker shutdown stops it.
-- ``worker_ready``: connects once to the lock database and logs the lock configuration
-  (``lock_config``), or an ERROR naming the masked URL and what to check: what the
-  server refused when it is a misconfiguration (``lock_database_misconfigured``: a
-  wrong password, a missing database; tasks then fail at once), else that it did not
-  answer (``lock_database_unreachable``). Not from ``worker_init``: Celery configures logging
-  after that signal, so records sent there are lost. An unreachable database does not
-  stop the worker: it may be a moment's outage (a failover, a deploy in the wrong
-  order), other tasks of the worker may not need it, and a supervisor restarting a
-  refusing worker in a loop helps no one; every SingletonTask then fails with
-  DatabaseError until the database answers, as it would after a later outage.
+Which signal does what, and why there: docs/design.md#worker-signal-hooks.
 """
 
 from __future__ import annotations
@@ -50,7 +14,7 @@ from celery import signals as celery_signals
 from celery_pglock import config, exceptions, metrics
 from celery_pglock.db import driver_errors, engines, server_probe
 from celery_pglock.lock import strategy
-from celery_pglock.task import context, metrics_endpoint, singleton_task
+from celery_pglock.task import metrics_endpoint, singleton_task
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +83,8 @@ def check_app(app: Any) -> None:
 
 
 def check_lock_server(app: Any) -> None:
-    """Worker start: refuse a lock database that no SingletonTask of ``app`` can use.
-
-    Probes with a temporary engine (the worker's own engines are made after the fork).
-    An unreachable database does not stop the worker: each process checks again at its
-    first lock.
+    """Worker start: refuse a lock database that no SingletonTask of ``app`` can use
+    (probed with a temporary engine: the worker's own are made after the fork).
 
     Raises:
         ConfigurationError: a standby, or a pooling mode that breaks the scope of some
@@ -152,8 +113,7 @@ def check_lock_server(app: Any) -> None:
 def report_lock_database(app: Any) -> None:
     """Connect once to the lock database of ``app``; log the configuration or an ERROR.
 
-    Does nothing for an app without SingletonTasks. Never raises: see the module
-    docstring for why an unreachable database does not stop the worker.
+    Never raises: an unreachable database does not stop the worker (docs/design.md).
     """
     tasks = _singleton_tasks(app)
     if not tasks:
@@ -207,9 +167,8 @@ def report_lock_database(app: Any) -> None:
 def start_metrics(app: Any) -> None:
     """Serve /metrics when ``pglock_metrics_port`` is set (worker_init: before the fork).
 
-    The outcome is logged at worker_ready by :func:`report_lock_database`, once logging is
-    configured. A failure is not worth refusing to run the tasks for: it is reported, and
-    the worker goes on without metrics.
+    The outcome is logged at worker_ready, once logging is set up; a failure does not stop
+    the worker.
     """
     global _metrics_outcome
     tasks = _singleton_tasks(app)
@@ -255,9 +214,8 @@ def _check_worker_config(sender: Any = None, **_: Any) -> None:
         check_app(app)
         check_lock_server(app)  # standby, pooling mode against the tasks' scopes
     except exceptions.ConfigurationError as error:
-        # Said once, by the interpreter on stderr as the worker exits: a log record here
-        # would reach Python's last-resort handler (Celery has not set up logging yet),
-        # which prints it to stderr as well, so every message appeared twice.
+        # Said once, by the interpreter as the worker exits: a log record here would be
+        # printed again by Python's last-resort handler (no logging set up yet).
         raise SystemExit(f"celery-pglock: {error}") from error
     start_metrics(app)
 
@@ -269,7 +227,7 @@ def _report_at_ready(sender: Any = None, **_: Any) -> None:
 
 
 def _release_everything(**_: Any) -> None:
-    for lock in context.all_held():
+    for lock in singleton_task.held_locks():
         if lock.owned():
             singleton_task.release_leftover(lock, "worker shutdown")
     strategy.close_all()

@@ -13,6 +13,7 @@ from celery_pglock import (
     OnBusy,
     SingletonTask,
     SkipResult,
+    make_key,
     metrics,
 )
 from celery_pglock import config as config_module
@@ -69,8 +70,8 @@ def test_task_option_beats_app_setting_beats_default(app):
         ({"lock_args": 7}, ["lock_args", "parameter name"]),
         ({"lock_args": ("tenant_id", "tenant_id")}, ["at most once"]),
         (
-            {"lock_args": ("tenant_id",), "lock_key": lambda *a, **k: 1},
-            ["only one of", "lock_args and lock_key"],
+            {"lock_key": lambda *a, **k: 1},
+            ["option 'lock_key' was removed", "lock_key_for"],
         ),
         ({"lock_id": 2**63}, ["lock_id", "64-bit"]),
         ({"lock_id": (42, 2**31)}, ["lock_id", "32-bit"]),
@@ -86,7 +87,6 @@ def test_task_option_beats_app_setting_beats_default(app):
         ),
         ({"lock_wait_timeout": float("inf")}, ["always bounded"]),
         ({"lock_retry_delay": -1}, ["lock_retry_delay=-1"]),
-        ({"lock_key": "tenant_id"}, ["lock_key='tenant_id'", "callable"]),
         ({"lock_namespace": ""}, ["lock_namespace"]),
         (
             {"lock_skip_result": "ignore"},
@@ -183,12 +183,12 @@ def test_db_timeout_resolves_from_the_task_or_app_wide(app):
 
 
 def test_catch_all_parameters_cannot_be_lock_args(app):
-    """**kwargs names are not parameters: the error points to lock_key."""
+    """**kwargs names are not parameters: the error points to lock_key_for."""
 
     def handler(*args, **kwargs):
         return None
 
-    with pytest.raises(ConfigurationError, match="use lock_key instead"):
+    with pytest.raises(ConfigurationError, match="override lock_key_for"):
         register(app, fun=handler, lock_args=("kwargs",))
 
 
@@ -230,13 +230,26 @@ def test_bound_task_drops_self(app):
         )
 
 
-def test_lock_key_callable_gets_the_call_arguments(app):
-    """lock_key is called like the task; its result is the key material."""
-    task = register(
-        app,
-        lock_key=lambda tenant_id, fmt="csv", **_: {"tenant": tenant_id, "fmt": fmt},
-    )
+def test_an_overridden_lock_key_for_gets_the_call_arguments(app):
+    """A subclass's lock_key_for is called like the task; its key is the task's key."""
+
+    class Custom(SingletonTask):
+        abstract = True
+
+        def lock_key_for(self, tenant_id, fmt="csv", **_):
+            config = self.lock_config
+            return make_key(
+                config.namespace, config.name, {"tenant": tenant_id, "fmt": fmt}
+            )
+
+    def custom(tenant_id, fmt="csv"):
+        return tenant_id
+
+    app.task(base=Custom, name="unit.custom", shared=False)(custom)
+    app.finalize(auto=True)
+    task = app.tasks["unit.custom"]
     assert '{"fmt":"pdf","tenant":7}' in task.lock_key_for(7, fmt="pdf").text
+    assert task._binding().custom_key
 
 
 def test_lock_name_shares_a_lock_between_tasks(app):
@@ -308,7 +321,10 @@ def test_memoised_scalar_keys_keep_types_apart(app):
             {"lock_expiry": 3600},
             ["'lock_expiry' is a celery-singleton option", "remove it"],
         ),
-        ({"heimdall": {"unique": True}}, ["celery-heimdall", "lock_args or lock_key"]),
+        (
+            {"heimdall": {"unique": True}},
+            ["celery-heimdall", "lock_args (or override lock_key_for)"],
+        ),
     ],
 )
 def test_peer_options_are_refused_naming_our_equivalent(app, options, fragments):

@@ -10,7 +10,7 @@ from celery import signals as celery_signals
 from celery_pglock import AdvisoryLock, DatabaseError, LockNotOwnedError, keys
 from celery_pglock.db import engines as db_module
 from celery_pglock.lock import strategy
-from celery_pglock.task import context
+from celery_pglock.task import singleton_task
 from celery_pglock.task import worker_hooks as hooks
 
 
@@ -27,7 +27,7 @@ def test_task_postrun_releases_a_leftover_lock(lock_engine, namespace):
     """If the execution that just ended still holds its lock, task_postrun releases it."""
     lock = AdvisoryLock(engine=lock_engine, key=make_key(namespace))
     assert lock.acquire()
-    execution = context.Execution("task-1", lock=lock)
+    execution = singleton_task.Execution("task-1", lock=lock)
 
     class Request:
         pglock_execution = execution
@@ -60,7 +60,9 @@ def test_task_postrun_of_another_execution_leaves_the_lock_alone(
 
         class Task:
             request = type(
-                "Request", (), {"pglock_execution": context.Execution("shared-id")}
+                "Request",
+                (),
+                {"pglock_execution": singleton_task.Execution("shared-id")},
             )()
 
         celery_signals.task_postrun.send(
@@ -81,12 +83,12 @@ def test_worker_shutdown_releases_everything(database_url, namespace):
     engine = db_module.engine_for({"pglock_database_url": database_url})
     lock = AdvisoryLock(engine=engine, key=make_key(namespace))
     assert lock.acquire()
-    context.hold(lock)
+    singleton_task._held.add(lock)  # as a running body's lock is registered
     celery_signals.worker_process_shutdown.send(
         sender=None, pid=os.getpid(), exitcode=0
     )
     assert not lock.owned()
-    assert [] == context.all_held()
+    assert [] == singleton_task.held_locks()
     checker = AdvisoryLock(
         engine=db_module.engine_for({"pglock_database_url": database_url}), key=lock.key
     )

@@ -21,7 +21,9 @@ from celery_pglock import (
     LockBusy,
     LockKeyError,
     PgLockError,
+    SingletonTask,
     current_lock,
+    make_key,
 )
 from tests.integration.task_support import current_engine, define, hold, ran
 
@@ -65,6 +67,38 @@ def test_different_arguments_do_not_contend(app):
     holder = hold(task, 2)
     try:
         assert 1 == task.apply(args=(1,)).get()
+    finally:
+        holder.release()
+
+
+def test_a_subclass_overriding_lock_key_for_keys_every_run(app):
+    """Keys that are not plain arguments: the override keys the run, not lock_args."""
+
+    class PerCustomer(SingletonTask):
+        abstract = True
+
+        def lock_key_for(self, *args, **kwargs):
+            order = args[0] if args else kwargs["order"]
+            return make_key(
+                self.lock_config.namespace,
+                self.lock_config.name,
+                {"customer": order["customer_id"]},
+            )
+
+    @app.task(base=PerCustomer, name="it.ship", shared=False)
+    def ship(order):
+        return current_lock().key
+
+    app.finalize(auto=True)
+    task = app.tasks["it.ship"]
+    same_customer = task.lock_key_for({"customer_id": 7, "order_id": 2})
+    assert same_customer == task.apply(args=({"customer_id": 7, "order_id": 1},)).get()
+    holder = hold(task, {"customer_id": 7, "order_id": 3})
+    try:
+        busy = task.apply(args=({"customer_id": 7, "order_id": 4},))
+        assert "FAILURE" == busy.state  # skipped: the same customer's key is held
+        other = task.apply(args=({"customer_id": 8, "order_id": 5},))
+        assert "SUCCESS" == other.state
     finally:
         holder.release()
 

@@ -9,7 +9,6 @@ import pytest
 from celery import Celery
 
 from celery_pglock import SingletonTask, keys
-from celery_pglock.task import binding
 
 
 @pytest.fixture
@@ -28,11 +27,11 @@ def task():
 
 
 def memo(task):
-    return task._guard()._scalar_key.cache_info()
+    return task._binding().keys.memo.cache_info()
 
 
 @pytest.mark.parametrize(
-    "value", [7, -(2**63), 2**64 - 1, True, None, "x" * binding.MEMO_MAX_CHARS]
+    "value", [7, -(2**63), 2**64 - 1, True, None, "x" * keys.MEMO_MAX_CHARS]
 )
 def test_small_scalars_are_memoised(task, value):
     first = task.lock_key_for(value)
@@ -41,7 +40,7 @@ def test_small_scalars_are_memoised(task, value):
 
 
 @pytest.mark.parametrize(
-    "value", [2**64, -(2**63) - 1, "x" * (binding.MEMO_MAX_CHARS + 1), 1.5, [1]]
+    "value", [2**64, -(2**63) - 1, "x" * (keys.MEMO_MAX_CHARS + 1), 1.5, [1]]
 )
 def test_big_or_non_scalar_arguments_are_not_memoised(task, value):
     assert task.lock_key_for(value) == task.lock_key_for(value)
@@ -73,6 +72,6 @@ def test_twenty_5_mb_arguments_leave_nothing_behind(task):
 
 
 def test_memoised_and_fresh_keys_agree(task):
-    value = "t" * binding.MEMO_MAX_CHARS
+    value = "t" * keys.MEMO_MAX_CHARS
     memoised = task.lock_key_for(value)
     assert keys.make_key("default", "cache.export", {"tenant": value}) == memoised
