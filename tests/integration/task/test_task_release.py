@@ -327,6 +327,19 @@ def test_autoretry_for_retries_a_database_error_with_celerys_backoff(
     assert "FAILURE" == _deliver(task, retries=5).state  # no retries left
 
 
+def test_a_misconfigured_lock_database_is_not_retried_even_with_autoretry_for(
+    app, database_url
+):
+    """A database that does not exist is no outage: the run fails at once with the
+    DatabaseError saying so, although autoretry_for covers it."""
+    missing = sa.engine.make_url(database_url).set(database="pglock_no_such_db")
+    app.conf.pglock_database_url = missing.render_as_string(hide_password=False)
+    task = define(app, ran, autoretry_for=(DatabaseError,), default_retry_delay=1)
+    result = _deliver(task)
+    assert "FAILURE" == result.state
+    assert "not retried" in str(result.result)
+
+
 def test_dont_autoretry_for_and_a_parent_class_are_honoured(app, database_url):
     """dont_autoretry_for wins over autoretry_for, and autoretry_for=(Exception,)
     covers DatabaseError, exactly as in Celery's own autoretry."""
