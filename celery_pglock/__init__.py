@@ -11,7 +11,6 @@ from celery_pglock.config import (
     LockConfig,
     LockScope,
     OnBusy,
-    OnError,
     OnLost,
     SkipResult,
 )
@@ -48,7 +47,6 @@ __all__ = [
     "LockScope",
     "LockSkipped",
     "OnBusy",
-    "OnError",
     "OnLost",
     "PgLockError",
     "SingletonTask",

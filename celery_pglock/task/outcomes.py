@@ -169,18 +169,22 @@ def lost(task: Any, task_id: str | None, lock: AdvisoryLock, cause: str) -> None
 
 
 def database_error(
-    task: Any, task_id: str | None, error: BaseException, countdown: float
+    task: Any,
+    task_id: str | None,
+    error: BaseException,
+    countdown: float,
+    max_retries: int | None,
 ) -> None:
-    """The lock database failed at acquire; the run is re-queued (lock_on_error)."""
+    """The lock database failed at acquire; the run is re-queued (autoretry_for)."""
     logger.warning(
         "%s[%s] could not take its lock: %s. The lock database looks unavailable; the "
-        "run is re-queued in %.0fs (retry %d of %d), and its body has not run.",
+        "run is re-queued in %gs (retry %d of %s), and its body has not run.",
         task.name,
         task_id,
         error,
         countdown,
         task.request.retries + 1,
-        task.lock_config.error_retries,
+        "unlimited" if max_retries is None else max_retries,
         extra={"action": "lock_database_error", "task_id": task_id},
     )
 

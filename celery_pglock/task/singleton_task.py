@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 import celery
 from celery import states
 from celery.exceptions import Ignore, Reject, Retry
+from celery.utils.time import get_exponential_backoff_interval
 
 from celery_pglock import config, exceptions, keys, metrics
-from celery_pglock.config import LockScope, OnBusy, OnError, SkipResult
+from celery_pglock.config import LockScope, OnBusy, SkipResult
 from celery_pglock.db import driver_errors, engines
 from celery_pglock.lock import AdvisoryLock
 from celery_pglock.task import busy_policy, outcomes
@@ -156,21 +157,12 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     #: Longest lock_on_busy='wait' wait, enforced server-side (default 10). App:
     #: pglock_wait_timeout.
     lock_wait_timeout: ClassVar[float | None] = None
-    #: How a skipped run ends: failure (default), success or skipped. App:
-    #: pglock_skip_result. See docs/guide/skipped-results.md.
+    #: How a skipped run ends: failure (default) or success. App: pglock_skip_result.
+    #: See docs/guide/skipped-results.md.
     lock_skip_result: ClassVar[SkipResult | str | None] = None
     #: Shadow mode: try the lock and report every outcome, but always run the body.
     #: App: pglock_shadow.
     lock_shadow: ClassVar[bool | None] = None
-    #: When the lock database fails at acquire: retry (default; transient errors only)
-    #: or raise. App: pglock_on_error. The body never runs without its lock.
-    lock_on_error: ClassVar[OnError | str | None] = None
-    #: Re-queues for database errors before the run fails (default 5). App:
-    #: pglock_error_retries.
-    lock_error_retries: ClassVar[int | None] = None
-    #: Seconds before the first re-queue, doubled each time up to 300 (default 2). App:
-    #: pglock_error_backoff.
-    lock_error_backoff: ClassVar[float | None] = None
     #: Give each run a fencing token (current_lock().fencing_token), one statement more
     #: per acquisition. App: pglock_fencing. See docs/guide/fencing.md.
     lock_fencing: ClassVar[bool | None] = None
@@ -270,7 +262,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             scope=options.scope,
             label=options.task_name,
         )
-        lock.round_trip_timeout = options.check_timeout
+        lock.round_trip_timeout = options.db_timeout
         # Known before it is granted: if an exception (a soft time limit) lands between
         # the grant and the body, task_postrun still finds the lock and releases it.
         execution.lock = lock
@@ -396,30 +388,39 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     def _on_database_error(
         self, error: exceptions.DatabaseError, *, direct: bool
     ) -> NoReturn:
-        """The lock database failed at acquire: re-queue with backoff, or fail. Never
-        runs the body without its lock."""
-        options = self._binding().config
+        """The lock database failed at acquire: retry as Celery's autoretry_for would
+        retry the body (docs/guide/retries.md), else fail. The body never ran."""
         request = self.request
+        # Celery's autoretry wraps run(); the acquire is in __call__, before run(), so
+        # its rule (celery/app/autoretry.py) is applied here. A misconfiguration (a
+        # wrong password) is not an outage: never retried, as its message says.
         if (
             direct
-            or request.is_eager
-            or options.on_error is OnError.RAISE
+            or request.is_eager  # eager retries run inline, without the countdown
+            or not isinstance(error, tuple(getattr(self, "autoretry_for", ())))
+            or isinstance(error, tuple(getattr(self, "dont_autoretry_for", ())))
             or not driver_errors.is_transient(error.__cause__)
-            or request.retries >= options.error_retries
         ):
             raise error
-        countdown = min(
-            options.error_backoff * 2**request.retries, config.MAX_ERROR_COUNTDOWN
-        )
-        outcomes.database_error(self, request.id, error, countdown)
-        try:
-            raise self.retry(
-                countdown=countdown, exc=error, max_retries=options.error_retries
+        retry_kwargs = dict(getattr(self, "retry_kwargs", {}))
+        backoff = float(getattr(self, "retry_backoff", False))
+        if backoff:
+            retry_kwargs["countdown"] = get_exponential_backoff_interval(
+                factor=int(max(1.0, backoff)),
+                retries=request.retries,
+                maximum=int(getattr(self, "retry_backoff_max", 600)),
+                full_jitter=getattr(self, "retry_jitter", True),
             )
+        limit = retry_kwargs.get("max_retries", self.max_retries)
+        if not self._retry_publishes(limit):
+            raise error
+        countdown = retry_kwargs.get("countdown", self.default_retry_delay)
+        outcomes.database_error(self, request.id, error, countdown, limit)
+        try:
+            raise self.retry(exc=error, **retry_kwargs)
         finally:
-            # Celery's retry(max_retries=...) leaves the limit on the task object,
-            # where autoretry_for would apply it to every later run of the task in
-            # this process; Celery's own autoretry removes it the same way.
+            # retry(max_retries=...) leaves the limit on the task object, where it
+            # would apply to every later run in this process (Celery drops it too).
             vars(self).pop("override_max_retries", None)
 
     def _retry_publishes(self, max_retries: int | None) -> bool:

@@ -334,14 +334,14 @@ def pglock_worker(
 @pytest.fixture
 def pglock_final_states() -> FinalStates:
     """Wait until results have ended and return their outcomes: a skipped run is
-    ``"SKIPPED"`` whatever ``lock_skip_result`` stored (a FAILURE with LockSkipped, a
-    SUCCESS skip record, or the SKIPPED state), anything else its Celery state.
+    ``"SKIPPED"`` whatever ``lock_skip_result`` stored (a FAILURE with LockSkipped or a
+    SUCCESS skip record), anything else its Celery state.
     """
     from celery import states
 
     import celery_pglock
 
-    ended = {*states.READY_STATES, celery_pglock.SKIPPED}
+    ended = {*states.READY_STATES, celery_pglock.SKIPPED}  # outcome() says SKIPPED
 
     def outcome(result: celery.result.AsyncResult[Any]) -> str:
         state = result.state

@@ -33,7 +33,7 @@ app.conf.update(
     pglock_database_url=os.environ[LOCK_DATABASE_ENV],
     pglock_namespace=os.environ.get("PGLOCK_TEST_NAMESPACE", "loss"),
     pglock_watch_interval=0.5,
-    pglock_check_timeout=float(os.environ.get("PGLOCK_TEST_CHECK_TIMEOUT", "5")),
+    pglock_db_timeout=float(os.environ.get("PGLOCK_TEST_DB_TIMEOUT", "5")),
     task_default_queue=os.environ.get("PGLOCK_TEST_QUEUE", "pglock-loss"),
     worker_prefetch_multiplier=1,
     result_expires=3600,

@@ -12,7 +12,7 @@ import os
 
 from celery import Celery
 
-from celery_pglock import SingletonTask
+from celery_pglock import DatabaseError, SingletonTask
 from celery_pglock.testing import BROKER_URL_ENV, RESULT_BACKEND_ENV
 
 broker_url = os.environ[BROKER_URL_ENV]
@@ -25,13 +25,18 @@ app.conf.update(
     task_default_queue=os.environ.get("PGLOCK_TEST_QUEUE", "pglock-startup"),
     pglock_namespace="startup",
     broker_connection_retry_on_startup=True,
-    # lock_on_error: what a test asks for (the default, retry, when unset)
-    pglock_on_error=os.environ.get("PGLOCK_TEST_ON_ERROR") or None,
-    pglock_error_backoff=float(os.environ.get("PGLOCK_TEST_ERROR_BACKOFF") or 2),
+)
+#: PGLOCK_TEST_AUTORETRY=<seconds>: retry a DatabaseError at acquire with Celery's own
+#: options, that many seconds apart, without limit (unset: Celery's default, no retry).
+delay = os.environ.get("PGLOCK_TEST_AUTORETRY")
+retry = (
+    {"autoretry_for": (DatabaseError,), "default_retry_delay": float(delay)}
+    if delay
+    else {}
 )
 
 
-@app.task(base=SingletonTask, name="startup.noop")
+@app.task(base=SingletonTask, name="startup.noop", max_retries=None, **retry)
 def noop() -> str:
     """Do nothing under the lock."""
     return "ran"

@@ -343,7 +343,7 @@ def test_frozen_link_is_unverifiable_the_body_ends_and_the_release_is_bounded(
     """The link to the server freezes (TCP open, nothing forwarded: a stalled middlebox).
     The holder's watcher cannot verify its lock and reports it lost before the
     server's keepalive deadline; with lock_on_lost='terminate' the body ends, and the
-    release into the frozen link gives up after lock_check_timeout instead of blocking
+    release into the frozen link gives up after lock_db_timeout instead of blocking
     (it blocked 25.6 s before). When the link thaws, the lock is freed."""
     from ._proxy import FreezableProxy
 
@@ -355,7 +355,7 @@ def test_frozen_link_is_unverifiable_the_body_ends_and_the_release_is_bounded(
         env={
             **acceptance_env,
             "PGLOCK_TEST_LOCK_DATABASE_URL": url,
-            "PGLOCK_TEST_CHECK_TIMEOUT": str(CHECK_TIMEOUT),
+            "PGLOCK_TEST_DB_TIMEOUT": str(CHECK_TIMEOUT),
         },
         concurrency=1,
         queues=[queue],

@@ -48,8 +48,9 @@ def test_worker_logs_its_lock_configuration_once_before_ready(worker_factory):
 def test_unreachable_lock_database_is_an_error_at_start_and_no_reconnect(
     worker_factory, services: Services
 ):
-    """An ERROR with the masked URL and what to check; tasks then fail without a
-    'reconnecting' warning, because nothing pooled had died."""
+    """An ERROR with the masked URL and what to check; tasks then fail at once (no
+    autoretry_for: Celery's default) without a 'reconnecting' warning, because nothing
+    pooled had died."""
     port = _support.free_port()
     url = f"postgresql+psycopg2://app:{PASSWORD}@127.0.0.1:{port}/locks"
     queue = _queue()
@@ -60,7 +61,6 @@ def test_unreachable_lock_database_is_an_error_at_start_and_no_reconnect(
         env={
             config.DATABASE_URL_ENV: url,
             "PGLOCK_TEST_QUEUE": queue,
-            "PGLOCK_TEST_ON_ERROR": "raise",
         },
     )
     log = worker.log_text()
@@ -88,8 +88,8 @@ def test_unreachable_lock_database_is_an_error_at_start_and_no_reconnect(
 def test_database_outage_defers_the_run_until_the_database_is_back(
     worker_factory, private_postgres
 ):
-    """lock_on_error='retry' (the default): a run that cannot reach the lock database is
-    re-queued with backoff, not failed, and runs (locked) once PostgreSQL is back."""
+    """autoretry_for=(DatabaseError,): a run that cannot reach the lock database is
+    re-queued by Celery's retry, not failed, and runs (locked) once PostgreSQL is back."""
     queue = _queue()
     worker = worker_factory(
         APP,
@@ -98,7 +98,7 @@ def test_database_outage_defers_the_run_until_the_database_is_back(
         env={
             config.DATABASE_URL_ENV: private_postgres.url(),
             "PGLOCK_TEST_QUEUE": queue,
-            "PGLOCK_TEST_ERROR_BACKOFF": "0.5",
+            "PGLOCK_TEST_AUTORETRY": "0.5",
         },
     )
     from tests.acceptance import startup_app
@@ -122,8 +122,8 @@ def test_wrong_password_fails_a_task_at_once_with_advice(
     worker_factory, password_postgres
 ):
     """A wrong password is no outage: the start-up ERROR says what the server refused
-    and what to fix (not "check that PostgreSQL runs"), and a task fails at once under
-    the default lock_on_error='retry', instead of being re-queued for a minute."""
+    and what to fix (not "check that PostgreSQL runs"), and a task fails at once even
+    with autoretry_for=(DatabaseError,), instead of being re-queued for ever."""
     wrong = "wrong-pw-never-logged"
     url = (
         f"postgresql+psycopg2://{PASSWORD_ROLE}:{wrong}@{_support.HOST}:"
@@ -134,7 +134,11 @@ def test_wrong_password_fails_a_task_at_once_with_advice(
         APP,
         pool="solo",
         concurrency=1,
-        env={config.DATABASE_URL_ENV: url, "PGLOCK_TEST_QUEUE": queue},
+        env={
+            config.DATABASE_URL_ENV: url,
+            "PGLOCK_TEST_QUEUE": queue,
+            "PGLOCK_TEST_AUTORETRY": "0.5",
+        },
     )
     log = worker.log_text()
     errors = [line for line in log.splitlines() if "refused this worker" in line]

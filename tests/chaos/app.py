@@ -16,7 +16,7 @@ import os
 import time
 from typing import Any
 
-from celery_pglock import SingletonTask, signals
+from celery_pglock import DatabaseError, SingletonTask, signals
 
 # Re-exported: the chaos run reaches both through this module, imported once its
 # environment is set.
@@ -37,7 +37,6 @@ RELEASE_FAILED = "release failed: "
 app = loss_app.app
 app.conf.update(
     pglock_on_lost=os.environ.get(ON_LOST_ENV, "signal"),
-    pglock_error_backoff=0.5,  # a restart is over in seconds: retry soon
     broker_transport_options={
         "visibility_timeout": VISIBILITY_TIMEOUT,
         "unacked_restore_interval": 1,
@@ -70,6 +69,11 @@ signals.lock_release_failed.connect(_record_release_failed, weak=False)
     lock_args=("run", "key"),
     acks_late=True,
     reject_on_worker_lost=True,
+    # A lock database restart at acquire is retried (a restart is over in seconds).
+    autoretry_for=(DatabaseError,),
+    retry_backoff=1,
+    retry_jitter=False,
+    max_retries=5,
 )
 def work(self: Any, run: str, key: str, seconds: float) -> str:
     """Hold ``key``'s lock for ``seconds``, recording the interval with a heartbeat."""

@@ -182,7 +182,7 @@ def _locks_left(chaos: Chaos) -> int:
 
 
 def _from_logs(chaos: Chaos) -> dict[str, int]:
-    """lock_on_error='retry' re-runs, and redeliveries (a message received again,
+    """autoretry_for re-runs of a DatabaseError at acquire, and redeliveries (a message received again,
     not as a retry), counted from the worker logs."""
     pattern = re.compile(r"chaos\.work\[([0-9a-f-]+)\] (received|retry)")
     counts = {task_id: {"received": 0, "retry": 0} for task_id in chaos.sent}
@@ -264,7 +264,7 @@ def render(figures: dict[str, Any], results: list[tuple[str, bool]]) -> str:
         f"| unaccounted | {figures['unaccounted']}{ignored} |",
         f"| task ids whose body ran more than once (redelivered after a kill) | {figures['task_ids_run_more_than_once']} |",
         f"| messages redelivered (acks_late, after a kill) | {figures['redelivered']} |",
-        f"| lock_on_error retries | {figures['retried']} |",
+        f"| database-error retries | {figures['retried']} |",
         f"| hard time-limit kills | {figures['time_limit_kills']} |",
         "",
         "| overlaps | count |",

@@ -130,7 +130,7 @@ class Chaos:
                 "PGLOCK_TEST_LOCK_DATABASE_URL": url,
                 "PGLOCK_TEST_NAMESPACE": f"chaos-{self.run_id}",
                 "PGLOCK_TEST_QUEUE": self.queue,
-                "PGLOCK_TEST_CHECK_TIMEOUT": str(CHECK_TIMEOUT),
+                "PGLOCK_TEST_DB_TIMEOUT": str(CHECK_TIMEOUT),
             }
             os.environ.update(base)
             from tests.chaos import app as chaos_app
@@ -152,7 +152,7 @@ class Chaos:
                 "PGLOCK_TEST_ON_LOST": os.environ.get(
                     "CHAOS_PARTITION_ON_LOST", "terminate"
                 ),
-                "PGLOCK_TEST_CHECK_TIMEOUT": str(PARTITION_CHECK_TIMEOUT),
+                "PGLOCK_TEST_DB_TIMEOUT": str(PARTITION_CHECK_TIMEOUT),
             }
             self.part_queue = f"{self.queue}-partition"
             self.proxied = self._worker("prefork", 2, proxied, [self.part_queue])

@@ -57,7 +57,7 @@ def test_task_option_beats_app_setting_beats_default(app):
     options = register(app, lock_on_busy="wait").lock_config
     assert OnBusy.WAIT == options.on_busy
     assert 3.0 == options.wait_timeout
-    assert config_module.DEFAULT_RETRY_DELAY == options.retry_delay
+    assert 30.0 == options.retry_delay
 
 
 @pytest.mark.parametrize(
@@ -71,7 +71,7 @@ def test_task_option_beats_app_setting_beats_default(app):
         ({"lock_args": ("tenant_id", "tenant_id")}, ["at most once"]),
         (
             {"lock_key": lambda *a, **k: 1},
-            ["lock_key option was removed", "lock_key_for"],
+            ["option 'lock_key' was removed", "lock_key_for"],
         ),
         ({"lock_id": 2**63}, ["lock_id", "64-bit"]),
         ({"lock_id": (42, 2**31)}, ["lock_id", "32-bit"]),
@@ -90,17 +90,15 @@ def test_task_option_beats_app_setting_beats_default(app):
         ({"lock_namespace": ""}, ["lock_namespace"]),
         (
             {"lock_skip_result": "ignore"},
-            ["lock_skip_result='ignore'", "'failure', 'success', 'skipped'"],
+            ["lock_skip_result='ignore'", "'failure', 'success'"],
         ),
         ({"lock_shadow": "yes"}, ["lock_shadow='yes'", "True or False"]),
         ({"lock_fencing": 1}, ["lock_fencing=1", "True or False"]),
         (
-            {"lock_on_error": "ignore"},
-            ["lock_on_error='ignore'", "'retry', 'raise'"],
+            {"lock_skip_result": "skipped"},
+            ["'skipped' was removed", "'failure' or 'success'", "skipped-results.md"],
         ),
-        ({"lock_error_retries": -1}, ["lock_error_retries=-1", "whole number"]),
-        ({"lock_error_retries": True}, ["lock_error_retries=True", "whole number"]),
-        ({"lock_error_backoff": 0}, ["lock_error_backoff=0", "positive number"]),
+        ({"lock_db_timeout": 0}, ["lock_db_timeout=0", "positive number"]),
         (
             {"lock_arg": ("tenant_id",)},
             ["unknown option 'lock_arg'", "did you mean 'lock_args'"],
@@ -138,6 +136,50 @@ def test_fencing_is_off_by_default_and_set_per_task_or_app_wide(app):
 
     with pytest.raises(ConfigurationError, match=r"app\.conf\.pglock_fencing"):
         register(app, third)
+
+
+@pytest.mark.parametrize(
+    ("option", "fragment"),
+    [
+        ("on_error", "autoretry_for=(celery_pglock.DatabaseError,)"),
+        ("error_retries", "max_retries"),
+        ("error_backoff", "retry_backoff"),
+        ("check_timeout", "renamed lock_db_timeout"),
+    ],
+)
+def test_removed_options_and_settings_are_refused_with_their_replacement(
+    app, option, fragment
+):
+    """A removed lock_* option or pglock_* setting fails at registration, naming what
+    replaces it, never silently ignored."""
+    with pytest.raises(ConfigurationError) as caught:
+        register(app, **{f"lock_{option}": 5})
+    assert f"'lock_{option}' was removed" in str(caught.value)
+    assert fragment in str(caught.value)
+    app.conf[f"pglock_{option}"] = 5
+
+    def other():
+        return None
+
+    with pytest.raises(ConfigurationError) as caught:
+        register(app, other)
+    assert f"'pglock_{option}' was removed" in str(caught.value)
+    assert fragment in str(caught.value)
+
+
+def test_db_timeout_resolves_from_the_task_or_app_wide(app):
+    """lock_db_timeout: 5 s by default, app.conf.pglock_db_timeout, the task wins."""
+    assert 5.0 == register(app).lock_config.db_timeout
+    app.conf.pglock_db_timeout = 2
+
+    def other():
+        return None
+
+    def own():
+        return None
+
+    assert 2.0 == register(app, other).lock_config.db_timeout
+    assert 1.5 == register(app, own, lock_db_timeout=1.5).lock_config.db_timeout
 
 
 def test_catch_all_parameters_cannot_be_lock_args(app):

@@ -231,7 +231,7 @@ def test_probe_is_bounded_in_time(pgbouncer_factory):
         ) as late:
             server_probe.probe(bouncer.url(), timeout=1.0)
         assert time.monotonic() - started < 3.0
-        # lock_on_error retries it.
+        # autoretry_for=(DatabaseError,) retries it.
         assert driver_errors.is_transient(late.value.__cause__)
     finally:
         holder.close()

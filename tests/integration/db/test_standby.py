@@ -140,7 +140,7 @@ def test_failover_to_the_promoted_standby_is_a_lock_loss(
             pglock_namespace=namespace,
             pglock_watch_interval=0.3,
             # Room for the crash and the promotion: a check fails over with them.
-            pglock_check_timeout=15,
+            pglock_db_timeout=15,
             pglock_on_lost="signal",  # the body goes on, to time the detection
         )
         timings = {}

@@ -201,7 +201,7 @@ def test_b_full_server_and_a_stopped_one_are_not_dead_sessions(
 ) -> None:
     """Exhaustion ("remaining connection slots are reserved", "too many clients") and a
     stopped server ("connection refused") fail the acquire with a transient
-    DatabaseError, and nothing else: no reconnect is tried (lock_on_error retries the
+    DatabaseError, and nothing else: no reconnect is tried (autoretry_for retries the
     run later), no pool is disposed, no healthy session is replaced, and afterwards no
     session is left beyond the pool's own.
     """

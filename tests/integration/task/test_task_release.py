@@ -7,6 +7,7 @@ Reject, a release that fails, a body calling its own task, a failing metrics sin
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -16,7 +17,7 @@ import sqlalchemy as sa
 from celery.app.trace import build_tracer
 from celery.result import AsyncResult
 
-from celery_pglock import SKIPPED, LockBusy, current_lock
+from celery_pglock import DatabaseError, LockBusy, current_lock
 from tests.integration.task_support import current_engine, define, hold, is_held, ran
 
 
@@ -157,7 +158,7 @@ def test_release_failure_is_reported_and_the_run_keeps_its_outcome(app, events):
 
 
 def test_a_body_calling_its_own_task_directly_is_a_direct_call(app):
-    """Recursion: the inner call is a direct call (busy -> LockBusy), never a SKIPPED store
+    """Recursion: the inner call is a direct call (busy -> LockBusy), never a skip stored
     against the outer run's task id, and the outer run is unaffected."""
     seen = {}
 
@@ -175,7 +176,7 @@ def test_a_body_calling_its_own_task_directly_is_a_direct_call(app):
     assert "root" == result.get()
     assert {"inner": "busy", "child": "leaf"} == seen
     # Nothing was stored against the outer id.
-    assert SKIPPED != AsyncResult(result.id, app=app).state
+    assert "PENDING" == AsyncResult(result.id, app=app).state
     assert not is_held(walk_task, "root")
 
 
@@ -261,22 +262,101 @@ def test_a_skip_of_a_nested_direct_call_leaves_the_outer_callbacks_alone(app):
     assert "outer" == AsyncResult(task_id, app=app).get(timeout=5)
 
 
-def test_a_database_error_requeue_leaves_the_tasks_retry_limit_alone(app, database_url):
-    """lock_on_error='retry' re-queues through Celery's retry(max_retries=...), which
-    leaves that limit on the task object; it must not outlive the re-queue, or the
-    task's autoretry_for would use lock_error_retries in every later run."""
-    # Nothing listens on port 1: every acquire fails to connect (a transient error).
+def _unreachable(app, database_url):
+    """Point the app at a port nobody listens on: every acquire fails to connect (a
+    transient error, an outage)."""
     unreachable = sa.engine.make_url(database_url).set(
         host="127.0.0.1", port=1, query={}
     )
     app.conf.pglock_database_url = unreachable.render_as_string(hide_password=False)
-    task = define(app, ran, max_retries=10)
+
+
+def _deliver(task, retries=0):
+    """Trace one delivery of ``task``; a re-queued message goes to a queue nobody reads."""
     task_id = str(uuid.uuid4())
-    tracer = build_tracer(task.name, task, app=app)
-    queue = f"it-never-{uuid.uuid4().hex}"  # the re-queued message goes nowhere
-    tracer(task_id, [], {}, {"id": task_id, "delivery_info": {"routing_key": queue}})
-    assert "RETRY" == AsyncResult(task_id, app=app).state
-    assert "override_max_retries" not in vars(task)
+    queue = f"it-never-{uuid.uuid4().hex}"
+    tracer = build_tracer(task.name, task, app=task.app)
+    request = {
+        "id": task_id,
+        "retries": retries,
+        "delivery_info": {"routing_key": queue},
+    }
+    tracer(task_id, [], {}, request)
+    return AsyncResult(task_id, app=task.app)
+
+
+def test_a_database_error_at_acquire_fails_the_run_without_autoretry_for(
+    app, database_url
+):
+    """Celery's default: a task without autoretry_for is not retried; the run ends
+    FAILURE with DatabaseError and its body never ran."""
+    _unreachable(app, database_url)
+    calls = []
+
+    def body():
+        calls.append(1)
+
+    task = define(app, body, max_retries=10)
+    result = _deliver(task)
+    assert "FAILURE" == result.state
+    assert isinstance(result.result, DatabaseError)
+    assert [] == calls
+
+
+def test_autoretry_for_retries_a_database_error_with_celerys_backoff(
+    app, database_url, caplog
+):
+    """autoretry_for covering DatabaseError: re-queued with retry_backoff's countdown
+    (factor x 2**retries, capped by retry_backoff_max) and retry_kwargs' max_retries,
+    as Celery retries the body."""
+    _unreachable(app, database_url)
+    task = define(
+        app,
+        ran,
+        autoretry_for=(DatabaseError,),
+        retry_backoff=2,
+        retry_backoff_max=300,
+        retry_jitter=False,
+        retry_kwargs={"max_retries": 5},
+    )
+    with caplog.at_level(logging.WARNING, logger="celery_pglock"):
+        assert "RETRY" == _deliver(task, retries=2).state
+    assert "re-queued in 8s (retry 3 of 5)" in caplog.text
+    assert "its body has not run" in caplog.text
+    assert "override_max_retries" not in vars(task)  # not left for later runs
+    assert "FAILURE" == _deliver(task, retries=5).state  # no retries left
+
+
+def test_a_misconfigured_lock_database_is_not_retried_even_with_autoretry_for(
+    app, database_url
+):
+    """A database that does not exist is no outage: the run fails at once with the
+    DatabaseError saying so, although autoretry_for covers it."""
+    missing = sa.engine.make_url(database_url).set(database="pglock_no_such_db")
+    app.conf.pglock_database_url = missing.render_as_string(hide_password=False)
+    task = define(app, ran, autoretry_for=(DatabaseError,), default_retry_delay=1)
+    result = _deliver(task)
+    assert "FAILURE" == result.state
+    assert "not retried" in str(result.result)
+
+
+def test_dont_autoretry_for_and_a_parent_class_are_honoured(app, database_url):
+    """dont_autoretry_for wins over autoretry_for, and autoretry_for=(Exception,)
+    covers DatabaseError, exactly as in Celery's own autoretry."""
+    _unreachable(app, database_url)
+
+    def first():
+        return None
+
+    def second():
+        return None
+
+    excluded = define(
+        app, first, autoretry_for=(Exception,), dont_autoretry_for=(DatabaseError,)
+    )
+    assert "FAILURE" == _deliver(excluded).state
+    covered = define(app, second, autoretry_for=(Exception,), default_retry_delay=1)
+    assert "RETRY" == _deliver(covered).state
 
 
 @pytest.mark.parametrize("session_mode", ["per_process"], indirect=True)
@@ -295,7 +375,7 @@ def test_a_commit_answered_after_its_bound_fired_still_succeeds(
     admin = sa.create_engine(database_url, poolclass=sa.pool.NullPool)
     with admin.begin() as connection:
         connection.exec_driver_sql(f"CREATE TABLE {table} (v int)")
-    app.conf.pglock_check_timeout = 0.2
+    app.conf.pglock_db_timeout = 0.2
 
     def body():
         current_lock().connection.exec_driver_sql(f"INSERT INTO {table} VALUES (1)")

@@ -15,7 +15,6 @@ import sqlalchemy as sa
 from celery.result import AsyncResult
 
 from celery_pglock import (
-    SKIPPED,
     AdvisoryLock,
     ConfigurationError,
     LockBusy,
@@ -101,20 +100,19 @@ def test_skip_result_success_returns_a_skip_record_and_runs_no_callback(app, eve
     assert [("lock_skipped", "skip")] == [(name, kw["action"]) for name, kw in events]
 
 
-def test_skip_result_skipped_keeps_the_old_skipped_state(app, events):
-    """lock_skip_result='skipped': the state SKIPPED with the skip record as meta."""
-    task = define(app, ran, lock_skip_result="skipped", lock_args=())
-    holder = hold(task)
-    try:
-        result = task.apply()
-    finally:
-        holder.release()
-    assert "IGNORED" == result.state  # what Celery's tracer reports for Ignore
-    stored = AsyncResult(result.id, app=app)
-    assert SKIPPED == stored.state
-    assert not stored.ready()
-    assert "lock_busy" == stored.info["reason"]
-    assert str(holder.key) == stored.info["key"]
+def test_skip_result_skipped_is_refused_with_a_pointer(app):
+    """lock_skip_result='skipped' (removed: its state is not a ready state) fails when
+    the task binds, as a task option or app-wide, pointing at 'failure'/'success'."""
+    with pytest.raises(ConfigurationError, match="'skipped' was removed") as caught:
+        define(app, ran, lock_skip_result="skipped").lock_config  # noqa: B018
+    assert "docs/guide/skipped-results.md" in str(caught.value)
+    app.conf.pglock_skip_result = "skipped"
+
+    def other():
+        return None
+
+    with pytest.raises(ConfigurationError, match=r"app\.conf\.pglock_skip_result"):
+        define(app, other).lock_config  # noqa: B018
 
 
 def test_a_hot_keys_holder_is_looked_up_once_a_second_on_the_lock_session(
@@ -196,16 +194,15 @@ def test_a_redelivery_whose_first_delivery_died_stores_its_skip(app):
     [
         {},
         {"lock_skip_result": "success"},
-        {"lock_skip_result": "skipped"},
         {"lock_on_busy": "raise"},
         {"lock_on_busy": "wait", "lock_wait_timeout": 0.2},
         {"lock_on_busy": "retry", "max_retries": 3},
     ],
-    ids=["skip", "skip-success", "skip-skipped", "raise", "wait", "retry"],
+    ids=["skip", "skip-success", "raise", "wait", "retry"],
 )
 def test_a_redelivery_whose_first_delivery_runs_stores_nothing(app, options):
     """acks_late: the first delivery still runs (it holds the key and its run lock): the
-    redelivery stores nothing, whatever the policy (no skip, no SKIPPED, no LockBusy, no
+    redelivery stores nothing, whatever the policy (no skip, no skip record, no LockBusy, no
     retry that would run the body again), and the first delivery's outcome is the one
     stored."""
     task = define(app, ran, acks_late=True, **options)

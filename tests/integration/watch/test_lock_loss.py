@@ -186,7 +186,7 @@ def test_settings_are_validated_at_bind(
         result_backend_url,
         namespace,
         pglock_watch_interval=50,
-        pglock_check_timeout=8,
+        pglock_db_timeout=8,
     )
 
     @app.task(base=SingletonTask, shared=False)
@@ -195,7 +195,7 @@ def test_settings_are_validated_at_bind(
 
     with pytest.raises(
         ConfigurationError,
-        match=r"lock_watch_interval.*pglock_watch_interval.*lock_check_timeout",
+        match=r"lock_watch_interval.*pglock_watch_interval.*lock_db_timeout",
     ):
         too_slow.lock_config  # noqa: B018 - binds the task
 
@@ -203,7 +203,7 @@ def test_settings_are_validated_at_bind(
         (
             {"lock_on_lost": "kill"},
             {"lock_watch_interval": -1},
-            {"lock_check_timeout": 0},
+            {"lock_db_timeout": 0},
             {"lock_watch_interval": True},
         )
     ):
@@ -549,7 +549,7 @@ def test_a_busy_lock_session_is_no_news_about_its_locks(
         result_backend_url,
         namespace,
         pglock_watch_interval=0.2,
-        pglock_check_timeout=1,
+        pglock_db_timeout=1,
     )
     seen = {}
 

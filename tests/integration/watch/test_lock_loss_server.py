@@ -101,7 +101,7 @@ def test_frozen_server_is_unverifiable_before_the_keepalive_deadline(
         result_backend_url,
         namespace,
         pglock_watch_interval=0.3,
-        pglock_check_timeout=1.5,
+        pglock_db_timeout=1.5,
         pglock_on_lost="signal",  # the body goes on, to time the detection
     )
     postmaster = private_postgres._postmaster_pid()
@@ -128,7 +128,7 @@ def test_frozen_server_is_unverifiable_before_the_keepalive_deadline(
     assert times["noticed"] - times["frozen"] < 0.3 + 1.5 + 1.0
     (event,) = lost_events
     assert event["cause"].startswith("unverifiable"), event["cause"]
-    # The release met the frozen server too: bounded by lock_check_timeout, not blocked.
+    # The release met the frozen server too: bounded by lock_db_timeout, not blocked.
     assert ended - times["noticed"] < 1.5 + 1.0, (started, times, ended)
 
 
@@ -166,7 +166,7 @@ def test_an_acquire_from_a_frozen_server_is_bounded(
     private_postgres, namespace, scope, session_mode
 ):
     """acquire() on a server that does not answer gives up after round_trip_timeout
-    with DatabaseError (lock_on_error then re-queues the run): no hang, and on the
+    with DatabaseError (autoretry_for may then re-queue the run): no hang, and on the
     process's shared lock session no mutex held for as long as TCP waits."""
     from celery_pglock import DatabaseError, config
     from celery_pglock.db import deadlines
