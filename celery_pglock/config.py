@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
-import inspect
 import os
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import exceptions, keys
 
 if TYPE_CHECKING:
+    import inspect
     from collections.abc import Callable, Mapping, Sequence
 
 #: Environment variable read when ``app.conf.pglock_database_url`` is not set.
@@ -243,14 +243,6 @@ def _unknown(
             + f" Known {kind}s: {', '.join(known)}."
         )
     return exceptions.ConfigurationError(message[0].upper() + message[1:])
-
-
-def task_parameters(
-    run: Callable[..., object], *, drop_self: bool
-) -> list[inspect.Parameter]:
-    """The parameters a caller passes to the task (``self`` removed for bound tasks)."""
-    parameters = list(inspect.signature(run).parameters.values())
-    return parameters[1:] if drop_self else parameters
 
 
 def resolve(

@@ -24,7 +24,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.time import get_exponential_backoff_interval
 
 from celery_pglock import config, exceptions, keys, metrics
-from celery_pglock.config import LockScope, OnBusy, SkipResult
+from celery_pglock.config import LockScope, OnBusy, OnLost, SkipResult
 from celery_pglock.db import driver_errors, engines
 from celery_pglock.lock import AdvisoryLock
 from celery_pglock.task import busy_policy, outcomes
@@ -166,6 +166,15 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     #: Give each run a fencing token (current_lock().fencing_token), one statement more
     #: per acquisition. App: pglock_fencing. See docs/guide/fencing.md.
     lock_fencing: ClassVar[bool | None] = None
+    #: When the lock is lost under the body: terminate (default) or signal. App:
+    #: pglock_on_lost. See docs/operations/lock-loss.md.
+    lock_on_lost: ClassVar[OnLost | str | None] = None
+    #: Seconds between checks that a running body's lock is held (default 1; 0: never).
+    #: App: pglock_watch_interval.
+    lock_watch_interval: ClassVar[float | None] = None
+    #: Longest one round trip to the lock database may wait (default 5). App:
+    #: pglock_db_timeout.
+    lock_db_timeout: ClassVar[float | None] = None
 
     _pglock: ClassVar[Binding | None] = None
 
@@ -604,10 +613,11 @@ def _option_attributes(cls: type) -> dict[str, Any]:
 
 
 def _call_parameters(cls: type) -> list[inspect.Parameter]:
+    """The parameters a caller passes to the task (``self`` left out of a bound task)."""
     run = inspect.getattr_static(cls, "run")
     if isinstance(run, staticmethod):  # @app.task without bind=True
-        return config.task_parameters(run.__func__, drop_self=False)
-    return config.task_parameters(run, drop_self=True)  # bind=True, or a class
+        return list(inspect.signature(run.__func__).parameters.values())
+    return list(inspect.signature(run).parameters.values())[1:]  # bind=True, a class
 
 
 def _state_of(exc: BaseException | None) -> str:
