@@ -1,22 +1,10 @@
 """A forked child never touches its parent's lock sessions.
 
-A task body may fork (``os.fork``, ``multiprocessing`` with the fork start method, a
-library that forks). The child inherits every lock session's socket and the Python objects
-around it. Whatever the child then does - return or raise through the task's frames,
-``sys.exit``, garbage collection, interpreter shutdown - must not reach the parent's
-server session: an unlock would free the parent's lock while its body still runs, and
-psycopg2's connection deallocation calls ``PQfinish``, which sends a Terminate message
-that ends the parent's session (and so its lock). Only ``os._exit`` was safe before.
-(psycopg 3's deallocation skips ``PQfinish`` in a process that did not connect, but its
-``close()``, which a pool's disposal calls, does not.)
-
-After a fork, in the child, every lock-database connection this process opened gets its
-socket descriptor replaced by ``/dev/null`` (``os.dup2``): the parent's socket is closed in
-the child and nothing written by the child reaches it (a Terminate goes to /dev/null; a
-query fails as a lost connection). This handler is registered before ``engines.py``'s own
-after-fork hook, whose ``engine.dispose(close=False)`` drops pooled connections that
-would otherwise be finalised on the real socket. The release paths also check the pid
-that took the lock (``AdvisoryLock.owner_pid``), so a child never even tries.
+Hazard: after a fork, in the child, every lock-database connection of this process gets
+its socket replaced by ``/dev/null``, so nothing the child does (an unlock, a Terminate
+sent when the connection is finalised) reaches the parent's session. This module's
+after-fork hook must run before ``engines.py``'s (it is imported first). Why:
+docs/operations/lock-loss.md ("Forks inside a body").
 """
 
 from __future__ import annotations
@@ -27,8 +15,7 @@ import weakref
 from typing import Any
 
 _connections: weakref.WeakSet[Any] = weakref.WeakSet()
-#: The parent's connections, neutered in this (child) process.
-_foreign: weakref.WeakSet[Any] = weakref.WeakSet()
+_foreign: weakref.WeakSet[Any] = weakref.WeakSet()  #: The parent's, neutered here.
 
 
 def adopt(dbapi_connection: Any) -> None:

@@ -1,15 +1,10 @@
 """The lock watcher's check of one lock database, and its own session there.
 
-The check runs on the process's lock session when it has one (``ProcessSession.run_check``:
-that session is idle while bodies run, so a prefork child keeps one connection). A process
-without one (transaction scope, whose connection the body uses; bounded waits; per_lock
-mode) checks on the observer's own session, and so does the diagnosis of a lock session
-that stopped answering (to name a restart, a failover or a standby), closed again after.
-
-The observer's own session is asynchronous (psycopg2 ``async_``): every connect and query waits in ``poll()`` until the
-check's deadline, so a frozen link or a frozen server can never block the watcher. A
-check that cannot complete in time raises nothing: it answers "unverifiable" for every
-lock it was asked about (see ``watch/loss_watcher.py`` for what happens then).
+The check runs on the process's lock session when it has one
+(``ProcessSession.run_check``), else on the observer's own asynchronous psycopg2 session,
+which also names why a lock session stopped answering. Hazard: every connect and query
+waits in ``poll()`` until the check's deadline, never longer; a check that cannot finish
+in time answers "unverifiable" for each lock. See docs/operations/lock-loss.md.
 """
 
 from __future__ import annotations
@@ -56,10 +51,8 @@ class Observer:
     ) -> dict[int, str]:
         """{id(entry): cause} for each lock found lost; every entry if unverifiable.
 
-        With ``session`` (this process's open lock session of the engine) the check runs
-        there, and the process needs no connection of its own for it. Only if that
-        session cannot answer (it died: a restart, a failover, a terminated backend, a
-        cut link) does the check connect here, to tell why, and close again.
+        On ``session`` (the process's open lock session) if given; only if it cannot
+        answer does the check connect here, to tell why, and close again.
         """
         diagnosing = False
         if session is not None:
@@ -69,14 +62,12 @@ class Observer:
                     sql_text.CHECK_HELD, _params(entries), deadline, least=timeout / 2
                 )
             except per_process.SessionBusyError:
-                # Busy with lock statements (each bounded): no news about its locks.
-                # Checked here instead, with a whole budget of its own, so a busy
-                # session never makes a held lock look unverifiable.
+                # Busy with (bounded) lock statements: checked here instead, with a
+                # budget of its own, so a busy session never looks unverifiable.
                 diagnosing = True
                 deadline = time.monotonic() + timeout
             except Exception:
-                # The session is gone, or got no answer in time: ask the server why,
-                # within what is left of the budget (a frozen link stays frozen).
+                # Gone, or no answer in time: ask the server why, within what is left.
                 diagnosing = True
             else:
                 if rows is not None:
@@ -186,7 +177,7 @@ class Observer:
         return facts is None or not facts.reports_backend_pid
 
     def _connect(self, deadline: float) -> None:
-        import psycopg2  # the only supported driver; imported lazily
+        import psycopg2  # a dependency, whatever driver the lock engine uses
 
         timeout = max(1, int(deadline - time.monotonic() + 0.999))
         params = engines.connect_params(self.engine)
@@ -196,22 +187,14 @@ class Observer:
             "watch",
         )
         params["connect_timeout"] = timeout
-        # What the engine learnt its server accepts (a pooler, an older server).
-        fallback = startup_options.fallback_of(self.engine)
-        if fallback is not None and params.get("options") == fallback.ours:
-            options = fallback.current()
-            if options is None:
-                params.pop("options", None)
-            else:
-                params["options"] = options
         connection = psycopg2.connect(**params, async_=1)
         fork_safety.adopt(connection)  # a forked child must not touch it either
         self.connection = connection
+        fallback = startup_options.fallback_of(self.engine)
         try:
             wait(connection, deadline)
         except psycopg2.OperationalError as error:
-            # Refused options (see startup_options.py): the lock sessions connect without the
-            # refused part, and so does the watcher.
+            # Refused options: retry without the refused part, as the lock sessions do.
             if fallback is None or not fallback.learn(error):
                 raise
             self.close()
@@ -225,9 +208,10 @@ class Observer:
         wait(connection, deadline)
         if fallback is None or not fallback.carries_settings():
             # Idle between checks: never ended by a role's idle_session_timeout.
-            names = [name for name, _ in startup_options.SESSION_SETTINGS]
-            values = [value for _, value in startup_options.SESSION_SETTINGS]
-            cursor.execute(startup_options.APPLY_SESSION_SETTINGS, (names, values))
+            cursor.execute(
+                startup_options.APPLY_SESSION_SETTINGS,
+                startup_options.SESSION_SETTINGS_PARAMS,
+            )
             wait(connection, deadline)
         cursor.close()
 
