@@ -1,13 +1,16 @@
 """The lock database: one SQLAlchemy engine per URL per process, and its pool hooks.
 
-Hazard: engines are keyed by process id and forgotten in a forked child
-(``dispose(close=False)``: no Terminate on the parent's sockets). Locks use this engine,
-never the application's: the pool's ``checkin`` hook assumes every connection in it is a
-lock connection. See docs/guide/how-it-works.md and docs/design.md.
+Hazard: fork. In a forked child every lock-database connection of the parent gets its
+socket pointed at ``/dev/null``, then the engines are forgotten (``dispose(close=False)``),
+so nothing the child does reaches the parent's sessions (docs/operations/lock-loss.md,
+"Forks inside a body"). Locks use this engine, never the application's: the pool's
+``checkin`` hook assumes every connection in it is a lock connection. See
+docs/guide/how-it-works.md and docs/design.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
 import os
@@ -25,15 +28,8 @@ from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 
-# fork_safety first: its after-fork hook must run before ours.
 from celery_pglock import config, exceptions
-from celery_pglock.db import (
-    driver_errors,
-    fork_safety,
-    redact,
-    sql_text,
-    startup_options,
-)
+from celery_pglock.db import driver_errors, redact, sql_text, startup_options
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +51,7 @@ CLIENT_KEEPALIVES: dict[str, Any] = {
 #: Seconds a new lock connection may take, unless ``connect_args`` says otherwise.
 CONNECT_TIMEOUT = 10
 #: ``postgresql+<driver>://``: psycopg2 (what ``postgresql://`` means here) or psycopg 3.
-SUPPORTED_DRIVERS = ("psycopg2", "psycopg")
+SUPPORTED_DRIVERS = driver_errors.DRIVER_MODULES
 #: The oldest psycopg 3 that works (the ``psycopg`` extra's floor).
 PSYCOPG_MIN = (3, 1, 8)
 
@@ -72,6 +68,8 @@ _connect_args: weakref.WeakKeyDictionary[sa.Engine, dict[str, Any]] = (
     weakref.WeakKeyDictionary()
 )
 _process_tag: tuple[int, str] = (0, "")
+_connections: weakref.WeakSet[Any] = weakref.WeakSet()  #: Lock-database connections.
+_foreign: weakref.WeakSet[Any] = weakref.WeakSet()  #: The parent's, in a forked child.
 
 
 def process_tag() -> str:
@@ -207,7 +205,7 @@ def engine_info(engine: sa.Engine) -> dict[str, str]:
 
 def _install_hooks(engine: sa.Engine, ours: str | None) -> None:
     event.listen(engine, "checkin", _unlock_leftovers)
-    event.listen(engine, "connect", _adopt)
+    event.listen(engine, "connect", adopt)
     _track_staleness(engine)
     startup_options.install_fallback(engine, mask_url(engine.url), ours)
 
@@ -222,8 +220,14 @@ def _prefix(conf: Mapping[str, Any]) -> str:
     return str(conf.get("pglock_application_name") or DEFAULT_APPLICATION_NAME)
 
 
-def _adopt(dbapi_connection: Any, record: Any) -> None:
-    fork_safety.adopt(dbapi_connection)
+def adopt(dbapi_connection: Any, record: Any = None) -> None:
+    """Remember a lock-database connection of this process, to neuter it after a fork."""
+    _connections.add(dbapi_connection)
+
+
+def is_foreign(dbapi_connection: Any) -> bool:
+    """True for a connection inherited from the parent process: never use it."""
+    return dbapi_connection in _foreign
 
 
 def _bind_on_client(dbapi_connection: Any, record: Any) -> None:
@@ -339,7 +343,7 @@ def _unlock_leftovers(dbapi_connection: Any, record: Any) -> None:
     the connection is invalidated: closing the session always releases.
     """
     held = record.info.get(HELD)
-    if not held or dbapi_connection is None or fork_safety.is_foreign(dbapi_connection):
+    if not held or dbapi_connection is None or is_foreign(dbapi_connection):
         return  # (a forked child's copy of its parent's lock session: not ours to unlock)
     logger.warning(
         "A lock connection came back to the pool still holding advisory keys %s; unlocking them all",
@@ -439,6 +443,19 @@ def dispose_all() -> None:
 
 def _after_fork_in_child() -> None:
     global _engines_lock, _staleness_lock
+    # The sockets first: the disposal below must finalise nothing on the parent's.
+    connections = list(_connections)
+    _connections.clear()
+    null = os.open(os.devnull, os.O_RDWR) if connections else -1
+    for connection in connections:
+        # A closed connection raises: it has no descriptor left to protect.
+        with contextlib.suppress(Exception):
+            fd = connection.fileno()
+            if fd >= 0:
+                os.dup2(null, fd)
+            _foreign.add(connection)
+    if null >= 0:
+        os.close(null)
     _engines_lock = threading.Lock()  # another thread of the parent may have held it
     _staleness_lock = threading.Lock()
     _forget_engines_after_fork()

@@ -106,10 +106,7 @@ def secrets_of(url: sa.URL) -> list[str]:
     for part in (url.username, url.database):
         if part and "@" in part:
             found.extend(piece for piece in re.split(r"[@:/]", part) if piece)
-    for name, value in url.query.items():
-        if name.lower() not in SAFE_OPTIONS:
-            values = value if isinstance(value, tuple) else (value,)
-            found.extend(v for v in values if v)
+    found += [v for name, v in _query(url) if v and name.lower() not in SAFE_OPTIONS]
     return found
 
 
@@ -159,6 +156,15 @@ def _mask_url_in_text(match: re.Match[str]) -> str:
     return mask_url(core) + url[len(core) :]
 
 
+def _query(url: sa.URL) -> list[tuple[str, str]]:
+    """Every ``(name, value)`` of the URL's query (a repeated name has a tuple)."""
+    return [
+        (name, value)
+        for name, values in url.query.items()
+        for value in (values if isinstance(values, tuple) else (values,))
+    ]
+
+
 def _ambiguous(rest: str, parsed: sa.URL | None = None) -> bool:
     """More than one literal ``@`` anywhere (a password may hold ``?`` and ``/``), or one
     inside what parsed as the host."""
@@ -191,11 +197,7 @@ def _mask_url(scheme: str, rest: str) -> str:
     if parsed.database is not None:
         shown = _SAFE_DATABASE.fullmatch(parsed.database) and not ambiguous
         database = "/" + (parsed.database if shown else MASK)
-    query = _mask_options(
-        (name, value)
-        for name, values in parsed.query.items()
-        for value in (values if isinstance(values, tuple) else (values,))
-    )
+    query = _mask_options(_query(parsed))
     return f"{scheme}://{userinfo}{host}{port}{database}" + (
         f"?{'&'.join(query)}" if query else ""
     )
@@ -211,9 +213,7 @@ def _mask_conninfo(text: str) -> str:
         if match is None or match.end() == position:
             return UNPARSEABLE
         items.append((match.group(1), match.group(2)))
-        position = match.end()
-        while position < len(stripped) and stripped[position].isspace():
-            position += 1
+        position = match.end()  # the next item's \s* skips the blanks in between
     if not items:
         return UNPARSEABLE
     return " ".join(_mask_options(items))

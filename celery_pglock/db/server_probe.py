@@ -39,7 +39,6 @@ _FIRST_QUERY = (
     "current_setting('server_version_num')::int, pg_is_in_recovery(), "
     "inet_client_port()"
 )
-_PID_QUERY = "SELECT pg_backend_pid()"
 
 
 class Pooling(str, enum.Enum):
@@ -54,9 +53,8 @@ class Pooling(str, enum.Enum):
 class ServerFacts:
     """What one probe of the lock database found."""
 
-    server_version: (
-        str  #: ``server_version``, e.g. ``"15.10 (Debian 15.10-0+deb12u1)"``.
-    )
+    #: ``server_version``, e.g. ``"15.10 (Debian 15.10-0+deb12u1)"``.
+    server_version: str
     server_version_num: int  #: ``server_version_num``, e.g. ``150010``.
     is_standby: bool  #: ``pg_is_in_recovery()``: a hot standby, not a primary.
     pooling: Pooling  #: Multiplexing seen between the client and the server.
@@ -176,9 +174,9 @@ def _probe(engine: sa.Engine, opened: list[Any], masked: str) -> ServerFacts:
         first, second = opened
         for connection in (first, second):
             connection.autocommit = True  # else the driver would open transactions
-        with first.cursor() as cursor:
-            cursor.execute(_FIRST_QUERY)
-            pid, version, version_num, in_recovery, client_port = cursor.fetchone()
+        pid, version, version_num, in_recovery, client_port = _fetch(
+            first, _FIRST_QUERY
+        )
         proxied = _proxied(first, client_port)
         pooling, evidence = _pooling(first, second, pid)
         return ServerFacts(
@@ -201,7 +199,7 @@ def _pooling(first: Any, second: Any, first_pid: int) -> tuple[Pooling, str]:
     seen: tuple[list[int], list[int]] = ([first_pid], [])
     for _ in range(PROBE_ROUNDS):
         for index, connection in ((1, second), (0, first)):
-            seen[index].append(_backend_pid(connection))
+            seen[index].append(int(_fetch(connection, "SELECT pg_backend_pid()")[0]))
             if shared := set(seen[0]) & set(seen[1]):
                 evidence = f"two client connections were both served by backend pid {min(shared)}"
                 return _statement_or_transaction(second), evidence
@@ -229,10 +227,10 @@ def _statement_or_transaction(connection: Any) -> Pooling:
     return Pooling.TRANSACTION
 
 
-def _backend_pid(connection: Any) -> int:
+def _fetch(connection: Any, query: str) -> Any:
     with connection.cursor() as cursor:
-        cursor.execute(_PID_QUERY)
-        return int(cursor.fetchone()[0])
+        cursor.execute(query)
+        return cursor.fetchone()
 
 
 def _proxied(connection: Any, server_seen_port: int | None) -> bool | None:
@@ -250,7 +248,7 @@ def _proxied(connection: Any, server_seen_port: int | None) -> bool | None:
 
 
 _facts: weakref.WeakKeyDictionary[sa.Engine, ServerFacts] = weakref.WeakKeyDictionary()
-#: Per engine: each scope's refusal (None: allowed); check() is one lookup after the probe.
+#: Per engine: each scope's refusal (None: allowed): check() is one lookup once probed.
 _refusals: weakref.WeakKeyDictionary[sa.Engine, dict[LockScope, str | None]] = (
     weakref.WeakKeyDictionary()
 )

@@ -247,13 +247,11 @@ def _green() -> bool:
     """gevent/eventlet monkey-patched? Then no interrupt can reach the right body, and
     'terminate' acts as 'signal' (said once per process)."""
     global _green_warned
-    patched = False
-    gevent_monkey = sys.modules.get("gevent.monkey")
-    if gevent_monkey is not None:
-        patched = bool(gevent_monkey.is_module_patched("threading"))
-    eventlet_patcher = sys.modules.get("eventlet.patcher")
-    if eventlet_patcher is not None:
-        patched = patched or bool(eventlet_patcher.is_monkey_patched("thread"))
+    gevent, eventlet = map(sys.modules.get, ("gevent.monkey", "eventlet.patcher"))
+    patched = bool(
+        (gevent is not None and gevent.is_module_patched("threading"))
+        or (eventlet is not None and eventlet.is_monkey_patched("thread"))
+    )
     if patched and _green_warned != os.getpid():
         _green_warned = os.getpid()
         logger.warning(
@@ -303,8 +301,8 @@ def _interrupt(entry: Entry) -> None:
         _target = entry
         signal.pthread_kill(threading.main_thread().ident or 0, SIGNAL)
         return
-    # Raised in the body's thread at its next bytecode: a bare LockLostError (the API
-    # takes a class); the run's final error carries the key and cause (task.finish).
+    # Raised at the body's next bytecode: a bare LockLostError (the API takes a class);
+    # the task layer ends the run with one that names the key and cause.
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(entry.thread_id), ctypes.py_object(exceptions.LockLostError)
     )

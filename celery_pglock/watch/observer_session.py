@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 from celery_pglock.db import (
     engines,
-    fork_safety,
     redact,
     server_probe,
     sql_text,
@@ -32,7 +31,7 @@ checks_run = 0
 
 
 class UnverifiableError(Exception):
-    pass
+    """A check had no answer by its deadline."""
 
 
 class Observer:
@@ -80,14 +79,13 @@ class Observer:
                 self.close()
 
     def _check_here(self, entries: list[Entry], deadline: float) -> dict[int, str]:
-        """The check on the observer's own session (connected on demand)."""
+        """The check on the observer's own session (connected on demand, reconnected
+        while time remains)."""
         last_error: BaseException | None = None
         while True:
             try:
                 return self._check_once(entries, deadline)
-            except UnverifiableError as timeout:
-                last_error = timeout
-            except Exception as error:  # a dead session: reconnect while time remains
+            except Exception as error:  # no answer in time, or a dead session
                 last_error = error
             self.close()
             if time.monotonic() + 0.1 >= deadline:
@@ -188,7 +186,7 @@ class Observer:
         )
         params["connect_timeout"] = timeout
         connection = psycopg2.connect(**params, async_=1)
-        fork_safety.adopt(connection)  # a forked child must not touch it either
+        engines.adopt(connection)  # a forked child must not touch it either
         self.connection = connection
         fallback = startup_options.fallback_of(self.engine)
         try:
@@ -222,38 +220,26 @@ class Observer:
                 connection.close()
 
 
-def _params(entries: list[Entry]) -> tuple[list[int], list[int], list[int], list[int]]:
-    """CHECK_HELD's parameters for ``entries``."""
-    ids = [entry.lock.key.pg_locks_ids for entry in entries]
-    return (
-        [classid for classid, _, _ in ids],
-        [objid for _, objid, _ in ids],
-        [objsubid for _, _, objsubid in ids],
-        [entry.backend_pid or 0 for entry in entries],
-    )
+def _params(entries: list[Entry]) -> tuple[list[int], ...]:
+    """CHECK_HELD's parameters for ``entries``: classids, objids, objsubids, pids."""
+    ids = zip(*(entry.lock.key.pg_locks_ids for entry in entries), strict=True)
+    return (*map(list, ids), [entry.backend_pid or 0 for entry in entries])
 
 
 def wait(connection: Any, deadline: float) -> None:
     """Drive an asynchronous psycopg2 connection until it is ready, or the deadline."""
     import psycopg2.extensions as ext
 
-    while True:
-        state = connection.poll()
-        if state == ext.POLL_OK:
-            return
+    while (state := connection.poll()) != ext.POLL_OK:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise UnverifiableError("no answer in time")
-        if not hasattr(select, "poll"):  # gevent's monkey-patching removes it
-            reading = state == ext.POLL_READ
-            fd = connection.fileno()
+        reading, fd = state == ext.POLL_READ, connection.fileno()
+        if hasattr(select, "poll"):  # select() refuses fd >= 1024; gevent removes poll
+            poller = select.poll()
+            poller.register(fd, select.POLLIN if reading else select.POLLOUT)
+            poller.poll(remaining * 1000)
+        else:
             select.select(
                 [fd] if reading else [], [] if reading else [fd], [], remaining
             )
-            continue
-        poller = select.poll()
-        poller.register(
-            connection.fileno(),
-            select.POLLIN if state == ext.POLL_READ else select.POLLOUT,
-        )
-        poller.poll(remaining * 1000)
