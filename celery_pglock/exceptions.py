@@ -1,6 +1,4 @@
-"""The whole celery-pglock error tree.
-
-This module is a leaf: it imports nothing from the package, to avoid import loops.
+"""The whole celery-pglock error tree; a leaf that imports nothing of the package.
 
 ::
 
@@ -10,14 +8,12 @@ This module is a leaf: it imports nothing from the package, to avoid import loop
     ├── DatabaseError            any SQLAlchemy/driver failure; the original is __cause__
     └── LockError                .key and .name on every instance
         ├── LockBusy             busy lock, or a bounded wait that timed out
-        │   └── LockSkipped      a run skipped because its lock was held (a result,
-        │                        not an error: listed in the task's ``throws``)
+        │   └── LockSkipped      a run skipped because its lock was held (a result)
         ├── LockNotOwnedError    release of a lock this connection does not hold
-        └── LockLostError             the lock ended before the protected work did
+        └── LockLostError        the lock ended before the protected work did
 
-Every exception pickles and unpickles with its message intact, because Celery ships a
-failed task's exception through the result backend (celery-singleton#55 crashed workers
-with an exception class that could not be rebuilt).
+Every exception pickles with its message, key and name: Celery ships a failed task's
+exception through the result backend. See docs/reference/exceptions.md.
 """
 
 from __future__ import annotations
@@ -73,8 +69,7 @@ class LockError(PgLockError):
         self.name = name
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Keyword-only attributes are not in self.args; rebuild them explicitly so the
-        # exception survives pickling (result backends, billiard pipes).
+        # key and name are keyword-only, so not in self.args: rebuild them explicitly.
         return (_rebuild_lock_error, (type(self), self.message, self.key, self.name))
 
 
@@ -91,14 +86,10 @@ class LockBusy(LockError):  # noqa: N818 - the public name users asked for
 class LockSkipped(LockBusy):
     """The run did not execute its body because another run held its lock.
 
-    This is how a skipped run ends by default (``lock_skip_result='failure'``): the
-    result is FAILURE with this exception, which SingletonTask lists in the task's
-    ``throws``, so Celery logs it at INFO without a traceback and error trackers such as
-    Sentry ignore it. ``details`` is plain data (it survives JSON result backends, which
-    rebuild an exception from its ``args`` only): ``reason``, ``task``, ``lock``, ``key``,
-    ``policy`` and, when PostgreSQL could say, ``holder`` (``host:pid`` of the holding
-    worker process), ``holder_pid`` (its backend pid) and ``holder_task`` (its task name).
-    Never argument values.
+    How a skipped run ends by default (``lock_skip_result='failure'``): listed in the
+    task's ``throws``. ``details`` is plain data that survives JSON result backends
+    (``reason``, ``task``, ``lock``, ``key``, ``policy``, and ``holder``, ``holder_pid``,
+    ``holder_task`` when known); never argument values. See docs/guide/skipped-results.md.
     """
 
     def __init__(
@@ -106,8 +97,7 @@ class LockSkipped(LockBusy):
     ) -> None:
         info = dict(details or {})
         super().__init__(message, key=info.get("key"), name=info.get("lock"))
-        #: The skip as plain data (see the class docstring).
-        self.details = info
+        self.details = info  #: The skip as plain data.
         self.args = (self.message, info)
 
     @property
@@ -121,15 +111,9 @@ class LockSkipped(LockBusy):
 
     @property
     def __traceback__(self) -> TracebackType | None:
-        """A skip's traceback: one fixed frame, whatever frames the skip unwound.
-
-        A skip is an outcome, not an error, so its frames say nothing; but Celery's
-        failure path copies every frame's code positions into a picklable traceback
-        (billiard's ``ExceptionInfo``), which made a skip cost several times a run's CPU
-        and grew workers by ~80 KB per skip until a full garbage collection
-        (docs/benchmarks.md). The interpreter's own traceback (an uncaught skip's
-        printout) is unchanged; setting ``__traceback__`` works as usual.
-        """
+        """One fixed frame of no source, whatever the skip unwound: Celery copies every
+        frame into a picklable traceback, which cost a skip several runs' CPU
+        (docs/design.md). Setting it works as usual."""
         return _SKIP_TRACEBACK
 
     @__traceback__.setter
@@ -153,24 +137,20 @@ class LockLostError(LockError):
 _BASE_TRACEBACK: Any = BaseException.__dict__["__traceback__"]
 
 
-def _raise_skipped() -> None:
-    raise LockSkipped
-
-
-# Its frames name a "file" that says why and has no source behind it: formatting the
-# traceback then reads no file and parses no line (a skip is formatted once per skip).
-_raise_skipped.__code__ = _raise_skipped.__code__.replace(
-    co_filename="<a skipped run: nothing ran, so there is no traceback>"
-)
-
-
 def _skipped_run() -> TracebackType | None:
+    # A frame whose "file" says why and has no source: formatting it reads no file.
+    def raise_skipped() -> None:
+        raise LockSkipped
+
+    raise_skipped.__code__ = raise_skipped.__code__.replace(
+        co_filename="<a skipped run: nothing ran, so there is no traceback>"
+    )
     try:
-        _raise_skipped()
+        raise_skipped()
     except LockSkipped as skip:
         traceback: TracebackType = _BASE_TRACEBACK.__get__(skip)
         return traceback.tb_next  # without this function's own frame
-    raise AssertionError("unreachable: _raise_skipped raises")
+    raise AssertionError("unreachable")
 
 
 _SKIP_TRACEBACK = _skipped_run()

@@ -1,13 +1,10 @@
 """Driver errors at the lock database boundary: translated once, then classified.
 
 Every SQLAlchemy or driver (psycopg2, psycopg 3) error a lock path meets leaves it as
-:class:`~celery_pglock.exceptions.DatabaseError` (:func:`wrap_db_errors`), with secrets
-scrubbed from the whole chain. The classifiers below decide what an error means for the
-locks: a dead session held nothing any more (:func:`is_dead_session`), a transient
-error is worth a re-queue (:func:`is_transient`), and a misconfiguration (a wrong
-password, a missing database or role, a TLS setting the server refuses) is not worth one
-(:func:`misconfiguration`). They look at the driver's own error (``__cause__``); only the
-last also reads its text, because libpq reports a refused login without a SQLSTATE.
+:class:`~celery_pglock.exceptions.DatabaseError` (:func:`wrap_db_errors`), scrubbed of
+secrets. The classifiers read the driver's error (``__cause__``): a dead session, a
+transient error, a misconfiguration. What each means for a run:
+docs/operations/failure-modes.md ("Lock database unavailable").
 """
 
 from __future__ import annotations
@@ -35,16 +32,17 @@ def wrap_db_errors(
 ) -> Iterator[None]:
     """Translate SQLAlchemy/driver errors into :class:`DatabaseError` at one boundary.
 
-    ``connecting=True`` around the opening of a lock connection (a pool checkout): its
-    failure (refused, too many clients, authentication, a timeout) then never counts as
-    a dead session (:func:`is_dead_session`), whatever the driver's error looks like.
+    ``connecting=True`` around the opening of a lock connection: its failure then never
+    counts as a dead session (:func:`is_dead_session`).
     """
     try:
         yield
     except exceptions.PgLockError:
         raise
     except Exception as exc:
-        if not isinstance(exc, (sa_exc.SQLAlchemyError, OSError, *_driver_error())):
+        if not isinstance(
+            exc, (sa_exc.SQLAlchemyError, OSError, *errors_named("Error"))
+        ):
             raise
         where = f" on {redact.mask_url(engine.url)}" if engine is not None else ""
         # libpq echoes connection options (a host name holding half a password, a DSN
@@ -67,14 +65,9 @@ _CONNECT_FAILED = "_pglock_connect_failed"
 
 
 def is_dead_session(error: exceptions.DatabaseError) -> bool:
-    """True if ``error`` says an established lock session died under a statement (server
-    restart, failover, terminated backend, cut link): it held nothing any more, and a
-    fresh connection may well work. False for a failure to connect (refused, too many
-    clients), which is no dead session: there was none.
-
-    Decided by where the error arose, not by its shape: psycopg2 raises a dead
-    session found at a transaction's BEGIN without a cursor, like a failed connect, and
-    psycopg 3 any dead session without a server result.
+    """True if an established lock session died under a statement: it held nothing any
+    more. Decided by where the error arose (``wrap_db_errors(connecting=)``), not by its
+    shape, which is the same as a failed connect's on psycopg 3 and at psycopg2's BEGIN.
     """
     return not getattr(error, _CONNECT_FAILED, False) and is_disconnect(error.__cause__)
 
@@ -83,12 +76,9 @@ def is_dead_session(error: exceptions.DatabaseError) -> bool:
 DRIVER_MODULES = ("psycopg2", "psycopg")
 
 
-def _errors(name: str) -> tuple[type[Exception], ...]:
-    """The DBAPI error class ``name`` of every supported driver imported so far.
-
-    A driver's error can only exist once its module is imported, so neither is imported
-    here: import stays cheap, and psycopg 3 need not be installed.
-    """
+def errors_named(name: str) -> tuple[type[Exception], ...]:
+    """The DBAPI error class ``name`` of every supported driver imported so far (neither
+    is imported here: import stays cheap, and psycopg 3 need not be installed)."""
     return tuple(
         getattr(module, name)
         for module in map(sys.modules.get, DRIVER_MODULES)
@@ -96,19 +86,9 @@ def _errors(name: str) -> tuple[type[Exception], ...]:
     )
 
 
-def _driver_error() -> tuple[type[Exception], ...]:
-    return _errors("Error")
-
-
-def errors_named(name: str) -> tuple[type[Exception], ...]:
-    """The DBAPI error class ``name`` (``"OperationalError"``) of every supported driver
-    imported so far (see :func:`_errors`)."""
-    return _errors(name)
-
-
 def operational_error(dbapi_connection: Any) -> type[Exception]:
-    """The OperationalError class of the driver ``dbapi_connection`` belongs to (found
-    through its classes: a ``connection_factory`` subclass lives in the user's module)."""
+    """The OperationalError class of ``dbapi_connection``'s driver (found through its MRO:
+    a ``connection_factory`` subclass lives in the user's module)."""
     for cls in type(dbapi_connection).__mro__:
         package = cls.__module__.partition(".")[0]
         if package in DRIVER_MODULES:
@@ -118,8 +98,8 @@ def operational_error(dbapi_connection: Any) -> type[Exception]:
 
 
 def _from_statement(original: BaseException) -> bool:
-    """Did the driver attach a statement's cursor (psycopg2) or a server result
-    (psycopg 3) to ``original``? Then it is no failure to connect."""
+    """Did a statement raise ``original`` (psycopg2 attaches its cursor, psycopg 3 the
+    server's result)? Then it is no failure to connect."""
     return (
         getattr(original, "cursor", None) is not None
         or getattr(original, "pgresult", None) is not None
@@ -130,9 +110,9 @@ def is_disconnect(exc: BaseException | None) -> bool:
     """True if ``exc`` means the session is gone (so it holds no lock any more)."""
     original = getattr(exc, "orig", exc)
     # psycopg2: "connection already closed" (psycopg 3 says it as an OperationalError).
-    if isinstance(original, _errors("InterfaceError")):
+    if isinstance(original, errors_named("InterfaceError")):
         return True
-    if not isinstance(original, _errors("OperationalError")):
+    if not isinstance(original, errors_named("OperationalError")):
         return False
     code = sqlstate(original)
     # No SQLSTATE: the socket died. 08xxx: connection exceptions. 57P0x: the server is
@@ -141,27 +121,18 @@ def is_disconnect(exc: BaseException | None) -> bool:
 
 
 def is_connect_failure(exc: BaseException | None) -> bool:
-    """True if ``exc`` looks like a failure to open a new connection (refused, unknown
-    host, authentication, too many clients).
-
-    psycopg2 attaches the cursor to the errors a statement raises (psycopg 3 the
-    server's result), and an OperationalError without one usually comes from connecting:
-    but a dead session found at the implicit BEGIN of a transaction has none either (on
-    psycopg 3 no dead session has). Good enough to call an error transient (both are);
-    to tell a dead session from a failed connect, the lock paths use
-    :func:`is_dead_session`, which knows where the error arose.
-    """
+    """True if ``exc`` looks like a failed connect (an OperationalError no statement
+    raised). A dead session may look the same: good enough for :func:`is_transient`."""
     original = getattr(exc, "orig", exc)
-    return isinstance(original, _errors("OperationalError")) and not _from_statement(
-        original
-    )
+    return isinstance(
+        original, errors_named("OperationalError")
+    ) and not _from_statement(original)
 
 
 def is_transient(exc: BaseException | None) -> bool:
-    """True if ``exc`` says the database is unavailable for now, not that we are wrong:
-    a failed connect, a dead session, or insufficient resources (SQLSTATE 53xxx, such as
-    ``too_many_connections``). Never for a :func:`misconfiguration`: waiting does not
-    fix a wrong password."""
+    """True if ``exc`` says the database is unavailable for now: a failed connect, a dead
+    session, or SQLSTATE class 53 (``too_many_connections``); never a
+    :func:`misconfiguration`."""
     if exc is None or misconfiguration(exc) is not None:
         return False
     return (
@@ -172,8 +143,7 @@ def is_transient(exc: BaseException | None) -> bool:
 
 
 def sqlstate(exc: BaseException) -> str | None:
-    """The SQLSTATE of a driver error (or one wrapped by SQLAlchemy), if any: psycopg2
-    calls it ``pgcode``, psycopg 3 ``sqlstate``."""
+    """The SQLSTATE of a driver error (or one SQLAlchemy wrapped), if any."""
     original = getattr(exc, "orig", exc)
     code = getattr(original, "pgcode", None) or getattr(original, "sqlstate", None)
     return code if isinstance(code, str) else None
@@ -196,66 +166,55 @@ class Misconfiguration:
 
 
 _URL = "the lock database URL (app.conf.pglock_database_url or $CELERY_PGLOCK_DATABASE_URL)"
-_AUTHENTICATION = Misconfiguration(
-    "28P01",
-    "password authentication failed",
-    f"Check the user name and password in {_URL}; PostgreSQL says the same when "
-    "the role does not exist.",
-)
 _NO_DATABASE = Misconfiguration(
     "3D000",
     "the database does not exist",
     f"Fix the database name in {_URL}, or create the database.",
 )
-#: What a connect failure's text says, as libpq and the server word it in English. Neither
-#: driver gives a SQLSTATE for a refused connect (libpq reports it before any result), so the
-#: text is all there is. A server whose lc_messages is not English words these in its
-#: language: unmatched, such an error is taken for an outage and retried, as before.
+_CONNECT_ARGS = "pglock_engine_options['connect_args']"
+#: A refused connect's English text (libpq gives no SQLSTATE for it): a server whose
+#: lc_messages is not English is unmatched, so taken for an outage.
 _RULES: tuple[tuple[re.Pattern[str], Misconfiguration], ...] = tuple(
-    (re.compile(pattern), problem)
-    for pattern, problem in (
-        (r"password authentication failed|no password supplied", _AUTHENTICATION),
+    (re.compile(pattern), Misconfiguration(*problem) if problem else _NO_DATABASE)
+    for pattern, *problem in (
+        (
+            r"password authentication failed|no password supplied",
+            "28P01",
+            "password authentication failed",
+            f"Check the user name and password in {_URL}; PostgreSQL says the same "
+            "when the role does not exist.",
+        ),
         (
             r'role "[^"]*" does not exist',
-            Misconfiguration(
-                "28000",
-                "the role does not exist",
-                f"Fix the user name in {_URL}, or create the role.",
-            ),
+            "28000",
+            "the role does not exist",
+            f"Fix the user name in {_URL}, or create the role.",
         ),
         (
             r"is not permitted to log in",
-            Misconfiguration(
-                "28000",
-                "the role may not log in",
-                "ALTER ROLE ... LOGIN, or use a role that may.",
-            ),
+            "28000",
+            "the role may not log in",
+            "ALTER ROLE ... LOGIN, or use a role that may.",
         ),
         (
             r"no pg_hba\.conf entry|pg_hba\.conf rejects",
-            Misconfiguration(
-                "28000",
-                "pg_hba.conf admits no such connection (this host, user, database and TLS mode)",
-                "Add a pg_hba.conf line for it on the server, or connect as it expects "
-                "(sslmode in the URL's query).",
-            ),
+            "28000",
+            "pg_hba.conf admits no such connection (this host, user, database and TLS mode)",
+            "Add a pg_hba.conf line for it on the server, or connect as it expects "
+            "(sslmode in the URL's query).",
         ),
-        (r'database "[^"]*" does not exist', _NO_DATABASE),
+        (r'database "[^"]*" does not exist',),
         (
             r"permission denied for database",
-            Misconfiguration(
-                "42501",
-                "the role may not connect to this database",
-                "GRANT CONNECT ON DATABASE ... TO the role.",
-            ),
+            "42501",
+            "the role may not connect to this database",
+            "GRANT CONNECT ON DATABASE ... TO the role.",
         ),
         (
             r"authentication failed|authentication method \d+ not supported",
-            Misconfiguration(
-                "28000",
-                "authentication failed",
-                f"Check the credentials in {_URL} and the method pg_hba.conf asks for.",
-            ),
+            "28000",
+            "authentication failed",
+            f"Check the credentials in {_URL} and the method pg_hba.conf asks for.",
         ),
         (
             # Not "SSL SYSCALL error", "SSL connection has been closed unexpectedly" or
@@ -263,34 +222,28 @@ _RULES: tuple[tuple[re.Pattern[str], Misconfiguration], ...] = tuple(
             r"SSL was required|does not support SSL|sslmode|certificate|private key|"
             r"unknown ca|unsupported protocol|wrong version number|"
             r"no protocols available|GSSAPI encryption required",
-            Misconfiguration(
-                None,
-                "the TLS (SSL) settings do not work with this server",
-                "Check sslmode, sslrootcert, sslcert and sslkey in the URL's query (or "
-                "pglock_engine_options['connect_args']) against the server's ssl setting.",
-            ),
+            None,
+            "the TLS (SSL) settings do not work with this server",
+            f"Check sslmode, sslrootcert, sslcert and sslkey in the URL's query (or "
+            f"{_CONNECT_ARGS}) against the server's ssl setting.",
         ),
         (
             r"invalid connection option|invalid \w+ value|invalid integer value|"
             r"invalid port number",
-            Misconfiguration(
-                None,
-                "a connection option is invalid",
-                "Fix the option in the URL's query or pglock_engine_options['connect_args'].",
-            ),
+            None,
+            "a connection option is invalid",
+            f"Fix the option in the URL's query or {_CONNECT_ARGS}.",
         ),
     )
 )
 
 
 def misconfiguration(exc: BaseException | None) -> Misconfiguration | None:
-    """What is misconfigured if ``exc`` is a connection the server (or libpq) refused for
-    a reason that waiting does not fix: SQLSTATE class 28 (invalid authorization), 3D000
-    (invalid catalog name), a role that does not exist or may not log in, pg_hba.conf, a
-    TLS setting, an invalid connection option. None for anything else (an outage, a
-    statement's error)."""
+    """What is misconfigured if the server (or libpq) refused the connection of ``exc`` for
+    a reason waiting does not fix (SQLSTATE class 28, 3D000, pg_hba.conf, TLS, an invalid
+    option); None for anything else."""
     original = getattr(exc, "orig", exc)
-    if not isinstance(original, _driver_error()):
+    if not isinstance(original, errors_named("Error")):
         return None
     code = sqlstate(original)
     if code is not None:
@@ -306,7 +259,7 @@ def misconfiguration(exc: BaseException | None) -> Misconfiguration | None:
             code, "the server refused the login", f"Check the role and {_URL}."
         )
     if not isinstance(
-        original, _errors("OperationalError") + _errors("ProgrammingError")
+        original, errors_named("OperationalError") + errors_named("ProgrammingError")
     ):
         return None
     if _from_statement(original):

@@ -1,14 +1,9 @@
 """Redaction: database URLs and driver error texts made safe to log. Pure functions.
 
-Hazard: a URL that is safe to log cannot be produced by parsing it once and hiding the
-password, because a malformed URL is parsed differently by different readers. With an
-unescaped ``@`` in the password, ``postgresql://app:p@ss@db/x`` is split at the *first*
-``@`` by SQLAlchemy and libpq (password ``p``, host ``ss@db``) but at the last one by the
-person who wrote it (password ``p@ss``); hiding "the password" of either reading shows the
-rest of the other. So :func:`mask_url` shows a component only when it is unambiguous and
-made of characters a secret-free component is made of, and replaces everything else with
-``***``: it may hide too much, never too little. Query parameters are shown only for an
-allow-list of libpq options known to carry no secret.
+Hazard: a malformed URL is parsed differently by different readers (an unescaped ``@`` in
+the password), so :func:`mask_url` shows a component only when it is unambiguous and
+plain, and masks everything else: it may hide too much, never too little. Why:
+docs/operations/security.md ("Passwords: what is masked, and where").
 """
 
 from __future__ import annotations
@@ -28,46 +23,19 @@ if TYPE_CHECKING:
 MASK = "***"
 UNPARSEABLE = "<unparseable database URL>"
 
-#: URL query / conninfo options whose values are shown: libpq options (and SQLAlchemy's
-#: own) that never carry a secret. Anything else (password, sslpassword, dsn, options,
-#: passfile, sslkey, service-specific or unknown names) is masked.
+#: URL query / conninfo options whose values are shown: libpq options that never carry
+#: a secret. Any other value is masked.
 SAFE_OPTIONS = frozenset(
-    {
-        "application_name",
-        "channel_binding",
-        "client_encoding",
-        "connect_timeout",
-        "dbname",
-        "fallback_application_name",
-        "gssencmode",
-        "host",
-        "hostaddr",
-        "keepalives",
-        "keepalives_count",
-        "keepalives_idle",
-        "keepalives_interval",
-        "krbsrvname",
-        "load_balance_hosts",
-        "port",
-        "replication",
-        "requirepeer",
-        "service",
-        "ssl_max_protocol_version",
-        "ssl_min_protocol_version",
-        "sslcert",
-        "sslcompression",
-        "sslcrl",
-        "sslmode",
-        "sslnegotiation",
-        "sslrootcert",
-        "target_session_attrs",
-        "tcp_user_timeout",
-        "user",
-    }
+    "application_name channel_binding client_encoding connect_timeout dbname "  # noqa: SIM905 - a list is 30 lines
+    "fallback_application_name gssencmode host hostaddr keepalives keepalives_count "
+    "keepalives_idle keepalives_interval krbsrvname load_balance_hosts port replication "
+    "requirepeer service ssl_max_protocol_version ssl_min_protocol_version sslcert "
+    "sslcompression sslcrl sslmode sslnegotiation sslrootcert target_session_attrs "
+    "tcp_user_timeout user".split()
 )
 
-#: Options whose names are shown but whose values are always masked. Any other name is
-#: masked too: an unknown name may be a piece of a password split at an unescaped "&".
+#: Options whose names are shown, values masked. Other names are masked too: an unknown
+#: name may be a piece of a password split at an unescaped "&".
 SECRET_OPTIONS = frozenset(
     {"dsn", "options", "passfile", "password", "sslkey", "sslpassword"}
 )
@@ -94,12 +62,13 @@ _SHORT_SECRET = 4
 
 
 def mask_url(url: str | sa.URL | None) -> str:
-    """Render a database (or broker) URL with every secret replaced by ``***``.
+    """Render a database (or broker) URL with every secret replaced by ``***``: safe to log.
 
     Shows the scheme, user name, host, port, database and allow-listed query options
     when each is unambiguous; masks the password, every other query value, and any
-    component that a malformed URL makes ambiguous. A libpq ``key=value`` string is
-    masked the same way; anything else becomes ``<unparseable database URL>``.
+    component that a malformed URL makes ambiguous (an unescaped ``@`` in the password).
+    A libpq ``key=value`` string is masked the same way; anything else becomes
+    ``<unparseable database URL>``.
     """
     if url is None:
         return UNPARSEABLE
@@ -114,12 +83,8 @@ def mask_url(url: str | sa.URL | None) -> str:
 
 
 def ambiguous_userinfo(url: str) -> bool:
-    """True if ``url`` has more than one literal ``@``: its user/password split is a guess.
-
-    SQLAlchemy and libpq split at the first ``@``; whoever wrote
-    ``postgresql://app:p@ss@db/x`` meant the last one. Either reading connects to the
-    wrong host, and the other half of the password ends up in error messages.
-    """
+    """True if ``url`` has more than one literal ``@``: its user/password split is a guess
+    (SQLAlchemy and libpq split at the first one)."""
     _, separator, rest = url.partition("://")
     if not separator:
         return False
@@ -141,10 +106,7 @@ def secrets_of(url: sa.URL) -> list[str]:
     for part in (url.username, url.database):
         if part and "@" in part:
             found.extend(piece for piece in re.split(r"[@:/]", part) if piece)
-    for name, value in url.query.items():
-        if name.lower() not in SAFE_OPTIONS:
-            values = value if isinstance(value, tuple) else (value,)
-            found.extend(v for v in values if v)
+    found += [v for name, v in _query(url) if v and name.lower() not in SAFE_OPTIONS]
     return found
 
 
@@ -162,13 +124,8 @@ def scrub_text(text: str, secrets: Iterable[str] = ()) -> str:
 
 
 def scrub_exception(exc: BaseException, secrets: Iterable[str] = ()) -> None:
-    """Scrub the message of ``exc`` and of every exception chained to it, in place.
-
-    In place, because the chain is what a traceback shows: Celery stores the formatted
-    traceback in the result backend and ``logger.exception`` prints it, causes included.
-    Only string ``args`` are rewritten; the exception types and attributes stay, so code
-    that inspects the cause (SQLSTATE, disconnect checks) is unaffected.
-    """
+    """Scrub the string ``args`` of ``exc`` and of every exception chained to it, in place
+    (tracebacks print the whole chain); types and attributes stay."""
     secrets = list(secrets)
     pending: list[BaseException | None] = [exc]
     seen: set[int] = set()
@@ -189,13 +146,9 @@ def scrub_exception(exc: BaseException, secrets: Iterable[str] = ()) -> None:
             pending.append(orig)
 
 
-# -- internals ---------------------------------------------------------------------------
-
-
 def _mask_url_in_text(match: re.Match[str]) -> str:
-    """Mask a URL found in free text, keeping the sentence's punctuation after it
-    (``.../postgres: server closed`` must not mask the database name as "postgres:").
-    Only after a path: after a query, the punctuation may be part of a secret value."""
+    """Mask a URL in free text, keeping the punctuation after its path (not after a
+    query, where it may be part of a secret value)."""
     url = match.group(0)
     core = url.rstrip(_TRAILING_PUNCTUATION)
     if "?" in core or core == url:
@@ -203,9 +156,17 @@ def _mask_url_in_text(match: re.Match[str]) -> str:
     return mask_url(core) + url[len(core) :]
 
 
+def _query(url: sa.URL) -> list[tuple[str, str]]:
+    """Every ``(name, value)`` of the URL's query (a repeated name has a tuple)."""
+    return [
+        (name, value)
+        for name, values in url.query.items()
+        for value in (values if isinstance(values, tuple) else (values,))
+    ]
+
+
 def _ambiguous(rest: str, parsed: sa.URL | None = None) -> bool:
-    """More than one literal ``@`` anywhere (a password may hold ``?`` and ``/`` too,
-    so ``app:@pw?@db/x`` has its second ``@`` in what parses as the query), or one
+    """More than one literal ``@`` anywhere (a password may hold ``?`` and ``/``), or one
     inside what parsed as the host."""
     return rest.count("@") > 1 or "@" in ((parsed and parsed.host) or "")
 
@@ -236,11 +197,7 @@ def _mask_url(scheme: str, rest: str) -> str:
     if parsed.database is not None:
         shown = _SAFE_DATABASE.fullmatch(parsed.database) and not ambiguous
         database = "/" + (parsed.database if shown else MASK)
-    query = _mask_options(
-        (name, value)
-        for name, values in parsed.query.items()
-        for value in (values if isinstance(values, tuple) else (values,))
-    )
+    query = _mask_options(_query(parsed))
     return f"{scheme}://{userinfo}{host}{port}{database}" + (
         f"?{'&'.join(query)}" if query else ""
     )
@@ -256,9 +213,7 @@ def _mask_conninfo(text: str) -> str:
         if match is None or match.end() == position:
             return UNPARSEABLE
         items.append((match.group(1), match.group(2)))
-        position = match.end()
-        while position < len(stripped) and stripped[position].isspace():
-            position += 1
+        position = match.end()  # the next item's \s* skips the blanks in between
     if not items:
         return UNPARSEABLE
     return " ".join(_mask_options(items))

@@ -1,14 +1,8 @@
-"""What sits at the other end of the lock database URL: its version, a standby, a
+"""What sits at the other end of the lock database URL: its version, a standby, or a
 transaction- or statement-pooling proxy (which break advisory locks silently, so they are
-refused).
+refused). How they are told apart, and why: docs/operations/pgbouncer.md.
 
-Multiplexing is told from two side-by-side client connections A and B, alternating one
-``SELECT pg_backend_pid()`` at a time: a pid seen on both, or two pids on one, is proof;
-then one ``BEGIN`` on B tells statement from transaction pooling. Both connections are
-closed afterwards (B may be dead). Why, and the detection in detail:
-docs/operations/pgbouncer.md.
-
-Hazard: the probe costs two connections and about eight round trips, so it runs once per
+Hazard: a probe costs two connections and about eight round trips, so it runs once per
 engine (per process, at the first lock) and once at worker start, never per task.
 """
 
@@ -37,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a probe may take in all (connections, queries) before it gives up.
 PROBE_TIMEOUT = 10.0
-#: Alternating A/B queries before concluding "no multiplexing" (see the module docstring).
+#: Alternating queries on two connections before concluding "no multiplexing".
 PROBE_ROUNDS = 3
 
 _FIRST_QUERY = (
@@ -45,20 +39,14 @@ _FIRST_QUERY = (
     "current_setting('server_version_num')::int, pg_is_in_recovery(), "
     "inet_client_port()"
 )
-_PID_QUERY = "SELECT pg_backend_pid()"
 
 
 class Pooling(str, enum.Enum):
     """How the server sessions behind one client connection behave."""
 
-    #: Each client connection keeps one server session: a direct connection, or a
-    #: session-pooling proxy. Both lock scopes work.
-    NONE = "none"
-    #: Server sessions change between transactions. Only transaction scope works.
-    TRANSACTION = "transaction"
-    #: Server sessions change between statements; multi-statement transactions are
-    #: refused. No lock scope works.
-    STATEMENT = "statement"
+    NONE = "none"  #: One server session per client connection: both scopes work.
+    TRANSACTION = "transaction"  #: Sessions change between transactions.
+    STATEMENT = "statement"  #: Sessions change between statements: no scope works.
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,13 +58,12 @@ class ServerFacts:
     server_version_num: int  #: ``server_version_num``, e.g. ``150010``.
     is_standby: bool  #: ``pg_is_in_recovery()``: a hot standby, not a primary.
     pooling: Pooling  #: Multiplexing seen between the client and the server.
-    #: The server saw another client port than our socket's: a proxy (in any pooling
-    #: mode) or NAT sits in between. None when unknown (e.g. a Unix socket).
+    #: The server saw another client port than our socket's (a proxy or NAT); None when
+    #: unknown (a Unix socket).
     proxied: bool | None
     evidence: str  #: What the pooling verdict rests on, in words (for messages).
     masked_url: str  #: The probed URL, password masked.
-    #: libpq's backend pid (``get_backend_pid()``) is the server's ``pg_backend_pid()``.
-    #: False behind PgBouncer, which invents the pid it reports.
+    #: libpq's backend pid is the server's (False behind PgBouncer, which invents it).
     reports_backend_pid: bool = True
 
     def refusal(self, scope: LockScope | str) -> str | None:
@@ -113,9 +100,6 @@ class ServerFacts:
         return None
 
 
-# -- the probe --------------------------------------------------------------------------
-
-
 def probe(
     target: sa.Engine | str,
     conf: Mapping[str, Any] | None = None,
@@ -126,9 +110,8 @@ def probe(
     """Probe the lock database: version, standby or not, pooling mode in between.
 
     Args:
-        target: A lock engine (its connection options are used, on two connections of
-            the probe's own, outside the pool) or a database URL (a temporary engine
-            is made with ``engines.create_engine(url, conf)`` and disposed).
+        target: A lock engine (probed on two connections of its own, outside the pool)
+            or a database URL (probed through a temporary lock engine).
         conf: App configuration for a URL target (application_name, engine options).
         timeout: Seconds the whole probe may take.
         action: What failed, for the DatabaseError message ("Could not <action> ...").
@@ -147,7 +130,7 @@ def probe(
 
 
 def _bounded(engine: sa.Engine, timeout: float, action: str) -> ServerFacts:
-    """Run the probe in a thread so that a stuck connect or queue wait cannot hold us."""
+    """Run the probe in a thread, so that a stuck connect cannot hold the caller."""
     masked = engines.engine_info(engine)["masked_url"]
     opened: list[Any] = []
     outcome: list[ServerFacts | BaseException] = []
@@ -165,8 +148,8 @@ def _bounded(engine: sa.Engine, timeout: float, action: str) -> ServerFacts:
         for connection in list(opened):
             with contextlib.suppress(Exception):
                 connection.cancel()  # the thread then fails and closes them
-        # Caused by a driver OperationalError, as an expired connect_timeout would be, so
-        # that driver_errors.is_transient() (lock_on_error='retry') treats it as an outage.
+        # Caused by a driver OperationalError, as an expired connect_timeout is: an
+        # outage for driver_errors.is_transient().
         raise exceptions.DatabaseError(
             f"Could not {action} on {masked}: the server probe had no answer within "
             f"{timeout:g} s."
@@ -183,20 +166,17 @@ def _bounded(engine: sa.Engine, timeout: float, action: str) -> ServerFacts:
 
 
 def _probe(engine: sa.Engine, opened: list[Any], masked: str) -> ServerFacts:
-    # The pool's creator: the engine's connect arguments and do_connect hooks (so the
-    # options fallback below applies), but not its pool, whose size could make the
-    # second connection wait for the first.
-    create = engine.pool._invoke_creator
+    # Outside the pool, whose size could make the second connection wait for the first
+    # (or a StaticPool hand out the first again).
     try:
-        first: Any = create(None)  # type: ignore[arg-type]
-        opened.append(first)
-        second: Any = create(None)  # type: ignore[arg-type]
-        opened.append(second)
+        opened.append(engines.connect(engine))
+        opened.append(engines.connect(engine))
+        first, second = opened
         for connection in (first, second):
             connection.autocommit = True  # else the driver would open transactions
-        with first.cursor() as cursor:
-            cursor.execute(_FIRST_QUERY)
-            pid, version, version_num, in_recovery, client_port = cursor.fetchone()
+        pid, version, version_num, in_recovery, client_port = _fetch(
+            first, _FIRST_QUERY
+        )
         proxied = _proxied(first, client_port)
         pooling, evidence = _pooling(first, second, pid)
         return ServerFacts(
@@ -219,7 +199,7 @@ def _pooling(first: Any, second: Any, first_pid: int) -> tuple[Pooling, str]:
     seen: tuple[list[int], list[int]] = ([first_pid], [])
     for _ in range(PROBE_ROUNDS):
         for index, connection in ((1, second), (0, first)):
-            seen[index].append(_backend_pid(connection))
+            seen[index].append(int(_fetch(connection, "SELECT pg_backend_pid()")[0]))
             if shared := set(seen[0]) & set(seen[1]):
                 evidence = f"two client connections were both served by backend pid {min(shared)}"
                 return _statement_or_transaction(second), evidence
@@ -247,10 +227,10 @@ def _statement_or_transaction(connection: Any) -> Pooling:
     return Pooling.TRANSACTION
 
 
-def _backend_pid(connection: Any) -> int:
+def _fetch(connection: Any, query: str) -> Any:
     with connection.cursor() as cursor:
-        cursor.execute(_PID_QUERY)
-        return int(cursor.fetchone()[0])
+        cursor.execute(query)
+        return cursor.fetchone()
 
 
 def _proxied(connection: Any, server_seen_port: int | None) -> bool | None:
@@ -267,11 +247,8 @@ def _proxied(connection: Any, server_seen_port: int | None) -> bool | None:
     return bool(local[1] != server_seen_port)
 
 
-# -- per-engine check -------------------------------------------------------------------
-
 _facts: weakref.WeakKeyDictionary[sa.Engine, ServerFacts] = weakref.WeakKeyDictionary()
-#: Per engine: each scope's refusal message (None: allowed), so that check() is one
-#: dict lookup per acquire after the probe.
+#: Per engine: each scope's refusal (None: allowed): check() is one lookup once probed.
 _refusals: weakref.WeakKeyDictionary[sa.Engine, dict[LockScope, str | None]] = (
     weakref.WeakKeyDictionary()
 )
@@ -281,11 +258,8 @@ _probing = threading.Lock()
 def facts_for(
     engine: sa.Engine, action: str = "probe the lock database"
 ) -> ServerFacts:
-    """The facts of ``engine``'s server: probed at the first call, then cached.
-
-    A failed probe is not cached: the next call probes again. ``action`` words its
-    DatabaseError (see :func:`probe`).
-    """
+    """The facts of ``engine``'s server: probed at the first call, then cached (a failed
+    probe is not: the next call probes again)."""
     facts = _facts.get(engine)
     if facts is not None:
         return facts
@@ -314,9 +288,8 @@ def known_facts(engine: sa.Engine) -> ServerFacts | None:
 def check(engine: sa.Engine, scope: LockScope, lock_name: str = "") -> None:
     """Refuse locks of ``scope`` on ``engine`` if its server cannot honour them.
 
-    The first call per engine probes (see :func:`facts_for`); later ones are a dict
-    lookup, so this may sit on the per-task path. ``lock_name`` names the lock in the
-    DatabaseError of a failed probe, as a failed acquire would.
+    The first call per engine probes (:func:`facts_for`); later ones are a dict lookup.
+    ``lock_name`` names the lock in the DatabaseError of a failed probe.
 
     Raises:
         ConfigurationError: a standby, or a pooling mode that breaks this scope; the

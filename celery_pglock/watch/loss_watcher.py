@@ -1,43 +1,14 @@
-"""The lock watcher: notices, while a body runs, that its lock is gone.
+"""The lock watcher: one daemon thread per process notices, while a body runs, that its
+lock is gone, reports it once, and with ``lock_on_lost='terminate'`` ends the body.
 
-A session advisory lock lasts as long as its session. A server restart, a failover, a
-``pg_terminate_backend``, an idle-session timeout or a cut link ends the session, and the
-lock with it, while the body goes on; another worker may take the lock at once. Nothing
-tells the holder until it releases. This module tells it within about one check interval.
+Hazard: it interrupts bodies from another thread (:data:`SIGNAL` to the main thread, an
+asynchronous exception to a pool thread) and is forgotten in a forked child. How locks are
+checked, the deadlines and what a loss does: docs/operations/lock-loss.md.
 
-How (docs/operations/lock-loss.md has the full story and the deadline arithmetic):
-
-- One daemon thread per process, started the first time a SingletonTask body runs under a
-  lock (and again in a forked child). It does not need the task's thread: a prefork
-  child's body may sleep or sit in C code.
-- Every lock older than its ``lock_watch_interval`` is checked, all of a database's locks
-  in ONE query per tick, on the process's lock session when it has one (idle while bodies
-  run: no second connection), else on the watcher's own session (never on a pooled lock
-  connection: a transaction-scope body may be using it). The query (``sql_text.CHECK_HELD``)
-  reads ``pg_locks`` for who holds each key now, plus the postmaster start time (a
-  restart, or a failover to a promoted standby: the two look alike) and
-  ``pg_is_in_recovery()`` (the address now reaches a standby). A body shorter than the
-  interval costs one dict insert and one removal, and no query.
-- The watcher's own session (``observer_session.py``) is asynchronous: every connect and query
-  waits until the check's deadline (``lock_check_timeout``) at most, so a frozen link or a
-  frozen server cannot block it; a check on the lock session is bounded the same way
-  (``deadlines``), and one that gets no answer ends that session. A check that cannot complete in time means the lock can
-  no longer be verified: it is reported as lost ("unverifiable"), because the server will
-  free it through its keepalives soon anyway (see config.SERVER_KEEPALIVE_DEADLINE).
-- On loss: ``lock.lost_cause`` is set (``current_lock().lost``, ``ensure_held()``), the loss
-  is reported once (``outcomes.lost``: signal, ERROR log, metric) from this process, and
-  with ``lock_on_lost='terminate'`` (the default) the body is interrupted: a signal
-  (:data:`SIGNAL`) to the main thread for prefork and solo, whose handler raises
-  LockLostError like Celery's soft time limit; an asynchronous exception at the next
-  bytecode for a threads-pool body. A gevent/eventlet body cannot be interrupted: it goes
-  on, as with ``'signal'``, but no other run of its process takes the key meanwhile
-  (``base.Claims``).
-
-The lock layer's side of the interface is small on purpose (the lock-session work may
-change how locks hold their sessions): ``lock.key.pg_locks_ids``, ``lock.backend_pid``,
-``lock.engine``, ``lock.acquired_at``, ``lock.owned()``, ``lock.mark_lost(cause)`` and,
-optionally, ``lock.holding_name`` (the application_name the lock's session shows while
-holding, used once to learn the real backend pid behind PgBouncer).
+From the lock layer it uses ``lock.engine``, ``lock.key.pg_locks_ids``,
+``lock.backend_pid``, ``lock.acquired_at``, ``lock.holding_name``, ``lock.mark_lost()``,
+``lock.lost_error()`` and ``strategy.open_process_session()``; the query itself is
+``observer_session.py``'s.
 """
 
 from __future__ import annotations
@@ -74,11 +45,7 @@ REPORT_WAIT = 2.0
 
 
 class Entry:
-    """One watched lock and what to do if it is lost.
-
-    A plain class with slots: one is built per locked run, and a dataclass's keyword
-    __init__ cost more than the rest of watch().
-    """
+    """One watched lock and what to do if it is lost (slots, no dataclass: one per run)."""
 
     __slots__ = (
         "backend_pid",
@@ -128,10 +95,8 @@ class Entry:
 
 
 _entries: dict[int, Entry] = {}
-#: Guards _entries and every Entry. A body's thread takes the bare lock (C code: an
-#: asynchronous LockLostError cannot land between taking it and the with block that
-#: gives it back, as it can inside Condition.__enter__, which is Python); the watcher
-#: waits on _cond, the same lock.
+#: Guards _entries and every Entry. A body's thread takes the bare lock: an asynchronous
+#: LockLostError can land inside Condition.__enter__ (Python), not inside Lock's (C).
 _mutex = threading.Lock()
 _cond = threading.Condition(_mutex)
 _idle = False  #: The watcher waits for an entry (notify it on insert).
@@ -170,12 +135,9 @@ def watch(
 def unwatch(lock: AdvisoryLock) -> None:
     """The body of ``lock``'s run has ended: stop watching, never interrupt it now.
 
-    If the lock was found lost, wait (bounded) until the loss has been reported, so
-    ``lock_lost`` always comes before the run's own outcome.
-
-    Under ``lock_on_lost='terminate'`` the interrupt may still land here, as the body
-    returns (the watcher decided while this thread waited for the lock): it then raises
-    LockLostError, with the entry still registered; call again to unwatch.
+    If the lock was found lost, wait (bounded) for the report, so ``lock_lost`` comes
+    before the run's outcome. A pending interrupt may still land here as LockLostError,
+    with the entry still registered: call again to unwatch.
     """
     with _mutex:
         entry = _entries.pop(id(lock), None)
@@ -193,12 +155,8 @@ def unwatch(lock: AdvisoryLock) -> None:
         reported.wait(REPORT_WAIT)
 
 
-# -- the watcher thread -------------------------------------------------------------------
-
-
 def _start_thread() -> None:
-    """Start the watcher in this process (call with _mutex held; a forked child starts
-    its own, see _forget_in_child)."""
+    """Start the watcher in this process (call with _mutex held)."""
     global _thread, _idle
     _idle = False
     thread = threading.Thread(target=_run, name="celery-pglock-watch", daemon=True)
@@ -237,10 +195,8 @@ def _watch_forever() -> None:
                 _check(due)
             except Exception:  # the watcher must survive anything and keep watching
                 logger.exception("celery-pglock: the lock watcher failed a check")
-        # Sleep a tick even when the body that woke us has already ended (the usual
-        # case for short tasks): going back to the wait at once would let every task
-        # wake this thread, a thread switch per task (~30 us measured) instead of at
-        # most one per tick.
+        # Sleep a tick even when the body that woke us has ended: else every short task
+        # would cost a thread switch (~30 us measured), not one per tick.
         tick = min((entry.interval for entry in entries), default=4 * MIN_TICK) / 4
         time.sleep(max(MIN_TICK, tick))
 
@@ -275,8 +231,7 @@ def _lost(entry: Entry, cause: str) -> None:
             return  # the body ended meanwhile (a release is not a loss)
         if not entry.lock.mark_lost(cause):
             return
-        # The entry stays registered (unchecked) until the body ends: unwatch() must
-        # still see it, to never interrupt an ended body and to wait for this report.
+        # Stays registered until the body ends: unwatch() waits for this report.
         reported = entry.reported = threading.Event()
         if entry.terminate:
             _interrupt(entry)
@@ -288,21 +243,15 @@ def _lost(entry: Entry, cause: str) -> None:
         reported.set()
 
 
-# -- lock_on_lost='terminate' -------------------------------------------------------------
-
-
 def _green() -> bool:
-    """gevent/eventlet monkey-patched: every body shares the main thread, so neither a
-    signal nor an asynchronous exception would reach the right one. lock_on_lost then
-    acts as 'signal' (said once per process)."""
+    """gevent/eventlet monkey-patched? Then no interrupt can reach the right body, and
+    'terminate' acts as 'signal' (said once per process)."""
     global _green_warned
-    patched = False
-    gevent_monkey = sys.modules.get("gevent.monkey")
-    if gevent_monkey is not None:
-        patched = bool(gevent_monkey.is_module_patched("threading"))
-    eventlet_patcher = sys.modules.get("eventlet.patcher")
-    if eventlet_patcher is not None:
-        patched = patched or bool(eventlet_patcher.is_monkey_patched("thread"))
+    gevent, eventlet = map(sys.modules.get, ("gevent.monkey", "eventlet.patcher"))
+    patched = bool(
+        (gevent is not None and gevent.is_module_patched("threading"))
+        or (eventlet is not None and eventlet.is_monkey_patched("thread"))
+    )
     if patched and _green_warned != os.getpid():
         _green_warned = os.getpid()
         logger.warning(
@@ -352,8 +301,8 @@ def _interrupt(entry: Entry) -> None:
         _target = entry
         signal.pthread_kill(threading.main_thread().ident or 0, SIGNAL)
         return
-    # Raised in the body's thread at its next bytecode: a bare LockLostError (the API
-    # takes a class); the run's final error carries the key and cause (task.finish).
+    # Raised at the body's next bytecode: a bare LockLostError (the API takes a class);
+    # the task layer ends the run with one that names the key and cause.
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(entry.thread_id), ctypes.py_object(exceptions.LockLostError)
     )

@@ -1,15 +1,10 @@
 """The lock watcher's check of one lock database, and its own session there.
 
-The check runs on the process's lock session when it has one (``ProcessSession.run_check``:
-that session is idle while bodies run, so a prefork child keeps one connection). A process
-without one (transaction scope, whose connection the body uses; bounded waits; per_lock
-mode) checks on the observer's own session, and so does the diagnosis of a lock session
-that stopped answering (to name a restart, a failover or a standby), closed again after.
-
-The observer's own session is asynchronous (psycopg2 ``async_``): every connect and query waits in ``poll()`` until the
-check's deadline, so a frozen link or a frozen server can never block the watcher. A
-check that cannot complete in time raises nothing: it answers "unverifiable" for every
-lock it was asked about (see ``watch/loss_watcher.py`` for what happens then).
+The check runs on the process's lock session when it has one
+(``ProcessSession.run_check``), else on the observer's own asynchronous psycopg2 session,
+which also names why a lock session stopped answering. Hazard: every connect and query
+waits in ``poll()`` until the check's deadline, never longer; a check that cannot finish
+in time answers "unverifiable" for each lock. See docs/operations/lock-loss.md.
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 from celery_pglock.db import (
     engines,
-    fork_safety,
     redact,
     server_probe,
     sql_text,
@@ -37,7 +31,7 @@ checks_run = 0
 
 
 class UnverifiableError(Exception):
-    pass
+    """A check had no answer by its deadline."""
 
 
 class Observer:
@@ -56,10 +50,8 @@ class Observer:
     ) -> dict[int, str]:
         """{id(entry): cause} for each lock found lost; every entry if unverifiable.
 
-        With ``session`` (this process's open lock session of the engine) the check runs
-        there, and the process needs no connection of its own for it. Only if that
-        session cannot answer (it died: a restart, a failover, a terminated backend, a
-        cut link) does the check connect here, to tell why, and close again.
+        On ``session`` (the process's open lock session) if given; only if it cannot
+        answer does the check connect here, to tell why, and close again.
         """
         diagnosing = False
         if session is not None:
@@ -69,14 +61,12 @@ class Observer:
                     sql_text.CHECK_HELD, _params(entries), deadline, least=timeout / 2
                 )
             except per_process.SessionBusyError:
-                # Busy with lock statements (each bounded): no news about its locks.
-                # Checked here instead, with a whole budget of its own, so a busy
-                # session never makes a held lock look unverifiable.
+                # Busy with (bounded) lock statements: checked here instead, with a
+                # budget of its own, so a busy session never looks unverifiable.
                 diagnosing = True
                 deadline = time.monotonic() + timeout
             except Exception:
-                # The session is gone, or got no answer in time: ask the server why,
-                # within what is left of the budget (a frozen link stays frozen).
+                # Gone, or no answer in time: ask the server why, within what is left.
                 diagnosing = True
             else:
                 if rows is not None:
@@ -89,14 +79,13 @@ class Observer:
                 self.close()
 
     def _check_here(self, entries: list[Entry], deadline: float) -> dict[int, str]:
-        """The check on the observer's own session (connected on demand)."""
+        """The check on the observer's own session (connected on demand, reconnected
+        while time remains)."""
         last_error: BaseException | None = None
         while True:
             try:
                 return self._check_once(entries, deadline)
-            except UnverifiableError as timeout:
-                last_error = timeout
-            except Exception as error:  # a dead session: reconnect while time remains
+            except Exception as error:  # no answer in time, or a dead session
                 last_error = error
             self.close()
             if time.monotonic() + 0.1 >= deadline:
@@ -186,7 +175,7 @@ class Observer:
         return facts is None or not facts.reports_backend_pid
 
     def _connect(self, deadline: float) -> None:
-        import psycopg2  # the only supported driver; imported lazily
+        import psycopg2  # a dependency, whatever driver the lock engine uses
 
         timeout = max(1, int(deadline - time.monotonic() + 0.999))
         params = engines.connect_params(self.engine)
@@ -196,22 +185,14 @@ class Observer:
             "watch",
         )
         params["connect_timeout"] = timeout
-        # What the engine learnt its server accepts (a pooler, an older server).
-        fallback = startup_options.fallback_of(self.engine)
-        if fallback is not None and params.get("options") == fallback.ours:
-            options = fallback.current()
-            if options is None:
-                params.pop("options", None)
-            else:
-                params["options"] = options
         connection = psycopg2.connect(**params, async_=1)
-        fork_safety.adopt(connection)  # a forked child must not touch it either
+        engines.adopt(connection)  # a forked child must not touch it either
         self.connection = connection
+        fallback = startup_options.fallback_of(self.engine)
         try:
             wait(connection, deadline)
         except psycopg2.OperationalError as error:
-            # Refused options (see startup_options.py): the lock sessions connect without the
-            # refused part, and so does the watcher.
+            # Refused options: retry without the refused part, as the lock sessions do.
             if fallback is None or not fallback.learn(error):
                 raise
             self.close()
@@ -225,9 +206,10 @@ class Observer:
         wait(connection, deadline)
         if fallback is None or not fallback.carries_settings():
             # Idle between checks: never ended by a role's idle_session_timeout.
-            names = [name for name, _ in startup_options.SESSION_SETTINGS]
-            values = [value for _, value in startup_options.SESSION_SETTINGS]
-            cursor.execute(startup_options.APPLY_SESSION_SETTINGS, (names, values))
+            cursor.execute(
+                startup_options.APPLY_SESSION_SETTINGS,
+                startup_options.SESSION_SETTINGS_PARAMS,
+            )
             wait(connection, deadline)
         cursor.close()
 
@@ -238,38 +220,26 @@ class Observer:
                 connection.close()
 
 
-def _params(entries: list[Entry]) -> tuple[list[int], list[int], list[int], list[int]]:
-    """CHECK_HELD's parameters for ``entries``."""
-    ids = [entry.lock.key.pg_locks_ids for entry in entries]
-    return (
-        [classid for classid, _, _ in ids],
-        [objid for _, objid, _ in ids],
-        [objsubid for _, _, objsubid in ids],
-        [entry.backend_pid or 0 for entry in entries],
-    )
+def _params(entries: list[Entry]) -> tuple[list[int], ...]:
+    """CHECK_HELD's parameters for ``entries``: classids, objids, objsubids, pids."""
+    ids = zip(*(entry.lock.key.pg_locks_ids for entry in entries), strict=True)
+    return (*map(list, ids), [entry.backend_pid or 0 for entry in entries])
 
 
 def wait(connection: Any, deadline: float) -> None:
     """Drive an asynchronous psycopg2 connection until it is ready, or the deadline."""
     import psycopg2.extensions as ext
 
-    while True:
-        state = connection.poll()
-        if state == ext.POLL_OK:
-            return
+    while (state := connection.poll()) != ext.POLL_OK:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise UnverifiableError("no answer in time")
-        if not hasattr(select, "poll"):  # gevent's monkey-patching removes it
-            reading = state == ext.POLL_READ
-            fd = connection.fileno()
+        reading, fd = state == ext.POLL_READ, connection.fileno()
+        if hasattr(select, "poll"):  # select() refuses fd >= 1024; gevent removes poll
+            poller = select.poll()
+            poller.register(fd, select.POLLIN if reading else select.POLLOUT)
+            poller.poll(remaining * 1000)
+        else:
             select.select(
                 [fd] if reading else [], [] if reading else [fd], [], remaining
             )
-            continue
-        poller = select.poll()
-        poller.register(
-            connection.fileno(),
-            select.POLLIN if state == ext.POLL_READ else select.POLLOUT,
-        )
-        poller.poll(remaining * 1000)

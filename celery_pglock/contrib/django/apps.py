@@ -1,9 +1,27 @@
-"""The Django app of celery-pglock: it registers the settings check."""
+"""The Django app of celery-pglock: ``manage.py check`` reports bad lock settings.
+
+Configuration only: it never connects to the lock database (``celery -A proj pglock
+check`` does), so ``manage.py check`` stays fast and works without it.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+import celery
 from django.apps import AppConfig
 from django.core import checks
+
+from celery_pglock import config, exceptions, metrics
+from celery_pglock.db import engines
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
+TAG = "celery_pglock"
+#: The task name config.resolve puts in its messages for the app-wide defaults; removed
+#: from them again, as no task is at fault.
+_DEFAULTS = "app-wide defaults"
 
 
 class PgLockConfig(AppConfig):
@@ -12,6 +30,59 @@ class PgLockConfig(AppConfig):
     verbose_name = "celery-pglock"
 
     def ready(self) -> None:
-        from celery_pglock.contrib.django import checks as pglock_checks
+        checks.register(check_settings, TAG)
 
-        checks.register(pglock_checks.check_settings, pglock_checks.TAG)
+
+def check_settings(
+    app_configs: Sequence[AppConfig] | None = None, **_: Any
+) -> list[checks.CheckMessage]:
+    """Check the ``pglock_*`` settings of the current Celery app (the project's, which
+    Celery makes the default app once ``DJANGO_SETTINGS_MODULE`` is set), each on its own."""
+    conf = celery.current_app.conf
+    messages: list[checks.CheckMessage] = []
+
+    def run(check: Callable[[], object], error_id: str) -> bool:
+        try:
+            check()
+        except exceptions.ConfigurationError as error:
+            text = str(error).removeprefix(f"Task {_DEFAULTS!r}: ")
+            messages.append(checks.Error(text, hint=_spelling_hint(conf), id=error_id))
+            return False
+        return True
+
+    if run(lambda: config.check_unknown_settings(conf), "celery_pglock.E001"):
+        # Resolve the app's settings as a task with no options of its own would.
+        run(lambda: _resolve_defaults(conf), "celery_pglock.E002")
+    run(lambda: config.session_mode(conf), "celery_pglock.E002")
+    run(lambda: metrics.from_conf(conf), "celery_pglock.E002")
+    try:
+        url = config.database_url(conf)
+    except exceptions.ConfigurationError as error:
+        # The web process sends tasks without it; only workers (and eager runs) lock.
+        messages.append(
+            checks.Warning(
+                str(error),
+                hint="workers refuse to start without it, unless their environment "
+                f"sets {config.DATABASE_URL_ENV}",
+                id="celery_pglock.W001",
+            )
+        )
+    else:
+        run(lambda: engines.check_url(url), "celery_pglock.E003")
+    return messages
+
+
+def _resolve_defaults(conf: Mapping[str, Any]) -> None:
+    config.resolve(task_name=_DEFAULTS, attributes={}, conf=conf, parameters=())
+
+
+def _spelling_hint(conf: Any) -> str:
+    """How app.conf.pglock_* names are spelled in settings.py, for the hints."""
+    prefix = getattr(conf, "prefix", None) or ""
+    if not prefix:
+        return "Fix the setting the message names (app.conf.pglock_*)."
+    return (
+        f"Fix the setting the message names in settings.py: with "
+        f"namespace={prefix.rstrip('_')!r}, app.conf.pglock_<name> is "
+        f"{prefix.upper()}PGLOCK_<NAME>."
+    )

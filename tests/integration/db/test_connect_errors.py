@@ -75,7 +75,7 @@ def test_a_refused_login_is_a_configuration_error(
     error = _refusal(_url(password_postgres, **who))
     message = str(error)
     assert not driver_errors.is_transient(error.__cause__)
-    assert not engines.is_transient(error.__cause__)
+    assert not driver_errors.is_transient(error.__cause__)
     problem = driver_errors.misconfiguration(error.__cause__)
     assert problem is not None
     assert sqlstate == problem.sqlstate
@@ -110,7 +110,7 @@ def test_a_lock_acquire_names_the_cause(password_postgres):
         lock = AdvisoryLock(engine=engine, key=keys.make_key("connect-errors", "x"))
         with pytest.raises(DatabaseError, match=r"SQLSTATE 28P01") as caught:
             lock.acquire()
-        assert not engines.is_transient(caught.value.__cause__)
+        assert not driver_errors.is_transient(caught.value.__cause__)
     finally:
         engine.dispose()
 

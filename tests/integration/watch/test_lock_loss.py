@@ -309,6 +309,7 @@ def test_a_forked_child_never_touches_the_parents_lock_session(
 
 
 @pytest.mark.pgbouncer
+@pytest.mark.parametrize("scope", ["session", "transaction"])
 def test_no_false_loss_through_pgbouncer_session_pooling(
     database_url,
     broker_url,
@@ -316,11 +317,13 @@ def test_no_false_loss_through_pgbouncer_session_pooling(
     namespace,
     lost_events,
     pgbouncer_factory,
+    scope,
 ):
     """PgBouncer invents the backend pid libpq reports, and refuses the default keepalive
-    startup options: the watcher connects without them, learns the real pid (the session
-    showing the lock's application_name) and reports no loss; a real termination is
-    still detected."""
+    startup options: the watcher checks (on the process's lock session in session scope,
+    on its own session, connected without the refused options, in transaction scope),
+    learns the real pid (the session showing the lock's application_name) and reports no
+    loss; a real termination is still detected."""
     url = pgbouncer_factory("session").url()
     app = make_app(
         url,
@@ -330,7 +333,7 @@ def test_no_false_loss_through_pgbouncer_session_pooling(
         pglock_watch_interval=0.2,
     )
 
-    @app.task(base=SingletonTask, shared=False)
+    @app.task(base=SingletonTask, shared=False, lock_scope=scope)
     def body(terminate):
         lock = current_lock()
         time.sleep(1.0)  # several checks
