@@ -181,14 +181,6 @@ class LockConfig:
     lock_args: tuple[str, ...] = ()  #: Parameter names whose values form the key.
     fixed_key: keys.LockKey | None = None  #: The key when it never varies per call.
 
-    #: The old name of db_timeout, still read by watch/loss_watcher.py (not this
-    #: change's to edit): remove once it reads db_timeout. A copy, not a property, so
-    #: that the locked path runs no code of this module.
-    check_timeout: float = dataclasses.field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "check_timeout", self.db_timeout)
-
 
 _DEFAULTS = LockConfig(task_name="", name="")
 #: Task attribute -> app setting for the options that have an app-wide default.

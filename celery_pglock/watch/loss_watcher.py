@@ -76,7 +76,7 @@ class Entry:
         self.lock = lock
         self.report = report  #: Called once with the cause when the loss is found.
         self.interval: float = options.watch_interval
-        self.timeout: float = options.check_timeout
+        self.timeout: float = options.db_timeout
         self.terminate = terminate
         self.thread_id = thread_id  #: threading.get_ident() of the body's thread.
         self.in_main = in_main  #: The body runs in the main thread (prefork, solo).
