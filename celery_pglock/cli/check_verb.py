@@ -1,26 +1,37 @@
 """``pglock check``: what must hold for locks to mean anything, each with its fix.
 
-Configuration, connectivity, server version, standby, role privileges, a connection pooler
-in the way (see ``server_probe.py``) and ``max_connections`` against the lock sessions the
-workers will open. Each check yields a :class:`Finding`; any FAIL makes the command exit 1.
+docs/operations/cli.md lists the checks and what each needs; any FAIL exits 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import TYPE_CHECKING
 
 import click
 
 from celery_pglock import config, exceptions
-from celery_pglock.cli import admin_sql
 from celery_pglock.db import engines, server_probe
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
 
-    from celery_pglock.cli.target import Target
+    from celery_pglock.cli import Target
+
+#: Facts ``pglock check`` needs in one round trip.
+SERVER_FACTS = """
+SELECT current_setting('server_version_num')::int,
+       current_setting('server_version'),
+       pg_is_in_recovery(),
+       current_setting('max_connections')::int,
+       current_setting('superuser_reserved_connections')::int,
+       (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'),
+       current_user,
+       has_function_privilege('pg_try_advisory_lock(bigint)', 'execute')
+       AND has_function_privilege('pg_try_advisory_xact_lock(bigint)', 'execute')
+"""
 
 
 @dataclasses.dataclass
@@ -31,20 +42,47 @@ class Finding:
     fix: str | None = None
 
 
+@click.command(
+    help="Check configuration, connectivity, privileges, standby, pooler and capacity."
+)
+@click.option(
+    "--processes",
+    type=click.IntRange(min=1),
+    help="Worker processes (or threads) that run locked tasks at once, across all hosts (default: the app's worker_concurrency, or this host's CPU count).",
+)
+@click.option(
+    "--scope",
+    type=click.Choice(["session", "transaction"]),
+    help="Lock scope to judge the pooler for (default: the scopes the app's tasks use, else session).",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@click.pass_obj
+def check(
+    target: Target, processes: int | None, scope: str | None, as_json: bool
+) -> None:
+    findings = run_checks(target, processes=processes, scope=scope)
+    if as_json:
+        click.echo(json.dumps([dataclasses.asdict(f) for f in findings], indent=2))
+    else:
+        for finding in findings:
+            click.echo(f"{finding.status:<4}  {finding.name:<13} {finding.detail}")
+            if finding.fix:
+                click.echo(f"{'':<19} fix: {finding.fix}")
+    if any(f.status == "FAIL" for f in findings):
+        raise SystemExit(1)
+
+
 def run_checks(
     target: Target, *, processes: int | None = None, scope: str | None = None
 ) -> list[Finding]:
     """Every check, in order; stops after the first one the rest depend on."""
-    findings: list[Finding] = []
     setting = f"app.conf.{config.DATABASE_URL_SETTING} (or ${config.DATABASE_URL_ENV})"
     scopes = {scope} if scope else set()
     try:
         if target.app is not None:
             config.check_unknown_settings(target.app.conf)
-            for task in target.singleton_tasks():
-                scopes.add(task.lock_config.scope.value)
-        url = target.require_url()
-        parsed = engines.check_url(url)
+            scopes.update(t.lock_config.scope.value for t in target.singleton_tasks())
+        masked = engines.mask_url(engines.check_url(target.require_url()))
     except (exceptions.ConfigurationError, click.UsageError) as error:
         return [
             Finding(
@@ -56,21 +94,13 @@ def run_checks(
         ]
     scopes = scopes or {"session"}
     tasks = len(target.singleton_tasks())
-    findings.append(
+    summary = f"; {tasks} SingletonTask(s), scope {', '.join(sorted(scopes))}"
+    findings = [
         Finding(
-            "OK",
-            "configuration",
-            f"{engines.mask_url(parsed)}"
-            + (
-                f"; {tasks} SingletonTask(s), scope {', '.join(sorted(scopes))}"
-                if target.app is not None
-                else ""
-            ),
+            "OK", "configuration", masked + (summary if target.app is not None else "")
         )
-    )
+    ]
     if target.app is not None and not tasks:
-        # An app with no SingletonTask locks nothing: most likely its task modules are
-        # not where the worker looks, or the tasks lack base=SingletonTask.
         findings.append(
             Finding(
                 "FAIL",
@@ -86,32 +116,24 @@ def run_checks(
     try:
         try:
             with engine.connect() as connection:
-                facts = connection.exec_driver_sql(admin_sql.SERVER_FACTS).one()
+                facts = connection.exec_driver_sql(SERVER_FACTS).one()
         except Exception as exc:
             text = (
                 str(getattr(exc, "orig", exc)).strip().splitlines()[0]
                 if str(exc)
                 else type(exc).__name__
             )
-            name = "connectivity"
             fix = f"check host, port, database and credentials in {setting}, and that the server accepts this host"
             if "startup parameter" in text and "options" in text:
                 # The library drops its own keepalive options where they are refused.
                 fix = "a pooler (PgBouncer) refuses the options startup parameter set in pglock_engine_options['connect_args']: remove it, or connect to PostgreSQL directly"
-            elif _statement_pooling(engine):
-                name = "pooler"
-                text = "statement pooling: multi-statement transactions are refused, and both lock scopes need them"
-                fix = "use a URL that reaches PostgreSQL directly, or a pool in session mode (transaction mode for lock_scope='transaction' only)"
-            findings.append(
-                Finding(
-                    "FAIL",
-                    name,
-                    f"{'cannot connect to ' if name == 'connectivity' else ''}"
-                    f"{engines.mask_url(parsed)}: {text}",
-                    fix,
-                )
-            )
-            return findings
+            elif (
+                isinstance(probed := _probe(engine), server_probe.ServerFacts)
+                and probed.pooling is server_probe.Pooling.STATEMENT
+            ):  # it refuses SQLAlchemy's first transaction; the probe's autocommit passes
+                return [*findings, _pooler_finding(probed, scopes)]
+            detail = f"cannot connect to {masked}: {text}"
+            return [*findings, Finding("FAIL", "connectivity", detail, fix)]
         (
             version_num,
             version,
@@ -119,15 +141,11 @@ def run_checks(
             max_connections,
             reserved,
             in_use,
-            _server_port,  # unused: server_probe.probe tells a proxy by the client port
             role,
-            try_ok,
-            xact_ok,
+            may_lock,
         ) = facts
-        findings.append(
-            Finding("OK", "connectivity", f"PostgreSQL {version} as {role}")
-        )
-        findings.append(
+        findings += [
+            Finding("OK", "connectivity", f"PostgreSQL {version} as {role}"),
             Finding("OK", "server", f"version {version}")
             if version_num >= 140000
             else Finding(
@@ -136,9 +154,7 @@ def run_checks(
                 f"version {version}: celery-pglock supports PostgreSQL >= 14 (`pglock "
                 "locks` reads pg_locks.waitstart; the SQL key function needs >= 11)",
                 "upgrade PostgreSQL (13 is end-of-life)",
-            )
-        )
-        findings.append(
+            ),
             Finding(
                 "FAIL",
                 "standby",
@@ -146,53 +162,43 @@ def run_checks(
                 f"point {setting} at the primary",
             )
             if standby
-            else Finding("OK", "standby", "a primary (not in recovery)")
-        )
-        findings.append(
+            else Finding("OK", "standby", "a primary (not in recovery)"),
             Finding(
                 "OK",
                 "privileges",
                 "may call pg_try_advisory_lock and pg_try_advisory_xact_lock",
             )
-            if try_ok and xact_ok
+            if may_lock
             else Finding(
                 "FAIL",
                 "privileges",
                 f"role {role} may not execute the advisory lock functions",
                 f"GRANT EXECUTE ON FUNCTION pg_try_advisory_lock(bigint), pg_try_advisory_xact_lock(bigint), pg_advisory_unlock(bigint) TO {role}",
-            )
-        )
-        findings.append(_pooler_finding(engine, scopes))
-        findings.append(
+            ),
+            _pooler_finding(_probe(engine), scopes),
             _capacity_finding(
-                target,
-                processes,
-                _connections_per_process(target, scopes),
-                max_connections,
-                reserved,
-                in_use,
-            )
-        )
+                target, processes, scopes, max_connections, reserved, in_use
+            ),
+        ]
     finally:
         engine.dispose()
     return findings
 
 
-def _statement_pooling(engine: sa.Engine) -> bool:
-    """Is a statement pooler the reason SQLAlchemy could not connect? (Its first
-    connection opens a transaction, which statement pooling answers by closing it; the
-    probe's autocommit connections get through.)"""
+def _probe(engine: sa.Engine) -> server_probe.ServerFacts | exceptions.PgLockError:
     try:
-        return server_probe.probe(engine).pooling is server_probe.Pooling.STATEMENT
-    except exceptions.PgLockError:
-        return False
-
-
-def _pooler_finding(engine: sa.Engine, scopes: set[str]) -> Finding:
-    try:
-        facts = server_probe.probe(engine)
+        return server_probe.probe(engine)
     except exceptions.PgLockError as exc:
-        return Finding("WARN", "pooler", f"could not probe for a pooler: {exc}".strip())
+        return exc
+
+
+def _pooler_finding(
+    facts: server_probe.ServerFacts | exceptions.PgLockError, scopes: set[str]
+) -> Finding:
+    if isinstance(facts, exceptions.PgLockError):
+        return Finding(
+            "WARN", "pooler", f"could not probe for a pooler: {facts}".strip()
+        )
     direct = "or a URL that reaches PostgreSQL directly (or through session pooling)"
     if facts.pooling is server_probe.Pooling.STATEMENT:
         return Finding(
@@ -201,38 +207,39 @@ def _pooler_finding(engine: sa.Engine, scopes: set[str]) -> Finding:
             f"statement pooling ({facts.evidence}): multi-statement transactions are refused, and both lock scopes need them",
             f"use a URL that reaches PostgreSQL directly, or a pool in session (or, with lock_scope='transaction', transaction) mode; {direct}",
         )
+    if facts.pooling is server_probe.Pooling.TRANSACTION and "session" in scopes:
+        return Finding(
+            "FAIL",
+            "pooler",
+            f"transaction pooling ({facts.evidence}); session-scope locks would be shared with other clients",
+            f"set lock_scope='transaction' (app.conf.pglock_scope), {direct}",
+        )
     if facts.pooling is server_probe.Pooling.TRANSACTION:
-        if "session" in scopes:
-            return Finding(
-                "FAIL",
-                "pooler",
-                f"transaction pooling ({facts.evidence}); session-scope locks would be shared with other clients",
-                f"set lock_scope='transaction' (app.conf.pglock_scope), {direct}",
-            )
-        return Finding(
-            "OK",
-            "pooler",
-            f"transaction pooling ({facts.evidence}): fine for lock_scope='transaction' only",
+        detail = f"transaction pooling ({facts.evidence}): fine for lock_scope='transaction' only"
+    elif facts.proxied:
+        detail = f"a proxy in session mode: the server sees another client port than ours, and {facts.evidence}"
+    else:
+        detail = f"no pooler or proxy detected ({facts.evidence})"
+    return Finding("OK", "pooler", detail)
+
+
+def _capacity_finding(
+    target: Target,
+    processes: int | None,
+    scopes: set[str],
+    max_connections: int,
+    reserved: int,
+    in_use: int,
+) -> Finding:
+    """Lock connections the workers hold at most against the free ones (the count per
+    process is docs/operations/cli.md's, measured by tests/acceptance/test_sessions.py)."""
+    if processes is None:
+        configured = (
+            target.app.conf.get("worker_concurrency")
+            if target.app is not None
+            else None
         )
-    if facts.proxied:
-        return Finding(
-            "OK",
-            "pooler",
-            "a proxy in session mode: the server sees another client port than ours, "
-            f"and {facts.evidence}",
-        )
-    return Finding("OK", "pooler", f"no pooler or proxy detected ({facts.evidence})")
-
-
-def _connections_per_process(target: Target, scopes: set[str]) -> tuple[int, str]:
-    """Lock connections one worker process holds while its bodies run, and why.
-
-    Measured in real workers (tests/acceptance/test_sessions.py): a process whose locks
-    all live on its lock session holds 1 (the lock watcher checks them there). A lock
-    on a pooled connection of its own (transaction scope, whose connection the body
-    uses; a bounded wait; pglock_session_mode='per_lock') is checked by the watcher on
-    a connection of its own: 2.
-    """
+        processes = int(configured or os.cpu_count() or 1)
     pooled: list[str] = []
     if "transaction" in scopes:
         pooled.append("transaction scope")
@@ -246,31 +253,12 @@ def _connections_per_process(target: Target, scopes: set[str]) -> tuple[int, str
         and config.session_mode(target.app.conf) is config.SessionMode.PER_LOCK
     ):
         pooled.append("pglock_session_mode='per_lock'")
-    if pooled:
-        return (
-            2,
-            f"a pooled lock connection and the lock watcher's, for {', '.join(pooled)}",
-        )
-    return 1, "its lock session, which the lock watcher checks too"
-
-
-def _capacity_finding(
-    target: Target,
-    processes: int | None,
-    per_process: tuple[int, str],
-    max_connections: int,
-    reserved: int,
-    in_use: int,
-) -> Finding:
-    if processes is None:
-        configured = (
-            target.app.conf.get("worker_concurrency")
-            if target.app is not None
-            else None
-        )
-        processes = int(configured or os.cpu_count() or 1)
+    count, why = (
+        (2, f"a pooled lock connection and the lock watcher's, for {', '.join(pooled)}")
+        if pooled
+        else (1, "its lock session, which the lock watcher checks too")
+    )
     available = max_connections - reserved - in_use
-    count, why = per_process
     needed = processes * count
     detail = (
         f"{needed} lock connection(s) needed at most ({processes} process(es) x {count}: "
