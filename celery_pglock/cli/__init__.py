@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -36,12 +37,6 @@ class Target:
 
     app: Any
     url: str | None
-    _tasks_loaded: bool = dataclasses.field(default=False, repr=False)
-
-    def conf(self) -> dict[str, Any]:
-        if self.app is None:
-            return {}
-        return {k: v for k, v in self.app.conf.items() if k.startswith("pglock_")}
 
     def require_url(self) -> str:
         if self.url:
@@ -51,17 +46,10 @@ class Target:
             f"in the app, or set {config.DATABASE_URL_ENV}."
         )
 
-    def engine(self, *, timeout: int = 5) -> sa.Engine:
-        """A lock engine without a pool (each connect is a new session), labelled as us."""
-        conf = self.conf()
-        options = dict(conf.get("pglock_engine_options") or {})
-        connect_args = dict(options.pop("connect_args", {}))
-        connect_args.update(
-            application_name=CLI_APPLICATION_NAME, connect_timeout=timeout
-        )
-        options.update(poolclass=NullPool, connect_args=connect_args)
-        conf["pglock_engine_options"] = options
-        return engines.create_engine(self.require_url(), conf)
+    def conf(self) -> dict[str, Any]:
+        """The app's pglock_* settings (a copy)."""
+        items = self.app.conf.items() if self.app is not None else ()
+        return {k: v for k, v in items if k.startswith("pglock_")}
 
     @contextlib.contextmanager
     def database(self, action: str) -> Iterator[sa.Engine]:
@@ -75,34 +63,41 @@ class Target:
         finally:
             engine.dispose()
 
-    def lock_prefix(self) -> str:
-        return str(
-            self.conf().get("pglock_application_name")
-            or engines.DEFAULT_APPLICATION_NAME
+    def engine(self, *, timeout: int = 5) -> sa.Engine:
+        """A lock engine without a pool (each connect is a new session), labelled as us."""
+        conf = self.conf()
+        options = dict(conf.get("pglock_engine_options") or {})
+        connect_args = dict(options.pop("connect_args", {}))
+        connect_args.update(
+            application_name=CLI_APPLICATION_NAME, connect_timeout=timeout
         )
+        conf["pglock_engine_options"] = {
+            **options,
+            "poolclass": NullPool,
+            "connect_args": connect_args,
+        }
+        return engines.create_engine(self.require_url(), conf)
 
+    @functools.cached_property
     def tasks(self) -> dict[str, Any]:
         """The app's task registry once its task modules are imported as a worker would."""
         if self.app is None:
             return {}
-        if not self._tasks_loaded:
-            self._tasks_loaded = True
-            # `-A proj` imports only the app's module; a worker's loader imports the rest
-            # (include=, imports, autodiscover_tasks, and Django's setup) at start.
-            try:
-                self.app.loader.import_default_modules()
-            except Exception as exc:
-                raise click.UsageError(
-                    f"Cannot import the task modules of the app {self.app.main!r} "
-                    f"(its include/imports settings and autodiscover_tasks): "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
+        try:  # `-A proj` imports the app's module; a worker's loader imports the rest
+            self.app.loader.import_default_modules()
+        except Exception as exc:
+            raise click.UsageError(
+                f"Cannot import the task modules of the app {self.app.main!r} "
+                f"(its include/imports settings and autodiscover_tasks): "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         return dict(self.app.tasks)
 
+    @functools.cached_property
     def singleton_tasks(self) -> list[Any]:
         return [
             t
-            for t in self.tasks().values()
+            for t in self.tasks.values()
             if isinstance(t, singleton_task.SingletonTask)
         ]
 
@@ -120,13 +115,21 @@ def _build(*, standalone: bool) -> click.Group:
     )
     @click.pass_context
     def group(ctx: click.Context, /, database_url: str | None, **kwargs: Any) -> None:
-        if standalone:
-            app = _load_app(kwargs.get("app_path"))
-        else:
+        app = None
+        if not standalone:
             from celery.bin.base import CLIContext
 
             parent = ctx.find_object(CLIContext)
             app = parent.app if parent is not None else None
+        elif kwargs.get("app_path"):
+            from celery.app.utils import find_app
+
+            try:
+                app = find_app(kwargs["app_path"])
+            except Exception as exc:
+                raise click.UsageError(
+                    f"Cannot load the app {kwargs['app_path']!r}: {exc}"
+                ) from exc
         if not database_url and app is not None:
             database_url = app.conf.get(config.DATABASE_URL_SETTING)
         url = database_url or os.environ.get(config.DATABASE_URL_ENV)
@@ -149,17 +152,6 @@ def _build(*, standalone: bool) -> click.Group:
     ):
         group.add_command(command)
     return group
-
-
-def _load_app(path: str | None) -> Any:
-    if not path:
-        return None
-    from celery.app.utils import find_app
-
-    try:
-        return find_app(path)
-    except Exception as exc:
-        raise click.UsageError(f"Cannot load the app {path!r}: {exc}") from exc
 
 
 #: ``celery -A proj pglock ...`` (registered under the ``celery.commands`` entry point).

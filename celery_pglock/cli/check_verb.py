@@ -81,7 +81,7 @@ def run_checks(
     try:
         if target.app is not None:
             config.check_unknown_settings(target.app.conf)
-            scopes.update(t.lock_config.scope.value for t in target.singleton_tasks())
+            scopes.update(t.lock_config.scope.value for t in target.singleton_tasks)
         masked = engines.mask_url(engines.check_url(target.require_url()))
     except (exceptions.ConfigurationError, click.UsageError) as error:
         return [
@@ -93,7 +93,7 @@ def run_checks(
             )
         ]
     scopes = scopes or {"session"}
-    tasks = len(target.singleton_tasks())
+    tasks = len(target.singleton_tasks)
     summary = f"; {tasks} SingletonTask(s), scope {', '.join(sorted(scopes))}"
     findings = [
         Finding(
@@ -245,7 +245,7 @@ def _capacity_finding(
         pooled.append("transaction scope")
     if any(
         task.lock_config.on_busy is config.OnBusy.WAIT
-        for task in target.singleton_tasks()
+        for task in target.singleton_tasks
     ):
         pooled.append("lock_on_busy='wait'")
     if (

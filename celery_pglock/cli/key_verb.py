@@ -93,8 +93,8 @@ def key_of_call(
         raise click.UsageError(
             f"`{verb}` TASK needs the app: celery -A proj pglock {verb} ..., or --app."
         )
-    singletons = target.singleton_tasks()  # imports the task modules first
-    task = target.tasks().get(task_name)
+    singletons = target.singleton_tasks  # imports the task modules first
+    task = target.tasks.get(task_name)
     if task is None or task not in singletons:
         known = ", ".join(sorted(t.name for t in singletons)) or "none"
         raise click.UsageError(

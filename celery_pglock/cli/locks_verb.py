@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from celery_pglock import keys
+from celery_pglock.db import engines
 from celery_pglock.lock import holder_lookup
 
 if TYPE_CHECKING:
@@ -18,34 +19,21 @@ if TYPE_CHECKING:
 
     from celery_pglock.cli import Target
 
-#: Every advisory lock of the current database, held or awaited, with its session; the
-#: key as LockKey.__str__ writes it, and "since" as docs/operations/cli.md defines it.
-#: Run locks (keys.run_key, beside an acks_late run's key) are left out.
+#: Every advisory lock of this database, held or awaited, with its session: the key as
+#: LockKey.__str__ writes it, "since" as docs/operations/cli.md defines it; without the
+#: run locks (keys.run_key) an acks_late run holds beside its key.
 LOCKS = f"""
-SELECT
-  CASE WHEN l.objsubid = 1
-       THEN ((l.classid::bigint << 32) | l.objid::bigint)::text
-       ELSE (CASE WHEN l.classid::bigint > 2147483647 THEN l.classid::bigint - 4294967296
-                  ELSE l.classid::bigint END)::text
-            || ',' ||
-            (CASE WHEN l.objid::bigint > 2147483647 THEN l.objid::bigint - 4294967296
-                  ELSE l.objid::bigint END)::text
-  END AS key,
-  l.pid AS backend_pid,
-  l.granted,
-  l.mode,
-  a.application_name,
-  host(a.client_addr) AS client_addr,
-  a.state,
-  CASE WHEN l.granted
-       THEN COALESCE(a.xact_start, a.state_change, a.backend_start)
+SELECT CASE WHEN l.objsubid = 1 THEN ((l.classid::bigint << 32) | l.objid::bigint)::text
+       ELSE l.classid::bigint::bit(32)::int || ',' || l.objid::bigint::bit(32)::int
+       END AS key,
+  l.pid AS backend_pid, l.granted, l.mode, a.application_name,
+  host(a.client_addr) AS client_addr, a.state,
+  CASE WHEN l.granted THEN COALESCE(a.xact_start, a.state_change, a.backend_start)
        ELSE l.waitstart END AS since,
   now() AS now
-FROM pg_locks l
-LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE l.locktype = 'advisory'
+FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.pid <> pg_backend_pid()
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND l.pid <> pg_backend_pid()
   AND NOT (l.objsubid = 2 AND l.classid = {keys.RUN_NAMESPACE})
 ORDER BY key, l.granted DESC, since
 """
@@ -95,8 +83,10 @@ def read(target: Target, engine: sa.Engine) -> list[dict[str, Any]]:
     """The advisory locks by key: the holder with human names, and who waits."""
     with engine.connect() as connection:
         rows = connection.exec_driver_sql(LOCKS).mappings().all()
-    prefix = target.lock_prefix() + " "
-    singletons = target.singleton_tasks()
+    prefix = (
+        target.conf().get("pglock_application_name") or engines.DEFAULT_APPLICATION_NAME
+    ) + " "
+    singletons = target.singleton_tasks
     fixed = {
         str(task.lock_config.fixed_key): (task.name, task.lock_config.name)
         for task in singletons

@@ -22,8 +22,6 @@ if TYPE_CHECKING:
 
     from celery_pglock.keys import LockKey
 
-TABLE = "celery_pglock_fencing"
-SEQUENCE = "celery_pglock_fencing_token_seq"
 UNDEFINED_TABLE, INSUFFICIENT_PRIVILEGE = "42P01", "42501"  # SQLSTATEs
 
 #: ``{schema}``: a quoted schema name and a dot, or empty (the search_path's first).
@@ -63,63 +61,47 @@ LAST = (
     "WHERE classid = %s::oid AND objid = %s::oid AND objsubid = %s::smallint"
 )
 
-_EXISTS = (
-    "SELECT to_regclass('celery_pglock_fencing') IS NOT NULL, "
-    "to_regclass('celery_pglock_fencing_token_seq') IS NOT NULL"
-)
+_EXISTS = """SELECT to_regclass('celery_pglock_fencing') IS NOT NULL,
+  to_regclass('celery_pglock_fencing_token_seq') IS NOT NULL"""
 
 # (pid, backend_start, postmaster start): unique for the life of a session. Asked on the
 # session itself, because the pid libpq knows is a pooler's.
-_SESSION_IDENTITY = (
-    "SELECT pg_backend_pid(), "
-    "(SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()), "
-    "pg_postmaster_start_time()"
-)
+_SESSION_IDENTITY = """SELECT pg_backend_pid(),
+  (SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()),
+  pg_postmaster_start_time()"""
 
-_KEY_IS = (
-    "l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
-    "AND l.classid = %(classid)s::oid AND l.objid = %(objid)s::oid "
-    "AND l.objsubid = %(objsubid)s::smallint"
-)
+_KEY = "classid = %(classid)s::oid AND objid = %(objid)s::oid AND objsubid = %(objsubid)s::smallint"
+_GRANTED = f"""l.locktype = 'advisory' AND l.granted AND {_KEY}
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"""
 
 # In transaction scope, inside the lock's transaction: which transaction holds the key.
-_TRANSACTION_IDENTITY = (
-    "SELECT l.virtualtransaction, l.pid, a.backend_start, pg_postmaster_start_time() "
-    "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-    "WHERE l.locktype = 'advisory' AND l.granted AND l.pid = pg_backend_pid() "
-    f"AND {_KEY_IS} LIMIT 1"
-)
+_TRANSACTION_IDENTITY = f"""
+SELECT l.pid, a.backend_start, pg_postmaster_start_time(), l.virtualtransaction
+FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE {_GRANTED} AND l.pid = pg_backend_pid() LIMIT 1"""
 
-_HELD_BY = (
-    "SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-    f"WHERE l.locktype = 'advisory' AND l.granted AND {_KEY_IS} "
-    "AND l.pid = %(pid)s AND a.backend_start = %(started)s "
-    "AND pg_postmaster_start_time() = %(postmaster)s "
-    "AND (%(vxid)s::text IS NULL OR l.virtualtransaction = %(vxid)s::text)"
-)
+_HELD_BY = f"""SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+  WHERE {_GRANTED} AND l.pid = %(pid)s AND a.backend_start = %(started)s
+  AND pg_postmaster_start_time() = %(postmaster)s
+  AND (%(vxid)s::text IS NULL OR l.virtualtransaction = %(vxid)s::text)"""
 
 # In autocommit: lock the key's row (made if missing) before checking the holder, so
 # issues for one key are serialised; synchronous_commit on, so the token is durable
 # before the client reads it. One row (held, token); token NULL if not held, or if the
 # sequence fell behind the row (reset: refuse, never go back).
-_ISSUE = (
-    "SELECT set_config('synchronous_commit', 'on', true); "
-    "INSERT INTO celery_pglock_fencing (classid, objid, objsubid, token) "
-    "SELECT %(classid)s::oid, %(objid)s::oid, %(objsubid)s::smallint, 0 "
-    f"WHERE EXISTS ({_HELD_BY}) "
-    "ON CONFLICT (classid, objid, objsubid) DO NOTHING; "
-    "SELECT 1 FROM celery_pglock_fencing WHERE classid = %(classid)s::oid "
-    "AND objid = %(objid)s::oid AND objsubid = %(objsubid)s::smallint FOR UPDATE; "
-    f"WITH held AS (SELECT EXISTS ({_HELD_BY}) AS held), "
-    "next AS (SELECT nextval('celery_pglock_fencing_token_seq') AS token "
-    "FROM held WHERE held.held), "
-    "issued AS (UPDATE celery_pglock_fencing AS f "
-    "SET token = next.token, issued_at = now() FROM next "
-    "WHERE f.classid = %(classid)s::oid AND f.objid = %(objid)s::oid "
-    "AND f.objsubid = %(objsubid)s::smallint AND f.token < next.token "
-    "RETURNING f.token) "
-    "SELECT held.held, (SELECT token FROM issued) FROM held"
-)
+_ISSUE = f"""
+SELECT set_config('synchronous_commit', 'on', true);
+INSERT INTO celery_pglock_fencing (classid, objid, objsubid, token)
+  SELECT %(classid)s::oid, %(objid)s::oid, %(objsubid)s::smallint, 0
+  WHERE EXISTS ({_HELD_BY})
+  ON CONFLICT (classid, objid, objsubid) DO NOTHING;
+SELECT 1 FROM celery_pglock_fencing WHERE {_KEY} FOR UPDATE;
+WITH held AS (SELECT EXISTS ({_HELD_BY}) AS held),
+  next AS (SELECT nextval('celery_pglock_fencing_token_seq') AS token
+           FROM held WHERE held.held),
+  issued AS (UPDATE celery_pglock_fencing AS f SET token = next.token, issued_at = now()
+             FROM next WHERE {_KEY} AND f.token < next.token RETURNING f.token)
+SELECT held.held, (SELECT token FROM issued) FROM held"""
 
 FIX = (
     "create it once as its owner with `celery -A proj pglock sql --fencing --apply` "
@@ -154,10 +136,7 @@ def transaction_holder(cursor: Any, key: LockKey) -> Holder | None:
     """Ask the lock's connection, in its transaction, which one holds ``key`` (or None)."""
     cursor.execute(_TRANSACTION_IDENTITY, _ids(key))
     row = cursor.fetchone()
-    if row is None:
-        return None
-    vxid, pid, started, postmaster = row
-    return Holder(pid, started, postmaster, vxid)
+    return None if row is None else Holder(*row)
 
 
 def ensure_table(engine: sa.Engine) -> None:
@@ -173,8 +152,7 @@ def ensure_table(engine: sa.Engine) -> None:
                 pooled.dbapi_connection.autocommit = True
                 with pooled.dbapi_connection.cursor() as cursor:
                     cursor.execute(_EXISTS)
-                    row = cursor.fetchone()
-                    if not (row and all(row)):
+                    if not all(cursor.fetchone()):
                         _create(cursor, engine)
             finally:
                 pooled.close()
@@ -189,17 +167,15 @@ def _create(cursor: Any, engine: sa.Engine) -> None:
             raise
         cursor.execute("ROLLBACK")  # autocommit: end the aborted BEGIN by hand
         raise exceptions.DatabaseError(
-            f"The fencing table {TABLE} does not exist on "
-            f"{engines.engine_info(engine)['masked_url']} and this role may not create it; "
-            f"{FIX}."
+            "The fencing table celery_pglock_fencing does not exist on "
+            f"{engines.engine_info(engine)['masked_url']} and this role may not create "
+            f"it; {FIX}."
         ) from exc
 
 
 def issue(engine: sa.Engine, key: LockKey, holder: Holder, bound: float) -> int | None:
-    """Issue ``key``'s next token if ``holder`` holds ``key`` now; None if it does not.
-
-    On a pooled connection of ``engine``, bounded by ``bound`` seconds.
-    """
+    """Issue ``key``'s next token if ``holder`` holds it now, on a pooled connection of
+    ``engine`` within ``bound`` seconds; None if it does not hold it."""
     action = f"issue a fencing token for lock {key.name!r}"
     params = {**_ids(key), **dataclasses.asdict(holder)}
     with driver_errors.wrap_db_errors(action, engine):
@@ -229,7 +205,7 @@ def issue(engine: sa.Engine, key: LockKey, holder: Holder, bound: float) -> int 
                 )
                 raise exceptions.DatabaseError(
                     f"Could not issue a fencing token for lock {key.name!r}: "
-                    f"{TABLE} {problem}; {FIX}."
+                    f"celery_pglock_fencing {problem}; {FIX}."
                 ) from exc
             held, token = row if row is not None else (False, None)
             if not held:
@@ -237,9 +213,10 @@ def issue(engine: sa.Engine, key: LockKey, holder: Holder, bound: float) -> int 
             if token is None:
                 raise exceptions.DatabaseError(
                     f"Could not issue a fencing token for lock {key.name!r} (key {key}): "
-                    f"{SEQUENCE} gave a token below the last one issued for this key (was "
-                    "it reset with setval, or given a CACHE above 1?). Tokens never go "
-                    f"back: set CACHE 1 and the sequence past max(token) of {TABLE}."
+                    "celery_pglock_fencing_token_seq gave a token below the last one "
+                    "issued for this key (was it reset with setval, or given a CACHE "
+                    "above 1?). Tokens never go back: set CACHE 1 and the sequence past "
+                    "max(token) of celery_pglock_fencing."
                 )
             return int(token)
     except BaseException:

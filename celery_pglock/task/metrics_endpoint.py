@@ -9,6 +9,7 @@ docs/operations/metrics.md ("Prefork") says how and why.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import math
 import os
@@ -26,14 +27,13 @@ if TYPE_CHECKING:
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
+@dataclasses.dataclass
 class Server:
     """The /metrics endpoint of one worker: its HTTP server and multiprocess directory."""
 
-    def __init__(self, httpd: Any, directory: str, owned: bool) -> None:
-        self.httpd = httpd
-        #: The PROMETHEUS_MULTIPROC_DIR in use.
-        self.directory = directory
-        self._owned = owned
+    httpd: Any
+    directory: str  #: The PROMETHEUS_MULTIPROC_DIR in use.
+    owned: bool  #: serve() created the directory: close() removes it.
 
     @property
     def port(self) -> int:
@@ -44,7 +44,7 @@ class Server:
         """Stop serving; remove the multiprocess directory if serve() created it."""
         self.httpd.shutdown()
         self.httpd.server_close()
-        if self._owned:
+        if self.owned:
             shutil.rmtree(self.directory, ignore_errors=True)
             if os.environ.get(MULTIPROC_ENV) == self.directory:
                 del os.environ[MULTIPROC_ENV]
@@ -89,9 +89,7 @@ def serve(
             f"({exc}). Give each worker on a host its own port (e.g. from an environment "
             "variable per worker)."
         ) from exc
-    os.environ[MULTIPROC_ENV] = (
-        directory  # only once served: the children count into it
-    )
+    os.environ[MULTIPROC_ENV] = directory  # now that it serves: children count there
     if not getattr(values.ValueClass, "_multiprocess", False):
         # prometheus_client chose in-process values at its import, before the variable
         # was set; values created from now on (in the children) use files.
@@ -141,10 +139,8 @@ class _ArchivingCollector:
         with self._guard:
             for kind in ("counter", "histogram"):
                 _archive_dead(self._directory, kind)
-            for path in _dead_files(self._directory, "gauge_*_*.db"):
-                # Its locks went with it (as prometheus_client's mark_process_dead).
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
+            # A dead process holds no lock (as prometheus_client's mark_process_dead).
+            _remove(_dead_files(self._directory, "gauge_*_*.db"))
             families = list(self._inner.collect())
         for family in families:
             yield (
@@ -153,8 +149,7 @@ class _ArchivingCollector:
 
 
 def _oldest_held(starts: Any) -> Any:
-    """The age of each task's oldest held lock, from every live process's start times
-    (one sample per process, 0 where it holds none)."""
+    """Each task's oldest held lock's age, from each live process's start (0: none held)."""
     oldest: dict[str, float] = {}  # task -> earliest start; math.inf if none held
     for sample in starts.samples:
         start = sample.value if sample.value > 0 else math.inf
@@ -165,8 +160,7 @@ def _oldest_held(starts: Any) -> Any:
 
 
 def _archive_dead(directory: str, kind: str) -> None:
-    """Merge the ``<kind>_<pid>.db`` files of processes that are gone into
-    ``<kind>_archive.db``: a total keeps their counts, a scrape reads few files."""
+    """Merge the ``<kind>_<pid>.db`` files of dead processes into ``<kind>_archive.db``."""
     from prometheus_client import mmap_dict, multiprocess
 
     dead = _dead_files(directory, f"{kind}_*.db")
@@ -176,8 +170,7 @@ def _archive_dead(directory: str, kind: str) -> None:
     sources = [archive, *dead] if os.path.exists(archive) else dead
     merged = multiprocess.MultiProcessCollector.merge(sources, accumulate=False)  # type: ignore[no-untyped-call]
     scratch = archive + ".tmp"
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(scratch)
+    _remove([scratch])
     target: Any = mmap_dict.MmapedDict(scratch)  # type: ignore[no-untyped-call]
     try:
         for metric in merged:
@@ -193,9 +186,7 @@ def _archive_dead(directory: str, kind: str) -> None:
     finally:
         target.close()
     os.replace(scratch, archive)  # "<kind>_archive.db" parses as kind <kind>
-    for path in dead:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
+    _remove(dead)
 
 
 def _dead_files(directory: str, pattern: str) -> list[str]:
@@ -206,6 +197,12 @@ def _dead_files(directory: str, pattern: str) -> list[str]:
         if pid.isdigit() and not _alive(int(pid)):
             dead.append(path)
     return dead
+
+
+def _remove(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def _alive(pid: int) -> bool:
