@@ -73,15 +73,12 @@ def fenced_update(
         True if the write was applied; False if the row holds a newer token (this holder
         is stale) or no row matched ``key``.
     """
-    fenced, target, token_col, keys, cols = _prepare(
+    target, token_col, keys, cols, params = _prepare(
         connection, table, key, values, token, token_column
     )
     sets = [f"{c} = :v{i}" for i, c in enumerate(cols)]
     where = [f"{c} = :k{i}" for i, c in enumerate(keys)]
-    params = {f"v{i}": v for i, v in enumerate(values.values())}
-    params.update({f"k{i}": v for i, v in enumerate(key.values())})
-    if fenced:
-        params["fencing_token"] = token
+    if token_col:
         sets.append(f"{token_col} = :fencing_token")
         where.append(f"({token_col} IS NULL OR {token_col} <= :fencing_token)")
     # An unfenced write of no values sets a key column to itself: still one statement
@@ -112,25 +109,22 @@ def fenced_upsert(
         True if a row was inserted or updated; False if the stored row holds a newer
         token (this holder is stale: nothing was written).
     """
-    fenced, target, token_col, keys, cols = _prepare(
+    target, token_col, keys, cols, params = _prepare(
         connection, table, key, values, token, token_column
     )
-    quoted = [*keys, *cols]
-    params: dict[str, object] = {
-        f"c{i}": v for i, v in enumerate([*key.values(), *values.values()])
-    }
-    placeholders = [f":c{i}" for i in range(len(quoted))]
-    updates = [f"{q} = excluded.{q}" for q in cols]
+    columns = [*keys, *cols]
+    placeholders = [f":k{i}" for i in range(len(keys))]
+    placeholders += [f":v{i}" for i in range(len(cols))]
+    updates = [f"{c} = excluded.{c}" for c in cols]
     guard = ""
-    if fenced:
-        params["fencing_token"] = token
-        quoted.append(token_col)
+    if token_col:
+        columns.append(token_col)
         placeholders.append(":fencing_token")
         updates.append(f"{token_col} = excluded.{token_col}")
         guard = f" WHERE t.{token_col} IS NULL OR t.{token_col} <= excluded.{token_col}"
     updates = updates or [f"{keys[0]} = excluded.{keys[0]}"]  # as in fenced_update
     statement = sa.text(
-        f"INSERT INTO {target} AS t ({', '.join(quoted)}) "
+        f"INSERT INTO {target} AS t ({', '.join(columns)}) "
         f"VALUES ({', '.join(placeholders)}) "
         f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {', '.join(updates)}{guard}"
     )
@@ -172,8 +166,9 @@ def _prepare(
     values: Mapping[str, object],
     token: int | None,
     token_column: str,
-) -> tuple[bool, str, str, list[str], list[str]]:
-    """Check a write: (fenced?, table, token column, key and value columns), quoted."""
+) -> tuple[str, str | None, list[str], list[str], dict[str, object]]:
+    """Check a write: its table, token column (None: unfenced, a shadowed run), key and
+    value columns, quoted, and the parameters (k0..., v0..., fencing_token)."""
     if token is None:
         execution = context.current_execution()
         # A shadowed run writes as without the library: applied, stored token left alone.
@@ -200,12 +195,18 @@ def _prepare(
         raise exceptions.ConfigurationError(
             f"table={table!r} is invalid; expected 'name' or 'schema.name'."
         )
+    params = {f"k{i}": v for i, v in enumerate(key.values())}
+    params.update({f"v{i}": v for i, v in enumerate(values.values())})
+    if token is not None:
+        params["fencing_token"] = token
+    target = ".".join(_quote(connection, part) for part in parts)
+    token_col = _quote(connection, token_column)  # checked even if unused
     return (
-        token is not None,
-        ".".join(_quote(connection, part) for part in parts),
-        _quote(connection, token_column),
+        target,
+        None if token is None else token_col,
         [_quote(connection, name) for name in key],
         [_quote(connection, name) for name in values],
+        params,
     )
 
 

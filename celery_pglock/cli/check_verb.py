@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -22,16 +22,17 @@ if TYPE_CHECKING:
 
 #: Facts ``pglock check`` needs in one round trip.
 SERVER_FACTS = """
-SELECT current_setting('server_version_num')::int,
-       current_setting('server_version'),
-       pg_is_in_recovery(),
-       current_setting('max_connections')::int,
-       current_setting('superuser_reserved_connections')::int,
-       (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'),
-       current_user,
-       has_function_privilege('pg_try_advisory_lock(bigint)', 'execute')
-       AND has_function_privilege('pg_try_advisory_xact_lock(bigint)', 'execute')
+SELECT current_setting('server_version_num')::int AS version_num,
+  current_setting('server_version') AS version, pg_is_in_recovery() AS standby,
+  current_setting('max_connections')::int AS max_connections,
+  current_setting('superuser_reserved_connections')::int AS reserved,
+  (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend') AS in_use,
+  current_user AS role,
+  has_function_privilege('pg_try_advisory_lock(bigint)', 'execute')
+  AND has_function_privilege('pg_try_advisory_xact_lock(bigint)', 'execute') AS may_lock
 """
+
+DIRECT = "or a URL that reaches PostgreSQL directly (or through session pooling)"
 
 
 @dataclasses.dataclass
@@ -77,41 +78,32 @@ def run_checks(
 ) -> list[Finding]:
     """Every check, in order; stops after the first one the rest depend on."""
     setting = f"app.conf.{config.DATABASE_URL_SETTING} (or ${config.DATABASE_URL_ENV})"
-    scopes = {scope} if scope else set()
+    app, scopes = target.app, {scope} if scope else set()
     try:
-        if target.app is not None:
-            config.check_unknown_settings(target.app.conf)
+        if app is not None:
+            config.check_unknown_settings(app.conf)
             scopes.update(t.lock_config.scope.value for t in target.singleton_tasks)
         masked = engines.mask_url(engines.check_url(target.require_url()))
     except (exceptions.ConfigurationError, click.UsageError) as error:
-        return [
-            Finding(
-                "FAIL",
-                "configuration",
-                str(error).strip(),
-                "set the lock database URL and options as the message says",
-            )
-        ]
+        fix = "set the lock database URL and options as the message says"
+        return [Finding("FAIL", "configuration", str(error).strip(), fix)]
     scopes = scopes or {"session"}
     tasks = len(target.singleton_tasks)
     summary = f"; {tasks} SingletonTask(s), scope {', '.join(sorted(scopes))}"
     findings = [
-        Finding(
-            "OK", "configuration", masked + (summary if target.app is not None else "")
-        )
+        Finding("OK", "configuration", masked + (summary if app is not None else ""))
     ]
-    if target.app is not None and not tasks:
+    if app is not None and not tasks:
         findings.append(
             Finding(
                 "FAIL",
                 "tasks",
-                f"the app {target.app.main!r} has no SingletonTask, after importing its "
+                f"the app {app.main!r} has no SingletonTask, after importing its "
                 "task modules as a worker does (include=, imports, autodiscover_tasks)",
                 "give the tasks to lock base=SingletonTask, and list their modules in "
                 "Celery(include=[...]) or app.autodiscover_tasks()",
             )
         )
-
     engine = target.engine()
     try:
         try:
@@ -131,55 +123,50 @@ def run_checks(
                 isinstance(probed := _probe(engine), server_probe.ServerFacts)
                 and probed.pooling is server_probe.Pooling.STATEMENT
             ):  # it refuses SQLAlchemy's first transaction; the probe's autocommit passes
-                return [*findings, _pooler_finding(probed, scopes)]
+                return [*findings, _pooler(probed, scopes)]
             detail = f"cannot connect to {masked}: {text}"
             return [*findings, Finding("FAIL", "connectivity", detail, fix)]
-        (
-            version_num,
-            version,
-            standby,
-            max_connections,
-            reserved,
-            in_use,
-            role,
-            may_lock,
-        ) = facts
-        findings += [
-            Finding("OK", "connectivity", f"PostgreSQL {version} as {role}"),
-            Finding("OK", "server", f"version {version}")
-            if version_num >= 140000
-            else Finding(
-                "WARN",
-                "server",
-                f"version {version}: celery-pglock supports PostgreSQL >= 14 (`pglock "
-                "locks` reads pg_locks.waitstart; the SQL key function needs >= 11)",
-                "upgrade PostgreSQL (13 is end-of-life)",
-            ),
-            Finding(
-                "FAIL",
-                "standby",
-                "the server is a standby (pg_is_in_recovery() is true): advisory locks are not replicated, so a lock taken here excludes nobody on the primary",
-                f"point {setting} at the primary",
+        version, role = facts.version, facts.role
+        findings.append(
+            Finding("OK", "connectivity", f"PostgreSQL {version} as {role}")
+        )
+        if facts.version_num >= 140000:
+            findings.append(Finding("OK", "server", f"version {version}"))
+        else:
+            findings.append(
+                Finding(
+                    "WARN",
+                    "server",
+                    f"version {version}: celery-pglock supports PostgreSQL >= 14 (`pglock "
+                    "locks` reads pg_locks.waitstart; the SQL key function needs >= 11)",
+                    "upgrade PostgreSQL (13 is end-of-life)",
+                )
             )
-            if standby
-            else Finding("OK", "standby", "a primary (not in recovery)"),
-            Finding(
-                "OK",
-                "privileges",
-                "may call pg_try_advisory_lock and pg_try_advisory_xact_lock",
+        if facts.standby:
+            findings.append(
+                Finding(
+                    "FAIL",
+                    "standby",
+                    "the server is a standby (pg_is_in_recovery() is true): advisory locks are not replicated, so a lock taken here excludes nobody on the primary",
+                    f"point {setting} at the primary",
+                )
             )
-            if may_lock
-            else Finding(
-                "FAIL",
-                "privileges",
-                f"role {role} may not execute the advisory lock functions",
-                f"GRANT EXECUTE ON FUNCTION pg_try_advisory_lock(bigint), pg_try_advisory_xact_lock(bigint), pg_advisory_unlock(bigint) TO {role}",
-            ),
-            _pooler_finding(_probe(engine), scopes),
-            _capacity_finding(
-                target, processes, scopes, max_connections, reserved, in_use
-            ),
-        ]
+        else:
+            findings.append(Finding("OK", "standby", "a primary (not in recovery)"))
+        if facts.may_lock:
+            detail = "may call pg_try_advisory_lock and pg_try_advisory_xact_lock"
+            findings.append(Finding("OK", "privileges", detail))
+        else:
+            findings.append(
+                Finding(
+                    "FAIL",
+                    "privileges",
+                    f"role {role} may not execute the advisory lock functions",
+                    f"GRANT EXECUTE ON FUNCTION pg_try_advisory_lock(bigint), pg_try_advisory_xact_lock(bigint), pg_advisory_unlock(bigint) TO {role}",
+                )
+            )
+        findings.append(_pooler(_probe(engine), scopes))
+        findings.append(_capacity(target, processes, scopes, facts))
     finally:
         engine.dispose()
     return findings
@@ -192,27 +179,26 @@ def _probe(engine: sa.Engine) -> server_probe.ServerFacts | exceptions.PgLockErr
         return exc
 
 
-def _pooler_finding(
+def _pooler(
     facts: server_probe.ServerFacts | exceptions.PgLockError, scopes: set[str]
 ) -> Finding:
     if isinstance(facts, exceptions.PgLockError):
         return Finding(
             "WARN", "pooler", f"could not probe for a pooler: {facts}".strip()
         )
-    direct = "or a URL that reaches PostgreSQL directly (or through session pooling)"
     if facts.pooling is server_probe.Pooling.STATEMENT:
         return Finding(
             "FAIL",
             "pooler",
             f"statement pooling ({facts.evidence}): multi-statement transactions are refused, and both lock scopes need them",
-            f"use a URL that reaches PostgreSQL directly, or a pool in session (or, with lock_scope='transaction', transaction) mode; {direct}",
+            f"use a URL that reaches PostgreSQL directly, or a pool in session (or, with lock_scope='transaction', transaction) mode; {DIRECT}",
         )
     if facts.pooling is server_probe.Pooling.TRANSACTION and "session" in scopes:
         return Finding(
             "FAIL",
             "pooler",
             f"transaction pooling ({facts.evidence}); session-scope locks would be shared with other clients",
-            f"set lock_scope='transaction' (app.conf.pglock_scope), {direct}",
+            f"set lock_scope='transaction' (app.conf.pglock_scope), {DIRECT}",
         )
     if facts.pooling is server_probe.Pooling.TRANSACTION:
         detail = f"transaction pooling ({facts.evidence}): fine for lock_scope='transaction' only"
@@ -223,22 +209,14 @@ def _pooler_finding(
     return Finding("OK", "pooler", detail)
 
 
-def _capacity_finding(
-    target: Target,
-    processes: int | None,
-    scopes: set[str],
-    max_connections: int,
-    reserved: int,
-    in_use: int,
+def _capacity(
+    target: Target, processes: int | None, scopes: set[str], facts: Any
 ) -> Finding:
-    """Lock connections the workers hold at most against the free ones (the count per
-    process is docs/operations/cli.md's, measured by tests/acceptance/test_sessions.py)."""
+    """The lock connections the workers may hold against the free ones (how many per
+    process: docs/operations/cli.md, measured by tests/acceptance/test_sessions.py)."""
+    app = target.app
     if processes is None:
-        configured = (
-            target.app.conf.get("worker_concurrency")
-            if target.app is not None
-            else None
-        )
+        configured = app.conf.get("worker_concurrency") if app is not None else None
         processes = int(configured or os.cpu_count() or 1)
     pooled: list[str] = []
     if "transaction" in scopes:
@@ -258,12 +236,12 @@ def _capacity_finding(
         if pooled
         else (1, "its lock session, which the lock watcher checks too")
     )
-    available = max_connections - reserved - in_use
+    available = facts.max_connections - facts.reserved - facts.in_use
     needed = processes * count
     detail = (
         f"{needed} lock connection(s) needed at most ({processes} process(es) x {count}: "
-        f"{why}); max_connections={max_connections}, {reserved} reserved, {in_use} in use, "
-        f"{available} free"
+        f"{why}); max_connections={facts.max_connections}, {facts.reserved} reserved, "
+        f"{facts.in_use} in use, {available} free"
     )
     fix = "raise max_connections, lower worker concurrency, or pool lock sessions through PgBouncer in session mode"
     if needed > available:
