@@ -14,6 +14,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import click
+from celery.app.utils import find_app
+from celery.bin.base import CLIContext
 from sqlalchemy.pool import NullPool
 
 from celery_pglock import config, exceptions
@@ -117,13 +119,9 @@ def _build(*, standalone: bool) -> click.Group:
     def group(ctx: click.Context, /, database_url: str | None, **kwargs: Any) -> None:
         app = None
         if not standalone:
-            from celery.bin.base import CLIContext
-
             parent = ctx.find_object(CLIContext)
             app = parent.app if parent is not None else None
         elif kwargs.get("app_path"):
-            from celery.app.utils import find_app
-
             try:
                 app = find_app(kwargs["app_path"])
             except Exception as exc:

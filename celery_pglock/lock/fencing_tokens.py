@@ -32,11 +32,8 @@ SELECT pg_advisory_xact_lock(hashtext('celery_pglock.fencing'));
 CREATE SEQUENCE IF NOT EXISTS {schema}celery_pglock_fencing_token_seq
   AS bigint MINVALUE 1 CACHE 1 NO CYCLE;
 CREATE TABLE IF NOT EXISTS {schema}celery_pglock_fencing (
-  classid oid NOT NULL,
-  objid oid NOT NULL,
-  objsubid smallint NOT NULL,
-  token bigint NOT NULL,
-  issued_at timestamptz NOT NULL DEFAULT now(),
+  classid oid NOT NULL, objid oid NOT NULL, objsubid smallint NOT NULL,
+  token bigint NOT NULL, issued_at timestamptz NOT NULL DEFAULT now(),
   PRIMARY KEY (classid, objid, objsubid)
 );
 COMMENT ON TABLE {schema}celery_pglock_fencing IS

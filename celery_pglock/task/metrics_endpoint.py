@@ -70,9 +70,8 @@ def serve(
         return _server
     metrics.from_conf(conf)
     import prometheus_client as prom
-    from prometheus_client import values as _values
+    from prometheus_client import values
 
-    values: Any = _values  # untyped parts of prometheus_client
     directory = os.environ.get(MULTIPROC_ENV)
     owned = not directory
     directory = directory or tempfile.mkdtemp(prefix="celery-pglock-metrics-")
@@ -93,7 +92,7 @@ def serve(
     if not getattr(values.ValueClass, "_multiprocess", False):
         # prometheus_client chose in-process values at its import, before the variable
         # was set; values created from now on (in the children) use files.
-        values.ValueClass = values.MultiProcessValue()
+        values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
     _server = Server(httpd, directory, owned)
     sink = metrics.current()
     if not isinstance(sink, metrics.PrometheusMetrics):
