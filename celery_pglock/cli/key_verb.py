@@ -4,7 +4,7 @@ as the worker computes it; and the parsing of a lock named by a call or by ``--k
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -13,30 +13,27 @@ from celery_pglock import exceptions, keys
 if TYPE_CHECKING:
     from celery_pglock.cli import Target
 
-F = TypeVar("F", bound=Any)
-
-
-def call_options(command: F) -> F:
-    """Add --args and --kwargs (a call of a task, as JSON) to a click command."""
-    command = click.option(
-        "--kwargs",
-        "kwargs_json",
-        default="{}",
-        metavar="JSON",
-        help="Keyword arguments, e.g. '{\"tenant_id\": 7}'.",
-    )(command)
-    return click.option(
-        "--args",
-        "args_json",
-        default="[]",
-        metavar="JSON",
-        help="Positional arguments, e.g. '[7]'.",
-    )(command)
+#: --args and --kwargs: a call of a task, as JSON (``key`` and ``release``).
+ARGS = click.option(
+    "--args",
+    "args_json",
+    default="[]",
+    metavar="JSON",
+    help="Positional arguments, e.g. '[7]'.",
+)
+KWARGS = click.option(
+    "--kwargs",
+    "kwargs_json",
+    default="{}",
+    metavar="JSON",
+    help="Keyword arguments, e.g. '{\"tenant_id\": 7}'.",
+)
 
 
 @click.command(help="The advisory key a call of TASK would lock (no database needed).")
 @click.argument("task_name", metavar="TASK")
-@call_options
+@ARGS
+@KWARGS
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @click.pass_obj
 def key(

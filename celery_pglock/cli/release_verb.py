@@ -36,7 +36,8 @@ WHERE l.locktype = 'advisory' AND l.granted AND l.pid = %s
     "reports it lost."
 )
 @click.argument("task_name", metavar="[TASK]", required=False)
-@key_verb.call_options
+@key_verb.ARGS
+@key_verb.KWARGS
 @click.option(
     "--key",
     "key_text",
