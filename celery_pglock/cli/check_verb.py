@@ -127,46 +127,27 @@ def run_checks(
             detail = f"cannot connect to {masked}: {text}"
             return [*findings, Finding("FAIL", "connectivity", detail, fix)]
         version, role = facts.version, facts.role
-        findings.append(
-            Finding("OK", "connectivity", f"PostgreSQL {version} as {role}")
-        )
-        if facts.version_num >= 140000:
-            findings.append(Finding("OK", "server", f"version {version}"))
-        else:
-            findings.append(
-                Finding(
-                    "WARN",
-                    "server",
-                    f"version {version}: celery-pglock supports PostgreSQL >= 14 (`pglock "
-                    "locks` reads pg_locks.waitstart; the SQL key function needs >= 11)",
-                    "upgrade PostgreSQL (13 is end-of-life)",
-                )
-            )
-        if facts.standby:
-            findings.append(
-                Finding(
-                    "FAIL",
-                    "standby",
-                    "the server is a standby (pg_is_in_recovery() is true): advisory locks are not replicated, so a lock taken here excludes nobody on the primary",
-                    f"point {setting} at the primary",
-                )
-            )
-        else:
-            findings.append(Finding("OK", "standby", "a primary (not in recovery)"))
-        if facts.may_lock:
-            detail = "may call pg_try_advisory_lock and pg_try_advisory_xact_lock"
-            findings.append(Finding("OK", "privileges", detail))
-        else:
-            findings.append(
-                Finding(
-                    "FAIL",
-                    "privileges",
-                    f"role {role} may not execute the advisory lock functions",
-                    f"GRANT EXECUTE ON FUNCTION pg_try_advisory_lock(bigint), pg_try_advisory_xact_lock(bigint), pg_advisory_unlock(bigint) TO {role}",
-                )
-            )
-        findings.append(_pooler(_probe(engine), scopes))
-        findings.append(_capacity(target, processes, scopes, facts))
+        old = f"version {version}: celery-pglock supports PostgreSQL >= 14 (`pglock locks` reads pg_locks.waitstart; the SQL key function needs >= 11)"
+        standby = "the server is a standby (pg_is_in_recovery() is true): advisory locks are not replicated, so a lock taken here excludes nobody on the primary"
+        grant = f"GRANT EXECUTE ON FUNCTION pg_try_advisory_lock(bigint), pg_try_advisory_xact_lock(bigint), pg_advisory_unlock(bigint) TO {role}"
+        may_lock = "may call pg_try_advisory_lock and pg_try_advisory_xact_lock"
+        may_not = f"role {role} may not execute the advisory lock functions"
+        findings += [
+            Finding("OK", "connectivity", f"PostgreSQL {version} as {role}"),
+            Finding("OK", "server", f"version {version}")
+            if facts.version_num >= 140000
+            else Finding(
+                "WARN", "server", old, "upgrade PostgreSQL (13 is end-of-life)"
+            ),
+            Finding("FAIL", "standby", standby, f"point {setting} at the primary")
+            if facts.standby
+            else Finding("OK", "standby", "a primary (not in recovery)"),
+            Finding("OK", "privileges", may_lock)
+            if facts.may_lock
+            else Finding("FAIL", "privileges", may_not, grant),
+            _pooler(_probe(engine), scopes),
+            _capacity(target, processes, scopes, facts),
+        ]
     finally:
         engine.dispose()
     return findings
