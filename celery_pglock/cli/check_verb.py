@@ -168,19 +168,13 @@ def _pooler(
             "WARN", "pooler", f"could not probe for a pooler: {facts}".strip()
         )
     if facts.pooling is server_probe.Pooling.STATEMENT:
-        return Finding(
-            "FAIL",
-            "pooler",
-            f"statement pooling ({facts.evidence}): multi-statement transactions are refused, and both lock scopes need them",
-            f"use a URL that reaches PostgreSQL directly, or a pool in session (or, with lock_scope='transaction', transaction) mode; {DIRECT}",
-        )
+        detail = f"statement pooling ({facts.evidence}): multi-statement transactions are refused, and both lock scopes need them"
+        fix = f"use a URL that reaches PostgreSQL directly, or a pool in session (or, with lock_scope='transaction', transaction) mode; {DIRECT}"
+        return Finding("FAIL", "pooler", detail, fix)
     if facts.pooling is server_probe.Pooling.TRANSACTION and "session" in scopes:
-        return Finding(
-            "FAIL",
-            "pooler",
-            f"transaction pooling ({facts.evidence}); session-scope locks would be shared with other clients",
-            f"set lock_scope='transaction' (app.conf.pglock_scope), {DIRECT}",
-        )
+        detail = f"transaction pooling ({facts.evidence}); session-scope locks would be shared with other clients"
+        fix = f"set lock_scope='transaction' (app.conf.pglock_scope), {DIRECT}"
+        return Finding("FAIL", "pooler", detail, fix)
     if facts.pooling is server_probe.Pooling.TRANSACTION:
         detail = f"transaction pooling ({facts.evidence}): fine for lock_scope='transaction' only"
     elif facts.proxied:
