@@ -1,19 +1,9 @@
 """Fencing tokens: refuse the writes of a holder whose lock has already ended.
 
-A lock can end while its body still runs (a GC pause, SIGSTOP, a cut network, a server
-restart: docs/operations/failure-modes.md); no lock can prevent that. With
-``lock_fencing=True`` every acquisition gets a token from PostgreSQL, strictly greater
-than every token issued before for that key (``current_lock().fencing_token``). The
-resource then keeps the highest token it has seen and refuses older ones:
-
-    time  run A                          run B                      resource
-    0     acquire, token 5
-    1     (paused; its session dies)     acquire, token 6
-    2                                    write(token 6)             applied, keeps 6
-    3     write(token 5)                                            refused: 5 < 6
-
-:func:`fenced_update` and :func:`fenced_upsert` are that check for a PostgreSQL table, in
-one statement. docs/guide/fencing.md explains the rest.
+With ``lock_fencing=True`` each acquisition gets a token greater than every token issued
+before for its key (``current_lock().fencing_token``); :func:`fenced_update` and
+:func:`fenced_upsert` make a PostgreSQL table refuse a write with an older token than it
+holds, in one statement. docs/guide/fencing.md explains when a lock ends under a body.
 """
 
 from __future__ import annotations
@@ -24,8 +14,7 @@ from typing import TYPE_CHECKING
 import sqlalchemy as sa
 
 from celery_pglock import exceptions
-from celery_pglock.cli import admin_sql
-from celery_pglock.lock import fencing_sql
+from celery_pglock.lock import fencing_tokens
 from celery_pglock.task import singleton_task
 
 if TYPE_CHECKING:
@@ -44,9 +33,7 @@ def issue_token(lock: AdvisoryLock) -> int:
     """Issue the next fencing token to ``lock`` (held), set ``lock.fencing_token``, return it.
 
     SingletonTask does this itself under ``lock_fencing=True``; call it after
-    ``AdvisoryLock.acquire()`` when using the lock directly. Costs one statement on the
-    lock's own session (transaction scope: one there and one on a pooled connection),
-    and once per process a check that the table exists.
+    ``AdvisoryLock.acquire()`` when using the lock directly (its cost: docs/guide/fencing.md).
 
     Raises:
         PgLockError: ``lock`` is not held.
@@ -86,18 +73,17 @@ def fenced_update(
         True if the write was applied; False if the row holds a newer token (this holder
         is stale) or no row matched ``key``.
     """
-    fenced = _check(token, key, values)
-    target, token_col = _table(connection, table), _quote(connection, token_column)
-    params, sets = _assignments(connection, "v", values)
-    where = [f"{_quote(connection, c)} = :k{i}" for i, c in enumerate(key)]
-    params.update({f"k{i}": v for i, v in enumerate(key.values())})
-    if fenced:
-        params["fencing_token"] = token
+    target, token_col, keys, cols, params = _prepare(
+        connection, table, key, values, token, token_column
+    )
+    sets = [f"{c} = :v{i}" for i, c in enumerate(cols)]
+    where = [f"{c} = :k{i}" for i, c in enumerate(keys)]
+    if token_col:
         sets.append(f"{token_col} = :fencing_token")
         where.append(f"({token_col} IS NULL OR {token_col} <= :fencing_token)")
     # An unfenced write of no values sets a key column to itself: still one statement
     # whose row count says whether the row exists.
-    sets = sets or [f"{_quote(connection, next(iter(key)))} = :k0"]
+    sets = sets or [f"{keys[0]} = :k0"]
     statement = sa.text(
         f"UPDATE {target} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
     )
@@ -123,82 +109,78 @@ def fenced_upsert(
         True if a row was inserted or updated; False if the stored row holds a newer
         token (this holder is stale: nothing was written).
     """
-    fenced = _check(token, key, values)
-    target, token_col = _table(connection, table), _quote(connection, token_column)
-    columns = [*key, *values]
-    quoted = [_quote(connection, c) for c in columns]
-    params: dict[str, object] = {
-        f"c{i}": v for i, v in enumerate([*key.values(), *values.values()])
-    }
-    placeholders = [f":c{i}" for i in range(len(columns))]
-    updates = [f"{q} = excluded.{q}" for q in quoted[len(key) :]]
+    target, token_col, keys, cols, params = _prepare(
+        connection, table, key, values, token, token_column
+    )
+    columns = [*keys, *cols]
+    placeholders = [f":k{i}" for i in range(len(keys))]
+    placeholders += [f":v{i}" for i in range(len(cols))]
+    updates = [f"{c} = excluded.{c}" for c in cols]
     guard = ""
-    if fenced:
-        params["fencing_token"] = token
-        quoted.append(token_col)
+    if token_col:
+        columns.append(token_col)
         placeholders.append(":fencing_token")
         updates.append(f"{token_col} = excluded.{token_col}")
         guard = f" WHERE t.{token_col} IS NULL OR t.{token_col} <= excluded.{token_col}"
-    updates = updates or [f"{quoted[0]} = excluded.{quoted[0]}"]  # as in fenced_update
+    updates = updates or [f"{keys[0]} = excluded.{keys[0]}"]  # as in fenced_update
     statement = sa.text(
-        f"INSERT INTO {target} AS t ({', '.join(quoted)}) "
+        f"INSERT INTO {target} AS t ({', '.join(columns)}) "
         f"VALUES ({', '.join(placeholders)}) "
-        f"ON CONFLICT ({', '.join(quoted[: len(key)])}) "
-        f"DO UPDATE SET {', '.join(updates)}{guard}"
+        f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {', '.join(updates)}{guard}"
     )
     return connection.execute(statement, params).rowcount > 0
 
 
 def last_token(connection: sa.Connection, lock: AdvisoryLock) -> int | None:
     """The last token issued for ``lock``'s key (committed), or None: for operators and tests."""
-    row = connection.exec_driver_sql(fencing_sql.LAST, lock.key.pg_locks_ids).first()
+    row = connection.exec_driver_sql(fencing_tokens.LAST, lock.key.pg_locks_ids).first()
     return None if row is None else int(row[0])
 
 
 def create_sql(schema: str = "public") -> str:
     """The SQL that creates the fencing table and its sequence in ``schema``."""
-    return fencing_sql.CREATE.format(schema=admin_sql.quote_identifier(schema) + ".")
+    return fencing_tokens.CREATE.format(schema=quote_identifier(schema) + ".")
 
 
 def drop_sql(schema: str = "public") -> str:
     """The SQL that drops them."""
-    return fencing_sql.DROP.format(schema=admin_sql.quote_identifier(schema) + ".")
+    return fencing_tokens.DROP.format(schema=quote_identifier(schema) + ".")
 
 
 def grant_sql(role: str, schema: str = "public") -> str:
     """The GRANTs a least-privilege lock role needs to use fencing."""
-    return fencing_sql.GRANT.format(
-        schema=admin_sql.quote_identifier(schema) + ".",
-        role=admin_sql.quote_identifier(role),
+    return fencing_tokens.GRANT.format(
+        schema=quote_identifier(schema) + ".", role=quote_identifier(role)
     )
 
 
-# -- checks -----------------------------------------------------------------------------
+def quote_identifier(name: str) -> str:
+    """``name`` as a double-quoted PostgreSQL identifier, for operator SQL text."""
+    return '"' + name.replace('"', '""') + '"'
 
 
-def _check(
-    token: int | None, key: Mapping[str, object], values: Mapping[str, object]
-) -> bool:
-    """Validate a fenced write's arguments; False: write unfenced (a shadowed run)."""
+def _prepare(
+    connection: sa.Connection,
+    table: str,
+    key: Mapping[str, object],
+    values: Mapping[str, object],
+    token: int | None,
+    token_column: str,
+) -> tuple[str, str | None, list[str], list[str], dict[str, object]]:
+    """Check a write: its table, token column (None: unfenced, a shadowed run), key and
+    value columns, quoted, and the parameters (k0..., v0..., fencing_token)."""
     if token is None:
-        if _in_shadowed_run():
-            # Shadow mode runs this body as if the library were not there: its write is
-            # applied as it would be without fencing, and leaves the stored token alone.
-            _check_columns(key, values)
-            return False
-        raise exceptions.ConfigurationError(
-            "token=None: this run has no fencing token; set lock_fencing=True on the task "
-            "(or call celery_pglock.fencing.issue_token() after acquire)."
-        )
-    if isinstance(token, bool) or not isinstance(token, int):
+        execution = singleton_task.current_execution()
+        # A shadowed run writes as without the library: applied, stored token left alone.
+        if execution is None or execution.lock is None or not execution.lock.shadowed:
+            raise exceptions.ConfigurationError(
+                "token=None: this run has no fencing token; set lock_fencing=True on the "
+                "task (or call celery_pglock.fencing.issue_token() after acquire)."
+            )
+    elif isinstance(token, bool) or not isinstance(token, int):
         raise exceptions.ConfigurationError(
             f"token must be an int (current_lock().fencing_token), got a {type(token).__name__}."
         )
-    _check_columns(key, values)
-    return True
-
-
-def _check_columns(key: Mapping[str, object], values: Mapping[str, object]) -> None:
     if not key:
         raise exceptions.ConfigurationError(
             "key must name at least one column: a fenced write without a key would touch every row."
@@ -208,12 +190,23 @@ def _check_columns(key: Mapping[str, object], values: Mapping[str, object]) -> N
         raise exceptions.ConfigurationError(
             f"Columns {sorted(overlap)} are in both key and values; a column is one or the other."
         )
-
-
-def _in_shadowed_run() -> bool:
-    execution = singleton_task.current_execution()
+    parts = table.split(".") if isinstance(table, str) else [table]
+    if len(parts) > 2:
+        raise exceptions.ConfigurationError(
+            f"table={table!r} is invalid; expected 'name' or 'schema.name'."
+        )
+    params = {f"k{i}": v for i, v in enumerate(key.values())}
+    params.update({f"v{i}": v for i, v in enumerate(values.values())})
+    if token is not None:
+        params["fencing_token"] = token
+    target = ".".join(_quote(connection, part) for part in parts)
+    token_col = _quote(connection, token_column)  # checked even if unused
     return (
-        execution is not None and execution.lock is not None and execution.lock.shadowed
+        target,
+        None if token is None else token_col,
+        [_quote(connection, name) for name in key],
+        [_quote(connection, name) for name in values],
+        params,
     )
 
 
@@ -224,20 +217,3 @@ def _quote(connection: sa.Connection, name: str) -> str:
             "starting with a letter or _, at most 63 characters)."
         )
     return str(connection.dialect.identifier_preparer.quote(name))
-
-
-def _table(connection: sa.Connection, table: str) -> str:
-    parts = table.split(".") if isinstance(table, str) else [table]
-    if len(parts) > 2:
-        raise exceptions.ConfigurationError(
-            f"table={table!r} is invalid; expected 'name' or 'schema.name'."
-        )
-    return ".".join(_quote(connection, part) for part in parts)
-
-
-def _assignments(
-    connection: sa.Connection, prefix: str, values: Mapping[str, object]
-) -> tuple[dict[str, object], list[str]]:
-    params = {f"{prefix}{i}": v for i, v in enumerate(values.values())}
-    sets = [f"{_quote(connection, c)} = :{prefix}{i}" for i, c in enumerate(values)]
-    return params, sets

@@ -1,11 +1,169 @@
-"""The ``pglock`` command (``celery pglock …`` and ``celery-pglock …``): an operator surface.
-
-Beside the task layer in docs/design.md: may import any layer below it and ``fencing``;
-nothing imports it but the entry points. docs/operations/cli.md is its manual.
+"""The ``pglock`` command, under its two entry points: ``celery -A proj pglock <verb>`` (a
+Celery sub-command, with the project's app) and ``celery-pglock [--app proj]
+[--database-url URL] <verb>`` (or ``python -m celery_pglock``). An operator surface: it
+may import every layer, and only the entry points import it. docs/operations/cli.md is
+its manual, exit statuses included; every database URL it prints is masked.
 """
 
 from __future__ import annotations
 
-from celery_pglock.cli.commands import celery_command, main, standalone_command
+import contextlib
+import dataclasses
+import functools
+import os
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["celery_command", "main", "standalone_command"]
+import click
+from celery.app.utils import find_app
+from celery.bin.base import CLIContext
+from sqlalchemy.pool import NullPool
+
+from celery_pglock import config, exceptions
+from celery_pglock.cli import check_verb, key_verb, locks_verb, release_verb, sql_verb
+from celery_pglock.db import driver_errors, engines
+from celery_pglock.task import singleton_task
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    import sqlalchemy as sa
+
+__all__ = ["Target", "celery_command", "main", "standalone_command"]
+
+CLI_APPLICATION_NAME = "celery-pglock cli"
+
+
+@dataclasses.dataclass
+class Target:
+    """What a verb works on: the app (if any) and the lock database URL."""
+
+    app: Any
+    url: str | None
+
+    def require_url(self) -> str:
+        if self.url:
+            return self.url
+        raise click.UsageError(
+            "No lock database: pass --database-url, set app.conf.pglock_database_url "
+            f"in the app, or set {config.DATABASE_URL_ENV}."
+        )
+
+    def conf(self) -> dict[str, Any]:
+        """The app's pglock_* settings (a copy)."""
+        items = self.app.conf.items() if self.app is not None else ()
+        return {k: v for k, v in items if k.startswith("pglock_")}
+
+    @contextlib.contextmanager
+    def database(self, action: str) -> Iterator[sa.Engine]:
+        """A new engine for one verb; a database error ends the verb (exit status 1)."""
+        engine = self.engine()
+        try:
+            with driver_errors.wrap_db_errors(action, engine):
+                yield engine
+        except exceptions.DatabaseError as error:
+            raise click.ClickException(str(error)) from None
+        finally:
+            engine.dispose()
+
+    def engine(self, *, timeout: int = 5) -> sa.Engine:
+        """A lock engine without a pool (each connect is a new session), labelled as us."""
+        conf = self.conf()
+        options = dict(conf.get("pglock_engine_options") or {})
+        connect_args = dict(options.pop("connect_args", {}))
+        connect_args.update(
+            application_name=CLI_APPLICATION_NAME, connect_timeout=timeout
+        )
+        conf["pglock_engine_options"] = {
+            **options,
+            "poolclass": NullPool,
+            "connect_args": connect_args,
+        }
+        return engines.create_engine(self.require_url(), conf)
+
+    @functools.cached_property
+    def tasks(self) -> dict[str, Any]:
+        """The app's task registry once its task modules are imported as a worker would."""
+        if self.app is None:
+            return {}
+        try:  # `-A proj` imports the app's module; a worker's loader imports the rest
+            self.app.loader.import_default_modules()
+        except Exception as exc:
+            raise click.UsageError(
+                f"Cannot import the task modules of the app {self.app.main!r} "
+                f"(its include/imports settings and autodiscover_tasks): "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        return dict(self.app.tasks)
+
+    @functools.cached_property
+    def singleton_tasks(self) -> list[Any]:
+        return [
+            t
+            for t in self.tasks.values()
+            if isinstance(t, singleton_task.SingletonTask)
+        ]
+
+
+def _build(*, standalone: bool) -> click.Group:
+    @click.group(
+        name="celery-pglock" if standalone else "pglock",
+        help="Inspect celery-pglock advisory locks: locks, key, release, check, sql.",
+    )
+    @click.option(
+        "--database-url",
+        metavar="URL",
+        help="Lock database (default: the app's pglock_database_url, then "
+        f"${config.DATABASE_URL_ENV}).",
+    )
+    @click.pass_context
+    def group(ctx: click.Context, /, database_url: str | None, **kwargs: Any) -> None:
+        app = None
+        if not standalone:
+            parent = ctx.find_object(CLIContext)
+            app = parent.app if parent is not None else None
+        elif kwargs.get("app_path"):
+            try:
+                app = find_app(kwargs["app_path"])
+            except Exception as exc:
+                raise click.UsageError(
+                    f"Cannot load the app {kwargs['app_path']!r}: {exc}"
+                ) from exc
+        if not database_url and app is not None:
+            database_url = app.conf.get(config.DATABASE_URL_SETTING)
+        url = database_url or os.environ.get(config.DATABASE_URL_ENV)
+        ctx.obj = Target(app=app, url=str(url) if url else None)
+
+    if standalone:
+        group = click.option(
+            "-A",
+            "--app",
+            "app_path",
+            metavar="APP",
+            help="The Celery app (module or module:attribute), for task names and settings.",
+        )(group)
+    for command in (
+        locks_verb.locks,
+        key_verb.key,
+        release_verb.release,
+        check_verb.check,
+        sql_verb.sql,
+    ):
+        group.add_command(command)
+    return group
+
+
+#: ``celery -A proj pglock ...`` (registered under the ``celery.commands`` entry point).
+celery_command = _build(standalone=False)
+#: ``celery-pglock ...`` and ``python -m celery_pglock``.
+standalone_command = _build(standalone=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the standalone command; returns its exit status."""
+    try:
+        standalone_command.main(
+            args=argv, prog_name="celery-pglock", standalone_mode=True
+        )
+    except SystemExit as stop:  # how click's standalone mode ends
+        code: object = stop.code
+        return code if isinstance(code, int) else (0 if code is None else 1)

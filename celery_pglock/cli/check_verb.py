@@ -1,26 +1,38 @@
 """``pglock check``: what must hold for locks to mean anything, each with its fix.
 
-Configuration, connectivity, server version, standby, role privileges, a connection pooler
-in the way (see ``server_probe.py``) and ``max_connections`` against the lock sessions the
-workers will open. Each check yields a :class:`Finding`; any FAIL makes the command exit 1.
+docs/operations/cli.md lists the checks and what each needs; any FAIL exits 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from celery_pglock import config, exceptions
-from celery_pglock.cli import admin_sql
 from celery_pglock.db import engines, server_probe
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
 
-    from celery_pglock.cli.target import Target
+    from celery_pglock.cli import Target
+
+#: Facts ``pglock check`` needs in one round trip.
+SERVER_FACTS = """
+SELECT current_setting('server_version_num')::int AS version_num,
+  current_setting('server_version') AS version, pg_is_in_recovery() AS standby,
+  current_setting('max_connections')::int AS max_connections,
+  current_setting('superuser_reserved_connections')::int AS reserved,
+  (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend') AS in_use,
+  current_user AS role,
+  has_function_privilege('pg_try_advisory_lock(bigint)', 'execute')
+  AND has_function_privilege('pg_try_advisory_xact_lock(bigint)', 'execute') AS may_lock
+"""
+
+DIRECT = "or a URL that reaches PostgreSQL directly (or through session pooling)"
 
 
 @dataclasses.dataclass
@@ -31,214 +43,162 @@ class Finding:
     fix: str | None = None
 
 
+@click.command(
+    help="Check configuration, connectivity, privileges, standby, pooler and capacity."
+)
+@click.option(
+    "--processes",
+    type=click.IntRange(min=1),
+    help="Worker processes (or threads) that run locked tasks at once, across all hosts (default: the app's worker_concurrency, or this host's CPU count).",
+)
+@click.option(
+    "--scope",
+    type=click.Choice(["session", "transaction"]),
+    help="Lock scope to judge the pooler for (default: the scopes the app's tasks use, else session).",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@click.pass_obj
+def check(
+    target: Target, processes: int | None, scope: str | None, as_json: bool
+) -> None:
+    findings = run_checks(target, processes=processes, scope=scope)
+    if as_json:
+        click.echo(json.dumps([dataclasses.asdict(f) for f in findings], indent=2))
+    else:
+        for finding in findings:
+            click.echo(f"{finding.status:<4}  {finding.name:<13} {finding.detail}")
+            if finding.fix:
+                click.echo(f"{'':<19} fix: {finding.fix}")
+    if any(f.status == "FAIL" for f in findings):
+        raise SystemExit(1)
+
+
 def run_checks(
     target: Target, *, processes: int | None = None, scope: str | None = None
 ) -> list[Finding]:
     """Every check, in order; stops after the first one the rest depend on."""
-    findings: list[Finding] = []
     setting = f"app.conf.{config.DATABASE_URL_SETTING} (or ${config.DATABASE_URL_ENV})"
-    scopes = {scope} if scope else set()
+    app, scopes = target.app, {scope} if scope else set()
     try:
-        if target.app is not None:
-            config.check_unknown_settings(target.app.conf)
-            for task in target.singleton_tasks():
-                scopes.add(task.lock_config.scope.value)
-        url = target.require_url()
-        parsed = engines.check_url(url)
+        if app is not None:
+            config.check_unknown_settings(app.conf)
+            scopes.update(t.lock_config.scope.value for t in target.singleton_tasks)
+        masked = engines.mask_url(engines.check_url(target.require_url()))
     except (exceptions.ConfigurationError, click.UsageError) as error:
-        return [
-            Finding(
-                "FAIL",
-                "configuration",
-                str(error).strip(),
-                "set the lock database URL and options as the message says",
-            )
-        ]
+        fix = "set the lock database URL and options as the message says"
+        return [Finding("FAIL", "configuration", str(error).strip(), fix)]
     scopes = scopes or {"session"}
-    tasks = len(target.singleton_tasks())
-    findings.append(
-        Finding(
-            "OK",
-            "configuration",
-            f"{engines.mask_url(parsed)}"
-            + (
-                f"; {tasks} SingletonTask(s), scope {', '.join(sorted(scopes))}"
-                if target.app is not None
-                else ""
-            ),
-        )
-    )
-    if target.app is not None and not tasks:
-        # An app with no SingletonTask locks nothing: most likely its task modules are
-        # not where the worker looks, or the tasks lack base=SingletonTask.
+    tasks = len(target.singleton_tasks)
+    summary = f"; {tasks} SingletonTask(s), scope {', '.join(sorted(scopes))}"
+    findings = [
+        Finding("OK", "configuration", masked + (summary if app is not None else ""))
+    ]
+    if app is not None and not tasks:
         findings.append(
             Finding(
                 "FAIL",
                 "tasks",
-                f"the app {target.app.main!r} has no SingletonTask, after importing its "
+                f"the app {app.main!r} has no SingletonTask, after importing its "
                 "task modules as a worker does (include=, imports, autodiscover_tasks)",
                 "give the tasks to lock base=SingletonTask, and list their modules in "
                 "Celery(include=[...]) or app.autodiscover_tasks()",
             )
         )
-
     engine = target.engine()
     try:
         try:
             with engine.connect() as connection:
-                facts = connection.exec_driver_sql(admin_sql.SERVER_FACTS).one()
+                facts = connection.exec_driver_sql(SERVER_FACTS).one()
         except Exception as exc:
             text = (
                 str(getattr(exc, "orig", exc)).strip().splitlines()[0]
                 if str(exc)
                 else type(exc).__name__
             )
-            name = "connectivity"
             fix = f"check host, port, database and credentials in {setting}, and that the server accepts this host"
             if "startup parameter" in text and "options" in text:
                 # The library drops its own keepalive options where they are refused.
                 fix = "a pooler (PgBouncer) refuses the options startup parameter set in pglock_engine_options['connect_args']: remove it, or connect to PostgreSQL directly"
-            elif _statement_pooling(engine):
-                name = "pooler"
-                text = "statement pooling: multi-statement transactions are refused, and both lock scopes need them"
-                fix = "use a URL that reaches PostgreSQL directly, or a pool in session mode (transaction mode for lock_scope='transaction' only)"
-            findings.append(
-                Finding(
-                    "FAIL",
-                    name,
-                    f"{'cannot connect to ' if name == 'connectivity' else ''}"
-                    f"{engines.mask_url(parsed)}: {text}",
-                    fix,
-                )
-            )
-            return findings
-        (
-            version_num,
-            version,
-            standby,
-            max_connections,
-            reserved,
-            in_use,
-            _server_port,  # unused: server_probe.probe tells a proxy by the client port
-            role,
-            try_ok,
-            xact_ok,
-        ) = facts
-        findings.append(
-            Finding("OK", "connectivity", f"PostgreSQL {version} as {role}")
-        )
-        findings.append(
+            elif (
+                isinstance(probed := _probe(engine), server_probe.ServerFacts)
+                and probed.pooling is server_probe.Pooling.STATEMENT
+            ):  # it refuses SQLAlchemy's first transaction; the probe's autocommit passes
+                return [*findings, _pooler(probed, scopes)]
+            detail = f"cannot connect to {masked}: {text}"
+            return [*findings, Finding("FAIL", "connectivity", detail, fix)]
+        version, role = facts.version, facts.role
+        old = f"version {version}: celery-pglock supports PostgreSQL >= 14 (`pglock locks` reads pg_locks.waitstart; the SQL key function needs >= 11)"
+        standby = "the server is a standby (pg_is_in_recovery() is true): advisory locks are not replicated, so a lock taken here excludes nobody on the primary"
+        grant = f"GRANT EXECUTE ON FUNCTION pg_try_advisory_lock(bigint), pg_try_advisory_xact_lock(bigint), pg_advisory_unlock(bigint) TO {role}"
+        may_lock = "may call pg_try_advisory_lock and pg_try_advisory_xact_lock"
+        may_not = f"role {role} may not execute the advisory lock functions"
+        findings += [
+            Finding("OK", "connectivity", f"PostgreSQL {version} as {role}"),
             Finding("OK", "server", f"version {version}")
-            if version_num >= 140000
+            if facts.version_num >= 140000
             else Finding(
-                "WARN",
-                "server",
-                f"version {version}: celery-pglock supports PostgreSQL >= 14 (`pglock "
-                "locks` reads pg_locks.waitstart; the SQL key function needs >= 11)",
-                "upgrade PostgreSQL (13 is end-of-life)",
-            )
-        )
-        findings.append(
-            Finding(
-                "FAIL",
-                "standby",
-                "the server is a standby (pg_is_in_recovery() is true): advisory locks are not replicated, so a lock taken here excludes nobody on the primary",
-                f"point {setting} at the primary",
-            )
-            if standby
-            else Finding("OK", "standby", "a primary (not in recovery)")
-        )
-        findings.append(
-            Finding(
-                "OK",
-                "privileges",
-                "may call pg_try_advisory_lock and pg_try_advisory_xact_lock",
-            )
-            if try_ok and xact_ok
-            else Finding(
-                "FAIL",
-                "privileges",
-                f"role {role} may not execute the advisory lock functions",
-                f"GRANT EXECUTE ON FUNCTION pg_try_advisory_lock(bigint), pg_try_advisory_xact_lock(bigint), pg_advisory_unlock(bigint) TO {role}",
-            )
-        )
-        findings.append(_pooler_finding(engine, scopes))
-        findings.append(
-            _capacity_finding(
-                target,
-                processes,
-                _connections_per_process(target, scopes),
-                max_connections,
-                reserved,
-                in_use,
-            )
-        )
+                "WARN", "server", old, "upgrade PostgreSQL (13 is end-of-life)"
+            ),
+            Finding("FAIL", "standby", standby, f"point {setting} at the primary")
+            if facts.standby
+            else Finding("OK", "standby", "a primary (not in recovery)"),
+            Finding("OK", "privileges", may_lock)
+            if facts.may_lock
+            else Finding("FAIL", "privileges", may_not, grant),
+            _pooler(_probe(engine), scopes),
+            _capacity(target, processes, scopes, facts),
+        ]
     finally:
         engine.dispose()
     return findings
 
 
-def _statement_pooling(engine: sa.Engine) -> bool:
-    """Is a statement pooler the reason SQLAlchemy could not connect? (Its first
-    connection opens a transaction, which statement pooling answers by closing it; the
-    probe's autocommit connections get through.)"""
+def _probe(engine: sa.Engine) -> server_probe.ServerFacts | exceptions.PgLockError:
     try:
-        return server_probe.probe(engine).pooling is server_probe.Pooling.STATEMENT
-    except exceptions.PgLockError:
-        return False
-
-
-def _pooler_finding(engine: sa.Engine, scopes: set[str]) -> Finding:
-    try:
-        facts = server_probe.probe(engine)
+        return server_probe.probe(engine)
     except exceptions.PgLockError as exc:
-        return Finding("WARN", "pooler", f"could not probe for a pooler: {exc}".strip())
-    direct = "or a URL that reaches PostgreSQL directly (or through session pooling)"
+        return exc
+
+
+def _pooler(
+    facts: server_probe.ServerFacts | exceptions.PgLockError, scopes: set[str]
+) -> Finding:
+    if isinstance(facts, exceptions.PgLockError):
+        return Finding(
+            "WARN", "pooler", f"could not probe for a pooler: {facts}".strip()
+        )
     if facts.pooling is server_probe.Pooling.STATEMENT:
-        return Finding(
-            "FAIL",
-            "pooler",
-            f"statement pooling ({facts.evidence}): multi-statement transactions are refused, and both lock scopes need them",
-            f"use a URL that reaches PostgreSQL directly, or a pool in session (or, with lock_scope='transaction', transaction) mode; {direct}",
-        )
+        detail = f"statement pooling ({facts.evidence}): multi-statement transactions are refused, and both lock scopes need them"
+        fix = f"use a URL that reaches PostgreSQL directly, or a pool in session (or, with lock_scope='transaction', transaction) mode; {DIRECT}"
+        return Finding("FAIL", "pooler", detail, fix)
+    if facts.pooling is server_probe.Pooling.TRANSACTION and "session" in scopes:
+        detail = f"transaction pooling ({facts.evidence}); session-scope locks would be shared with other clients"
+        fix = f"set lock_scope='transaction' (app.conf.pglock_scope), {DIRECT}"
+        return Finding("FAIL", "pooler", detail, fix)
     if facts.pooling is server_probe.Pooling.TRANSACTION:
-        if "session" in scopes:
-            return Finding(
-                "FAIL",
-                "pooler",
-                f"transaction pooling ({facts.evidence}); session-scope locks would be shared with other clients",
-                f"set lock_scope='transaction' (app.conf.pglock_scope), {direct}",
-            )
-        return Finding(
-            "OK",
-            "pooler",
-            f"transaction pooling ({facts.evidence}): fine for lock_scope='transaction' only",
-        )
-    if facts.proxied:
-        return Finding(
-            "OK",
-            "pooler",
-            "a proxy in session mode: the server sees another client port than ours, "
-            f"and {facts.evidence}",
-        )
-    return Finding("OK", "pooler", f"no pooler or proxy detected ({facts.evidence})")
+        detail = f"transaction pooling ({facts.evidence}): fine for lock_scope='transaction' only"
+    elif facts.proxied:
+        detail = f"a proxy in session mode: the server sees another client port than ours, and {facts.evidence}"
+    else:
+        detail = f"no pooler or proxy detected ({facts.evidence})"
+    return Finding("OK", "pooler", detail)
 
 
-def _connections_per_process(target: Target, scopes: set[str]) -> tuple[int, str]:
-    """Lock connections one worker process holds while its bodies run, and why.
-
-    Measured in real workers (tests/acceptance/test_sessions.py): a process whose locks
-    all live on its lock session holds 1 (the lock watcher checks them there). A lock
-    on a pooled connection of its own (transaction scope, whose connection the body
-    uses; a bounded wait; pglock_session_mode='per_lock') is checked by the watcher on
-    a connection of its own: 2.
-    """
+def _capacity(
+    target: Target, processes: int | None, scopes: set[str], facts: Any
+) -> Finding:
+    """The lock connections the workers may hold against the free ones (how many per
+    process: docs/operations/cli.md, measured by tests/acceptance/test_sessions.py)."""
+    app = target.app
+    if processes is None:
+        configured = app.conf.get("worker_concurrency") if app is not None else None
+        processes = int(configured or os.cpu_count() or 1)
     pooled: list[str] = []
     if "transaction" in scopes:
         pooled.append("transaction scope")
     if any(
         task.lock_config.on_busy is config.OnBusy.WAIT
-        for task in target.singleton_tasks()
+        for task in target.singleton_tasks
     ):
         pooled.append("lock_on_busy='wait'")
     if (
@@ -246,36 +206,17 @@ def _connections_per_process(target: Target, scopes: set[str]) -> tuple[int, str
         and config.session_mode(target.app.conf) is config.SessionMode.PER_LOCK
     ):
         pooled.append("pglock_session_mode='per_lock'")
-    if pooled:
-        return (
-            2,
-            f"a pooled lock connection and the lock watcher's, for {', '.join(pooled)}",
-        )
-    return 1, "its lock session, which the lock watcher checks too"
-
-
-def _capacity_finding(
-    target: Target,
-    processes: int | None,
-    per_process: tuple[int, str],
-    max_connections: int,
-    reserved: int,
-    in_use: int,
-) -> Finding:
-    if processes is None:
-        configured = (
-            target.app.conf.get("worker_concurrency")
-            if target.app is not None
-            else None
-        )
-        processes = int(configured or os.cpu_count() or 1)
-    available = max_connections - reserved - in_use
-    count, why = per_process
+    count, why = (
+        (2, f"a pooled lock connection and the lock watcher's, for {', '.join(pooled)}")
+        if pooled
+        else (1, "its lock session, which the lock watcher checks too")
+    )
+    available = facts.max_connections - facts.reserved - facts.in_use
     needed = processes * count
     detail = (
         f"{needed} lock connection(s) needed at most ({processes} process(es) x {count}: "
-        f"{why}); max_connections={max_connections}, {reserved} reserved, {in_use} in use, "
-        f"{available} free"
+        f"{why}); max_connections={facts.max_connections}, {facts.reserved} reserved, "
+        f"{facts.in_use} in use, {available} free"
     )
     fix = "raise max_connections, lower worker concurrency, or pool lock sessions through PgBouncer in session mode"
     if needed > available:

@@ -1,77 +1,97 @@
-"""``pglock key``: the advisory key a call of a task would lock, in every form.
-
-No database needed: the key is computed as the worker computes it
-(``SingletonTask.lock_key_for``), with the SQL that finds it in ``pg_locks``.
-"""
+"""``pglock key``: the advisory key a call of a task would lock, in every form, computed
+as the worker computes it; and the parsing of a lock named by a call or by ``--key``."""
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from celery_pglock import exceptions
+from celery_pglock import exceptions, keys
 
 if TYPE_CHECKING:
-    from celery_pglock.cli.target import Target
-
-
-F = TypeVar("F", bound=Any)
+    from celery_pglock.cli import Target
 
 #: --args and --kwargs: a call of a task, as JSON (``key`` and ``release``).
-call_options = [
-    click.option(
-        "--args",
-        "args_json",
-        default="[]",
-        metavar="JSON",
-        help="Positional arguments, e.g. '[7]'.",
-    ),
-    click.option(
-        "--kwargs",
-        "kwargs_json",
-        default="{}",
-        metavar="JSON",
-        help="Keyword arguments, e.g. '{\"tenant_id\": 7}'.",
-    ),
-]
-
-
-def with_call_options(command: F) -> F:
-    """Add --args and --kwargs to a click command."""
-    for option in reversed(call_options):
-        command = option(command)
-    return command
+ARGS = click.option(
+    "--args",
+    "args_json",
+    default="[]",
+    metavar="JSON",
+    help="Positional arguments, e.g. '[7]'.",
+)
+KWARGS = click.option(
+    "--kwargs",
+    "kwargs_json",
+    default="{}",
+    metavar="JSON",
+    help="Keyword arguments, e.g. '{\"tenant_id\": 7}'.",
+)
 
 
 @click.command(help="The advisory key a call of TASK would lock (no database needed).")
 @click.argument("task_name", metavar="TASK")
-@with_call_options
+@ARGS
+@KWARGS
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @click.pass_obj
 def key(
     target: Target, task_name: str, args_json: str, kwargs_json: str, as_json: bool
 ) -> None:
     task, lock_key = key_of_call(target, task_name, args_json, kwargs_json, verb="key")
-    click.echo(
-        json.dumps(key_forms(task, lock_key), indent=2)
-        if as_json
-        else _key_text(key_forms(task, lock_key))
-    )
+    namespace = task.lock_config.namespace
+    classid, objid, objsubid = lock_key.pg_locks_ids
+    forms: dict[str, Any] = {
+        "task": task.name,
+        "lock_name": lock_key.name,
+        "namespace": namespace,
+        "key": str(lock_key),
+        "ids": list(lock_key.ids),
+        "pg_locks": {"classid": classid, "objid": objid, "objsubid": objsubid},
+        "key_text": lock_key.text,
+        "find_sql": (
+            "SELECT l.pid, l.granted, a.application_name FROM pg_locks l "
+            "LEFT JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
+            f"AND l.classid = {classid} AND l.objid = {objid} AND l.objsubid = {objsubid};"
+        ),
+        "key_sql": None,
+    }
+    if lock_key.text is not None:
+        material = json.dumps(json.loads(lock_key.text)[3], ensure_ascii=False)
+        literals = (
+            "'" + text.replace("'", "''") + "'"
+            for text in (namespace, lock_key.name, material)
+        )
+        forms["key_sql"] = f"SELECT celery_pglock_key({', '.join(literals)});"
+    if as_json:
+        click.echo(json.dumps(forms, indent=2))
+        return
+    lines = [
+        f"task:       {task.name}",
+        f"lock name:  {lock_key.name}",
+        f"namespace:  {namespace}",
+        f"key:        {lock_key}  {'(bigint)' if len(lock_key.ids) == 1 else '(int, int)'}",
+        f"pg_locks:   classid={classid} objid={objid} objsubid={objsubid}",
+    ]
+    if lock_key.text is not None:
+        lines.append(f"key text:   {lock_key.text}")
+    lines.append(f"find it:    {forms['find_sql']}")
+    if forms["key_sql"]:
+        lines.append(f"in SQL:     {forms['key_sql']}  -- after `pglock sql --apply`")
+    click.echo("\n".join(lines))
 
 
 def key_of_call(
     target: Target, task_name: str, args_json: str, kwargs_json: str, *, verb: str
-) -> tuple[Any, Any]:
-    """The SingletonTask ``task_name`` of the app and the key of a call with these JSON
-    arguments, as the worker computes it (``SingletonTask.lock_key_for``)."""
+) -> tuple[Any, keys.LockKey]:
+    """The SingletonTask ``task_name`` and the key a call with these JSON arguments locks."""
     if target.app is None:
         raise click.UsageError(
             f"`{verb}` TASK needs the app: celery -A proj pglock {verb} ..., or --app."
         )
-    singletons = target.singleton_tasks()  # imports the task modules first
-    task = target.tasks().get(task_name)
+    singletons = target.singleton_tasks  # imports the task modules first
+    task = target.tasks.get(task_name)
     if task is None or task not in singletons:
         known = ", ".join(sorted(t.name for t in singletons)) or "none"
         raise click.UsageError(
@@ -92,51 +112,16 @@ def key_of_call(
         raise click.ClickException(str(error)) from None
 
 
-def key_forms(task: Any, lock_key: Any) -> dict[str, Any]:
-    """Every form of ``lock_key``: as the worker computes it (SingletonTask.lock_key_for)."""
-    classid, objid, objsubid = lock_key.pg_locks_ids
-    forms: dict[str, Any] = {
-        "task": task.name,
-        "lock_name": lock_key.name,
-        "namespace": task.lock_config.namespace,
-        "key": str(lock_key),
-        "ids": list(lock_key.ids),
-        "pg_locks": {"classid": classid, "objid": objid, "objsubid": objsubid},
-        "key_text": lock_key.text,
-        "find_sql": (
-            "SELECT l.pid, l.granted, a.application_name FROM pg_locks l "
-            "LEFT JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
-            f"AND l.classid = {classid} AND l.objid = {objid} AND l.objsubid = {objsubid};"
-        ),
-        "key_sql": None,
-    }
-    if lock_key.text is not None:
-        material = json.loads(lock_key.text)[3]
-        forms["key_sql"] = (
-            f"SELECT celery_pglock_key({_literal(task.lock_config.namespace)}, "
-            f"{_literal(lock_key.name)}, {_literal(json.dumps(material, ensure_ascii=False))});"
+def parse_key(text: str) -> keys.LockKey:
+    """``--key`` as `pglock locks` prints it: a bigint, or 'int,int'."""
+    try:
+        parts = tuple(int(part) for part in text.split(","))
+        return keys.explicit_key(
+            "--key", parts[0] if len(parts) == 1 else parts, where="--key"
         )
-    return forms
-
-
-def _literal(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
-
-
-def _key_text(forms: dict[str, Any]) -> str:
-    lines = [
-        f"task:       {forms['task']}",
-        f"lock name:  {forms['lock_name']}",
-        f"namespace:  {forms['namespace']}",
-        f"key:        {forms['key']}"
-        + ("  (bigint)" if len(forms["ids"]) == 1 else "  (int, int)"),
-        "pg_locks:   classid={classid} objid={objid} objsubid={objsubid}".format(
-            **forms["pg_locks"]
-        ),
-    ]
-    if forms["key_text"] is not None:
-        lines.append(f"key text:   {forms['key_text']}")
-    lines.append(f"find it:    {forms['find_sql']}")
-    if forms["key_sql"]:
-        lines.append(f"in SQL:     {forms['key_sql']}  -- after `pglock sql --apply`")
-    return "\n".join(lines)
+    except exceptions.ConfigurationError as error:  # also a ValueError: first
+        raise click.UsageError(str(error)) from None
+    except ValueError:
+        raise click.UsageError(
+            f"--key {text!r} is not a key: a bigint, or two ints 'namespace,resource'."
+        ) from None

@@ -1,43 +1,50 @@
-"""``pglock locks``: every advisory lock held or awaited, with human names.
-
-Holders and waiters are grouped by key; celery-pglock sessions are named by the
-``host:pid`` and task their ``application_name`` carries, and a key that does not
-depend on arguments is named by its task.
-"""
+"""``pglock locks``: every advisory lock held or awaited, with human names for holders
+and waiters (docs/operations/cli.md says what each column means)."""
 
 from __future__ import annotations
 
-import datetime
 import json
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from celery_pglock import exceptions
-from celery_pglock.cli import admin_sql
-from celery_pglock.db import driver_errors
+from celery_pglock import keys
+from celery_pglock.db import engines
 from celery_pglock.lock import holder_lookup
 
 if TYPE_CHECKING:
-    from celery_pglock.cli.target import Target
+    from collections.abc import Mapping
+
+    import sqlalchemy as sa
+
+    from celery_pglock.cli import Target
+
+#: Every advisory lock of this database, held or awaited, with its session: the key as
+#: LockKey.__str__ writes it, "since" as docs/operations/cli.md defines it; without the
+#: run locks (keys.run_key) an acks_late run holds beside its key.
+LOCKS = f"""
+SELECT CASE WHEN l.objsubid = 1 THEN ((l.classid::bigint << 32) | l.objid::bigint)::text
+       ELSE l.classid::bigint::bit(32)::int || ',' || l.objid::bigint::bit(32)::int
+       END AS key,
+  l.pid AS backend_pid, l.granted, l.mode, a.application_name,
+  host(a.client_addr) AS client_addr, a.state,
+  CASE WHEN l.granted THEN COALESCE(a.xact_start, a.state_change, a.backend_start)
+       ELSE l.waitstart END AS since,
+  now() AS now
+FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.pid <> pg_backend_pid()
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND NOT (l.objsubid = 2 AND l.classid = {keys.RUN_NAMESPACE})
+ORDER BY key, l.granted DESC, since
+"""
 
 
 @click.command(help="Every advisory lock held or awaited in the lock database.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @click.pass_obj
 def locks(target: Target, as_json: bool) -> None:
-    engine = target.engine()
-    try:
-        with (
-            driver_errors.wrap_db_errors("read pg_locks", engine),
-            engine.connect() as connection,
-        ):
-            rows = connection.exec_driver_sql(admin_sql.LOCKS).mappings().all()
-    except exceptions.DatabaseError as error:
-        raise click.ClickException(str(error)) from None
-    finally:
-        engine.dispose()
-    entries = describe_locks([dict(row) for row in rows], target)
+    with target.database("read pg_locks") as engine:
+        entries = read(target, engine)
     if as_json:
         click.echo(json.dumps(entries, indent=2, default=str))
         return
@@ -51,69 +58,66 @@ def locks(target: Target, as_json: bool) -> None:
             entry["lock_name"]
             or ("-" if entry["celery_pglock"] else "(not celery-pglock)"),
             entry["task"] or "-",
-            entry["holder"] or entry["application_name"] or "-",
+            holder_name(entry, "-"),
             str(entry["backend_pid"] or "-"),
             entry["since"] or "-",
             _duration(entry["held_seconds"]),
             ", ".join(
-                f"{w['holder'] or w['application_name'] or '?'} (backend {w['backend_pid']}, {_duration(w['waiting_seconds'])})"
+                f"{holder_name(w)} (backend {w['backend_pid']}, {_duration(w['waiting_seconds'])})"
                 for w in entry["waiters"]
             )
             or "-",
         )
         for entry in entries
     ]
-    widths = [
-        max(len(str(row[i])) for row in [header, *table]) for i in range(len(header))
-    ]
+    widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
     for row in [header, *table]:
         click.echo(
             "  ".join(
-                str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)
+                cell.ljust(width) for cell, width in zip(row, widths, strict=True)
             ).rstrip()
         )
 
 
-def describe_locks(rows: list[dict[str, Any]], target: Target) -> list[dict[str, Any]]:
-    """Group pg_locks rows by key: the holder with human names, and who waits."""
-    prefix = target.lock_prefix() + " "
+def read(target: Target, engine: sa.Engine) -> list[dict[str, Any]]:
+    """The advisory locks by key: the holder with human names, and who waits."""
+    with engine.connect() as connection:
+        rows = connection.exec_driver_sql(LOCKS).mappings().all()
+    prefix = (
+        target.conf().get("pglock_application_name") or engines.DEFAULT_APPLICATION_NAME
+    ) + " "
+    singletons = target.singleton_tasks
     fixed = {
         str(task.lock_config.fixed_key): (task.name, task.lock_config.name)
-        for task in target.singleton_tasks()
+        for task in singletons
         if task.lock_config.fixed_key is not None
     }
-    names: list[str] = [str(task.name) for task in target.singleton_tasks()]
 
     def full_name(task: str | None) -> str | None:
         # application_name keeps only the tail of a long task name ("~app.tasks.x").
         if task and task.startswith("~"):
-            matches = [name for name in names if name.endswith(task[1:])]
+            matches = [t.name for t in singletons if t.name.endswith(task[1:])]
             if len(matches) == 1:
-                return matches[0]
+                return str(matches[0])
         return task
 
     by_key: dict[str, dict[str, Any]] = {}
     for row in rows:
-        application_name = row.get("application_name") or None
-        ours = bool(application_name and application_name.startswith(prefix))
+        name = row["application_name"] or None
+        ours = bool(name and name.startswith(prefix))
         process, task = (
-            holder_lookup.parse_application_name(application_name)
-            if ours
-            else (None, None)
+            holder_lookup.parse_application_name(name) if ours else (None, None)
         )
-        seconds = (
-            (row["now"] - row["since"]).total_seconds()
-            if row.get("since") is not None
-            else None
-        )
+        since = row["since"]
+        seconds = None if since is None else (row["now"] - since).total_seconds()
         session = {
             "backend_pid": row["backend_pid"],
             "holder": process,
             "task": full_name(task),
-            "application_name": application_name,
-            "client_addr": row.get("client_addr"),
+            "application_name": name,
+            "client_addr": row["client_addr"],
             "celery_pglock": ours,
-            "since": _iso(row.get("since")),
+            "since": None if since is None else since.isoformat(timespec="seconds"),
         }
         entry = by_key.setdefault(
             row["key"],
@@ -122,31 +126,22 @@ def describe_locks(rows: list[dict[str, Any]], target: Target) -> list[dict[str,
                 "lock_name": None,
                 "waiters": [],
                 "held_seconds": None,
-                "backend_pid": None,
-                "holder": None,
-                "task": None,
-                "application_name": None,
-                "client_addr": None,
+                **dict.fromkeys(session),
                 "celery_pglock": False,
-                "since": None,
             },
         )
-        if row["granted"]:
-            entry.update(session, held_seconds=seconds)
-            known = fixed.get(row["key"])
-            # Only keys that do not depend on arguments can be named from the key alone.
-            if known is not None:  # the full task name (application_name may cut it)
-                entry["task"] = known[0]
-                entry["lock_name"] = known[1]
-        else:
+        if not row["granted"]:
             entry["waiters"].append({**session, "waiting_seconds": seconds})
+            continue
+        entry.update(session, held_seconds=seconds)
+        if row["key"] in fixed:  # a key that does not depend on arguments: known
+            entry["task"], entry["lock_name"] = fixed[row["key"]]
     return list(by_key.values())
 
 
-def _iso(value: Any) -> str | None:
-    if isinstance(value, datetime.datetime):
-        return value.isoformat(timespec="seconds")
-    return None if value is None else str(value)
+def holder_name(session: Mapping[str, Any], unknown: str = "?") -> str:
+    """A session's holder (host:pid), else its application_name."""
+    return str(session["holder"] or session["application_name"] or unknown)
 
 
 def _duration(seconds: float | None) -> str:

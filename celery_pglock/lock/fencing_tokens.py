@@ -1,15 +1,7 @@
-"""Issuing fencing tokens: only to a session that holds the key at that very moment.
-
-The invariant, and why this design guarantees it, is in docs/guide/fencing.md ("Why a
-stale run never gets a token"). The lock's session names itself (:class:`Holder`: who
-it is, and in transaction scope which transaction), and :func:`issue` takes the token
-on a pooled connection, in one committed statement that first locks the key's row and
-then checks ``pg_locks`` for that holder. Never on the lock's own session: a transaction
-scope lock's transaction commits only at the end (a token inside it would not be
-durable), and the process's shared session must not wait for a synchronous commit with
-every other task of the process queued behind it. The table is created on first use in a
-process (once per engine) unless it exists; a role that cannot create it gets an error
-naming the fix.
+"""Fencing tokens: the table, its SQL, and issuing a token only to a session that holds
+the key at that very moment (:class:`Holder` names it, :func:`issue` checks and issues
+in one committed statement on a pooled connection). docs/guide/fencing.md says why this
+design never gives a stale run a token, and why the table is keyed and sequenced so.
 """
 
 from __future__ import annotations
@@ -21,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery_pglock import exceptions
 from celery_pglock.db import deadlines, driver_errors, engines
-from celery_pglock.lock import fencing_sql, lock_statements
+from celery_pglock.lock import lock_statements
 
 if TYPE_CHECKING:
     import datetime
@@ -30,9 +22,83 @@ if TYPE_CHECKING:
 
     from celery_pglock.keys import LockKey
 
-#: Engines whose fencing table this process has seen (weak: engines come and go in tests).
-_ready: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
-_ready_guard = threading.Lock()
+UNDEFINED_TABLE, INSUFFICIENT_PRIVILEGE = "42P01", "42501"  # SQLSTATEs
+
+#: ``{schema}``: a quoted schema name and a dot, or empty (the search_path's first).
+#: Creators are serialised by an advisory lock: ``IF NOT EXISTS`` still races itself.
+CREATE = """
+BEGIN;
+SELECT pg_advisory_xact_lock(hashtext('celery_pglock.fencing'));
+CREATE SEQUENCE IF NOT EXISTS {schema}celery_pglock_fencing_token_seq
+  AS bigint MINVALUE 1 CACHE 1 NO CYCLE;
+CREATE TABLE IF NOT EXISTS {schema}celery_pglock_fencing (
+  classid oid NOT NULL, objid oid NOT NULL, objsubid smallint NOT NULL,
+  token bigint NOT NULL, issued_at timestamptz NOT NULL DEFAULT now(),
+  PRIMARY KEY (classid, objid, objsubid)
+);
+COMMENT ON TABLE {schema}celery_pglock_fencing IS
+  'celery-pglock: the last fencing token issued per advisory key (pg_locks ids)';
+COMMIT;
+"""
+
+DROP = """
+DROP TABLE IF EXISTS {schema}celery_pglock_fencing;
+DROP SEQUENCE IF EXISTS {schema}celery_pglock_fencing_token_seq;
+"""
+
+#: What a least-privilege lock role needs; ``{role}`` is a quoted role name.
+GRANT = """
+GRANT SELECT, INSERT, UPDATE ON {schema}celery_pglock_fencing TO {role};
+GRANT USAGE ON SEQUENCE {schema}celery_pglock_fencing_token_seq TO {role};
+"""
+
+#: The last token issued for a key (classid, objid, objsubid), if any.
+LAST = (
+    "SELECT token FROM celery_pglock_fencing "
+    "WHERE classid = %s::oid AND objid = %s::oid AND objsubid = %s::smallint"
+)
+
+_EXISTS = """SELECT to_regclass('celery_pglock_fencing') IS NOT NULL,
+  to_regclass('celery_pglock_fencing_token_seq') IS NOT NULL"""
+
+# (pid, backend_start, postmaster start): unique for the life of a session. Asked on the
+# session itself, because the pid libpq knows is a pooler's.
+_SESSION_IDENTITY = """SELECT pg_backend_pid(),
+  (SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()),
+  pg_postmaster_start_time()"""
+
+_KEY = "classid = %(classid)s::oid AND objid = %(objid)s::oid AND objsubid = %(objsubid)s::smallint"
+_GRANTED = f"""l.locktype = 'advisory' AND l.granted AND {_KEY}
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"""
+
+# In transaction scope, inside the lock's transaction: which transaction holds the key.
+_TRANSACTION_IDENTITY = f"""
+SELECT l.pid, a.backend_start, pg_postmaster_start_time(), l.virtualtransaction
+FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE {_GRANTED} AND l.pid = pg_backend_pid() LIMIT 1"""
+
+_HELD_BY = f"""SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+  WHERE {_GRANTED} AND l.pid = %(pid)s AND a.backend_start = %(started)s
+  AND pg_postmaster_start_time() = %(postmaster)s
+  AND (%(vxid)s::text IS NULL OR l.virtualtransaction = %(vxid)s::text)"""
+
+# In autocommit: lock the key's row (made if missing) before checking the holder, so
+# issues for one key are serialised; synchronous_commit on, so the token is durable
+# before the client reads it. One row (held, token); token NULL if not held, or if the
+# sequence fell behind the row (reset: refuse, never go back).
+_ISSUE = f"""
+SELECT set_config('synchronous_commit', 'on', true);
+INSERT INTO celery_pglock_fencing (classid, objid, objsubid, token)
+  SELECT %(classid)s::oid, %(objid)s::oid, %(objsubid)s::smallint, 0
+  WHERE EXISTS ({_HELD_BY})
+  ON CONFLICT (classid, objid, objsubid) DO NOTHING;
+SELECT 1 FROM celery_pglock_fencing WHERE {_KEY} FOR UPDATE;
+WITH held AS (SELECT EXISTS ({_HELD_BY}) AS held),
+  next AS (SELECT nextval('celery_pglock_fencing_token_seq') AS token
+           FROM held WHERE held.held),
+  issued AS (UPDATE celery_pglock_fencing AS f SET token = next.token, issued_at = now()
+             FROM next WHERE {_KEY} AND f.token < next.token RETURNING f.token)
+SELECT held.held, (SELECT token FROM issued) FROM held"""
 
 FIX = (
     "create it once as its owner with `celery -A proj pglock sql --fencing --apply` "
@@ -41,52 +107,14 @@ FIX = (
     "celery_pglock_fencing_token_seq (docs/operations/security.md)"
 )
 
-
-def ensure_table(engine: sa.Engine) -> None:
-    """Create the fencing table if this process has not seen it yet (once per engine)."""
-    if engine in _ready:
-        return
-    with _ready_guard:
-        if engine in _ready:
-            return
-        action = "set up the fencing table"
-        with driver_errors.wrap_db_errors(action, engine):
-            pooled: Any = engine.raw_connection()
-            try:
-                pooled.dbapi_connection.autocommit = True
-                with pooled.dbapi_connection.cursor() as cursor:
-                    cursor.execute(fencing_sql.EXISTS)
-                    row = cursor.fetchone()
-                    if not (row and all(row)):
-                        _create(cursor, engine)
-            finally:
-                pooled.close()
-        _ready.add(engine)
-
-
-def forget(engine: sa.Engine) -> None:
-    """Check the table again at the next issue (after it failed, or was dropped)."""
-    with _ready_guard:
-        _ready.discard(engine)
-
-
-def _create(cursor: Any, engine: sa.Engine) -> None:
-    try:
-        cursor.execute(fencing_sql.CREATE.format(schema=""))
-    except Exception as exc:
-        if driver_errors.sqlstate(exc) != fencing_sql.INSUFFICIENT_PRIVILEGE:
-            raise
-        cursor.execute("ROLLBACK")  # autocommit: end the aborted BEGIN by hand
-        raise exceptions.DatabaseError(
-            f"The fencing table {fencing_sql.TABLE} does not exist on "
-            f"{engines.engine_info(engine)['masked_url']} and this role may not create it; "
-            f"{FIX}."
-        ) from exc
+#: Engines whose fencing table this process has seen (weak: engines come and go in tests).
+_ready: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
+_ready_guard = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Holder:
-    """Who holds a lock, as PostgreSQL names it (fencing_sql.SESSION_IDENTITY)."""
+    """Who holds a lock, as PostgreSQL names it."""
 
     pid: int
     started: datetime.datetime
@@ -97,35 +125,56 @@ class Holder:
 
 def session_holder(cursor: Any) -> Holder:
     """Ask the lock's own session who it is (once per session: it never changes)."""
-    cursor.execute(fencing_sql.SESSION_IDENTITY)
-    pid, started, postmaster = cursor.fetchone()
-    return Holder(pid, started, postmaster)
+    cursor.execute(_SESSION_IDENTITY)
+    return Holder(*cursor.fetchone())
 
 
 def transaction_holder(cursor: Any, key: LockKey) -> Holder | None:
-    """Ask the lock's connection, inside its transaction, which transaction holds
-    ``key``: None if it does not."""
-    cursor.execute(fencing_sql.TRANSACTION_IDENTITY, _ids(key))
+    """Ask the lock's connection, in its transaction, which one holds ``key`` (or None)."""
+    cursor.execute(_TRANSACTION_IDENTITY, _ids(key))
     row = cursor.fetchone()
-    if row is None:
-        return None
-    vxid, pid, started, postmaster = row
-    return Holder(pid, started, postmaster, vxid)
+    return None if row is None else Holder(*row)
+
+
+def ensure_table(engine: sa.Engine) -> None:
+    """Create the fencing table if this process has not seen it yet (once per engine)."""
+    if engine in _ready:
+        return
+    with _ready_guard:
+        if engine in _ready:
+            return
+        with driver_errors.wrap_db_errors("set up the fencing table", engine):
+            pooled: Any = engine.raw_connection()
+            try:
+                pooled.dbapi_connection.autocommit = True
+                with pooled.dbapi_connection.cursor() as cursor:
+                    cursor.execute(_EXISTS)
+                    if not all(cursor.fetchone()):
+                        _create(cursor, engine)
+            finally:
+                pooled.close()
+        _ready.add(engine)
+
+
+def _create(cursor: Any, engine: sa.Engine) -> None:
+    try:
+        cursor.execute(CREATE.format(schema=""))
+    except Exception as exc:
+        if driver_errors.sqlstate(exc) != INSUFFICIENT_PRIVILEGE:
+            raise
+        cursor.execute("ROLLBACK")  # autocommit: end the aborted BEGIN by hand
+        raise exceptions.DatabaseError(
+            "The fencing table celery_pglock_fencing does not exist on "
+            f"{engines.engine_info(engine)['masked_url']} and this role may not create "
+            f"it; {FIX}."
+        ) from exc
 
 
 def issue(engine: sa.Engine, key: LockKey, holder: Holder, bound: float) -> int | None:
-    """Issue ``key``'s next token if ``holder`` holds ``key`` now; None if it does not.
-
-    On a pooled connection of ``engine``, bounded by ``bound`` seconds.
-    """
+    """Issue ``key``'s next token if ``holder`` holds it now, on a pooled connection of
+    ``engine`` within ``bound`` seconds; None if it does not hold it."""
     action = f"issue a fencing token for lock {key.name!r}"
-    params = {
-        **_ids(key),
-        "pid": holder.pid,
-        "started": holder.started,
-        "postmaster": holder.postmaster,
-        "vxid": holder.vxid,
-    }
+    params = {**_ids(key), **dataclasses.asdict(holder)}
     with driver_errors.wrap_db_errors(action, engine):
         pooled: Any = engine.raw_connection()
     try:
@@ -136,7 +185,37 @@ def issue(engine: sa.Engine, key: LockKey, holder: Holder, bound: float) -> int 
             deadlines.bounded(dbapi, bound),
             dbapi.cursor() as cursor,
         ):
-            return _issue(cursor, params, key, engine)
+            try:
+                cursor.execute(_ISSUE, params)
+                lock_statements.to_last_result(cursor)
+                row = cursor.fetchone()
+            except Exception as exc:
+                code = driver_errors.sqlstate(exc)
+                if code not in (UNDEFINED_TABLE, INSUFFICIENT_PRIVILEGE):
+                    raise
+                with _ready_guard:
+                    _ready.discard(engine)  # check the table again at the next issue
+                problem = (
+                    "does not exist (dropped since this process checked?)"
+                    if code == UNDEFINED_TABLE
+                    else "is not writable by this role"
+                )
+                raise exceptions.DatabaseError(
+                    f"Could not issue a fencing token for lock {key.name!r}: "
+                    f"celery_pglock_fencing {problem}; {FIX}."
+                ) from exc
+            held, token = row if row is not None else (False, None)
+            if not held:
+                return None
+            if token is None:
+                raise exceptions.DatabaseError(
+                    f"Could not issue a fencing token for lock {key.name!r} (key {key}): "
+                    "celery_pglock_fencing_token_seq gave a token below the last one "
+                    "issued for this key (was it reset with setval, or given a CACHE "
+                    "above 1?). Tokens never go back: set CACHE 1 and the sequence past "
+                    "max(token) of celery_pglock_fencing."
+                )
+            return int(token)
     except BaseException:
         pooled.invalidate()  # unknown state: never pool it
         raise
@@ -147,38 +226,3 @@ def issue(engine: sa.Engine, key: LockKey, holder: Holder, bound: float) -> int 
 def _ids(key: LockKey) -> dict[str, Any]:
     classid, objid, objsubid = key.pg_locks_ids
     return {"classid": classid, "objid": objid, "objsubid": objsubid}
-
-
-def _issue(
-    cursor: Any, params: dict[str, Any], key: LockKey, engine: sa.Engine
-) -> int | None:
-    try:
-        cursor.execute(fencing_sql.ISSUE, params)
-        lock_statements.to_last_result(cursor)
-        row = cursor.fetchone()
-    except Exception as exc:
-        code = driver_errors.sqlstate(exc)
-        if code in (fencing_sql.UNDEFINED_TABLE, fencing_sql.INSUFFICIENT_PRIVILEGE):
-            forget(engine)
-            problem = (
-                "does not exist (dropped since this process checked?)"
-                if code == fencing_sql.UNDEFINED_TABLE
-                else "is not writable by this role"
-            )
-            raise exceptions.DatabaseError(
-                f"Could not issue a fencing token for lock {key.name!r}: "
-                f"{fencing_sql.TABLE} {problem}; {FIX}."
-            ) from exc
-        raise
-    held, token = row if row is not None else (False, None)
-    if not held:
-        return None
-    if token is None:
-        raise exceptions.DatabaseError(
-            f"Could not issue a fencing token for lock {key.name!r} (key "
-            f"{key}): {fencing_sql.SEQUENCE} gave a token below the last one "
-            "issued for this key (was it reset with setval, or given a CACHE above 1?). "
-            "Tokens never go back: set CACHE 1 and the sequence past max(token) of "
-            f"{fencing_sql.TABLE}."
-        )
-    return int(token)

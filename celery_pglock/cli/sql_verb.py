@@ -1,0 +1,115 @@
+"""``pglock sql``: print or apply the SQL twin of ``keys.make_key`` and a view of advisory
+locks, for people in psql (docs/operations/cli.md), or the fencing table (``--fencing``).
+
+Parameters are never spliced in; the only spliced text is a quoted schema name.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from celery_pglock import fencing
+from celery_pglock.cli import locks_verb
+
+if TYPE_CHECKING:
+    from celery_pglock.cli import Target
+
+# celery_pglock_canonical() writes jsonb as json.dumps(sort_keys=True, separators=(",",
+# ":"), ensure_ascii=False) does (docs/operations/cli.md says where floats differ).
+INSTALL = (
+    """
+CREATE OR REPLACE FUNCTION {schema}.celery_pglock_canonical(value jsonb)
+RETURNS text LANGUAGE plpgsql IMMUTABLE STRICT AS $$
+BEGIN
+  IF jsonb_typeof(value) = 'object' THEN
+    RETURN '{{' || COALESCE((
+      SELECT string_agg(to_json(k)::text || ':' || {schema}.celery_pglock_canonical(v),
+                        ',' ORDER BY k COLLATE "C")
+      FROM jsonb_each(value) AS e(k, v)), '') || '}}';
+  ELSIF jsonb_typeof(value) = 'array' THEN
+    RETURN '[' || COALESCE((
+      SELECT string_agg({schema}.celery_pglock_canonical(v), ',' ORDER BY i)
+      FROM jsonb_array_elements(value) WITH ORDINALITY AS a(v, i)), '') || ']';
+  END IF;
+  RETURN value::text;
+END $$;
+
+COMMENT ON FUNCTION {schema}.celery_pglock_canonical(jsonb) IS
+  'celery-pglock: jsonb as the canonical key text (compact, keys sorted by code point)';
+
+CREATE OR REPLACE FUNCTION {schema}.celery_pglock_key(
+  namespace text, name text, material jsonb DEFAULT 'null')
+RETURNS bigint LANGUAGE sql IMMUTABLE AS $$
+  SELECT ('x' || left(encode(sha256(convert_to(
+    '["celery_pglock/1",' || to_json(namespace)::text || ',' || to_json(name)::text
+    || ',' || COALESCE({schema}.celery_pglock_canonical(material), 'null') || ']',
+    'UTF8')), 'hex'), 16))::bit(64)::bigint
+$$;
+
+COMMENT ON FUNCTION {schema}.celery_pglock_key(text, text, jsonb) IS
+  'celery-pglock key format 1: the advisory key of (namespace, lock name, material); '
+  'material is {{"<lock_args name>": value, ...}}, null for a task without lock_args';
+
+CREATE OR REPLACE VIEW {schema}.celery_pglock_locks AS
+"""
+    + locks_verb.LOCKS.replace("ORDER BY key, l.granted DESC, since", "").rstrip()
+    + ";\n"
+)
+
+UNINSTALL = """
+DROP VIEW IF EXISTS {schema}.celery_pglock_locks;
+DROP FUNCTION IF EXISTS {schema}.celery_pglock_key(text, text, jsonb);
+DROP FUNCTION IF EXISTS {schema}.celery_pglock_canonical(jsonb);
+"""
+
+
+@click.command(
+    help="Print (or --apply) the SQL key function celery_pglock_key() and the view "
+    "celery_pglock_locks; with --fencing, the fencing-token table instead."
+)
+@click.option("--apply", "apply_", is_flag=True, help="Run it on the lock database.")
+@click.option("--uninstall", is_flag=True, help="The DROP statements instead.")
+@click.option(
+    "--schema", default="public", show_default=True, help="Schema to create them in."
+)
+@click.option(
+    "--fencing",
+    "fencing_",
+    is_flag=True,
+    help="The table and sequence of lock_fencing (run as their owner; see the GRANTs printed).",
+)
+@click.pass_obj
+def sql(
+    target: Target, apply_: bool, uninstall: bool, schema: str, fencing_: bool
+) -> None:
+    if fencing_:
+        text = fencing.drop_sql(schema) if uninstall else fencing.create_sql(schema)
+        action = "set up the fencing table"
+        done = "Dropped" if uninstall else "Created (if missing)"
+        made = f"{schema}.celery_pglock_fencing and {schema}.celery_pglock_fencing_token_seq"
+    else:
+        quoted = fencing.quote_identifier(schema)
+        text = (UNINSTALL if uninstall else INSTALL).format(schema=quoted)
+        action = "install the SQL functions"
+        done = "Dropped" if uninstall else "Created"
+        made = f"{schema}.celery_pglock_key(), {schema}.celery_pglock_canonical() and the view {schema}.celery_pglock_locks"
+    if not apply_:
+        click.echo(text)
+        if fencing_ and not uninstall:
+            grants = fencing.grant_sql("<lock role>", schema).strip().splitlines()
+            click.echo("-- A lock role without CREATE needs:")
+            click.echo("\n".join(f"-- {line}" for line in grants))
+        return
+    with target.database(action) as engine:
+        # Autocommit: the text goes as one simple query, which PostgreSQL runs as one
+        # transaction unless it has its own BEGIN/COMMIT (the fencing SQL does).
+        connection: Any = engine.raw_connection()
+        try:
+            connection.dbapi_connection.autocommit = True
+            with connection.cursor() as cursor:
+                cursor.execute(text)
+        finally:
+            connection.close()
+    click.echo(f"{done} {made}.")
