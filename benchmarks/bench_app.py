@@ -130,8 +130,11 @@ if contender in ("pglock", UNAWAITED, "all"):
         pglock_database_url=os.environ.get(DATABASE_URL_ENV),
         pglock_namespace=os.environ.get(NAMESPACE_ENV, "bench"),
         pglock_application_name=APPLICATION_NAME,
-        pglock_session_mode=os.environ.get(SESSION_MODE_ENV) or None,
     )
+    if os.environ.get(SESSION_MODE_ENV) == "per_lock":
+        from celery_pglock.lock import sessions
+
+        sessions.use_per_lock_sessions()
 
     @app.task(name=SESSION, base=SingletonTask, lock_args=("key",))
     def session(key: str, body: float = 0.0) -> None:
@@ -190,9 +193,9 @@ def _unawaited_release() -> None:
     import psycopg2.extensions as ext
 
     from celery_pglock.db import engines, sql_text
-    from celery_pglock.lock import base, per_process
+    from celery_pglock.lock import sessions
 
-    session_class = per_process.ProcessSession
+    session_class = sessions.ProcessSession
     waits_first = session_class.acquire
 
     def wait(connection: Any, *, until_sent: bool = False) -> None:
@@ -260,7 +263,7 @@ def _unawaited_release() -> None:
             row = cursor.fetchone()
             if not (row and row[0] is True):
                 return None
-            hold = base.Hold(self, ids)
+            hold = sessions.Hold(self, ids)
             hold.connection = self._connection
             self._owners[ids] = hold
             if on_granted is not None:

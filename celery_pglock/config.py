@@ -89,18 +89,12 @@ class LockScope(str, enum.Enum):
     TRANSACTION = "transaction"
 
 
-class SessionMode(str, enum.Enum):
-    """Which PostgreSQL session carries a process's session-scope locks."""
-
-    #: One long-lived session per worker process carries all of its session-scope
-    #: try-locks, with exclusion per key inside the process. The default for every pool.
-    PER_PROCESS = "per_process"
-    #: A pooled connection per held lock (transaction scope and bounded waits always
-    #: work this way, whatever the setting).
-    PER_LOCK = "per_lock"
-
-
-SESSION_MODE_SETTING = "pglock_session_mode"
+#: Settings that were removed -> what to do instead (the unknown-setting check says it).
+REMOVED_SETTINGS = {
+    "pglock_session_mode": "session-scope try-locks always use the process's lock "
+    "session, bounded waits and transaction scope a pooled connection per lock; delete "
+    "the setting (see the changelog, and docs/design.md for the sessions)",
+}
 
 #: Task attribute -> app setting for the options that have an app-wide default.
 APP_SETTINGS = {
@@ -128,7 +122,6 @@ DATABASE_SETTINGS = (
     "pglock_engine_options",
     "pglock_application_name",
     "pglock_server_keepalives",
-    SESSION_MODE_SETTING,
 )
 #: Settings read by the metrics layer (metrics.py), validated by metrics.from_conf().
 METRICS_SETTINGS = ("pglock_metrics", "pglock_metrics_port", "pglock_metrics_address")
@@ -206,6 +199,10 @@ def check_unknown_settings(conf: Mapping[str, Any]) -> None:
         spelled = setting
         if prefix and setting.upper().startswith(prefix.upper()):
             setting = setting[len(prefix) :].lower()
+        if setting in REMOVED_SETTINGS:
+            raise exceptions.ConfigurationError(
+                f"The setting {spelled!r} was removed: {REMOVED_SETTINGS[setting]}."
+            )
         if setting.lower().startswith("pglock_") and setting not in KNOWN_SETTINGS:
             hint = difflib.get_close_matches(setting, KNOWN_SETTINGS, n=1)
             known = KNOWN_SETTINGS
@@ -384,24 +381,6 @@ def resolve(
         lock_key=lock_key,
         fixed_key=fixed_key,
     )
-
-
-def session_mode(conf: Mapping[str, Any]) -> SessionMode:
-    """``app.conf.pglock_session_mode`` (default ``per_process``), validated.
-
-    Raises:
-        ConfigurationError: not one of the modes.
-    """
-    value = conf.get(SESSION_MODE_SETTING)
-    if value is None:
-        return SessionMode.PER_PROCESS
-    try:
-        return SessionMode(value)
-    except ValueError:
-        allowed = ", ".join(repr(member.value) for member in SessionMode)
-        raise exceptions.ConfigurationError(
-            f"{SESSION_MODE_SETTING}={value!r} is invalid; expected one of {allowed}."
-        ) from None
 
 
 def database_url(conf: Mapping[str, Any]) -> str:

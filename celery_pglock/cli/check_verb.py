@@ -230,7 +230,7 @@ def _connections_per_process(target: Target, scopes: set[str]) -> tuple[int, str
     Measured in real workers (tests/acceptance/test_sessions.py): a process whose locks
     all live on its lock session holds 1 (the lock watcher checks them there). A lock
     on a pooled connection of its own (transaction scope, whose connection the body
-    uses; a bounded wait; pglock_session_mode='per_lock') is checked by the watcher on
+    uses; a bounded wait) is checked by the watcher on
     a connection of its own: 2.
     """
     pooled: list[str] = []
@@ -241,11 +241,6 @@ def _connections_per_process(target: Target, scopes: set[str]) -> tuple[int, str
         for task in target.singleton_tasks()
     ):
         pooled.append("lock_on_busy='wait'")
-    if (
-        target.app is not None
-        and config.session_mode(target.app.conf) is config.SessionMode.PER_LOCK
-    ):
-        pooled.append("pglock_session_mode='per_lock'")
     if pooled:
         return (
             2,

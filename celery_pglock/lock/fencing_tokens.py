@@ -20,8 +20,8 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import exceptions
-from celery_pglock.db import deadlines, driver_errors, engines
-from celery_pglock.lock import fencing_sql, lock_statements
+from celery_pglock.db import deadlines, driver_errors, engines, sql_text
+from celery_pglock.lock import fencing_sql
 
 if TYPE_CHECKING:
     import datetime
@@ -154,7 +154,7 @@ def _issue(
 ) -> int | None:
     try:
         cursor.execute(fencing_sql.ISSUE, params)
-        lock_statements.to_last_result(cursor)
+        sql_text.to_last_result(cursor)
         row = cursor.fetchone()
     except Exception as exc:
         code = driver_errors.sqlstate(exc)

@@ -18,8 +18,7 @@ global, and the receivers work for any app). None of these is the normal release
 - ``worker_process_shutdown`` / ``worker_shutdown``: anything still held is released and
   every lock connection (the process's lock session included) closed, so a stopping
   worker frees its locks before it exits.
-- ``worker_init``: a missing or invalid database URL or ``pglock_session_mode``, or an
-  unknown ``pglock_*`` setting,
+- ``worker_init``: a missing or invalid database URL, or an unknown ``pglock_*`` setting,
   stops the worker at start with a message naming the setting and the environment
   variable, instead of failing every locked task later. (It exits: Celery logs and
   swallows ordinary exceptions raised by signal receivers.) So does a lock database that
@@ -49,7 +48,7 @@ from celery import signals as celery_signals
 
 from celery_pglock import config, exceptions, metrics
 from celery_pglock.db import driver_errors, engines, server_probe
-from celery_pglock.lock import strategy
+from celery_pglock.lock import sessions
 from celery_pglock.task import context, metrics_endpoint, singleton_task
 
 logger = logging.getLogger(__name__)
@@ -113,7 +112,6 @@ def check_app(app: Any) -> None:
     if not _singleton_tasks(app):
         return
     config.check_unknown_settings(app.conf)
-    config.session_mode(app.conf)
     engines.check_url(config.database_url(app.conf))
     metrics.from_conf(app.conf)
 
@@ -272,6 +270,6 @@ def _release_everything(**_: Any) -> None:
     for lock in context.all_held():
         if lock.owned():
             singleton_task.release_leftover(lock, "worker shutdown")
-    strategy.close_all()
+    sessions.close_all()
     engines.dispose_all()
     metrics_endpoint.stop()  # the main process's /metrics endpoint; no-op in children

@@ -2,8 +2,7 @@
 
 The check runs on the process's lock session when it has one (``ProcessSession.run_check``:
 that session is idle while bodies run, so a prefork child keeps one connection). A process
-without one (transaction scope, whose connection the body uses; bounded waits; per_lock
-mode) checks on the observer's own session, and so does the diagnosis of a lock session
+without one (transaction scope, whose connection the body uses; bounded waits) checks on the observer's own session, and so does the diagnosis of a lock session
 that stopped answering (to name a restart, a failover or a standby), closed again after.
 
 The observer's own session is asynchronous (psycopg2 ``async_``): every connect and query waits in ``poll()`` until the
@@ -27,7 +26,7 @@ from celery_pglock.db import (
     sql_text,
     startup_options,
 )
-from celery_pglock.lock import per_process
+from celery_pglock.lock import sessions
 
 if TYPE_CHECKING:
     from celery_pglock.watch.loss_watcher import Entry
@@ -52,7 +51,7 @@ class Observer:
         self,
         entries: list[Entry],
         deadline: float,
-        session: per_process.ProcessSession | None = None,
+        session: sessions.ProcessSession | None = None,
     ) -> dict[int, str]:
         """{id(entry): cause} for each lock found lost; every entry if unverifiable.
 
@@ -68,7 +67,7 @@ class Observer:
                 rows = session.run_check(
                     sql_text.CHECK_HELD, _params(entries), deadline, least=timeout / 2
                 )
-            except per_process.SessionBusyError:
+            except sessions.SessionBusyError:
                 # Busy with lock statements (each bounded): no news about its locks.
                 # Checked here instead, with a whole budget of its own, so a busy
                 # session never makes a held lock look unverifiable.

@@ -50,7 +50,6 @@ def check_settings(
         # Every option a task leaves unset takes the app's setting: resolve them as a
         # task with no options of its own would.
         run(lambda: _resolve_defaults(conf), "celery_pglock.E002")
-    run(lambda: config.session_mode(conf), "celery_pglock.E002")
     run(lambda: metrics.from_conf(conf), "celery_pglock.E002")
     try:
         url = config.database_url(conf)
