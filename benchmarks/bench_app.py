@@ -231,26 +231,18 @@ def _unawaited_release() -> None:
     def acquire(
         self: Any,
         key: Any,
-        *,
         label: str,
         timeout_ms: Any,
         transaction: bool,
-        bound: float = 5.0,
-        run: Any = None,
-        on_granted: Any = None,
+        bound: float,
+        run: Any,
+        on_granted: Any,
     ) -> Any:
         if run is not None:
             raise NotImplementedError("no run locks (acks_late) in this measurement")
         if transaction or timeout_ms is not None:
             return waits_first(
-                self,
-                key,
-                label=label,
-                timeout_ms=timeout_ms,
-                transaction=transaction,
-                bound=bound,
-                run=run,
-                on_granted=on_granted,
+                self, key, label, timeout_ms, transaction, bound, run, on_granted
             )
         ids = key.ids
         with self._mutex:
@@ -270,9 +262,7 @@ def _unawaited_release() -> None:
                 on_granted(hold)
             return hold
 
-    def release(
-        self: Any, hold: Any, key: Any, *, commit: bool, timeout: float = 5.0
-    ) -> None:
+    def release(self: Any, hold: Any, key: Any, commit: bool, timeout: float) -> None:
         if hold.session is not self:
             return
         with self._mutex:

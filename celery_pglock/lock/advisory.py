@@ -183,9 +183,8 @@ class AdvisoryLock:
                 name=self.key.name,
             )
         try:
-            hold.session.release(  # a bounded wait's hold lives on the per-lock sessions
-                hold, self.key, commit=commit, timeout=self.round_trip_timeout
-            )
+            # A bounded wait's hold lives on the per-lock sessions.
+            hold.session.release(hold, self.key, commit, self.round_trip_timeout)
         finally:
             self.released_at = time.monotonic()
 
@@ -272,7 +271,7 @@ class AdvisoryLock:
             )
 
     @property
-    def session(self) -> sessions.LockSessions:
+    def session(self) -> sessions.ProcessSession | sessions.PerLockSessions:
         """The sessions object this lock takes its key on."""
         return self._session
 
@@ -362,14 +361,15 @@ class AdvisoryLock:
     # -- primitives ---------------------------------------------------------------------
 
     def _do_acquire(self, timeout_ms: int | None) -> bool:
+        transaction = self.scope is LockScope.TRANSACTION
         hold = self._session.acquire(
             self.key,
-            label=self._label,
-            timeout_ms=timeout_ms,
-            transaction=self.scope is LockScope.TRANSACTION,
-            bound=self.round_trip_timeout,
-            run=self.run_key,
-            on_granted=self._granted,
+            self._label,
+            timeout_ms,
+            transaction,
+            self.round_trip_timeout,
+            self.run_key,
+            self._granted,
         )
         self._hold = hold
         return hold is not None
@@ -383,5 +383,5 @@ class AdvisoryLock:
                 logger.debug("Release after a failed fencing token", exc_info=True)
 
     def _granted(self, hold: sessions.Hold) -> None:
-        # Owned from the moment the session recorded the grant (LockSessions.acquire).
+        # Owned from the moment the session recorded the grant (ProcessSession.acquire).
         self._hold = hold

@@ -66,27 +66,24 @@ class Hold:
     )
 
     def __init__(
-        self, session: LockSessions, ids: tuple[int, ...], idle_name: str = ""
+        self,
+        session: ProcessSession | PerLockSessions,
+        ids: tuple[int, ...],
+        idle_name: str = "",
     ) -> None:
         self.session = session
         self.ids = ids
-        self.idle_name = (
-            idle_name  #: Per-lock: the name its connection shows once released.
-        )
-        self.holding_name: str | None = (
-            None  #: The application_name shown when granted.
-        )
+        self.idle_name = idle_name  # per lock: what its connection shows once released
+        self.holding_name: str | None = None  # what its session showed when granted
         self.pid = os.getpid()
-        self.connection: Any = None  #: The DBAPI connection the lock lives on.
-        self.pooled: Any = None  #: Per-lock: the pool's proxy, pinned until release.
-        #: Transaction scope: the SQLAlchemy connection and transaction lent to the body.
+        self.connection: Any = None  # the DBAPI connection it lives on
+        self.pooled: Any = None  # per lock: the pool's proxy, pinned until release
+        # Transaction scope: the SQLAlchemy connection and transaction lent to the body.
         self.sa_connection: sa.Connection | None = None
         self.transaction: sa.RootTransaction | None = None
         self.lent = False
-        self.lost: str | None = None  #: Why its session ended before its release.
-        self.run_ids: tuple[int, ...] | None = (
-            None  #: The run lock held beside the key.
-        )
+        self.lost: str | None = None  # why its session ended before its release
+        self.run_ids: tuple[int, ...] | None = None  # the run lock held beside the key
 
 
 class Claims:
@@ -154,10 +151,7 @@ class Claims:
 
 
 class LockSessions(abc.ABC):
-    """Where the locks of one engine live in this process: take a key, give it back."""
-
-    #: The per-lock sessions for bounded waits and transaction scope (itself, per lock).
-    waits: PerLockSessions
+    """What both strategies share: the holder and run lookups, names, error tail."""
 
     def __init__(self, engine: sa.Engine, claims: Claims) -> None:
         self.engine = engine
@@ -165,48 +159,6 @@ class LockSessions(abc.ABC):
         self.pid = os.getpid()
         self._prefix = engines.engine_info(engine)["application_name_prefix"]
         self._names: dict[tuple[str, ...], str] = {}
-
-    @abc.abstractmethod
-    def acquire(
-        self,
-        key: LockKey,
-        *,
-        label: str,
-        timeout_ms: int | None,
-        transaction: bool,
-        bound: float = DEFAULT_ROUND_TRIP_TIMEOUT,
-        run: LockKey | None = None,
-        on_granted: Callable[[Hold], None] | None = None,
-    ) -> Hold | None:
-        """Take ``key``; the hold, or None when another session (or run) holds it.
-
-        A key claimed in :attr:`claims` is refused without a round trip, or waited for
-        within ``timeout_ms``. ``label`` goes into the application_name; ``bound`` limits
-        the round trip client-side beyond the wait; ``run``: a run lock taken with the key
-        (``hold.run_ids``) and released with it. ``on_granted`` gets the hold as soon as
-        it is recorded, so an exception landing before the return (a soft time limit)
-        cannot leave a granted key its owner does not know.
-        """
-
-    @abc.abstractmethod
-    def release(
-        self,
-        hold: Hold,
-        key: LockKey,
-        *,
-        commit: bool,
-        timeout: float = DEFAULT_ROUND_TRIP_TIMEOUT,
-    ) -> None:
-        """Give ``hold`` back (its claim too, whatever the outcome); raises
-        LockNotOwnedError, LockLostError or DatabaseError. ``timeout`` bounds the round
-        trip: past it the socket is shut down and the session closed."""
-
-    @abc.abstractmethod
-    def fencing_holder(
-        self, hold: Hold, key: LockKey, *, bound: float
-    ) -> fencing_tokens.Holder | None:
-        """Who holds ``key`` for ``hold``, as PostgreSQL names it; None when its session
-        has ended. Raises DatabaseError when it cannot be asked."""
 
     def holder_of(self, key: LockKey, *, bound: float) -> str | None:
         """``"<backend pid> <application_name>"`` of the session holding ``key`` now;
@@ -303,23 +255,26 @@ class ProcessSession(LockSessions):
     def acquire(
         self,
         key: LockKey,
-        *,
         label: str,
         timeout_ms: int | None,
         transaction: bool,
-        bound: float = DEFAULT_ROUND_TRIP_TIMEOUT,
-        run: LockKey | None = None,
-        on_granted: Callable[[Hold], None] | None = None,
+        bound: float,
+        run: LockKey | None,
+        on_granted: Callable[[Hold], None] | None,
     ) -> Hold | None:
+        """Take ``key``; the hold, or None when another session (or run) holds it.
+
+        A key claimed in :attr:`claims` is refused without a round trip (or waited for
+        within ``timeout_ms``: per lock). ``label`` goes into the application_name;
+        ``bound`` limits the round trip beyond the wait; ``run``: a run lock taken and
+        released with the key. ``on_granted`` gets the hold as soon as it is recorded,
+        so an exception landing before the return (a soft time limit) cannot leave a
+        granted key its owner does not know.
+        """
         if transaction or timeout_ms is not None:
-            return self.waits.acquire(
-                key,
-                label=label,
-                timeout_ms=timeout_ms,
-                transaction=transaction,
-                bound=bound,
-                run=run,
-                on_granted=on_granted,
+            waits = self.waits
+            return waits.acquire(
+                key, label, timeout_ms, transaction, bound, run, on_granted
             )
         hold = Hold(self, key.ids)
         with self._mutex:
@@ -396,14 +351,9 @@ class ProcessSession(LockSessions):
             self._shown = name
         return granted, granted and run_ids is not None and row[0][1] == "true"
 
-    def release(
-        self,
-        hold: Hold,
-        key: LockKey,
-        *,
-        commit: bool,
-        timeout: float = DEFAULT_ROUND_TRIP_TIMEOUT,
-    ) -> None:
+    def release(self, hold: Hold, key: LockKey, commit: bool, timeout: float) -> None:
+        """Give ``hold`` back, and its claim whatever the outcome; raises
+        LockNotOwnedError, LockLostError or DatabaseError (the session is then closed)."""
         ids, run_ids = hold.ids, hold.run_ids
         with self._mutex:
             # Under the mutex: no try-lock of the process runs before the unlock below.
@@ -604,13 +554,12 @@ class PerLockSessions(LockSessions):
     def acquire(
         self,
         key: LockKey,
-        *,
         label: str,
         timeout_ms: int | None,
         transaction: bool,
-        bound: float = DEFAULT_ROUND_TRIP_TIMEOUT,
-        run: LockKey | None = None,
-        on_granted: Callable[[Hold], None] | None = None,
+        bound: float,
+        run: LockKey | None,
+        on_granted: Callable[[Hold], None] | None,
     ) -> Hold | None:
         scope = (
             config.LockScope.TRANSACTION if transaction else config.LockScope.SESSION
@@ -641,14 +590,7 @@ class PerLockSessions(LockSessions):
                 self.claims.release(hold)  # a no-op if the claim was refused
         return hold if handed else None
 
-    def release(
-        self,
-        hold: Hold,
-        key: LockKey,
-        *,
-        commit: bool,
-        timeout: float = DEFAULT_ROUND_TRIP_TIMEOUT,
-    ) -> None:
+    def release(self, hold: Hold, key: LockKey, commit: bool, timeout: float) -> None:
         try:
             if hold.sa_connection is not None:
                 self._release_transaction(hold, key, commit, timeout)
@@ -963,7 +905,9 @@ _inherited: list[ProcessSession] = []
 _per_lock_only = False
 
 
-def for_lock(engine: sa.Engine, *, transaction: bool = False) -> LockSessions:
+def for_lock(
+    engine: sa.Engine, *, transaction: bool = False
+) -> ProcessSession | PerLockSessions:
     """The sessions a lock of ``engine`` takes its key on (picked once per lock)."""
     session = _process.get(engine) or process_session(engine)
     return session.waits if transaction or _per_lock_only else session

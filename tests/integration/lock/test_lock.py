@@ -75,6 +75,26 @@ def test_session_lock_excludes_a_second_holder_until_released(lock_engine, names
     second.release()
 
 
+def test_a_try_refused_by_postgresql_leaves_the_key_free_in_the_process(
+    lock_engine, database_url, namespace
+):
+    """A key held by another process's session is refused by PostgreSQL; the refusal
+    keeps no claim in this process, so once that session lets go the key is granted."""
+    key = make_key(namespace, "refused")
+    other = db_module.create_engine(database_url)
+    try:
+        with other.connect() as holder:
+            holder.exec_driver_sql("SELECT pg_advisory_lock(%s)", key.ids)
+            assert not AdvisoryLock(engine=lock_engine, key=key).acquire()
+            assert not sessions.for_lock(lock_engine).claims.held(key.ids)
+            holder.exec_driver_sql("SELECT pg_advisory_unlock(%s)", key.ids)
+        again = AdvisoryLock(engine=lock_engine, key=key)
+        assert again.acquire()
+        again.release()
+    finally:
+        other.dispose()
+
+
 def test_holder_is_visible_in_pg_locks_with_application_name(
     lock_engine, namespace, session_mode
 ):

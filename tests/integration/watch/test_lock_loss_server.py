@@ -280,7 +280,7 @@ def test_an_acquire_whose_bound_fired_after_the_grant_is_not_a_held_lock(
     def stalled_try(self, *args, **kwargs):
         answer = try_once(self, *args, **kwargs)
         if not stalls:
-            stalls.append(1)
+            stalls.append(self._connection.info.backend_pid)
             time.sleep(0.2 + deadlines.TICK + 0.3)  # the stall after the answer
         return answer
 
@@ -290,6 +290,7 @@ def test_an_acquire_whose_bound_fired_after_the_grant_is_not_a_held_lock(
     assert lock.acquire()
     try:
         assert stalls
+        assert stalls[0] != lock.backend_pid  # the cut session was replaced
         with contextlib.closing(psycopg2.connect(dsn(database_url))) as probe:
             probe.autocommit = True
             with probe.cursor() as cursor:
