@@ -132,8 +132,11 @@ if contender in ("pglock", UNAWAITED, BASELINE, "all"):
         pglock_database_url=os.environ.get(DATABASE_URL_ENV),
         pglock_namespace=os.environ.get(NAMESPACE_ENV, "bench"),
         pglock_application_name=APPLICATION_NAME,
-        pglock_session_mode=os.environ.get(SESSION_MODE_ENV) or None,
     )
+    if os.environ.get(SESSION_MODE_ENV) == "per_lock":
+        from celery_pglock.lock import sessions
+
+        sessions.use_per_lock_sessions()
 
     @app.task(name=SESSION, base=SingletonTask, lock_args=("key",))
     def session(key: str, body: float = 0.0) -> None:
@@ -192,9 +195,9 @@ def _unawaited_release() -> None:
     import psycopg2.extensions as ext
 
     from celery_pglock.db import engines, sql_text
-    from celery_pglock.lock import base, per_process
+    from celery_pglock.lock import sessions
 
-    session_class = per_process.ProcessSession
+    session_class = sessions.ProcessSession
     waits_first = session_class.acquire
 
     def wait(connection: Any, *, until_sent: bool = False) -> None:
@@ -230,26 +233,18 @@ def _unawaited_release() -> None:
     def acquire(
         self: Any,
         key: Any,
-        *,
         label: str,
         timeout_ms: Any,
         transaction: bool,
-        bound: float = 5.0,
-        run: Any = None,
-        on_granted: Any = None,
+        bound: float,
+        run: Any,
+        on_granted: Any,
     ) -> Any:
         if run is not None:
             raise NotImplementedError("no run locks (acks_late) in this measurement")
         if transaction or timeout_ms is not None:
             return waits_first(
-                self,
-                key,
-                label=label,
-                timeout_ms=timeout_ms,
-                transaction=transaction,
-                bound=bound,
-                run=run,
-                on_granted=on_granted,
+                self, key, label, timeout_ms, transaction, bound, run, on_granted
             )
         ids = key.ids
         with self._mutex:
@@ -262,16 +257,14 @@ def _unawaited_release() -> None:
             row = cursor.fetchone()
             if not (row and row[0] is True):
                 return None
-            hold = base.Hold(self, ids)
+            hold = sessions.Hold(self, ids)
             hold.connection = self._connection
             self._owners[ids] = hold
             if on_granted is not None:
                 on_granted(hold)
             return hold
 
-    def release(
-        self: Any, hold: Any, key: Any, *, commit: bool, timeout: float = 5.0
-    ) -> None:
+    def release(self: Any, hold: Any, key: Any, commit: bool, timeout: float) -> None:
         if hold.session is not self:
             return
         with self._mutex:

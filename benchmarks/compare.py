@@ -180,9 +180,9 @@ class Bench:
             yield
         finally:
             lock.release()
-            from celery_pglock.lock import strategy
+            from celery_pglock.lock import sessions
 
-            strategy.close_for(engine)
+            sessions.close_for(engine)
             engine.dispose()
 
     def drain(

@@ -83,7 +83,7 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
 
     from celery_pglock import exceptions
     from celery_pglock.db import engines, sql_text
-    from celery_pglock.lock import AdvisoryLock
+    from celery_pglock.lock import AdvisoryLock, sessions
     from celery_pglock.task import worker_hooks
     from celery_pglock.testing import _support
 
@@ -95,7 +95,6 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
     options = locked.lock_config
     engine = engines.engine_for(app.conf)
     key = locked.lock_key_for("7")
-    per_lock = engines.engine_for({**app.conf, "pglock_session_mode": "per_lock"})
 
     def tracer(task: Any, same_key: str | None = None) -> Callable[[], object]:
         trace = build_tracer(task.name, task, app=app)
@@ -139,9 +138,15 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
         worker_hooks.connect()
         return None
 
-    def lock_cycle(scope: config.LockScope, on: Any = engine) -> Callable[[], object]:
+    def lock_cycle(
+        scope: config.LockScope, per_lock: bool = False
+    ) -> Callable[[], object]:
         def call() -> object:
-            lock = AdvisoryLock(engine=on, key=key, scope=scope, label="bench")
+            sessions.use_per_lock_sessions(per_lock)
+            try:
+                lock = AdvisoryLock(engine=engine, key=key, scope=scope, label="bench")
+            finally:
+                sessions.use_per_lock_sessions(False)
             if not lock.acquire():
                 raise RuntimeError(f"{key} is held by another session; cannot measure.")
             lock.release()
@@ -230,7 +235,7 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
         ("  acquire+release, process session", lock_cycle(config.LockScope.SESSION)),
         (
             "  acquire+release, per_lock session",
-            lock_cycle(config.LockScope.SESSION, per_lock),
+            lock_cycle(config.LockScope.SESSION, per_lock=True),
         ),
         ("  acquire+release, transaction", lock_cycle(config.LockScope.TRANSACTION)),
         ("  pool checkout+checkin", lambda: engine.raw_connection().close()),

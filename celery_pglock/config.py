@@ -62,20 +62,6 @@ class LockScope(str, enum.Enum):
     TRANSACTION = "transaction"
 
 
-class SessionMode(str, enum.Enum):
-    """Which PostgreSQL session carries a process's session-scope locks."""
-
-    #: One long-lived session per worker process carries all of its session-scope
-    #: try-locks, with exclusion per key inside the process. The default for every pool.
-    PER_PROCESS = "per_process"
-    #: A pooled connection per held lock (transaction scope and bounded waits always
-    #: work this way, whatever the setting).
-    PER_LOCK = "per_lock"
-
-
-SESSION_MODE_SETTING = "pglock_session_mode"
-
-
 def _seconds(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError("a positive number of seconds")
@@ -150,6 +136,9 @@ REMOVED = {
     "error_backoff": _AUTORETRY,
     "key": "use lock_args for keys made of arguments, or override "
     "lock_key_for(*args, **kwargs) in a SingletonTask subclass (docs/guide/keys.md)",
+    "session_mode": "session-scope try-locks always use the process's lock session, "
+    "bounded waits and transaction scope a pooled connection per lock; delete the setting "
+    "(CHANGELOG.md)",
     "check_timeout": "it is renamed lock_db_timeout (app-wide: pglock_db_timeout), as it "
     "bounds every round trip to the lock database, not only the lock check",
 }
@@ -194,7 +183,6 @@ DATABASE_SETTINGS = (
     "pglock_engine_options",
     "pglock_application_name",
     "pglock_server_keepalives",
-    SESSION_MODE_SETTING,
 )
 #: Settings read by the metrics layer (metrics.py), validated by metrics.from_conf().
 METRICS_SETTINGS = ("pglock_metrics", "pglock_metrics_port", "pglock_metrics_address")
@@ -314,24 +302,6 @@ def resolve(
         fixed_key=fixed_key,
         **values,
     )
-
-
-def session_mode(conf: Mapping[str, Any]) -> SessionMode:
-    """``app.conf.pglock_session_mode`` (default ``per_process``), validated.
-
-    Raises:
-        ConfigurationError: not one of the modes.
-    """
-    value = conf.get(SESSION_MODE_SETTING)
-    if value is None:
-        return SessionMode.PER_PROCESS
-    try:
-        return SessionMode(value)
-    except ValueError:
-        allowed = ", ".join(repr(member.value) for member in SessionMode)
-        raise exceptions.ConfigurationError(
-            f"{SESSION_MODE_SETTING}={value!r} is invalid; expected one of {allowed}."
-        ) from None
 
 
 def database_url(conf: Mapping[str, Any]) -> str:

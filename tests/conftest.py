@@ -25,7 +25,7 @@ import pytest
 
 from celery_pglock import config
 from celery_pglock.db import engines
-from celery_pglock.lock import strategy
+from celery_pglock.lock import sessions
 from celery_pglock.testing import (
     BROKER_URL_ENV,
     DATABASE_URL_ENV,
@@ -211,20 +211,21 @@ def namespace() -> str:
     return f"t-{uuid.uuid4().hex[:8]}"
 
 
-@pytest.fixture(params=[mode.value for mode in config.SessionMode])
-def session_mode(request: pytest.FixtureRequest) -> str:
-    """Both lock-session strategies: every test using this runs once per mode."""
-    return str(request.param)
+@pytest.fixture(params=["per_process", "per_lock"])
+def session_mode(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Both lock-session strategies: every test using this runs once per mode
+    (``per_lock``: session-scope try-locks too on a pooled connection of their own)."""
+    sessions.use_per_lock_sessions(request.param == "per_lock")
+    yield str(request.param)
+    sessions.use_per_lock_sessions(False)
 
 
 @pytest.fixture
 def lock_engine(database_url: str, session_mode: str) -> Iterator[sa.Engine]:
     """A lock engine (celery_pglock.db.engines.create_engine) in each session mode, disposed after."""
-    engine = engines.create_engine(
-        database_url, {config.SESSION_MODE_SETTING: session_mode}
-    )
+    engine = engines.create_engine(database_url)
     yield engine
-    strategy.close_for(engine)
+    sessions.close_for(engine)
     engine.dispose()
 
 

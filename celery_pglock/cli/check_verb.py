@@ -201,11 +201,6 @@ def _capacity(
         for task in target.singleton_tasks
     ):
         pooled.append("lock_on_busy='wait'")
-    if (
-        target.app is not None
-        and config.session_mode(target.app.conf) is config.SessionMode.PER_LOCK
-    ):
-        pooled.append("pglock_session_mode='per_lock'")
     count, why = (
         (2, f"a pooled lock connection and the lock watcher's, for {', '.join(pooled)}")
         if pooled

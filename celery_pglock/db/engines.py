@@ -150,8 +150,7 @@ def engine_for(conf: Mapping[str, Any]) -> sa.Engine:
         ConfigurationError: no database URL, or an invalid one.
     """
     url = config.database_url(conf)
-    # The session mode is part of the engine's identity: its locks' strategy.
-    cache_key = f"{config.session_mode(conf).value} {url}"
+    cache_key = url
     engine = _engines.get(cache_key)
     if engine is not None and _engines_pid == os.getpid():
         return engine
@@ -178,7 +177,6 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
     _labels[engine] = {
         "application_name_prefix": _prefix(conf),
         "masked_url": mask_url(parsed),
-        "session_mode": config.session_mode(conf).value,
     }
     if engine.url.get_driver_name() == "psycopg":
         # First, before any listener runs a statement on the new connection.
@@ -198,7 +196,6 @@ def engine_info(engine: sa.Engine) -> dict[str, str]:
         labels = _labels[engine] = {
             "application_name_prefix": DEFAULT_APPLICATION_NAME,
             "masked_url": mask_url(engine.url),
-            "session_mode": config.SessionMode.PER_PROCESS.value,
         }
     return labels
 
@@ -293,9 +290,10 @@ def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
     connect_args.update(extra.pop("connect_args", {}))
     options: dict[str, Any] = {"pool_pre_ping": False, "connect_args": connect_args}
     if "poolclass" not in extra:
-        # Transaction scope, waits and per_lock mode pin a pooled connection per held
-        # lock, several at once under threads/gevent. (A custom poolclass, e.g.
-        # NullPool, may not take these arguments.)
+        # Transaction-scope locks and bounded waits pin one pooled connection per
+        # held lock, and threads/gevent pools run several at
+        # once in one process. Idle connections are kept so those never connect per
+        # task. (A custom poolclass, e.g. NullPool, may not take these arguments.)
         options.update(pool_size=10, max_overflow=20)
     options.update(extra)
     return options

@@ -1,4 +1,4 @@
-"""The lock and its sessions: ``AdvisoryLock`` over one of two session strategies.
+"""The lock and its sessions: ``AdvisoryLock`` over the session :mod:`.sessions` picks.
 
 Layer 3 of docs/design.md. May import the bottom (``exceptions``, ``config``, ``keys``)
 and ``db``; never ``watch``, ``task`` or the operator surfaces. Knows nothing of Celery.

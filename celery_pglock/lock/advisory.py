@@ -1,13 +1,9 @@
-"""AdvisoryLock: one PostgreSQL advisory lock, on the session its strategy picks.
+"""AdvisoryLock: one PostgreSQL advisory lock, on the session :mod:`.sessions` picks.
 
-This module is the public verbs; which session carries the lock is
-:mod:`celery_pglock.lock.strategy`'s business. ``session`` scope releases with a checked
-``pg_advisory_unlock`` (a failed unlock closes the session); ``transaction`` scope ends
-when ``release()`` commits or rolls back. Lifetimes and timelines: docs/design.md and
-docs/guide/how-it-works.md.
-
-Not thread-safe: one AdvisoryLock belongs to one thread (or greenlet) at a time; separate
-AdvisoryLock objects are safe in any number of threads.
+``session`` scope releases with a checked ``pg_advisory_unlock``; ``transaction`` scope
+ends when ``release()`` commits or rolls back. Lifetimes and timelines: docs/design.md
+and docs/guide/how-it-works.md. Not thread-safe: one AdvisoryLock belongs to one thread
+(or greenlet) at a time; separate AdvisoryLock objects are safe in any number of threads.
 """
 
 from __future__ import annotations
@@ -20,8 +16,8 @@ from typing import TYPE_CHECKING
 
 from celery_pglock import exceptions
 from celery_pglock.config import LockScope
-from celery_pglock.db import driver_errors, engines, server_probe, sql_text
-from celery_pglock.lock import base, fencing_tokens, strategy
+from celery_pglock.db import driver_errors, engines, sql_text
+from celery_pglock.lock import fencing_tokens, sessions
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -38,9 +34,7 @@ class AdvisoryLock:
 
     Args:
         engine: A lock engine (see ``celery_pglock.db.engines.create_engine``); its pool
-            must be used for lock connections only. Its ``pglock_session_mode`` says
-            whether a session-scope lock lives on the process's shared lock session
-            (``per_process``, the default) or on a pooled connection of its own.
+            must be used for lock connections only.
         key: The advisory key.
         scope: ``LockScope.SESSION`` (default) or ``LockScope.TRANSACTION``.
         label: Shown in ``pg_stat_activity.application_name`` of the lock's session,
@@ -60,34 +54,27 @@ class AdvisoryLock:
         self.key = key
         self.scope = scope if type(scope) is LockScope else LockScope(scope)
         self._label = label or key.name
-        self._session = strategy.for_lock(
+        self._session = sessions.for_lock(
             engine, transaction=self.scope is LockScope.TRANSACTION
         )
-        self._hold: base.Hold | None = None
-        #: time.monotonic() when the lock was granted, or None.
-        self.acquired_at: float | None = None
-        #: time.monotonic() when the lock was released, or None.
-        self.released_at: float | None = None
-        #: Seconds acquire() took, including any bounded wait.
-        self.wait_seconds: float | None = None
-        # -- lock loss (see watch/loss_watcher.py and docs/operations/lock-loss.md) --
-        #: PostgreSQL backend pid of the session holding the lock, while held.
+        self._hold: sessions.Hold | None = None
+        self.acquired_at: float | None = None  #: time.monotonic() of the grant.
+        self.released_at: float | None = None  #: time.monotonic() of the release.
+        self.wait_seconds: float | None = None  #: What acquire() took, waits included.
+        #: Backend pid of the session holding the lock, while held (lock-loss watching).
         self.backend_pid: int | None = None
-        #: os.getpid() of the process that took the lock: the only one that may release
-        #: it (a forked child must never touch its parent's session, see db/fork_safety.py).
+        #: os.getpid() of the process that took the lock: the only one that may release it.
         self.owner_pid: int | None = None
-        #: Why the lock was lost while held (None: not lost).
-        self.lost_cause: str | None = None
-        #: Longest one lock round trip (acquire beyond its ``timeout``, or release) may
-        #: wait on the database before its socket is shut down (db/deadlines.py).
-        self.round_trip_timeout: float = base.DEFAULT_ROUND_TRIP_TIMEOUT
-        #: True in a shadow-mode run that did not get this lock and runs its body anyway:
-        #: ensure_held() does not stop it, and fenced writes apply unfenced.
+        self.lost_cause: str | None = None  #: Why the lock was lost while held.
+        #: Longest one round trip (acquire beyond its ``timeout``, or release) may wait
+        #: on the database before its socket is shut down.
+        self.round_trip_timeout: float = sessions.DEFAULT_ROUND_TRIP_TIMEOUT
+        #: A shadow-mode run without this lock: ensure_held() passes, fencing is off.
         self.shadowed = False
-        #: This hold's fencing token (celery_pglock.fencing), or None when fencing is off.
-        self.fencing_token: int | None = None
-        #: A run lock to hold beside the key (keys.run_key; SingletonTask sets it for an
-        #: acks_late run), or None.
+        self.fencing_token: int | None = (
+            None  #: This hold's token (fencing on), or None.
+        )
+        #: A run lock held beside the key (keys.run_key; acks_late runs), or None.
         self.run_key: LockKey | None = None
 
     # -- public verbs -------------------------------------------------------------------
@@ -124,22 +111,20 @@ class AdvisoryLock:
                 )
             # lock_timeout = 0 would mean "wait forever": never round a small bound to 0.
             timeout_ms = max(1, math.ceil(timeout * 1000))
-        # A standby or a multiplexing pooler: refused. Probes once per engine, then
-        # costs a dict lookup.
-        server_probe.check(self.engine, self.scope, self.key.name)
+        pid = os.getpid()
+        if self._session.pid != pid:  # made before a fork: this process's own sessions
+            self._session = sessions.for_lock(
+                self.engine, transaction=self.scope is LockScope.TRANSACTION
+            )
         asked_at = time.monotonic()
         try:
             granted = self._do_acquire(timeout_ms)
         except exceptions.DatabaseError as error:
-            # A failed connect (refused, too many clients) had no session to lose: not
-            # retried here (lock_on_error retries the run later, with backoff).
+            # A failed connect had no session to lose: not retried (lock_on_error is).
+            # A session found dead (restart, failover, cut network) held nothing, and
+            # its sessions object closed it: try once more on a fresh connection.
             if not driver_errors.is_dead_session(error):
                 raise
-            # The session was already dead (server restart, failover, idle timeout, cut
-            # network), so it held nothing: try once more on a fresh connection, instead
-            # of failing one task per dead connection. The strategy has already closed
-            # it, and retired the pooled connections opened before it died, which are
-            # likely dead too (engines.mark_pool_stale).
             logger.warning(
                 "Lock connection to %s was dead (%s); reconnecting once",
                 engines.engine_info(self.engine)["masked_url"],
@@ -152,17 +137,17 @@ class AdvisoryLock:
         if granted and hold is not None:
             self.acquired_at = asked_at + self.wait_seconds
             self.released_at = None
-            # Lock-loss watching: no round trip (libpq knows its backend pid). None if
-            # another thread's failure closed the shared session meanwhile: the lock is
-            # lost then (hold.lost), and the watcher's first check says so.
+            # No round trip (libpq knows it). None if another thread's failure closed
+            # the shared session meanwhile: the lock is lost (hold.lost) then.
             try:
                 self.backend_pid = hold.connection.info.backend_pid
             except Exception:
                 self.backend_pid = None
-            self.owner_pid = os.getpid()
+            self.owner_pid = pid
             self.lost_cause = None
-            # Issued after the grant, by celery_pglock.fencing.
-            self.fencing_token = None
+            self.fencing_token = (
+                None  # issued after the grant, by celery_pglock.fencing
+            )
         return granted
 
     def release(self, *, commit: bool = True) -> None:
@@ -179,8 +164,8 @@ class AdvisoryLock:
                 process (a fork; that session is left untouched).
             LockLostError: transaction scope: the transaction was already ended by someone
                 else (e.g. the task body committed), so the lock ended early.
-            DatabaseError: the database failed; the connection is closed, which frees
-                any session lock it held.
+            DatabaseError: the database failed; the lock's session is closed, which
+                frees its locks (the process's session: every lock on it).
         """
         hold, self._hold = self._hold, None
         if hold is None:
@@ -190,15 +175,16 @@ class AdvisoryLock:
                 name=self.key.name,
             )
         if hold.pid != os.getpid():
-            # A forked child's copy: the lock is its parent's. Forgotten here without a
-            # word on the inherited session (see db/fork_safety.py), and refused loudly.
-            raise base.foreign(hold, self.key)
-        try:
-            # The hold knows its session (a bounded wait's lives on a connection of its
-            # own). Bounded: on a cut or frozen link the socket is shut down (_deadline).
-            hold.session.release(
-                hold, self.key, commit=commit, timeout=self.round_trip_timeout
+            # A forked child's copy: forgotten without a word on the parent's session.
+            raise exceptions.LockNotOwnedError(
+                f"Lock {self.key.name!r} (key {self.key}) belongs to process {hold.pid}, "
+                f"not to this one ({os.getpid()}, a fork?); its session was left untouched.",
+                key=str(self.key),
+                name=self.key.name,
             )
+        try:
+            # A bounded wait's hold lives on the per-lock sessions.
+            hold.session.release(hold, self.key, commit, self.round_trip_timeout)
         finally:
             self.released_at = time.monotonic()
 
@@ -285,8 +271,8 @@ class AdvisoryLock:
             )
 
     @property
-    def session(self) -> base.LockSession:
-        """The session strategy's object this lock takes its key on."""
+    def session(self) -> sessions.ProcessSession | sessions.PerLockSessions:
+        """The sessions object this lock takes its key on."""
         return self._session
 
     def run_alive(self, run_key: LockKey) -> bool | None:
@@ -375,14 +361,15 @@ class AdvisoryLock:
     # -- primitives ---------------------------------------------------------------------
 
     def _do_acquire(self, timeout_ms: int | None) -> bool:
+        transaction = self.scope is LockScope.TRANSACTION
         hold = self._session.acquire(
             self.key,
-            label=self._label,
-            timeout_ms=timeout_ms,
-            transaction=self.scope is LockScope.TRANSACTION,
-            bound=self.round_trip_timeout,
-            run=self.run_key,
-            on_granted=self._granted,
+            self._label,
+            timeout_ms,
+            transaction,
+            self.round_trip_timeout,
+            self.run_key,
+            self._granted,
         )
         self._hold = hold
         return hold is not None
@@ -395,6 +382,6 @@ class AdvisoryLock:
             except exceptions.PgLockError:
                 logger.debug("Release after a failed fencing token", exc_info=True)
 
-    def _granted(self, hold: base.Hold) -> None:
-        # Owned from the moment the session recorded the grant (see LockSession.acquire).
+    def _granted(self, hold: sessions.Hold) -> None:
+        # Owned from the moment the session recorded the grant (ProcessSession.acquire).
         self._hold = hold

@@ -12,8 +12,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import exceptions
-from celery_pglock.db import deadlines, driver_errors, engines
-from celery_pglock.lock import lock_statements
+from celery_pglock.db import deadlines, driver_errors, engines, sql_text
 
 if TYPE_CHECKING:
     import datetime
@@ -187,7 +186,7 @@ def issue(engine: sa.Engine, key: LockKey, holder: Holder, bound: float) -> int 
         ):
             try:
                 cursor.execute(_ISSUE, params)
-                lock_statements.to_last_result(cursor)
+                sql_text.to_last_result(cursor)
                 row = cursor.fetchone()
             except Exception as exc:
                 code = driver_errors.sqlstate(exc)

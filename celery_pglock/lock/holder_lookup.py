@@ -1,15 +1,9 @@
 """Who holds a lock: the holder's backend pid, worker ``host:pid`` and task name.
 
-Read from ``pg_locks`` on the skip path only (one extra round trip for a skip, none for
-a run that gets its lock, and at most one a second per hot key: see :func:`find`). The
-worker's ``host:pid`` and task name come from the holding session's
-``application_name``, which celery-pglock sessions set to ``<prefix> <host>:<pid> <task
-name>`` (a process's lock session) or ``<prefix> <host>:<pid> <key> <task name>`` (a
-per-lock connection); a session of some other program shows what it set, and only its
-backend pid is certain. The answer is a snapshot, up to RECENT_SECONDS old: the holder
-may have released since.
-
-Never raises: not knowing the holder must never change how a skip ends.
+Read from ``pg_locks`` on the skip path only, at most once a second per hot key, and
+parsed from the holder's ``application_name`` (docs/operations/monitoring.md shows the
+formats). A snapshot up to RECENT_SECONDS old. Never raises: not knowing the holder must
+never change how a skip ends.
 """
 
 from __future__ import annotations
@@ -25,10 +19,9 @@ if TYPE_CHECKING:
 
 #: How long a holder found for a key is reused for further skips of that key.
 RECENT_SECONDS = 1.0
-_RECENT_MAX = 1024  # keys remembered per session strategy; cleared when full
-#: The lock's session strategy (one per engine and process) -> {key ids: (time.monotonic()
-#: of the lookup, what it found)}. Not keyed by the engine's URL: hashing a URL renders it,
-#: which cost more than the rest of a skip. Weak: the cache never keeps an engine alive.
+_RECENT_MAX = 1024  # keys remembered per sessions object; cleared when full
+#: The lock's sessions object -> {key ids: (time.monotonic() of the lookup, its answer)}
+#: (not the engine's URL: hashing a URL renders it, which costs more than a skip).
 _recent: weakref.WeakKeyDictionary[
     object, dict[tuple[int, ...], tuple[float, Holder | None]]
 ] = weakref.WeakKeyDictionary()
@@ -66,11 +59,9 @@ def parse_application_name(
     """``(host:pid, task name)`` from a lock session's application_name, where present.
 
     ``"pglock web-1:4242 -4311986427365126397 billing.settle"`` (a per-lock connection)
-    and ``"pglock web-1:4242 billing.settle"`` (a process's lock session) both give
-    ``("web-1:4242", "billing.settle")``; an idle session (``... web-1:4242 idle``) gives
-    ``("web-1:4242", None)``; anything else ``(None, None)``. A process's lock session
-    shows the last task that took a lock on it: exact for a prefork child (one task at a
-    time), the latest of several for a threads or gevent worker.
+    and ``"pglock web-1:4242 billing.settle"`` (a process's lock session, showing its
+    latest task) both give ``("web-1:4242", "billing.settle")``; an idle session gives
+    ``("web-1:4242", None)``; anything else ``(None, None)``.
     """
     if not application_name:
         return None, None
@@ -89,10 +80,9 @@ def parse_application_name(
 def find(lock: AdvisoryLock) -> Holder | None:
     """The session holding ``lock``'s key, or None (released since, or unknown).
 
-    Asked on the lock's own session where it has one (no second connection), at most
-    once per key, database and process in RECENT_SECONDS: under full contention every
-    message of a hot key is refused, and the lookup (pg_locks) costs the server several
-    times what the refused try did. Never raises.
+    Asked on the lock's own session where it has one, at most once per key and process
+    in RECENT_SECONDS: under full contention the lookup costs the server several times
+    what the refused try did.
     """
     key = lock.key
     session = lock.session
@@ -112,7 +102,7 @@ def find(lock: AdvisoryLock) -> Holder | None:
 
 
 def parse_holder(text: str) -> Holder:
-    """A Holder from ``"<backend pid> <application_name>"`` (see _sql.HOLDER)."""
+    """A Holder from ``"<backend pid> <application_name>"`` (see sql_text.HOLDER)."""
     pid, _, application_name = text.partition(" ")
     process, task = parse_application_name(application_name)
     return Holder(backend_pid=int(pid), process=process, task=task)

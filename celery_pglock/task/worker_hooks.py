@@ -13,7 +13,7 @@ from celery import signals as celery_signals
 
 from celery_pglock import config, exceptions, metrics
 from celery_pglock.db import driver_errors, engines, server_probe
-from celery_pglock.lock import strategy
+from celery_pglock.lock import sessions
 from celery_pglock.task import metrics_endpoint, singleton_task
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,6 @@ def check_app(app: Any) -> None:
     if not _singleton_tasks(app):
         return
     config.check_unknown_settings(app.conf)
-    config.session_mode(app.conf)
     engines.check_url(config.database_url(app.conf))
     metrics.from_conf(app.conf)
 
@@ -230,6 +229,6 @@ def _release_everything(**_: Any) -> None:
     for lock in singleton_task.held_locks():
         if lock.owned():
             singleton_task.release_leftover(lock, "worker shutdown")
-    strategy.close_all()
+    sessions.close_all()
     engines.dispose_all()
     metrics_endpoint.stop()  # the main process's /metrics endpoint; no-op in children

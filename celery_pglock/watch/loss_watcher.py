@@ -7,7 +7,7 @@ checked, the deadlines and what a loss does: docs/operations/lock-loss.md.
 
 From the lock layer it uses ``lock.engine``, ``lock.key.pg_locks_ids``,
 ``lock.backend_pid``, ``lock.acquired_at``, ``lock.holding_name``, ``lock.mark_lost()``,
-``lock.lost_error()`` and ``strategy.open_process_session()``; the query itself is
+``lock.lost_error()`` and ``sessions.open_process_session()``; the query itself is
 ``observer_session.py``'s.
 """
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery_pglock import exceptions
 from celery_pglock.config import OnLost
-from celery_pglock.lock import strategy
+from celery_pglock.lock import sessions
 from celery_pglock.watch import observer_session
 
 if TYPE_CHECKING:
@@ -215,7 +215,7 @@ def _check(due: list[Entry]) -> None:
         timeout = min(entry.timeout for entry in entries)
         # On the process's own lock session when it has one (no second connection).
         losses = observer.check(
-            entries, started + timeout, strategy.open_process_session(engine)
+            entries, started + timeout, sessions.open_process_session(engine)
         )
         for entry in entries:
             cause = losses.get(id(entry))

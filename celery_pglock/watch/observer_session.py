@@ -21,7 +21,7 @@ from celery_pglock.db import (
     sql_text,
     startup_options,
 )
-from celery_pglock.lock import per_process
+from celery_pglock.lock import sessions
 
 if TYPE_CHECKING:
     from celery_pglock.watch.loss_watcher import Entry
@@ -46,7 +46,7 @@ class Observer:
         self,
         entries: list[Entry],
         deadline: float,
-        session: per_process.ProcessSession | None = None,
+        session: sessions.ProcessSession | None = None,
     ) -> dict[int, str]:
         """{id(entry): cause} for each lock found lost; every entry if unverifiable.
 
@@ -60,7 +60,7 @@ class Observer:
                 rows = session.run_check(
                     sql_text.CHECK_HELD, _params(entries), deadline, least=timeout / 2
                 )
-            except per_process.SessionBusyError:
+            except sessions.SessionBusyError:
                 # Busy with (bounded) lock statements: checked here instead, with a
                 # budget of its own, so a busy session never looks unverifiable.
                 diagnosing = True

@@ -17,6 +17,7 @@ import time
 from celery import Celery
 
 from celery_pglock import SingletonTask, current_lock
+from celery_pglock.lock import sessions
 from celery_pglock.testing import (
     BROKER_URL_ENV,
     DATABASE_URL_ENV,
@@ -32,6 +33,8 @@ GATES_TABLE = "pglock_test_gates"
 GATE_TIMEOUT = 60.0
 
 database_url = os.environ[DATABASE_URL_ENV]
+# PGLOCK_TEST_SESSION_MODE=per_lock: run a worker in the other lock-session strategy.
+sessions.use_per_lock_sessions(os.environ.get("PGLOCK_TEST_SESSION_MODE") == "per_lock")
 broker_url = os.environ[BROKER_URL_ENV]
 
 app = Celery(
@@ -45,8 +48,6 @@ app.conf.update(
     if os.environ.get("PGLOCK_TEST_NO_DB_URL")
     else database_url,
     pglock_namespace=os.environ.get(NAMESPACE_ENV, "acceptance"),
-    # PGLOCK_TEST_SESSION_MODE: run a worker in the other lock-session strategy.
-    pglock_session_mode=os.environ.get("PGLOCK_TEST_SESSION_MODE") or None,
     task_default_queue=os.environ.get(QUEUE_ENV, "pglock-acceptance"),
     worker_prefetch_multiplier=1,
     result_expires=3600,

@@ -1,7 +1,7 @@
 """One lock session per worker process: connections, exclusion inside the process.
 
 A threads-pool (and a gevent-pool) worker at concurrency 64 carries all of its session-scope locks on one
-PostgreSQL session (the default ``pglock_session_mode='per_process'``), counted here in
+PostgreSQL session (the process's lock session), counted here in
 ``pg_stat_activity``; the tasks of that process exclude each other per key in front of
 PostgreSQL (whose session locks are re-entrant within one session), proven with the
 overlap detector.

@@ -20,7 +20,6 @@ def app(database_url, broker_url, result_backend_url, namespace, session_mode):
     )
     app.conf.pglock_database_url = database_url
     app.conf.pglock_namespace = namespace
-    app.conf.pglock_session_mode = session_mode
     yield app
     app.close()
 

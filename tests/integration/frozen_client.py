@@ -17,7 +17,7 @@ import time
 
 from celery_pglock import AdvisoryLock, keys
 from celery_pglock.db import engines
-from celery_pglock.lock import strategy
+from celery_pglock.lock import sessions
 
 #: The channel ``--listen`` listens on.
 CHANNEL = "pglock_frozen"
@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
         # On the lock's own session (the process session of the default session mode;
         # private, but this is a test's helper): the lock must be on the session whose
         # notification goes unacknowledged.
-        connection = strategy.process_session(engine)._connection
+        connection = sessions.process_session(engine)._connection
         with connection.cursor() as cursor:
             cursor.execute(f"LISTEN {CHANNEL}")
     print("held", flush=True)

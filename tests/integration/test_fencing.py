@@ -24,13 +24,12 @@ from celery_pglock import (
     LockScope,
     PgLockError,
     SingletonTask,
-    config,
     current_lock,
     fencing,
     keys,
 )
 from celery_pglock.db import engines
-from celery_pglock.lock import strategy
+from celery_pglock.lock import sessions
 from tests.integration.task_support import define, hold
 
 
@@ -294,9 +293,7 @@ def test_the_guard_refuses_a_paused_holders_late_write(
     """Run A gets a token and pauses; its lock ends (its session is terminated), run B
     (another process: an engine of its own) gets a newer token and writes; A's late
     write with its older token is refused."""
-    other_process = engines.create_engine(
-        database_url, {config.SESSION_MODE_SETTING: session_mode}
-    )
+    other_process = engines.create_engine(database_url)
     with lock_engine.begin() as connection:
         connection.exec_driver_sql(f"INSERT INTO {reports} VALUES (7, 'none', NULL)")
     key = keys.make_key(namespace, "fence-guard")
@@ -326,7 +323,7 @@ def test_the_guard_refuses_a_paused_holders_late_write(
                 f"SELECT body, fencing_token FROM {reports} WHERE tenant = 7"
             ).one()
         )
-    strategy.close_for(other_process)
+    sessions.close_for(other_process)
     other_process.dispose()
 
 
@@ -365,9 +362,7 @@ def test_a_run_that_lost_its_lock_after_the_grant_gets_no_token(
     session outside the library), then stalls before its token; its session is ended and
     run B takes the key, gets a token and writes. When A goes on, it gets no token
     (LockLostError, lock released): B's write stands, and B keeps writing."""
-    other_process = engines.create_engine(
-        database_url, {config.SESSION_MODE_SETTING: session_mode}
-    )
+    other_process = engines.create_engine(database_url)
     with lock_engine.begin() as connection:
         connection.exec_driver_sql(f"INSERT INTO {reports} VALUES (7, 'none', NULL)")
     key = keys.make_key(namespace, f"fence-lost-{path}-{scope.value}")
@@ -411,7 +406,7 @@ def test_a_run_that_lost_its_lock_after_the_grant_gets_no_token(
     run_c, token_c = take(other_process, key, scope)  # and tokens go on rising
     assert token_b < token_c
     run_c.release()
-    strategy.close_for(other_process)
+    sessions.close_for(other_process)
     other_process.dispose()
 
 

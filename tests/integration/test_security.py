@@ -227,7 +227,6 @@ def app_for_names(
     app = Celery(
         "names", broker=broker_url, backend=result_backend_url, set_as_current=False
     )
-    app.conf.pglock_session_mode = session_mode
     app.conf.pglock_database_url = database_url
     app.conf.pglock_namespace = namespace
 

@@ -17,7 +17,6 @@ from celery_pglock import (
     metrics,
 )
 from celery_pglock import config as config_module
-from celery_pglock.db import engines
 
 
 @pytest.fixture
@@ -428,23 +427,10 @@ def test_a_custom_metrics_sink_is_installed(app):
         metrics.install(metrics.NullMetrics())
 
 
-def test_session_mode_defaults_to_per_process_and_is_validated():
-    """pglock_session_mode: per_process unless set; a bad value names the setting."""
-    assert config_module.SessionMode.PER_PROCESS == config_module.session_mode({})
-    assert config_module.SessionMode.PER_LOCK == config_module.session_mode(
-        {"pglock_session_mode": "per_lock"}
-    )
-    config_module.check_unknown_settings({"pglock_session_mode": "per_lock"})
+def test_the_removed_session_mode_setting_is_refused_with_a_pointer():
+    """pglock_session_mode was removed: setting it names it and says what replaced it."""
     with pytest.raises(ConfigurationError) as caught:
-        config_module.session_mode({"pglock_session_mode": "shared"})
-    assert "pglock_session_mode='shared'" in str(caught.value)
-    assert "'per_process', 'per_lock'" in str(caught.value)
-
-
-def test_bad_session_mode_stops_the_engine_too():
-    """The engine (what a worker builds at its first task) refuses it as well."""
-
-    with pytest.raises(ConfigurationError, match="pglock_session_mode"):
-        engines.create_engine(
-            "postgresql+psycopg2://u@127.0.0.1/db", {"pglock_session_mode": "shared"}
-        )
+        config_module.check_unknown_settings({"pglock_session_mode": "per_lock"})
+    assert "'pglock_session_mode' was removed" in str(caught.value)
+    assert "always use the process's lock session" in str(caught.value)
+    assert "pooled connection per lock" in str(caught.value)

@@ -53,7 +53,6 @@ def check_settings(
     if run(lambda: config.check_unknown_settings(conf), "celery_pglock.E001"):
         # Resolve the app's settings as a task with no options of its own would.
         run(lambda: _resolve_defaults(conf), "celery_pglock.E002")
-    run(lambda: config.session_mode(conf), "celery_pglock.E002")
     run(lambda: metrics.from_conf(conf), "celery_pglock.E002")
     try:
         url = config.database_url(conf)

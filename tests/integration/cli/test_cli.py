@@ -29,7 +29,7 @@ from celery_pglock import (
     current_lock,
 )
 from celery_pglock.db import engines
-from celery_pglock.lock import strategy
+from celery_pglock.lock import sessions
 from celery_pglock.testing import EmbeddedPostgres, _support
 from tests.integration.loss_support import make_app, wait_for
 
@@ -424,7 +424,7 @@ def test_release_by_task_and_arguments_asks_first(cli_app, database_url):
     assert "No session holds" in run(*call, "--yes", expect=1)
     run("--app", APP, "release", "--key", "1,x", expect=2)
     assert "Name the lock" in run("--app", APP, "release", expect=2)
-    strategy.close_for(engine)
+    sessions.close_for(engine)
     engine.dispose()
 
 

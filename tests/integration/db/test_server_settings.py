@@ -22,7 +22,7 @@ import pytest
 
 from celery_pglock import AdvisoryLock, LockBusy, SingletonTask, current_lock, keys
 from celery_pglock.db import engines
-from celery_pglock.lock import strategy
+from celery_pglock.lock import sessions
 from celery_pglock.testing.postgres import EmbeddedPostgres
 from tests.integration.loss_support import dsn, make_app
 
@@ -65,7 +65,7 @@ def role_url(server: EmbeddedPostgres) -> Iterator[object]:
         return server.url().replace("://postgres@", f"://{role}@")
 
     yield make
-    strategy.close_all()
+    sessions.close_all()
     engines.dispose_all()
     for role in roles:
         _admin(
@@ -102,7 +102,7 @@ class Competitor:
             lock.release()
 
     def close(self) -> None:
-        strategy.close_for(self.engine)
+        sessions.close_for(self.engine)
         self.engine.dispose()
 
 
@@ -117,7 +117,6 @@ def _body_outlives(seconds: float, competitor_box: list[Competitor], url: str) -
         time.sleep(0.25)
 
 
-@pytest.mark.parametrize("session_mode", ["per_process", "per_lock"])
 def test_idle_session_timeout_does_not_end_a_session_scope_body(
     role_url, broker_url, result_backend_url, namespace, lost_events, session_mode
 ):
@@ -131,7 +130,6 @@ def test_idle_session_timeout_does_not_end_a_session_scope_body(
         result_backend_url,
         namespace,
         pglock_watch_interval=0.3,
-        pglock_session_mode=session_mode,
     )
     competitors: list[Competitor] = []
 
@@ -226,7 +224,7 @@ def test_statement_timeout_does_not_cut_a_wait_and_the_message_says_how_long(
         took = time.monotonic() - started
     finally:
         holder.release()
-        strategy.close_for(holder.engine)
+        sessions.close_for(holder.engine)
         holder.engine.dispose()
     assert isinstance(result.result, LockBusy), result.result
     assert 1.5 <= took < 4.0, took
@@ -271,7 +269,7 @@ def test_a_wait_longer_than_statement_timeout_is_granted(
         took = time.monotonic() - started
     finally:
         timer.join()
-        strategy.close_for(holder.engine)
+        sessions.close_for(holder.engine)
         holder.engine.dispose()
     assert ("300ms" if scope == "transaction" else "ran") == result.get()
     assert took >= 0.9, took
@@ -333,5 +331,5 @@ def test_lock_sessions_carry_their_settings(role_url, namespace, conf):
         if conf == {}:
             assert ("30", "60000") == (keepalives_idle, user_timeout)
     finally:
-        strategy.close_for(engine)
+        sessions.close_for(engine)
         engine.dispose()

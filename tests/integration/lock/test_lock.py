@@ -22,7 +22,7 @@ from celery_pglock import (
     keys,
 )
 from celery_pglock.db import engines as db_module
-from celery_pglock.lock import strategy
+from celery_pglock.lock import sessions
 
 from ...unit.test_keys import VECTORS
 
@@ -34,11 +34,10 @@ def single_engine(database_url, session_mode):
         database_url,
         {
             "pglock_engine_options": {"pool_size": 1, "max_overflow": 0},
-            "pglock_session_mode": session_mode,
         },
     )
     yield engine
-    strategy.close_for(engine)
+    sessions.close_for(engine)
     engine.dispose()
 
 
@@ -74,6 +73,26 @@ def test_session_lock_excludes_a_second_holder_until_released(lock_engine, names
     assert not first.locked()
     assert second.acquire()
     second.release()
+
+
+def test_a_try_refused_by_postgresql_leaves_the_key_free_in_the_process(
+    lock_engine, database_url, namespace
+):
+    """A key held by another process's session is refused by PostgreSQL; the refusal
+    keeps no claim in this process, so once that session lets go the key is granted."""
+    key = make_key(namespace, "refused")
+    other = db_module.create_engine(database_url)
+    try:
+        with other.connect() as holder:
+            holder.exec_driver_sql("SELECT pg_advisory_lock(%s)", key.ids)
+            assert not AdvisoryLock(engine=lock_engine, key=key).acquire()
+            assert not sessions.for_lock(lock_engine).claims.held(key.ids)
+            holder.exec_driver_sql("SELECT pg_advisory_unlock(%s)", key.ids)
+        again = AdvisoryLock(engine=lock_engine, key=key)
+        assert again.acquire()
+        again.release()
+    finally:
+        other.dispose()
 
 
 def test_holder_is_visible_in_pg_locks_with_application_name(
@@ -207,20 +226,18 @@ def test_checkin_safety_net_unlocks_a_forgotten_lock(lock_engine, namespace):
     if hold.pooled is not None:  # per_lock: a buggy path returns the connection
         hold.pooled.close()
     else:  # per_process: the session is closed (shutdown) with the lock still held
-        strategy.process_session(lock_engine).close()
+        sessions.process_session(lock_engine).close()
     lock._hold = None
     assert not lock.locked()
 
 
 def test_closing_the_process_session_reports_its_holds_lost(database_url, namespace):
     """per_process: a hold whose session ended is lost, and its release says so."""
-    engine = db_module.create_engine(
-        database_url, {"pglock_session_mode": "per_process"}
-    )
+    engine = db_module.create_engine(database_url)
     try:
         lock = AdvisoryLock(engine=engine, key=make_key(namespace))
         assert lock.acquire()
-        session = strategy.process_session(engine)
+        session = sessions.process_session(engine)
         assert [lock._hold] == session.holds()
         session.lose("terminated by a test")
         assert not lock.locked()
@@ -229,7 +246,7 @@ def test_closing_the_process_session_reports_its_holds_lost(database_url, namesp
         assert lock.acquire()  # the next acquire opens a new session
         lock.release()
     finally:
-        strategy.close_for(engine)
+        sessions.close_for(engine)
         engine.dispose()
 
 
@@ -390,15 +407,14 @@ def test_an_interrupt_between_the_grant_and_its_record_frees_the_lock(
     """A soft time limit (or SIGINT) landing after PostgreSQL granted the key but before
     the process recorded it: the key must not stay granted on the process's session,
     where no one would release it and a later run of the process would re-enter it."""
-    from celery_pglock.lock import base
+    try_once = sessions.ProcessSession._try
 
-    record = base.Hold
-
-    def interrupted(*args, **kwargs):
-        monkeypatch.setattr(base, "Hold", record)  # once
+    def interrupted(self, *args, **kwargs):
+        monkeypatch.setattr(sessions.ProcessSession, "_try", try_once)  # once
+        assert (True, False) == try_once(self, *args, **kwargs)  # granted
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(base, "Hold", interrupted)
+    monkeypatch.setattr(sessions.ProcessSession, "_try", interrupted)
     key = make_key(namespace, "interrupted")
     lock = AdvisoryLock(engine=lock_engine, key=key)
     with pytest.raises(KeyboardInterrupt):

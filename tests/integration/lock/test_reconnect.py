@@ -24,7 +24,7 @@ from sqlalchemy import event
 
 from celery_pglock import AdvisoryLock, DatabaseError, keys
 from celery_pglock.db import driver_errors, engines
-from celery_pglock.lock import strategy
+from celery_pglock.lock import sessions
 from celery_pglock.testing import _support
 from celery_pglock.testing import postgres as embedded
 
@@ -87,12 +87,17 @@ def locker_url(server: embedded.EmbeddedPostgres) -> str:
 
 
 @contextlib.contextmanager
-def lock_engine(url: str, conf: dict[str, Any]) -> Iterator[sa.Engine]:
+def lock_engine(
+    url: str, conf: dict[str, Any], *, per_lock: bool = False
+) -> Iterator[sa.Engine]:
+    """``per_lock``: session-scope try-locks too on pooled connections of their own."""
     engine = engines.create_engine(url, conf)
+    sessions.use_per_lock_sessions(per_lock)
     try:
         yield engine
     finally:
-        strategy.close_for(engine)
+        sessions.use_per_lock_sessions(False)
+        sessions.close_for(engine)
         engine.dispose()
 
 
@@ -139,7 +144,7 @@ def assert_no_orphans(admin: Any, engine: sa.Engine) -> None:
 # How a held lock pins a pooled connection: per_lock try-locks, transaction scope, and
 # bounded waits (which use a pooled connection in the default per_process mode too).
 HOLDS = {
-    "per_lock": ({"pglock_session_mode": "per_lock"}, {}, None),
+    "per_lock": ({}, {}, None),
     "transaction": ({}, {"scope": "transaction"}, None),
     "per_process_wait": ({}, {}, 5.0),
 }
@@ -157,7 +162,7 @@ def test_a_dead_pooled_session_orphans_none_of_the_checked_out_ones(
     their next checkout, not reused.
     """
     conf, lock_args, timeout = HOLDS[hold]
-    with lock_engine(small_postgres.url(), conf) as engine:
+    with lock_engine(small_postgres.url(), conf, per_lock=hold == "per_lock") as engine:
         disposals = count_disposals(engine)
 
         def take(name: str) -> AdvisoryLock:
@@ -206,11 +211,10 @@ def test_b_full_server_and_a_stopped_one_are_not_dead_sessions(
     session is left beyond the pool's own.
     """
     conf = {
-        "pglock_session_mode": "per_lock",
         "pglock_engine_options": {"pool_size": POOL_SIZE, "max_overflow": 10},
     }
     url = locker_url(small_postgres)
-    with lock_engine(url, conf) as engine:
+    with lock_engine(url, conf, per_lock=True) as engine:
         disposals = count_disposals(engine)
         holders = [
             AdvisoryLock(engine=engine, key=keys.make_key("rc", f"held-{index}"))
@@ -323,9 +327,7 @@ def test_d_threads_finding_one_restart_s_corpses_at_once_all_get_a_lock(
     of the 6 dead idle pooled sessions. Every acquire succeeds (one reconnect each at
     most), and afterwards no session is left outside the pool."""
     threads = 6
-    with lock_engine(
-        small_postgres.url(), {"pglock_session_mode": "per_lock"}
-    ) as engine:
+    with lock_engine(small_postgres.url(), {}, per_lock=True) as engine:
         disposals = count_disposals(engine)
         warm = [
             AdvisoryLock(engine=engine, key=keys.make_key("rc", f"warm-{index}"))

@@ -19,18 +19,18 @@ import pytest
 
 from celery_pglock import AdvisoryLock, keys
 from celery_pglock.db import engines as db_module
-from celery_pglock.lock import strategy
+from celery_pglock.lock import sessions
 
 FORK_SCRIPT = textwrap.dedent(
     """
     import gc, json, os, sys
     from celery_pglock import AdvisoryLock, LockNotOwnedError, keys
     from celery_pglock.db import engines
-    from celery_pglock.lock import strategy
+    from celery_pglock.lock import sessions
 
     database_url, namespace, mode, how = sys.argv[1:5]
-    settings = {"pglock_session_mode": mode}
-    engine = engines.create_engine(database_url, settings)
+    sessions.use_per_lock_sessions(mode == "per_lock")
+    engine = engines.create_engine(database_url)
     lock = AdvisoryLock(engine=engine, key=keys.make_key(namespace, "it.fork"))
     assert lock.acquire()
     parent_backend = lock._hold.connection.info.backend_pid
@@ -43,7 +43,7 @@ FORK_SCRIPT = textwrap.dedent(
             lock.release()
         except LockNotOwnedError as error:
             report["release"] = "refused: " + str(error)
-        own = AdvisoryLock(engine=engines.create_engine(database_url, settings), key=keys.make_key(namespace, "it.child"))
+        own = AdvisoryLock(engine=engines.create_engine(database_url), key=keys.make_key(namespace, "it.child"))
         report["child_acquired"] = own.acquire()
         report["child_backend"] = own._hold.connection.info.backend_pid
         own.release()
@@ -112,9 +112,7 @@ def test_one_session_carries_many_locks_and_excludes_each_key_once(
     database_url, namespace
 ):
     """per_process: locks of one process share one backend; a key is held once."""
-    engine = db_module.create_engine(
-        database_url, {"pglock_session_mode": "per_process"}
-    )
+    engine = db_module.create_engine(database_url)
     try:
         locks = [
             AdvisoryLock(engine=engine, key=keys.make_key(namespace, "it.many", i))
@@ -128,7 +126,7 @@ def test_one_session_carries_many_locks_and_excludes_each_key_once(
             lock.release()
         assert twin.acquire()
         twin.release()
-        assert [] == strategy.process_session(engine).holds()
+        assert [] == sessions.process_session(engine).holds()
     finally:
-        strategy.close_for(engine)
+        sessions.close_for(engine)
         engine.dispose()

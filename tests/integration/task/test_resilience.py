@@ -9,7 +9,7 @@ from celery import signals as celery_signals
 
 from celery_pglock import AdvisoryLock, DatabaseError, LockNotOwnedError, keys
 from celery_pglock.db import engines as db_module
-from celery_pglock.lock import strategy
+from celery_pglock.lock import sessions
 from celery_pglock.task import singleton_task
 from celery_pglock.task import worker_hooks as hooks
 
@@ -116,9 +116,7 @@ def test_postgres_restart_loses_locks_and_the_next_acquire_reconnects(
     holder's release says its session ended), and the next acquire replaces the dead
     session without failing.
     """
-    engine = db_module.create_engine(
-        private_postgres.url(), {"pglock_session_mode": session_mode}
-    )
+    engine = db_module.create_engine(private_postgres.url())
     try:
         key = keys.make_key("restart", "it.restart")
         holder = AdvisoryLock(engine=engine, key=key)
@@ -139,7 +137,7 @@ def test_postgres_restart_loses_locks_and_the_next_acquire_reconnects(
         assert again.acquire()
         again.release()
     finally:
-        strategy.close_for(engine)
+        sessions.close_for(engine)
         engine.dispose()
 
 

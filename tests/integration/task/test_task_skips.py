@@ -24,7 +24,7 @@ from celery_pglock import (
     skip_info,
 )
 from celery_pglock.db import engines as db_module
-from celery_pglock.lock import holder_lookup, per_lock, per_process
+from celery_pglock.lock import holder_lookup, sessions
 from tests.integration.task_support import (
     current_engine,
     define,
@@ -122,18 +122,13 @@ def test_a_hot_keys_holder_is_looked_up_once_a_second_on_the_lock_session(
     on the first and reused for RECENT_SECONDS; a process's lock session looks it up on
     itself (no pooled connection)."""
     lookups = []
-    strategy = (
-        per_process.ProcessSession
-        if session_mode == "per_process"
-        else per_lock.PerLockSessions
-    )
-    original = strategy.holder_of
+    original = sessions.LockSessions.holder_of  # both strategies ask through it
 
     def counted(self, key, *, bound):
         lookups.append(key)
         return original(self, key, bound=bound)
 
-    monkeypatch.setattr(strategy, "holder_of", counted)
+    monkeypatch.setattr(sessions.LockSessions, "holder_of", counted)
     task = define(app, ran)
     holder = hold(task)
     checkouts = []

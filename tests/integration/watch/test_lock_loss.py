@@ -28,7 +28,7 @@ from celery_pglock import (
     keys,
 )
 from celery_pglock.db import engines as db_module
-from celery_pglock.lock import strategy
+from celery_pglock.lock import sessions
 from celery_pglock.watch import loss_watcher, observer_session
 from tests.integration.loss_support import (
     dsn,
@@ -231,8 +231,10 @@ _FORK_SCRIPT = textwrap.dedent(
     import gc, os, sys
     from celery_pglock import AdvisoryLock, LockNotOwnedError, keys
     from celery_pglock.db import engines
+    from celery_pglock.lock import sessions
     database_url, namespace, mode, how = sys.argv[1:5]
-    engine = engines.create_engine(database_url, {"pglock_session_mode": mode})
+    sessions.use_per_lock_sessions(mode == "per_lock")
+    engine = engines.create_engine(database_url)
     idle = engine.raw_connection(); idle.close()  # an idle pooled session too
     lock = AdvisoryLock(engine=engine, key=keys.make_key(namespace, "fork"))
     assert lock.acquire()
@@ -389,7 +391,6 @@ def test_a_lost_key_is_refused_to_every_run_of_its_process_until_its_body_ends(
         namespace,
         pglock_watch_interval=1.0,
         pglock_on_lost="signal",
-        pglock_session_mode=session_mode,
     )
     terminated = threading.Event()
     ran = []
@@ -450,7 +451,7 @@ def test_a_lost_key_stays_claimed_in_its_process_until_its_release(
         terminate_backend(database_url, other.backend_pid)  # lost again
         with pytest.raises(PgLockError):
             other.release()
-        strategy.close_for(lock_engine)  # and closed
+        sessions.close_for(lock_engine)  # and closed
     assert not _granted_elsewhere(database_url, key)  # free for other processes
     waiter: dict = {}
     after = AdvisoryLock(engine=lock_engine, key=key)
@@ -558,7 +559,7 @@ def test_a_busy_lock_session_is_no_news_about_its_locks(
 
     @app.task(base=SingletonTask, shared=False)
     def body():
-        session = strategy.process_session(db_module.engine_for(app.conf))
+        session = sessions.process_session(db_module.engine_for(app.conf))
         with session._mutex:  # busy for three check timeouts
             time.sleep(3)
         time.sleep(0.6)  # and checked again on the session itself

@@ -25,7 +25,7 @@ from celery_pglock import (
     keys,
 )
 from celery_pglock.db import engines as db_module
-from celery_pglock.lock import strategy
+from celery_pglock.lock import sessions
 from tests.integration.loss_support import dsn, make_app, wait_for
 
 
@@ -168,13 +168,12 @@ def test_an_acquire_from_a_frozen_server_is_bounded(
     """acquire() on a server that does not answer gives up after round_trip_timeout
     with DatabaseError (autoretry_for may then re-queue the run): no hang, and on the
     process's shared lock session no mutex held for as long as TCP waits."""
-    from celery_pglock import DatabaseError, config
+    from celery_pglock import DatabaseError
     from celery_pglock.db import deadlines
 
     engine = db_module.create_engine(
         private_postgres.url(),
         {
-            config.SESSION_MODE_SETTING: session_mode,
             "pglock_engine_options": {"connect_args": {"connect_timeout": 2}},
         },
     )
@@ -201,7 +200,7 @@ def test_an_acquire_from_a_frozen_server_is_bounded(
     # connect_timeout (2 s here).
     assert took < 0.5 + deadlines.TICK + 2 + 1.5, took
     assert not lock.owned()
-    strategy.close_for(engine)
+    sessions.close_for(engine)
     engine.dispose()
 
 
@@ -273,24 +272,25 @@ def test_an_acquire_whose_bound_fired_after_the_grant_is_not_a_held_lock(
     whose session the reaper has just cut (PostgreSQL frees it). The session is
     replaced once, as for any dead session, and the lock is really held after."""
     from celery_pglock.db import deadlines
-    from celery_pglock.lock import per_process
+    from celery_pglock.lock import sessions
 
-    try_once = per_process.ProcessSession._try
+    try_once = sessions.ProcessSession._try
     stalls = []
 
     def stalled_try(self, *args, **kwargs):
         answer = try_once(self, *args, **kwargs)
         if not stalls:
-            stalls.append(1)
+            stalls.append(self._connection.info.backend_pid)
             time.sleep(0.2 + deadlines.TICK + 0.3)  # the stall after the answer
         return answer
 
-    monkeypatch.setattr(per_process.ProcessSession, "_try", stalled_try)
+    monkeypatch.setattr(sessions.ProcessSession, "_try", stalled_try)
     lock = AdvisoryLock(engine=lock_engine, key=keys.make_key(namespace, "stall"))
     lock.round_trip_timeout = 0.2
     assert lock.acquire()
     try:
         assert stalls
+        assert stalls[0] != lock.backend_pid  # the cut session was replaced
         with contextlib.closing(psycopg2.connect(dsn(database_url))) as probe:
             probe.autocommit = True
             with probe.cursor() as cursor:

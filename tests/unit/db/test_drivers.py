@@ -12,8 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_pglock import ConfigurationError
-from celery_pglock.db import driver_errors, engines
-from celery_pglock.lock import lock_statements
+from celery_pglock.db import driver_errors, engines, sql_text
 from celery_pglock.testing import ServiceError, _support
 
 
@@ -208,5 +207,5 @@ def test_the_last_result_of_a_statement_string_is_read_on_psycopg_3(module, read
 
     Cursor.__module__ = f"{module}.cursor"
     cursor = Cursor()
-    lock_statements.to_last_result(cursor)
+    sql_text.to_last_result(cursor)
     assert Cursor.results[cursor.at] == read

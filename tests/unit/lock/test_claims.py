@@ -1,19 +1,19 @@
-"""base.Claims: the keys held by runs of one process (no database needed)."""
+"""sessions.Claims: the keys held by runs of one process (no database needed)."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from celery_pglock.lock import base
+from celery_pglock.lock import sessions
 
 
-def hold(ids: tuple[int, ...] = (42,)) -> base.Hold:
-    return base.Hold(session=None, ids=ids)  # type: ignore[arg-type]
+def hold(ids: tuple[int, ...] = (42,)) -> sessions.Hold:
+    return sessions.Hold(session=None, ids=ids)  # type: ignore[arg-type]
 
 
 def test_a_claimed_key_is_refused_until_its_hold_releases_it() -> None:
-    claims = base.Claims()
+    claims = sessions.Claims()
     first, second = hold(), hold()
     assert claims.claim(first)
     assert not claims.claim(second)
@@ -25,7 +25,7 @@ def test_a_claimed_key_is_refused_until_its_hold_releases_it() -> None:
 def test_a_late_release_never_frees_another_runs_claim() -> None:
     """Identity: a hold whose claim was already given back (or never granted) releases
     nothing, even when another hold of the same key holds it now."""
-    claims = base.Claims()
+    claims = sessions.Claims()
     first, second = hold(), hold()
     assert claims.claim(first)
     claims.release(first)
@@ -36,7 +36,7 @@ def test_a_late_release_never_frees_another_runs_claim() -> None:
 
 
 def test_a_bounded_wait_gives_up_at_its_deadline() -> None:
-    claims = base.Claims()
+    claims = sessions.Claims()
     first = hold()
     assert claims.claim(first)
     started = time.monotonic()
@@ -45,7 +45,7 @@ def test_a_bounded_wait_gives_up_at_its_deadline() -> None:
 
 
 def test_a_bounded_wait_is_woken_by_the_release() -> None:
-    claims = base.Claims()
+    claims = sessions.Claims()
     first, waiter = hold(), hold()
     assert claims.claim(first)
     outcome: dict[str, object] = {}
@@ -68,7 +68,7 @@ def test_a_bounded_wait_is_woken_by_the_release() -> None:
 def test_a_hold_dropped_without_release_frees_its_key() -> None:
     """Weak: an AdvisoryLock garbage-collected while held (the pool's check-in then frees
     its lock in PostgreSQL) does not keep its key claimed in the process forever."""
-    claims = base.Claims()
+    claims = sessions.Claims()
     dropped = hold()
     assert claims.claim(dropped)
     del dropped

@@ -1,0 +1,971 @@
+"""The lock sessions: the PostgreSQL session that carries a key from acquire to release.
+
+:func:`for_lock` picks, per engine and process, a :class:`ProcessSession` (one connection
+carrying every session-scope try-lock of the process) or its :class:`PerLockSessions` (a
+pooled connection pinned per lock: transaction scope and bounded waits). Both keep a key
+claimed in the process (:class:`Claims`) until its run ends. Why: docs/design.md
+("One lock session per process", "A key stays claimed"). A forked child forgets its
+parent's sessions and opens its own.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import math
+import os
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from celery_pglock import config, exceptions
+from celery_pglock.db import (
+    deadlines,
+    driver_errors,
+    engines,
+    server_probe,
+    sql_text,
+    startup_options,
+)
+from celery_pglock.lock import fencing_tokens
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import sqlalchemy as sa
+
+    from celery_pglock.keys import LockKey
+
+logger = logging.getLogger(__name__)
+
+#: Seconds one lock round trip (acquire beyond any lock_timeout wait, or release) may
+#: wait on the database before its socket is shut down (db/deadlines.py).
+DEFAULT_ROUND_TRIP_TIMEOUT = 5.0
+#: Key of a pooled connection's ``info``: the fencing Holder its session is.
+_HOLDER = "celery_pglock_fencing_holder"
+
+
+class Hold:
+    """One granted lock: the session it lives on, for its release."""
+
+    __slots__ = (
+        "__weakref__",  # Claims refers to holds weakly
+        "connection",
+        "holding_name",
+        "idle_name",
+        "ids",
+        "lent",
+        "lost",
+        "pid",
+        "pooled",
+        "run_ids",
+        "sa_connection",
+        "session",
+        "transaction",
+    )
+
+    def __init__(
+        self,
+        session: ProcessSession | PerLockSessions,
+        ids: tuple[int, ...],
+        idle_name: str = "",
+    ) -> None:
+        self.session = session
+        self.ids = ids
+        self.idle_name = idle_name  # per lock: what its connection shows once released
+        self.holding_name: str | None = None  # what its session showed when granted
+        self.pid = os.getpid()
+        self.connection: Any = None  # the DBAPI connection it lives on
+        self.pooled: Any = None  # per lock: the pool's proxy, pinned until release
+        # Transaction scope: the SQLAlchemy connection and transaction lent to the body.
+        self.sa_connection: sa.Connection | None = None
+        self.transaction: sa.RootTransaction | None = None
+        self.lent = False
+        self.lost: str | None = None  # why its session ended before its release
+        self.run_ids: tuple[int, ...] | None = None  # the run lock held beside the key
+
+
+class Claims:
+    """The keys held by runs of this process (per engine), from acquire until release,
+    whatever became of their sessions (docs/design.md, "A key stays claimed").
+
+    A claim refers to its hold weakly: a hold dropped without a release frees its key,
+    as the pool's check-in frees its lock. Thread-safe (gevent/eventlet patch its lock).
+    """
+
+    __slots__ = ("_cond", "_held", "_mutex", "_waiting")
+
+    #: Longest a bounded wait sleeps before looking again (a dropped hold notifies nobody).
+    POLL = 0.25
+
+    def __init__(self) -> None:
+        #: key ids -> the claiming hold (identity: a late release never frees another's).
+        self._held: dict[tuple[int, ...], weakref.ref[Hold]] = {}
+        # Taken bare on the hot path (C code, unlike Condition.__enter__).
+        self._mutex = threading.Lock()
+        self._cond = threading.Condition(self._mutex)
+        self._waiting = 0
+
+    def claim(self, hold: Hold, deadline: float | None = None) -> bool:
+        """Claim ``hold.ids``; False if another run of the process holds it.
+
+        ``deadline`` (``time.monotonic()``): wait until then; None: try once. The caller
+        gives the claim back with :meth:`release`, granted or not.
+        """
+        ids = hold.ids
+        with self._mutex:
+            if self._holder(ids) is None:
+                self._held[ids] = weakref.ref(hold)
+                return True
+            if deadline is None:
+                return False
+            self._waiting += 1
+            try:
+                while self._holder(ids) is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    self._cond.wait(min(remaining, self.POLL))
+            finally:
+                self._waiting -= 1
+            self._held[ids] = weakref.ref(hold)
+            return True
+
+    def release(self, hold: Hold) -> None:
+        """``hold``'s run has ended (or was not granted the lock): free its key."""
+        with self._mutex:
+            if self._holder(hold.ids) is hold:
+                del self._held[hold.ids]
+                if self._waiting:
+                    self._cond.notify_all()
+
+    def held(self, ids: tuple[int, ...]) -> bool:
+        """Is ``ids`` claimed by a run of this process (tests, diagnostics)?"""
+        with self._mutex:
+            return self._holder(ids) is not None
+
+    def _holder(self, ids: tuple[int, ...]) -> Hold | None:
+        ref = self._held.get(ids)
+        return None if ref is None else ref()
+
+
+class LockSessions(abc.ABC):
+    """What both strategies share: the holder and run lookups, names, error tail."""
+
+    def __init__(self, engine: sa.Engine, claims: Claims) -> None:
+        self.engine = engine
+        self.claims = claims  #: Shared by both strategies of ``engine``.
+        self.pid = os.getpid()
+        self._prefix = engines.engine_info(engine)["application_name_prefix"]
+        self._names: dict[tuple[str, ...], str] = {}
+
+    def holder_of(self, key: LockKey, *, bound: float) -> str | None:
+        """``"<backend pid> <application_name>"`` of the session holding ``key`` now;
+        None when nobody does or it could not be found out (never raises)."""
+        what = f"looking up the holder of {key.name!r}"
+        row = self._one_row(what, sql_text.HOLDER, key.pg_locks_ids, bound)
+        return None if row is None else row[0]
+
+    def run_alive(self, run: LockKey, *, bound: float) -> bool | None:
+        """Does some session hold the run lock ``run``? None when unknown (never raises)."""
+        params = (*run.ids, *run.ids)
+        row = self._one_row(
+            f"checking run lock {run}", sql_text.RUN_ALIVE, params, bound
+        )
+        return None if row is None else bool(row[0])
+
+    @abc.abstractmethod
+    def _one_row(
+        self, what: str, statement: str, params: tuple[Any, ...], bound: float
+    ) -> tuple[Any, ...] | None:
+        """One statement's row, or None if it failed (logged at DEBUG: these questions
+        add detail to an outcome, never decide one)."""
+
+    def _name(self, *parts: str) -> str:
+        """The application_name showing ``parts`` (cached: the same names recur)."""
+        name = self._names.get(parts)
+        if name is None:
+            if len(self._names) >= 4096:
+                self._names.clear()
+            name = self._names[parts] = engines.application_name(
+                self._prefix, engines.process_tag(), *parts
+            )
+        return name
+
+    def _raise(
+        self, exc: BaseException, action: str, *, connecting: bool = False
+    ) -> NoReturn:
+        """Raise ``exc`` (being handled) again: a driver error as a DatabaseError."""
+        if isinstance(exc, Exception):
+            with driver_errors.wrap_db_errors(
+                action, self.engine, connecting=connecting
+            ):
+                raise exc
+        raise exc
+
+
+class SessionBusyError(Exception):
+    """The lock session was kept busy by other statements until a check's deadline."""
+
+
+class _Bound(deadlines.Bound):
+    """The process session's bound, watched from connect to close; armed per round trip."""
+
+    __slots__ = ()
+
+    def __call__(self, seconds: float) -> _Bound:
+        self.fired = False
+        self.deadline = time.monotonic() + seconds
+        return self
+
+    def __enter__(self) -> _Bound:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        with deadlines.guard:
+            self.deadline = math.inf
+        if self.fired and exc_type is None:
+            # The answer came after the socket was shut down: the session is ending.
+            raise driver_errors.operational_error(self.connection)(deadlines.NO_ANSWER)
+
+
+class ProcessSession(LockSessions):
+    """One connection per process and engine carrying every session-scope try-lock.
+
+    Thread-safe: one mutex serialises the holds table and every statement on the
+    connection (a psycopg2 connection runs one statement at a time).
+    """
+
+    def __init__(self, engine: sa.Engine, claims: Claims) -> None:
+        super().__init__(engine, claims)
+        self.waits = PerLockSessions(engine, claims)
+        self._mutex = threading.Lock()
+        self._pooled: Any = None  # the detached pool proxy owning the connection
+        self._connection: Any = None
+        self._cursor: Any = None
+        self._bound: Any = None  # a _Bound while connected
+        self._holder: fencing_tokens.Holder | None = None  # asked once per connection
+        self._shown: str | None = None  # the application_name the session shows
+        #: key ids -> the hold on the current connection (a lost one leaves; its key
+        #: stays in ``claims`` until its release).
+        self._owners: dict[tuple[int, ...], Hold] = {}
+        self._runs: dict[tuple[int, ...], Hold] = {}  #: run lock ids -> its hold.
+
+    def acquire(
+        self,
+        key: LockKey,
+        label: str,
+        timeout_ms: int | None,
+        transaction: bool,
+        bound: float,
+        run: LockKey | None,
+        on_granted: Callable[[Hold], None] | None,
+    ) -> Hold | None:
+        """Take ``key``; the hold, or None when another session (or run) holds it.
+
+        A key claimed in :attr:`claims` is refused without a round trip (or waited for
+        within ``timeout_ms``: per lock). ``label`` goes into the application_name;
+        ``bound`` limits the round trip beyond the wait; ``run``: a run lock taken and
+        released with the key. ``on_granted`` gets the hold as soon as it is recorded,
+        so an exception landing before the return (a soft time limit) cannot leave a
+        granted key its owner does not know.
+        """
+        if transaction or timeout_ms is not None:
+            waits = self.waits
+            return waits.acquire(
+                key, label, timeout_ms, transaction, bound, run, on_granted
+            )
+        hold = Hold(self, key.ids)
+        with self._mutex:
+            try:
+                # Inside the try: an exception just after the claim (a soft time limit)
+                # must not leave the key claimed by nobody.
+                if self.claims.claim(hold):
+                    self._try_lock(hold, key, label, bound, run, on_granted)
+            finally:
+                if self._owners.get(hold.ids) is not hold:
+                    self.claims.release(hold)  # a no-op if the claim was refused
+            return hold if self._owners.get(hold.ids) is hold else None
+
+    def _try_lock(
+        self,
+        hold: Hold,
+        key: LockKey,
+        label: str,
+        bound: float,
+        run: LockKey | None,
+        on_granted: Callable[[Hold], None] | None,
+    ) -> None:
+        """Under the mutex, ``hold`` claimed: the try-lock round trip and its record."""
+        # A run lock held in this process already (the same task id twice) would
+        # re-enter on this session: not taken again, so its release ends no other run's.
+        run_ids = None if run is None or run.ids in self._runs else run.ids
+        if self._cursor is None:
+            self._connect(key)
+        name = self._name(label)
+        try:
+            # Bounded: a frozen link would otherwise hold the mutex, and with it every
+            # lock statement of the process, for as long as TCP waits.
+            with self._bound(bound):
+                granted, run_granted = self._try(self._cursor, hold.ids, name, run_ids)
+            if granted:
+                # Recorded inside the try: a soft time limit landing here must not leave
+                # a granted key nobody in the process knows.
+                hold.connection = self._connection
+                hold.holding_name = self._shown
+                self._owners[hold.ids] = hold
+                if run_granted and run_ids is not None:
+                    hold.run_ids = run_ids
+                    self._runs[run_ids] = hold
+                if on_granted is not None:
+                    on_granted(hold)
+        except BaseException as exc:
+            self._fail(f"acquiring lock {key.name!r} failed: {exc!r}", exc)
+            self._raise(exc, f"acquire lock {key.name!r}")
+
+    def _try(
+        self,
+        cursor: Any,
+        ids: tuple[int, ...],
+        name: str,
+        run_ids: tuple[int, ...] | None,
+    ) -> tuple[bool, bool]:
+        """One try-lock statement: (granted, run lock granted)."""
+        arity = len(ids)
+        if name == self._shown:  # no relabel: it costs about what the lock does
+            if run_ids is None:
+                cursor.execute(sql_text.TRY_LOCK_SESSION_BARE[arity], ids)
+                row = cursor.fetchone()
+                return row is not None and row[0] is True, False
+            cursor.execute(sql_text.TRY_LOCK_SESSION_BARE_RUN[arity], (*ids, *run_ids))
+            row = cursor.fetchone()
+            return row is not None and row[0] is not None, bool(row and row[0])
+        if run_ids is None:
+            cursor.execute(sql_text.TRY_LOCK_SESSION[arity], (*ids, name))
+        else:
+            cursor.execute(sql_text.TRY_LOCK_SESSION_RUN[arity], (*ids, name, *run_ids))
+        row = cursor.fetchone()
+        granted = row is not None and row[0] is not None
+        if granted:
+            self._shown = name
+        return granted, granted and run_ids is not None and row[0][1] == "true"
+
+    def release(self, hold: Hold, key: LockKey, commit: bool, timeout: float) -> None:
+        """Give ``hold`` back, and its claim whatever the outcome; raises
+        LockNotOwnedError, LockLostError or DatabaseError (the session is then closed)."""
+        ids, run_ids = hold.ids, hold.run_ids
+        with self._mutex:
+            # Under the mutex: no try-lock of the process runs before the unlock below.
+            self.claims.release(hold)
+            if self._owners.get(ids) is not hold:
+                raise exceptions.LockNotOwnedError(
+                    f"The process's lock session ended while lock {key.name!r} (key {key}) was "
+                    f"held ({hold.lost or 'closed'}), so PostgreSQL had already freed the lock.",
+                    key=str(key),
+                    name=key.name,
+                )
+            del self._owners[ids]
+            if run_ids is None:
+                statement, params = sql_text.UNLOCK_SESSION_KEEP_NAME[len(ids)], ids
+            else:
+                del self._runs[run_ids]
+                statement = sql_text.UNLOCK_SESSION_KEEP_NAME_RUN[len(ids)]
+                params = (*ids, *run_ids)
+            bound = self._bound
+            try:
+                with bound(timeout):
+                    self._cursor.execute(statement, params)
+                    row = self._cursor.fetchone()
+            except BaseException as exc:
+                self._fail(f"releasing lock {key.name!r} failed: {exc!r}", exc)
+                why = deadlines.explain(bound)
+                self._raise(exc, f"release lock {key.name!r}{why}")
+        if not (row and row[0]):
+            # Someone unlocked our key behind our back. The session is kept: closing it
+            # would free every other run's lock mid-body.
+            raise exceptions.LockNotOwnedError(
+                f"PostgreSQL says the process's lock session no longer held lock {key.name!r} "
+                f"(key {key}) at release; the session is kept for its other locks.",
+                key=str(key),
+                name=key.name,
+            )
+
+    def fencing_holder(
+        self, hold: Hold, key: LockKey, *, bound: float
+    ) -> fencing_tokens.Holder | None:
+        with self._mutex:
+            if (
+                self._owners.get(hold.ids) is not hold
+                or hold.connection is not self._connection
+            ):
+                return None  # the session that was granted the key has ended
+            if self._holder is None:
+                try:
+                    with self._bound(bound):
+                        self._holder = fencing_tokens.session_holder(self._cursor)
+                except BaseException as exc:
+                    if self._ended(f"naming the session failed: {exc!r}", exc):
+                        return None
+                    self._raise(exc, f"issue a fencing token for lock {key.name!r}")
+            return self._holder
+
+    def run_alive(self, run: LockKey, *, bound: float) -> bool | None:
+        with self._mutex:
+            if run.ids in self._runs:
+                return True  # a run of this process (on this session it would re-enter)
+        return super().run_alive(run, bound=bound)
+
+    def _one_row(
+        self, what: str, statement: str, params: tuple[Any, ...], bound: float
+    ) -> tuple[Any, ...] | None:
+        # On this session when it is open: no second connection.
+        with self._mutex:
+            if self._cursor is not None:
+                try:
+                    with self._bound(bound):
+                        self._cursor.execute(statement, params)
+                        row: tuple[Any, ...] | None = self._cursor.fetchone()
+                except Exception as exc:
+                    logger.debug("%s failed", what, exc_info=True)
+                    self._ended(f"{what} failed: {exc!r}", exc)
+                    return None
+                return row
+        return self.waits._one_row(what, statement, params, bound)
+
+    # -- for the lock watcher and shutdown ------------------------------------------------
+
+    def run_check(
+        self, statement: str, params: tuple[Any, ...], deadline: float, least: float
+    ) -> list[tuple[Any, ...]] | None:
+        """For the lock watcher: one read-only statement on this session by ``deadline``
+        (``time.monotonic()``): its rows, or None if the session is not open.
+
+        Raises :class:`SessionBusyError` if other statements keep the session until less
+        than ``least`` seconds remain. A statement that gets no answer in time, or finds
+        the session gone, ends the session (its holds are lost); any error is raised.
+        """
+        if not self._mutex.acquire(
+            timeout=max(0.0, deadline - least - time.monotonic())
+        ):
+            raise SessionBusyError
+        try:
+            if self._cursor is None:
+                return None
+            remaining = deadline - time.monotonic()
+            if remaining < least:
+                raise SessionBusyError
+            try:
+                with self._bound(remaining):
+                    self._cursor.execute(statement, params)
+                    rows: list[tuple[Any, ...]] = self._cursor.fetchall()
+            except BaseException as exc:
+                self._ended(f"checking its locks failed: {exc!r}", exc)
+                raise
+            return rows
+        finally:
+            self._mutex.release()
+
+    def holds(self) -> list[Hold]:
+        """The locks held on this session right now."""
+        with self._mutex:
+            return list(self._owners.values())
+
+    def lose(self, cause: str) -> list[Hold]:
+        """Close the session (which frees all its locks) and mark its holds lost."""
+        with self._mutex:
+            return self._close(cause)
+
+    def close(self) -> None:
+        """Close the connection; any lock still held is freed by PostgreSQL and lost."""
+        lost = self.lose("the process's lock session was closed")
+        if lost:
+            logger.warning(
+                "The lock session was closed still holding %d lock(s); PostgreSQL freed them",
+                len(lost),
+                extra={"action": "lock_checkin_unlock_all"},
+            )
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _connect(self, key: LockKey) -> None:
+        # A standby or a pooler that breaks session locks is refused (probed once).
+        server_probe.check(self.engine, config.LockScope.SESSION, key.name)
+        try:
+            # Detached: the connection belongs to this session, not to the pool (no
+            # reset or check-in touches it, and the pool's size does not count it).
+            pooled = self.engine.raw_connection()
+            pooled.detach()
+            dbapi: Any = pooled.dbapi_connection
+            dbapi.autocommit = True
+            cursor = dbapi.cursor()
+        except Exception as exc:
+            self._raise(exc, f"acquire lock {key.name!r}", connecting=True)
+        self._pooled, self._connection, self._cursor = pooled, dbapi, cursor
+        self._bound = _Bound(dbapi)
+        deadlines.watch(self._bound)
+        self._shown = None
+
+    def _ended(self, cause: str, exc: BaseException) -> bool:
+        """Under the mutex, after a failed statement: end the session if it is dead."""
+        if self._connection.closed or driver_errors.is_disconnect(exc):
+            self._fail(cause, exc)
+            return True
+        return False
+
+    def _fail(self, cause: str, exc: BaseException) -> None:
+        """Under the mutex: a statement failed; end the session.
+
+        If it died (a server restart ends every session), the pool's connections are
+        likely dead too: detached, this one cannot say when it was opened, so every
+        pooled connection opened until now is retired.
+        """
+        self._close(cause)
+        if driver_errors.is_disconnect(exc):
+            engines.mark_pool_stale(self.engine, None, exc)
+
+    def _close(self, cause: str) -> list[Hold]:
+        """Under the mutex: end the session; every hold on it is lost (their keys stay
+        claimed until their release: their bodies may still run)."""
+        connection, self._connection = self._connection, None
+        if self._bound is not None:
+            deadlines.unwatch(self._bound)
+        self._pooled = self._cursor = self._holder = self._bound = None
+        lost = list(self._owners.values())
+        self._owners.clear()
+        self._runs.clear()
+        for hold in lost:
+            hold.lost = cause
+        if connection is not None:
+            try:
+                connection.close()  # ends the session: the release PostgreSQL always honours
+            except Exception:  # a dead socket may complain; it is gone either way
+                logger.debug("Closing the lock session failed", exc_info=True)
+        return lost
+
+
+class PerLockSessions(LockSessions):
+    """A pooled connection per held lock, pinned from acquire to release."""
+
+    def __init__(self, engine: sa.Engine, claims: Claims) -> None:
+        super().__init__(engine, claims)
+        self.waits = self
+
+    def acquire(
+        self,
+        key: LockKey,
+        label: str,
+        timeout_ms: int | None,
+        transaction: bool,
+        bound: float,
+        run: LockKey | None,
+        on_granted: Callable[[Hold], None] | None,
+    ) -> Hold | None:
+        scope = (
+            config.LockScope.TRANSACTION if transaction else config.LockScope.SESSION
+        )
+        server_probe.check(self.engine, scope, key.name)  # probed once per engine
+        hold = Hold(self, key.ids, self._name("idle"))
+        # str(key): the ids only (the key text may be megabytes, kept by the cache).
+        hold.holding_name = self._name(str(key), label)
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+        handed = False
+        try:
+            # Inside the try: an exception just after the claim must not leave the key
+            # claimed by nobody.
+            if not self.claims.claim(hold, deadline):
+                return None
+            if deadline is not None:
+                # What the wait in the process left, never 0 (lock_timeout 0: unbounded).
+                timeout_ms = max(1, math.ceil((deadline - time.monotonic()) * 1000))
+            run_ids = None if run is None else run.ids
+            lock = self._lock_transaction if transaction else self._lock_session
+            if lock(hold, key, timeout_ms, bound, run_ids):
+                # From here a pinned connection nobody knows is unlocked at check-in.
+                if on_granted is not None:
+                    on_granted(hold)
+                handed = True
+        finally:
+            if not handed:
+                self.claims.release(hold)  # a no-op if the claim was refused
+        return hold if handed else None
+
+    def release(self, hold: Hold, key: LockKey, commit: bool, timeout: float) -> None:
+        try:
+            if hold.sa_connection is not None:
+                self._release_transaction(hold, key, commit, timeout)
+            else:
+                self._release_session(hold, key, timeout)
+        finally:
+            self.claims.release(hold)  # the run has ended, whatever became of its lock
+
+    def fencing_holder(
+        self, hold: Hold, key: LockKey, *, bound: float
+    ) -> fencing_tokens.Holder | None:
+        connection = hold.connection
+        if hold.lost is not None or connection is None or connection.closed:
+            return None
+        try:
+            with deadlines.bounded(connection, bound), connection.cursor() as cursor:
+                if hold.sa_connection is not None:  # which transaction: each time
+                    return fencing_tokens.transaction_holder(cursor, key)
+                info = hold.pooled.info  # who the session is: once per connection
+                if _HOLDER not in info:
+                    info[_HOLDER] = fencing_tokens.session_holder(cursor)
+                holder: fencing_tokens.Holder = info[_HOLDER]
+                return holder
+        except BaseException as exc:
+            if connection.closed or driver_errors.is_disconnect(exc):
+                return None  # its session ended; the release says so
+            self._raise(exc, f"issue a fencing token for lock {key.name!r}")
+
+    def _one_row(
+        self, what: str, statement: str, params: tuple[Any, ...], bound: float
+    ) -> tuple[Any, ...] | None:
+        try:
+            pooled = self.engine.raw_connection()
+        except Exception:
+            logger.debug("%s failed", what, exc_info=True)
+            return None
+        try:
+            dbapi: Any = pooled.dbapi_connection
+            dbapi.autocommit = True
+            with deadlines.bounded(dbapi, bound), dbapi.cursor() as cursor:
+                cursor.execute(statement, params)
+                row: tuple[Any, ...] | None = cursor.fetchone()
+        except Exception as exc:
+            logger.debug("%s failed", what, exc_info=True)
+            self._discard(pooled, exc)
+            return None
+        finally:
+            pooled.close()
+        return row
+
+    def _discard(self, pooled: Any, exc: BaseException) -> None:
+        """Close ``pooled`` (its session in an unknown state) instead of pooling it."""
+        self._retire_if_dead(pooled, exc)
+        pooled.invalidate()
+
+    def _retire_if_dead(self, pooled: Any, exc: BaseException) -> None:
+        """If ``exc`` says ``pooled``'s session died, retire the pool's older connections."""
+        if driver_errors.is_disconnect(exc):
+            engines.mark_pool_stale(self.engine, pooled, exc)
+
+    def _lock_session(
+        self,
+        hold: Hold,
+        key: LockKey,
+        timeout_ms: int | None,
+        bound: float,
+        run_ids: tuple[int, ...] | None,
+    ) -> bool:
+        try:
+            pooled = self.engine.raw_connection()
+        except Exception as exc:
+            self._raise(exc, f"acquire lock {key.name!r}", connecting=True)
+        try:
+            dbapi: Any = pooled.dbapi_connection
+            dbapi.autocommit = True
+            with dbapi.cursor() as cursor:
+                granted, run_granted, discard = _lock(
+                    cursor, key, hold, False, timeout_ms, bound, run_ids
+                )
+        except BaseException as exc:
+            # Unknown state (interrupted mid-statement): closing is the only safe release.
+            self._discard(pooled, exc)
+            pooled.close()
+            self._raise(exc, f"acquire lock {key.name!r}")
+        if not granted:
+            if discard:
+                pooled.invalidate()
+            pooled.close()
+            return False
+        engines.held_keys(pooled.info)[key.ids] += 1
+        pooled.info[engines.IDLE_NAME] = hold.idle_name
+        hold.pooled, hold.connection = pooled, dbapi
+        hold.run_ids = run_ids if run_granted else None
+        return True
+
+    def _release_session(self, hold: Hold, key: LockKey, timeout: float) -> None:
+        pooled = hold.pooled
+        held = engines.held_keys(pooled.info)
+        if hold.run_ids is None:
+            statement, params = sql_text.UNLOCK_SESSION, (*key.ids, hold.idle_name)
+        else:
+            statement = sql_text.UNLOCK_SESSION_RUN
+            params = (*key.ids, hold.idle_name, *hold.run_ids)
+        bound: deadlines.Bound | None = None
+        try:
+            with (
+                deadlines.bounded(hold.connection, timeout) as bound,
+                hold.connection.cursor() as cursor,
+            ):
+                cursor.execute(statement[len(key.ids)], params)
+                row = cursor.fetchone()
+        except BaseException as exc:
+            held.clear()
+            self._discard(pooled, exc)  # the session's end frees whatever it held
+            pooled.close()
+            self._raise(exc, f"release lock {key.name!r}{deadlines.explain(bound)}")
+        held[key.ids] -= 1
+        if held[key.ids] <= 0:
+            del held[key.ids]
+        if not (row and row[0]):
+            held.clear()
+            pooled.invalidate()
+            pooled.close()
+            raise exceptions.LockNotOwnedError(
+                f"PostgreSQL says the session no longer held lock {key.name!r} (key {key}) "
+                "at release; the connection was closed instead of being pooled.",
+                key=str(key),
+                name=key.name,
+            )
+        pooled.close()
+
+    def _lock_transaction(
+        self,
+        hold: Hold,
+        key: LockKey,
+        timeout_ms: int | None,
+        bound: float,
+        run_ids: tuple[int, ...] | None,
+    ) -> bool:
+        with driver_errors.wrap_db_errors(
+            f"acquire lock {key.name!r}", self.engine, connecting=True
+        ):
+            connection = self.engine.connect()
+        pooled: Any = None
+        try:
+            pooled = connection.connection
+            dbapi: Any = pooled.dbapi_connection
+            dbapi.autocommit = False
+            transaction = connection.begin()
+            with dbapi.cursor() as cursor:
+                # A failed wait in a transaction is rolled back: nothing to discard.
+                granted, run_granted, _ = _lock(
+                    cursor, key, hold, True, timeout_ms, bound, run_ids
+                )
+            if not granted:
+                transaction.rollback()
+                connection.close()
+                return False
+        except BaseException as exc:
+            self._retire_if_dead(pooled, exc)
+            connection.invalidate()
+            connection.close()
+            self._raise(exc, f"acquire lock {key.name!r}")
+        hold.pooled, hold.connection = pooled, dbapi
+        hold.sa_connection, hold.transaction = connection, transaction
+        # A transaction-level run lock ends with the transaction: nothing to release.
+        hold.run_ids = run_ids if run_granted else None
+        return True
+
+    def _release_transaction(
+        self, hold: Hold, key: LockKey, commit: bool, timeout: float
+    ) -> None:
+        connection, transaction = hold.sa_connection, hold.transaction
+        if connection is None or transaction is None:  # a session-scope hold
+            raise exceptions.LockNotOwnedError(
+                f"Lock {key.name!r} has no open transaction.",
+                key=str(key),
+                name=key.name,
+            )
+        bound: deadlines.Bound | None = None
+        try:
+            if not transaction.is_active:
+                raise exceptions.LockLostError(
+                    f"The transaction of lock {key.name!r} (key {key}) was ended before "
+                    "release (committed or rolled back by the task?), so the lock ended early.",
+                    key=str(key),
+                    name=key.name,
+                )
+            with (
+                driver_errors.wrap_db_errors(
+                    f"{'commit' if commit else 'roll back'} lock {key.name!r}",
+                    self.engine,
+                ),
+                # A late answer still counts: the transaction did end, which is what
+                # released the lock.
+                deadlines.bounded(
+                    hold.connection, timeout, late_answer_fails=False
+                ) as bound,
+            ):
+                if commit:
+                    transaction.commit()
+                else:
+                    transaction.rollback()
+            if bound.fired:
+                connection.invalidate()  # the socket was shut down: the session ends
+            elif hold.lent:
+                self._discard_all(hold, timeout)
+        except BaseException as exc:
+            self._retire_if_dead(hold.pooled, exc.__cause__ or exc)
+            connection.invalidate()
+            if isinstance(exc, exceptions.DatabaseError) and deadlines.explain(bound):
+                raise exceptions.DatabaseError(
+                    f"{exc}{deadlines.explain(bound)}"
+                ) from exc.__cause__
+            raise
+        finally:
+            connection.close()
+
+    def _discard_all(self, hold: Hold, timeout: float) -> None:
+        """After a transaction-scope body had the connection: wipe what it may have left
+        on the session before pooling it. A failure only costs the connection."""
+        try:
+            with deadlines.bounded(hold.connection, timeout):
+                hold.connection.autocommit = True
+                with hold.connection.cursor() as cursor:
+                    cursor.execute(sql_text.DISCARD_ALL)
+                fallback = startup_options.fallback_of(self.engine)
+                if fallback is None or not fallback.carries_settings():
+                    # DISCARD ALL resets settings to their startup values: ours were set
+                    # by a statement, not at startup (see startup_options.py).
+                    startup_options.apply_session_settings(hold.connection)
+        except Exception as exc:
+            logger.debug("DISCARD ALL after lock %s failed", hold.ids, exc_info=True)
+            self._retire_if_dead(hold.pooled, exc)
+            if hold.sa_connection is not None:
+                hold.sa_connection.invalidate()
+
+
+def _lock(
+    cursor: Any,
+    key: LockKey,
+    hold: Hold,
+    transaction: bool,
+    timeout_ms: int | None,
+    bound: float,
+    run_ids: tuple[int, ...] | None,
+) -> tuple[bool, bool, bool]:
+    """Try (``timeout_ms`` None) or wait for ``key`` on a pinned connection, with the
+    run lock: (granted, run lock granted, the session must be discarded)."""
+    connection, arity, name = cursor.connection, len(key.ids), hold.holding_name
+    if timeout_ms is None:
+        if transaction:
+            tries = (
+                sql_text.TRY_LOCK_TRANSACTION_RUN
+                if run_ids
+                else sql_text.TRY_LOCK_TRANSACTION
+            )
+        else:
+            tries = (
+                sql_text.TRY_LOCK_SESSION_RUN if run_ids else sql_text.TRY_LOCK_SESSION
+            )
+        with deadlines.bounded(connection, bound):
+            cursor.execute(tries[arity], (*key.ids, name, *(run_ids or ())))
+            row = cursor.fetchone()
+        if row is None or row[0] is None:
+            return False, False, False
+        return True, run_ids is not None and row[0][1] == "true", False
+    waits = (
+        sql_text.WAIT_LOCK_TRANSACTION if transaction else sql_text.WAIT_LOCK_SESSION
+    )
+    try:
+        # lock_timeout bounds the wait server-side; bound, a server that never answers.
+        with deadlines.bounded(connection, timeout_ms / 1000 + bound):
+            cursor.execute(waits[arity], (str(timeout_ms), name, *key.ids))
+    except Exception as exc:
+        code = driver_errors.sqlstate(exc)
+        if code not in (sql_text.LOCK_NOT_AVAILABLE, sql_text.QUERY_CANCELED):
+            raise
+        if transaction:
+            connection.rollback()  # ends the transaction and the wait
+            return False, False, False
+        if code == sql_text.QUERY_CANCELED:
+            # A cancel may land after the session lock was granted, and a session lock
+            # outlives the aborted transaction: the session cannot be trusted.
+            return False, False, True
+        # lock_timeout: nothing was granted. psycopg2's rollback() is a no-op in
+        # autocommit mode, so end the aborted BEGIN by hand.
+        with deadlines.bounded(connection, bound):
+            cursor.execute(sql_text.ROLLBACK)
+        return False, False, False
+    if run_ids is None:
+        return True, False, False
+    with deadlines.bounded(connection, bound):
+        cursor.execute(
+            sql_text.RUN_LOCK_TRANSACTION if transaction else sql_text.RUN_LOCK_SESSION,
+            run_ids,
+        )
+        row = cursor.fetchone()
+    return True, bool(row and row[0]), False
+
+
+# -- the sessions of this process, per engine ---------------------------------------------
+
+_process: dict[sa.Engine, ProcessSession] = {}
+#: The claims per engine, shared by both strategies; they outlive close_for() and a new
+#: session (a run that lost its session keeps its key until its release).
+_claims: weakref.WeakKeyDictionary[sa.Engine, Claims] = weakref.WeakKeyDictionary()
+_registry_guard = threading.Lock()
+#: A forked child's copies of its parent's sessions: kept referenced, never used or
+#: closed, so no finaliser of the child ever writes to the parent's socket.
+_inherited: list[ProcessSession] = []
+_per_lock_only = False
+
+
+def for_lock(
+    engine: sa.Engine, *, transaction: bool = False
+) -> ProcessSession | PerLockSessions:
+    """The sessions a lock of ``engine`` takes its key on (picked once per lock)."""
+    session = _process.get(engine) or process_session(engine)
+    return session.waits if transaction or _per_lock_only else session
+
+
+def process_session(engine: sa.Engine) -> ProcessSession:
+    """This process's session for ``engine`` (created on first use, not at import)."""
+    with _registry_guard:
+        session = _process.get(engine)
+        if session is None:
+            claims = _claims.get(engine)
+            if claims is None:
+                claims = _claims[engine] = Claims()
+            session = _process[engine] = ProcessSession(engine, claims)
+        return session
+
+
+def open_process_session(engine: sa.Engine) -> ProcessSession | None:
+    """This process's session for ``engine`` if it has one (never creates it): the lock
+    watcher checks locks on it instead of a connection of its own."""
+    return _process.get(engine)
+
+
+def use_per_lock_sessions(enabled: bool = True) -> None:
+    """For tests: put every new lock of this process on a pooled connection of its own
+    (as bounded waits and transaction scope do), never on the process's session."""
+    global _per_lock_only
+    _per_lock_only = enabled
+
+
+def close_all() -> None:
+    """Close this process's lock sessions (worker shutdown, tests)."""
+    with _registry_guard:
+        closing = list(_process.values())
+        _process.clear()
+    for session in closing:
+        session.close()
+
+
+def close_for(engine: sa.Engine) -> None:
+    """Close this process's session of ``engine``, if any (before disposing of it).
+
+    Not tied to ``engine.dispose()``: disposing of a pool (after a fork, say) must not
+    end the locks of every other task of the process.
+    """
+    with _registry_guard:
+        session = _process.pop(engine, None)
+    if session is not None:
+        session.close()
+
+
+def _after_fork_in_child() -> None:
+    global _registry_guard
+    _registry_guard = threading.Lock()  # another thread of the parent may have held it
+    _inherited.extend(_process.values())
+    _process.clear()
+    _claims.clear()  # the parent's runs: none of them runs in this child
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
