@@ -139,41 +139,35 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     are not plain arguments, override :meth:`lock_key_for` in a subclass.
     """
 
-    #: Names of the task's parameters whose values form the key. None: one lock per task.
+    # Each option: a decorator keyword or class attribute; "App-wide" ones also
+    # app.conf.pglock_<name without lock_> (docs/reference/options.md).
+    #: Parameters whose values form the key (None: one lock per task).
     lock_args: ClassVar[Sequence[str] | str | None] = None
-    #: An explicit numeric key: one signed 64-bit int or two signed 32-bit ints.
+    #: An explicit numeric key: a signed 64-bit int or two signed 32-bit ints.
     lock_id: ClassVar[int | tuple[int, int] | None] = None
-    #: The name hashed into the key (default: the task name). Tasks that share a
-    #: lock_name (and lock_args values) share one lock.
+    #: The name hashed into the key (default: the task name); shared, it shares a lock.
     lock_name: ClassVar[str | None] = None
-    #: Mixed into every key; separates apps sharing a database. App: pglock_namespace.
+    #: Mixed into every key: separates apps sharing a database. App-wide: yes.
     lock_namespace: ClassVar[str | None] = None
-    #: skip (default), raise, retry or wait. App: pglock_on_busy.
+    #: skip (default), raise, retry or wait. App-wide: yes.
     lock_on_busy: ClassVar[OnBusy | str | None] = None
-    #: session (default) or transaction. App: pglock_scope.
+    #: session (default) or transaction. App-wide: yes.
     lock_scope: ClassVar[LockScope | str | None] = None
-    #: Seconds before a lock_on_busy='retry' re-run (default 30). App: pglock_retry_delay.
+    #: Seconds before a lock_on_busy='retry' re-run (30). App-wide: yes.
     lock_retry_delay: ClassVar[float | None] = None
-    #: Longest lock_on_busy='wait' wait, enforced server-side (default 10). App:
-    #: pglock_wait_timeout.
+    #: Longest lock_on_busy='wait' wait, server-side (10). App-wide: yes.
     lock_wait_timeout: ClassVar[float | None] = None
-    #: How a skipped run ends: failure (default) or success. App: pglock_skip_result.
-    #: See docs/guide/skipped-results.md.
+    #: How a skipped run ends: failure (default) or success. App-wide: yes.
     lock_skip_result: ClassVar[SkipResult | str | None] = None
-    #: Shadow mode: try the lock and report every outcome, but always run the body.
-    #: App: pglock_shadow.
+    #: Shadow mode: try the lock, report, always run the body. App-wide: yes.
     lock_shadow: ClassVar[bool | None] = None
-    #: Give each run a fencing token (current_lock().fencing_token), one statement more
-    #: per acquisition. App: pglock_fencing. See docs/guide/fencing.md.
+    #: A fencing token per run (docs/guide/fencing.md). App-wide: yes.
     lock_fencing: ClassVar[bool | None] = None
-    #: When the lock is lost under the body: terminate (default) or signal. App:
-    #: pglock_on_lost. See docs/operations/lock-loss.md.
+    #: Lock lost under the body: terminate (default) or signal. App-wide: yes.
     lock_on_lost: ClassVar[OnLost | str | None] = None
-    #: Seconds between checks that a running body's lock is held (default 1; 0: never).
-    #: App: pglock_watch_interval.
+    #: Seconds between checks that the lock is held (1; 0: none). App-wide: yes.
     lock_watch_interval: ClassVar[float | None] = None
-    #: Longest one round trip to the lock database may wait (default 5). App:
-    #: pglock_db_timeout.
+    #: Longest one round trip to the lock database (5). App-wide: yes.
     lock_db_timeout: ClassVar[float | None] = None
 
     _pglock: ClassVar[Binding | None] = None
