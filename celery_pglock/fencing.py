@@ -185,8 +185,7 @@ def _prepare(
         raise exceptions.ConfigurationError(
             "key must name at least one column: a fenced write without a key would touch every row."
         )
-    overlap = set(key) & set(values)
-    if overlap:
+    if overlap := set(key) & set(values):
         raise exceptions.ConfigurationError(
             f"Columns {sorted(overlap)} are in both key and values; a column is one or the other."
         )
@@ -195,25 +194,20 @@ def _prepare(
         raise exceptions.ConfigurationError(
             f"table={table!r} is invalid; expected 'name' or 'schema.name'."
         )
+
+    def quote(name: str) -> str:
+        if not isinstance(name, str) or not _IDENTIFIER.fullmatch(name):
+            raise exceptions.ConfigurationError(
+                f"{name!r} is not a plain SQL identifier (letters, digits, _ and $, "
+                "starting with a letter or _, at most 63 characters)."
+            )
+        return str(connection.dialect.identifier_preparer.quote(name))
+
     params = {f"k{i}": v for i, v in enumerate(key.values())}
     params.update({f"v{i}": v for i, v in enumerate(values.values())})
     if token is not None:
         params["fencing_token"] = token
-    target = ".".join(_quote(connection, part) for part in parts)
-    token_col = _quote(connection, token_column)  # checked even if unused
-    return (
-        target,
-        None if token is None else token_col,
-        [_quote(connection, name) for name in key],
-        [_quote(connection, name) for name in values],
-        params,
-    )
-
-
-def _quote(connection: sa.Connection, name: str) -> str:
-    if not isinstance(name, str) or not _IDENTIFIER.fullmatch(name):
-        raise exceptions.ConfigurationError(
-            f"{name!r} is not a plain SQL identifier (letters, digits, _ and $, "
-            "starting with a letter or _, at most 63 characters)."
-        )
-    return str(connection.dialect.identifier_preparer.quote(name))
+    target = ".".join(map(quote, parts))
+    token_col = quote(token_column)  # checked even if unused
+    keys, cols = [quote(name) for name in key], [quote(name) for name in values]
+    return target, None if token is None else token_col, keys, cols, params

@@ -65,26 +65,21 @@ class Target:
         finally:
             engine.dispose()
 
-    def engine(self, *, timeout: int = 5) -> sa.Engine:
+    def engine(self) -> sa.Engine:
         """A lock engine without a pool (each connect is a new session), labelled as us."""
         conf = self.conf()
         options = dict(conf.get("pglock_engine_options") or {})
         connect_args = dict(options.pop("connect_args", {}))
-        connect_args.update(
-            application_name=CLI_APPLICATION_NAME, connect_timeout=timeout
-        )
-        conf["pglock_engine_options"] = {
-            **options,
-            "poolclass": NullPool,
-            "connect_args": connect_args,
-        }
+        connect_args.update(application_name=CLI_APPLICATION_NAME, connect_timeout=5)
+        options.update(poolclass=NullPool, connect_args=connect_args)
+        conf["pglock_engine_options"] = options
         return engines.create_engine(self.require_url(), conf)
 
     @functools.cached_property
-    def tasks(self) -> dict[str, Any]:
-        """The app's task registry once its task modules are imported as a worker would."""
+    def singleton_tasks(self) -> list[Any]:
+        """The app's SingletonTasks once its task modules are imported as a worker would."""
         if self.app is None:
-            return {}
+            return []
         try:  # `-A proj` imports the app's module; a worker's loader imports the rest
             self.app.loader.import_default_modules()
         except Exception as exc:
@@ -93,21 +88,21 @@ class Target:
                 f"(its include/imports settings and autodiscover_tasks): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        return dict(self.app.tasks)
-
-    @functools.cached_property
-    def singleton_tasks(self) -> list[Any]:
-        return [
-            t
-            for t in self.tasks.values()
-            if isinstance(t, singleton_task.SingletonTask)
-        ]
+        tasks = self.app.tasks.values()
+        return [t for t in tasks if isinstance(t, singleton_task.SingletonTask)]
 
 
 def _build(*, standalone: bool) -> click.Group:
     @click.group(
         name="celery-pglock" if standalone else "pglock",
         help="Inspect celery-pglock advisory locks: locks, key, release, check, sql.",
+        commands=[
+            locks_verb.locks,
+            key_verb.key,
+            release_verb.release,
+            check_verb.check,
+            sql_verb.sql,
+        ],
     )
     @click.option(
         "--database-url",
@@ -141,14 +136,6 @@ def _build(*, standalone: bool) -> click.Group:
             metavar="APP",
             help="The Celery app (module or module:attribute), for task names and settings.",
         )(group)
-    for command in (
-        locks_verb.locks,
-        key_verb.key,
-        release_verb.release,
-        check_verb.check,
-        sql_verb.sql,
-    ):
-        group.add_command(command)
     return group
 
 
