@@ -35,11 +35,6 @@ class Server:
     directory: str  #: The PROMETHEUS_MULTIPROC_DIR in use.
     owned: bool  #: serve() created the directory: close() removes it.
 
-    @property
-    def port(self) -> int:
-        """The port actually bound."""
-        return int(self.httpd.server_port)
-
     def close(self) -> None:
         """Stop serving; remove the multiprocess directory if serve() created it."""
         self.httpd.shutdown()

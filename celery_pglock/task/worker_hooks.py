@@ -161,7 +161,7 @@ def _report_at_ready(sender: Any = None, **_: Any) -> None:
         logger.info(
             "celery-pglock: serving /metrics on port %d (prometheus_client "
             "multiprocess directory %s)",
-            outcome.port,
+            outcome.httpd.server_port,
             outcome.directory,
             extra={"action": "lock_metrics_serving"},
         )
