@@ -113,19 +113,16 @@ def fenced_upsert(
         connection, table, key, values, token, token_column
     )
     columns = [*keys, *cols]
-    placeholders = [f":k{i}" for i in range(len(keys))]
-    placeholders += [f":v{i}" for i in range(len(cols))]
     updates = [f"{c} = excluded.{c}" for c in cols]
     guard = ""
     if token_col:
         columns.append(token_col)
-        placeholders.append(":fencing_token")
         updates.append(f"{token_col} = excluded.{token_col}")
         guard = f" WHERE t.{token_col} IS NULL OR t.{token_col} <= excluded.{token_col}"
     updates = updates or [f"{keys[0]} = excluded.{keys[0]}"]  # as in fenced_update
     statement = sa.text(
         f"INSERT INTO {target} AS t ({', '.join(columns)}) "
-        f"VALUES ({', '.join(placeholders)}) "
+        f"VALUES ({', '.join(':' + name for name in params)}) "  # k0.., v0.., token
         f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {', '.join(updates)}{guard}"
     )
     return connection.execute(statement, params).rowcount > 0
@@ -133,7 +130,8 @@ def fenced_upsert(
 
 def last_token(connection: sa.Connection, lock: AdvisoryLock) -> int | None:
     """The last token issued for ``lock``'s key (committed), or None: for operators and tests."""
-    row = connection.exec_driver_sql(fencing_tokens.LAST, lock.key.pg_locks_ids).first()
+    params = fencing_tokens.key_params(lock.key)
+    row = connection.exec_driver_sql(fencing_tokens.LAST, params).first()
     return None if row is None else int(row[0])
 
 

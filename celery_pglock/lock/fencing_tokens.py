@@ -54,12 +54,6 @@ GRANT SELECT, INSERT, UPDATE ON {schema}celery_pglock_fencing TO {role};
 GRANT USAGE ON SEQUENCE {schema}celery_pglock_fencing_token_seq TO {role};
 """
 
-#: The last token issued for a key (classid, objid, objsubid), if any.
-LAST = (
-    "SELECT token FROM celery_pglock_fencing "
-    "WHERE classid = %s::oid AND objid = %s::oid AND objsubid = %s::smallint"
-)
-
 _EXISTS = """SELECT to_regclass('celery_pglock_fencing') IS NOT NULL,
   to_regclass('celery_pglock_fencing_token_seq') IS NOT NULL"""
 
@@ -70,6 +64,8 @@ _SESSION_IDENTITY = """SELECT pg_backend_pid(),
   pg_postmaster_start_time()"""
 
 _KEY = "classid = %(classid)s::oid AND objid = %(objid)s::oid AND objsubid = %(objsubid)s::smallint"
+#: The last token issued for a key (params: key_params()), if any.
+LAST = f"SELECT token FROM celery_pglock_fencing WHERE {_KEY}"
 _GRANTED = f"""l.locktype = 'advisory' AND l.granted AND {_KEY}
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"""
 
@@ -133,7 +129,7 @@ def session_holder(cursor: Any) -> Holder:
 
 def transaction_holder(cursor: Any, key: LockKey) -> Holder | None:
     """Ask the lock's connection, in its transaction, which one holds ``key`` (or None)."""
-    cursor.execute(_TRANSACTION_IDENTITY, _ids(key))
+    cursor.execute(_TRANSACTION_IDENTITY, key_params(key))
     row = cursor.fetchone()
     return None if row is None else Holder(*row)
 
@@ -177,7 +173,7 @@ def issue(engine: sa.Engine, key: LockKey, holder: Holder, bound: float) -> int 
         dbapi.cursor() as cursor,
     ):
         try:
-            cursor.execute(_ISSUE, {**_ids(key), **dataclasses.asdict(holder)})
+            cursor.execute(_ISSUE, {**key_params(key), **dataclasses.asdict(holder)})
             lock_statements.to_last_result(cursor)
             held, token = cursor.fetchone() or (False, None)
         except Exception as exc:
@@ -223,5 +219,6 @@ def autocommit(engine: sa.Engine) -> Iterator[Any]:
         pooled.close()
 
 
-def _ids(key: LockKey) -> dict[str, Any]:
+def key_params(key: LockKey) -> dict[str, Any]:
+    """The parameters of ``key`` for the statements here (its pg_locks ids)."""
     return dict(zip(("classid", "objid", "objsubid"), key.pg_locks_ids, strict=True))
