@@ -112,11 +112,8 @@ def _build(*, standalone: bool) -> click.Group:
     )
     @click.pass_context
     def group(ctx: click.Context, /, database_url: str | None, **kwargs: Any) -> None:
-        app = None
-        if not standalone:
-            parent = ctx.find_object(CLIContext)
-            app = parent.app if parent is not None else None
-        elif kwargs.get("app_path"):
+        app = None if standalone else getattr(ctx.find_object(CLIContext), "app", None)
+        if standalone and kwargs.get("app_path"):
             try:
                 app = find_app(kwargs["app_path"])
             except Exception as exc:

@@ -139,10 +139,9 @@ def _report_at_ready(sender: Any = None, **_: Any) -> None:
             for name in config.KNOWN_SETTINGS
             if name != config.DATABASE_URL_SETTING and app.conf.get(name) is not None
         }
-        if "pglock_engine_options" in settings:  # may carry credentials: names only
-            settings["pglock_engine_options"] = sorted(
-                settings["pglock_engine_options"]
-            )
+        options = settings.get("pglock_engine_options")
+        if options is not None:  # may carry credentials: names only
+            settings["pglock_engine_options"] = sorted(options)
         described = ", ".join(f"{name}={value!r}" for name, value in settings.items())
         logger.info(
             "celery-pglock: lock database %s (PostgreSQL %s), %d SingletonTasks, settings %s",
