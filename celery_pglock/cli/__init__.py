@@ -21,7 +21,7 @@ from sqlalchemy.pool import NullPool
 from celery_pglock import config, exceptions
 from celery_pglock.cli import check_verb, key_verb, locks_verb, release_verb, sql_verb
 from celery_pglock.db import driver_errors, engines
-from celery_pglock.task import singleton_task
+from celery_pglock.task import worker_hooks
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -88,8 +88,7 @@ class Target:
                 f"(its include/imports settings and autodiscover_tasks): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        tasks = self.app.tasks.values()
-        return [t for t in tasks if isinstance(t, singleton_task.SingletonTask)]
+        return worker_hooks.singleton_tasks(self.app)
 
 
 def _build(*, standalone: bool) -> click.Group:

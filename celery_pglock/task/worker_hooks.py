@@ -63,7 +63,7 @@ def check_app(app: Any) -> None:
     Raises:
         ConfigurationError: naming the setting (and environment variable) at fault.
     """
-    if not _singleton_tasks(app):
+    if not singleton_tasks(app):
         return
     config.check_unknown_settings(app.conf)
     config.session_mode(app.conf)
@@ -80,7 +80,7 @@ def check_lock_server(app: Any) -> None:
             tasks; the message names them and the fix.
     """
     scopes: dict[config.LockScope, list[str]] = {}
-    for task in sorted(_singleton_tasks(app), key=lambda task: str(task.name)):
+    for task in sorted(singleton_tasks(app), key=lambda task: str(task.name)):
         scopes.setdefault(task.lock_config.scope, []).append(task.name)
     if not scopes:
         return
@@ -105,7 +105,7 @@ def _report_at_ready(sender: Any = None, **_: Any) -> None:
     Never raises: an unreachable database does not stop the worker (docs/design.md).
     """
     app: Any = getattr(sender, "app", None)
-    tasks = _singleton_tasks(app) if app is not None else []
+    tasks = singleton_tasks(app) if app is not None else []
     if not tasks:
         return
     try:
@@ -166,7 +166,8 @@ def _report_at_ready(sender: Any = None, **_: Any) -> None:
         )
 
 
-def _singleton_tasks(app: Any) -> list[Any]:
+def singleton_tasks(app: Any) -> list[Any]:
+    """The SingletonTasks registered in ``app`` (also for the pglock CLI)."""
     return [
         task
         for task in app.tasks.values()
@@ -188,7 +189,7 @@ def _check_worker_config(sender: Any = None, **_: Any) -> None:
     # Serve /metrics before the pool forks; the outcome is logged at worker_ready, once
     # logging is set up (a failure does not stop the worker).
     global _metrics_outcome
-    if tasks := _singleton_tasks(app):
+    if tasks := singleton_tasks(app):
         try:
             _metrics_outcome = metrics_endpoint.serve(
                 app.conf,
