@@ -113,19 +113,16 @@ def fenced_upsert(
         connection, table, key, values, token, token_column
     )
     columns = [*keys, *cols]
-    placeholders = [f":k{i}" for i in range(len(keys))]
-    placeholders += [f":v{i}" for i in range(len(cols))]
     updates = [f"{c} = excluded.{c}" for c in cols]
     guard = ""
     if token_col:
         columns.append(token_col)
-        placeholders.append(":fencing_token")
         updates.append(f"{token_col} = excluded.{token_col}")
         guard = f" WHERE t.{token_col} IS NULL OR t.{token_col} <= excluded.{token_col}"
     updates = updates or [f"{keys[0]} = excluded.{keys[0]}"]  # as in fenced_update
     statement = sa.text(
         f"INSERT INTO {target} AS t ({', '.join(columns)}) "
-        f"VALUES ({', '.join(placeholders)}) "
+        f"VALUES ({', '.join(':' + name for name in params)}) "  # k0.., v0.., token
         f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {', '.join(updates)}{guard}"
     )
     return connection.execute(statement, params).rowcount > 0
@@ -133,7 +130,8 @@ def fenced_upsert(
 
 def last_token(connection: sa.Connection, lock: AdvisoryLock) -> int | None:
     """The last token issued for ``lock``'s key (committed), or None: for operators and tests."""
-    row = connection.exec_driver_sql(fencing_tokens.LAST, lock.key.pg_locks_ids).first()
+    params = fencing_tokens.key_params(lock.key)
+    row = connection.exec_driver_sql(fencing_tokens.LAST, params).first()
     return None if row is None else int(row[0])
 
 
@@ -185,8 +183,7 @@ def _prepare(
         raise exceptions.ConfigurationError(
             "key must name at least one column: a fenced write without a key would touch every row."
         )
-    overlap = set(key) & set(values)
-    if overlap:
+    if overlap := set(key) & set(values):
         raise exceptions.ConfigurationError(
             f"Columns {sorted(overlap)} are in both key and values; a column is one or the other."
         )
@@ -195,25 +192,20 @@ def _prepare(
         raise exceptions.ConfigurationError(
             f"table={table!r} is invalid; expected 'name' or 'schema.name'."
         )
+
+    def quote(name: str) -> str:
+        if not isinstance(name, str) or not _IDENTIFIER.fullmatch(name):
+            raise exceptions.ConfigurationError(
+                f"{name!r} is not a plain SQL identifier (letters, digits, _ and $, "
+                "starting with a letter or _, at most 63 characters)."
+            )
+        return str(connection.dialect.identifier_preparer.quote(name))
+
     params = {f"k{i}": v for i, v in enumerate(key.values())}
     params.update({f"v{i}": v for i, v in enumerate(values.values())})
     if token is not None:
         params["fencing_token"] = token
-    target = ".".join(_quote(connection, part) for part in parts)
-    token_col = _quote(connection, token_column)  # checked even if unused
-    return (
-        target,
-        None if token is None else token_col,
-        [_quote(connection, name) for name in key],
-        [_quote(connection, name) for name in values],
-        params,
-    )
-
-
-def _quote(connection: sa.Connection, name: str) -> str:
-    if not isinstance(name, str) or not _IDENTIFIER.fullmatch(name):
-        raise exceptions.ConfigurationError(
-            f"{name!r} is not a plain SQL identifier (letters, digits, _ and $, "
-            "starting with a letter or _, at most 63 characters)."
-        )
-    return str(connection.dialect.identifier_preparer.quote(name))
+    target = ".".join(map(quote, parts))
+    token_col = quote(token_column)  # checked even if unused
+    keys, cols = [quote(name) for name in key], [quote(name) for name in values]
+    return target, None if token is None else token_col, keys, cols, params

@@ -7,6 +7,7 @@ values. What each series means, and serving /metrics: docs/operations/metrics.md
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -46,20 +47,10 @@ class Metrics(Protocol):
 class NullMetrics:
     """The default sink: counts nothing."""
 
-    def acquired(self, task: str, wait_seconds: float) -> None:
+    def _nothing(self, *args: object, **kwargs: object) -> None:
         pass
 
-    def skipped(self, task: str, policy: str, wait_seconds: float) -> None:
-        pass
-
-    def released(self, task: str, state: str, held_seconds: float) -> None:
-        pass
-
-    def release_failed(self, task: str) -> None:
-        pass
-
-    def lost(self, task: str) -> None:
-        pass
+    acquired = skipped = released = release_failed = lost = _nothing
 
 
 class PrometheusMetrics:
@@ -79,7 +70,6 @@ class PrometheusMetrics:
         self._guard = threading.Lock()
         #: Wall-clock start of each lock this process holds now, by task.
         self._held: dict[str, list[float]] = {}
-        self._held_gauges: dict[str, tuple[Any, Any]] = {}
         self._held_guard = threading.Lock()
 
     def collectors(self) -> dict[str, Any]:
@@ -89,18 +79,22 @@ class PrometheusMetrics:
             with self._guard:
                 if self._collectors is None:
                     self._collectors = _create_collectors(self._registry)
-                    if not _multiprocess():
-                        # One process: the age is computed at each collection from
-                        # this table (in multiprocess mode the /metrics endpoint
-                        # computes it from every process's start times).
-                        self._register(_HeldAgeCollector(self))
+                    if not multiprocess():
+                        # One process: collect() computes the age from self._held (in
+                        # multiprocess mode the /metrics endpoint computes it from
+                        # every process's start times).
+                        import prometheus_client as prom
+
+                        (self._registry or prom.REGISTRY).register(self)
                 collectors = self._collectors
         return collectors
 
-    def _register(self, collector: Any) -> None:
-        import prometheus_client as prom
-
-        (self._registry or prom.REGISTRY).register(collector)
+    def collect(self) -> Iterator[Any]:
+        """One process: the age of the oldest lock of each task held now (0: none)."""
+        now = time.time()
+        with self._held_guard:
+            ages = {t: now - min(s) if s else 0.0 for t, s in self._held.items()}
+        yield oldest_held_family(ages)
 
     def declare(self, tasks: Iterable[tuple[str, str]]) -> None:
         """Create the series of ``tasks`` (``(name, lock_on_busy action)`` pairs) at zero,
@@ -114,14 +108,17 @@ class PrometheusMetrics:
             version = "unknown"
         self.collectors()["info"].labels(version).set(1)
         for task, policy in tasks:
-            self._child("acquired", task)
+            for name in (
+                "acquired",
+                "release_failed",
+                "lost",
+                "wait_seconds",
+                "held_seconds",
+            ):
+                self._child(name, task)
             self._child("skipped", task, policy)
             for state in ("SUCCESS", "FAILURE"):
                 self._child("released", task, state)
-            self._child("release_failed", task)
-            self._child("lost", task)
-            self._child("wait", task)
-            self._child("held", task)
             with self._held_guard:
                 self._publish_held(task, self._held.setdefault(task, []))
 
@@ -136,7 +133,7 @@ class PrometheusMetrics:
 
     def acquired(self, task: str, wait_seconds: float) -> None:
         self._child("acquired", task).inc()
-        self._child("wait", task).observe(wait_seconds)
+        self._child("wait_seconds", task).observe(wait_seconds)
         with self._held_guard:
             starts = self._held.setdefault(task, [])
             starts.append(time.time())
@@ -144,11 +141,11 @@ class PrometheusMetrics:
 
     def skipped(self, task: str, policy: str, wait_seconds: float) -> None:
         self._child("skipped", task, policy).inc()
-        self._child("wait", task).observe(wait_seconds)
+        self._child("wait_seconds", task).observe(wait_seconds)
 
     def released(self, task: str, state: str, held_seconds: float) -> None:
         self._child("released", task, state).inc()
-        self._child("held", task).observe(held_seconds)
+        self._child("held_seconds", task).observe(held_seconds)
         # Every acquired run ends with one released() (lost or failed releases too).
         # Which of a task's held locks ended is not passed: the one whose start is
         # nearest to now - held_seconds is (they differ by far more than the error).
@@ -161,24 +158,10 @@ class PrometheusMetrics:
 
     def _publish_held(self, task: str, starts: list[float]) -> None:
         """Under _held_guard: the gauges of what ``task`` holds now in this process."""
-        gauges = self._held_gauges.get(task)
-        if gauges is None:
-            gauges = self._held_gauges[task] = (
-                self._child("held_locks", task),
-                self._child("oldest_start", task),
-            )
-        gauges[0].set(len(starts))
-        gauges[1].set(min(starts) if starts else 0.0)
-
-    def held_ages(self) -> dict[str, float]:
-        """Seconds the oldest lock of each task held now in this process has been held
-        (0 for a task holding none)."""
-        now = time.time()
-        with self._held_guard:
-            return {
-                task: now - min(starts) if starts else 0.0
-                for task, starts in self._held.items()
-            }
+        self._child("held_locks", task).set(len(starts))
+        self._child("oldest_held_start_time_seconds", task).set(
+            min(starts) if starts else 0.0
+        )
 
     def release_failed(self, task: str) -> None:
         self._child("release_failed", task).inc()
@@ -188,80 +171,56 @@ class PrometheusMetrics:
 
 
 def _create_collectors(registry: Any) -> dict[str, Any]:
+    """The collectors by their name less ``celery_pglock_``."""
     import prometheus_client as prom
 
-    kwargs: dict[str, Any] = {} if registry is None else {"registry": registry}
-    return {
-        "acquired": prom.Counter(
-            "celery_pglock_acquired",
-            "Runs that took their lock.",
-            ["task"],
-            **kwargs,
-        ),
-        "skipped": prom.Counter(
-            "celery_pglock_skipped",
-            "Runs that did not get their lock (policy: the lock_on_busy action applied).",
-            ["task", "policy"],
-            **kwargs,
-        ),
-        "released": prom.Counter(
-            "celery_pglock_released",
-            "Locks released, by the run's Celery state.",
-            ["task", "state"],
-            **kwargs,
-        ),
-        "release_failed": prom.Counter(
-            "celery_pglock_release_failed",
-            "Releases that failed; PostgreSQL no longer held the lock.",
-            ["task"],
-            **kwargs,
-        ),
-        "lost": prom.Counter(
-            "celery_pglock_lost",
-            "Locks lost while their body ran.",
-            ["task"],
-            **kwargs,
-        ),
-        "wait": prom.Histogram(
-            "celery_pglock_wait_seconds",
-            "Time a run spent asking for its lock.",
-            ["task"],
-            buckets=WAIT_BUCKETS,
-            **kwargs,
-        ),
-        "held": prom.Histogram(
-            "celery_pglock_held_seconds",
-            "Time a lock was held.",
-            ["task"],
-            buckets=HELD_BUCKETS,
-            **kwargs,
-        ),
-        # Multiprocess: the sum over live processes (a dead child holds nothing).
-        "held_locks": prom.Gauge(
-            "celery_pglock_held_locks",
-            "Locks held now.",
-            ["task"],
-            multiprocess_mode="livesum",
-            **kwargs,
-        ),
-        # One series per live process (multiprocess), 0 where it holds none: the
-        # /metrics endpoint turns them into OLDEST_HELD (task/metrics_endpoint.py). In one
-        # process it is not registered: _HeldAgeCollector serves the age instead.
-        "oldest_start": prom.Gauge(
-            OLDEST_START,
-            "Unix time the oldest lock held now was taken; 0 if none.",
-            ["task"],
-            multiprocess_mode="liveall",
-            **(kwargs if _multiprocess() else {"registry": None}),
-        ),
-        "info": prom.Gauge(
-            "celery_pglock_info",
-            "Always 1: this process serves celery-pglock metrics.",
-            ["version"],
-            multiprocess_mode="max",
-            **kwargs,
-        ),
-    }
+    made: dict[str, Any] = {}
+
+    def new(kind: Any, name: str, doc: str, *labels: str, **options: Any) -> None:
+        options = ({} if registry is None else {"registry": registry}) | options
+        made[name] = kind(f"celery_pglock_{name}", doc, labels or ["task"], **options)
+
+    counter, histogram, gauge = prom.Counter, prom.Histogram, prom.Gauge
+    new(counter, "acquired", "Runs that took their lock.")
+    skipped = (
+        "Runs that did not get their lock (policy: the lock_on_busy action applied)."
+    )
+    new(counter, "skipped", skipped, "task", "policy")
+    new(
+        counter,
+        "released",
+        "Locks released, by the run's Celery state.",
+        "task",
+        "state",
+    )
+    new(
+        counter,
+        "release_failed",
+        "Releases that failed; PostgreSQL no longer held the lock.",
+    )
+    new(counter, "lost", "Locks lost while their body ran.")
+    new(
+        histogram,
+        "wait_seconds",
+        "Time a run spent asking for its lock.",
+        buckets=WAIT_BUCKETS,
+    )
+    new(histogram, "held_seconds", "Time a lock was held.", buckets=HELD_BUCKETS)
+    # Multiprocess: the sum over live processes (a dead child holds nothing).
+    new(gauge, "held_locks", "Locks held now.", multiprocess_mode="livesum")
+    # One series per live process (multiprocess), 0 where it holds none: the /metrics
+    # endpoint turns them into OLDEST_HELD (task/metrics_endpoint.py). In one process it
+    # is not registered: PrometheusMetrics.collect() serves the age instead.
+    new(
+        gauge,
+        OLDEST_START.removeprefix("celery_pglock_"),
+        "Unix time the oldest lock held now was taken; 0 if none.",
+        multiprocess_mode="liveall",
+        **({} if multiprocess() else {"registry": None}),
+    )
+    info = "Always 1: this process serves celery-pglock metrics."
+    new(gauge, "info", info, "version", multiprocess_mode="max")
+    return made
 
 
 #: The raw form of the held-lock age, and the age itself (computed when collected).
@@ -280,20 +239,8 @@ def oldest_held_family(ages: Mapping[str, float]) -> Any:
     return family
 
 
-class _HeldAgeCollector:
-    """One process (no multiprocess directory): the age of its oldest held locks."""
-
-    def __init__(self, sink: PrometheusMetrics) -> None:
-        self._sink = sink
-
-    def collect(self) -> Iterator[Any]:
-        yield oldest_held_family(self._sink.held_ages())
-
-    def describe(self) -> Iterator[Any]:
-        yield oldest_held_family({})
-
-
-def _multiprocess() -> bool:
+def multiprocess() -> bool:
+    """Whether prometheus_client counts in multiprocess files in this process."""
     from prometheus_client import values
 
     return bool(getattr(values.ValueClass, "_multiprocess", False))
@@ -327,13 +274,11 @@ def configure(conf: Mapping[str, Any]) -> None:
         ConfigurationError: a bad value.
     """
     wanted = from_conf(conf, require=False)
-    if wanted is None:
-        return
-    if isinstance(wanted, str):
-        if not isinstance(sink, PrometheusMetrics) and _has_prometheus():
+    if wanted is not None and not isinstance(wanted, str):
+        install(wanted)
+    elif wanted is not None and not isinstance(sink, PrometheusMetrics):
+        with contextlib.suppress(exceptions.ConfigurationError):  # no prometheus_client
             install(PrometheusMetrics())
-        return
-    install(wanted)
 
 
 def from_conf(conf: Mapping[str, Any], *, require: bool = True) -> Metrics | str | None:
@@ -379,14 +324,6 @@ def from_conf(conf: Mapping[str, Any], *, require: bool = True) -> Metrics | str
             f"a custom pglock_metrics={value!r}. Unset one of them."
         )
     return value  # type: ignore[no-any-return]
-
-
-def _has_prometheus() -> bool:
-    try:
-        import prometheus_client  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _require_prometheus() -> None:

@@ -21,7 +21,7 @@ from sqlalchemy.pool import NullPool
 from celery_pglock import config, exceptions
 from celery_pglock.cli import check_verb, key_verb, locks_verb, release_verb, sql_verb
 from celery_pglock.db import driver_errors, engines
-from celery_pglock.task import singleton_task
+from celery_pglock.task import worker_hooks
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -65,26 +65,21 @@ class Target:
         finally:
             engine.dispose()
 
-    def engine(self, *, timeout: int = 5) -> sa.Engine:
+    def engine(self) -> sa.Engine:
         """A lock engine without a pool (each connect is a new session), labelled as us."""
         conf = self.conf()
         options = dict(conf.get("pglock_engine_options") or {})
         connect_args = dict(options.pop("connect_args", {}))
-        connect_args.update(
-            application_name=CLI_APPLICATION_NAME, connect_timeout=timeout
-        )
-        conf["pglock_engine_options"] = {
-            **options,
-            "poolclass": NullPool,
-            "connect_args": connect_args,
-        }
+        connect_args.update(application_name=CLI_APPLICATION_NAME, connect_timeout=5)
+        options.update(poolclass=NullPool, connect_args=connect_args)
+        conf["pglock_engine_options"] = options
         return engines.create_engine(self.require_url(), conf)
 
     @functools.cached_property
-    def tasks(self) -> dict[str, Any]:
-        """The app's task registry once its task modules are imported as a worker would."""
+    def singleton_tasks(self) -> list[Any]:
+        """The app's SingletonTasks once its task modules are imported as a worker would."""
         if self.app is None:
-            return {}
+            return []
         try:  # `-A proj` imports the app's module; a worker's loader imports the rest
             self.app.loader.import_default_modules()
         except Exception as exc:
@@ -93,21 +88,20 @@ class Target:
                 f"(its include/imports settings and autodiscover_tasks): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        return dict(self.app.tasks)
-
-    @functools.cached_property
-    def singleton_tasks(self) -> list[Any]:
-        return [
-            t
-            for t in self.tasks.values()
-            if isinstance(t, singleton_task.SingletonTask)
-        ]
+        return worker_hooks.singleton_tasks(self.app)
 
 
 def _build(*, standalone: bool) -> click.Group:
     @click.group(
         name="celery-pglock" if standalone else "pglock",
         help="Inspect celery-pglock advisory locks: locks, key, release, check, sql.",
+        commands=[
+            locks_verb.locks,
+            key_verb.key,
+            release_verb.release,
+            check_verb.check,
+            sql_verb.sql,
+        ],
     )
     @click.option(
         "--database-url",
@@ -117,11 +111,8 @@ def _build(*, standalone: bool) -> click.Group:
     )
     @click.pass_context
     def group(ctx: click.Context, /, database_url: str | None, **kwargs: Any) -> None:
-        app = None
-        if not standalone:
-            parent = ctx.find_object(CLIContext)
-            app = parent.app if parent is not None else None
-        elif kwargs.get("app_path"):
+        app = None if standalone else getattr(ctx.find_object(CLIContext), "app", None)
+        if standalone and kwargs.get("app_path"):
             try:
                 app = find_app(kwargs["app_path"])
             except Exception as exc:
@@ -141,14 +132,6 @@ def _build(*, standalone: bool) -> click.Group:
             metavar="APP",
             help="The Celery app (module or module:attribute), for task names and settings.",
         )(group)
-    for command in (
-        locks_verb.locks,
-        key_verb.key,
-        release_verb.release,
-        check_verb.check,
-        sql_verb.sql,
-    ):
-        group.add_command(command)
     return group
 
 

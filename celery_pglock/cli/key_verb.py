@@ -90,9 +90,9 @@ def key_of_call(
         raise click.UsageError(
             f"`{verb}` TASK needs the app: celery -A proj pglock {verb} ..., or --app."
         )
-    singletons = target.singleton_tasks  # imports the task modules first
-    task = target.tasks.get(task_name)
-    if task is None or task not in singletons:
+    singletons = target.singleton_tasks
+    task = next((t for t in singletons if t.name == task_name), None)
+    if task is None:
         known = ", ".join(sorted(t.name for t in singletons)) or "none"
         raise click.UsageError(
             f"{task_name!r} is not a SingletonTask of this app (SingletonTasks: {known})."

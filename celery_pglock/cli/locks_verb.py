@@ -70,13 +70,9 @@ def locks(target: Target, as_json: bool) -> None:
         )
         for entry in entries
     ]
-    widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
+    widths = [max(map(len, column)) for column in zip(header, *table, strict=True)]
     for row in [header, *table]:
-        click.echo(
-            "  ".join(
-                cell.ljust(width) for cell, width in zip(row, widths, strict=True)
-            ).rstrip()
-        )
+        click.echo("  ".join(map(str.ljust, row, widths)).rstrip())
 
 
 def read(target: Target, engine: sa.Engine) -> list[dict[str, Any]]:

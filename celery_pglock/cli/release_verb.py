@@ -70,11 +70,8 @@ def release(
         )
         if holder is None:
             raise click.ClickException(f"No session holds the lock {lock_key}.")
-        pid, name, task = (
-            holder["backend_pid"],
-            locks_verb.holder_name(holder),
-            holder["task"],
-        )
+        pid, task = holder["backend_pid"], holder["task"]
+        name = locks_verb.holder_name(holder)
         lines = [
             f"lock:      {lock_key}"
             + (f"  ({holder['lock_name']})" if holder["lock_name"] else ""),

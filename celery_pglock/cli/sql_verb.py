@@ -6,12 +6,13 @@ Parameters are never spliced in; the only spliced text is a quoted schema name.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
 from celery_pglock import fencing
 from celery_pglock.cli import locks_verb
+from celery_pglock.lock import fencing_tokens
 
 if TYPE_CHECKING:
     from celery_pglock.cli import Target
@@ -102,14 +103,12 @@ def sql(
             click.echo("-- A lock role without CREATE needs:")
             click.echo("\n".join(f"-- {line}" for line in grants))
         return
-    with target.database(action) as engine:
-        # Autocommit: the text goes as one simple query, which PostgreSQL runs as one
-        # transaction unless it has its own BEGIN/COMMIT (the fencing SQL does).
-        connection: Any = engine.raw_connection()
-        try:
-            connection.dbapi_connection.autocommit = True
-            with connection.cursor() as cursor:
-                cursor.execute(text)
-        finally:
-            connection.close()
+    # Autocommit: the text goes as one simple query, which PostgreSQL runs as one
+    # transaction unless it has its own BEGIN/COMMIT (the fencing SQL does).
+    with (
+        target.database(action) as engine,
+        fencing_tokens.autocommit(engine) as dbapi,
+        dbapi.cursor() as cursor,
+    ):
+        cursor.execute(text)
     click.echo(f"{done} {made}.")

@@ -6,6 +6,7 @@ design never gives a stale run a token, and why the table is keyed and sequenced
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import weakref
@@ -16,6 +17,7 @@ from celery_pglock.db import deadlines, driver_errors, engines, sql_text
 
 if TYPE_CHECKING:
     import datetime
+    from collections.abc import Iterator
 
     import sqlalchemy as sa
 
@@ -51,12 +53,6 @@ GRANT SELECT, INSERT, UPDATE ON {schema}celery_pglock_fencing TO {role};
 GRANT USAGE ON SEQUENCE {schema}celery_pglock_fencing_token_seq TO {role};
 """
 
-#: The last token issued for a key (classid, objid, objsubid), if any.
-LAST = (
-    "SELECT token FROM celery_pglock_fencing "
-    "WHERE classid = %s::oid AND objid = %s::oid AND objsubid = %s::smallint"
-)
-
 _EXISTS = """SELECT to_regclass('celery_pglock_fencing') IS NOT NULL,
   to_regclass('celery_pglock_fencing_token_seq') IS NOT NULL"""
 
@@ -67,6 +63,8 @@ _SESSION_IDENTITY = """SELECT pg_backend_pid(),
   pg_postmaster_start_time()"""
 
 _KEY = "classid = %(classid)s::oid AND objid = %(objid)s::oid AND objsubid = %(objsubid)s::smallint"
+#: The last token issued for a key (params: key_params()), if any.
+LAST = f"SELECT token FROM celery_pglock_fencing WHERE {_KEY}"
 _GRANTED = f"""l.locktype = 'advisory' AND l.granted AND {_KEY}
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"""
 
@@ -130,7 +128,7 @@ def session_holder(cursor: Any) -> Holder:
 
 def transaction_holder(cursor: Any, key: LockKey) -> Holder | None:
     """Ask the lock's connection, in its transaction, which one holds ``key`` (or None)."""
-    cursor.execute(_TRANSACTION_IDENTITY, _ids(key))
+    cursor.execute(_TRANSACTION_IDENTITY, key_params(key))
     row = cursor.fetchone()
     return None if row is None else Holder(*row)
 
@@ -142,86 +140,84 @@ def ensure_table(engine: sa.Engine) -> None:
     with _ready_guard:
         if engine in _ready:
             return
-        with driver_errors.wrap_db_errors("set up the fencing table", engine):
-            pooled: Any = engine.raw_connection()
-            try:
-                pooled.dbapi_connection.autocommit = True
-                with pooled.dbapi_connection.cursor() as cursor:
-                    cursor.execute(_EXISTS)
-                    if not all(cursor.fetchone()):
-                        _create(cursor, engine)
-            finally:
-                pooled.close()
+        with (
+            driver_errors.wrap_db_errors("set up the fencing table", engine),
+            autocommit(engine) as dbapi,
+            dbapi.cursor() as cursor,
+        ):
+            cursor.execute(_EXISTS)
+            if not all(cursor.fetchone()):
+                try:
+                    cursor.execute(CREATE.format(schema=""))
+                except Exception as exc:
+                    if driver_errors.sqlstate(exc) != INSUFFICIENT_PRIVILEGE:
+                        raise
+                    cursor.execute("ROLLBACK")  # autocommit: end the aborted BEGIN
+                    raise exceptions.DatabaseError(
+                        "The fencing table celery_pglock_fencing does not exist on "
+                        f"{engines.engine_info(engine)['masked_url']} and this role may "
+                        f"not create it; {FIX}."
+                    ) from exc
         _ready.add(engine)
-
-
-def _create(cursor: Any, engine: sa.Engine) -> None:
-    try:
-        cursor.execute(CREATE.format(schema=""))
-    except Exception as exc:
-        if driver_errors.sqlstate(exc) != INSUFFICIENT_PRIVILEGE:
-            raise
-        cursor.execute("ROLLBACK")  # autocommit: end the aborted BEGIN by hand
-        raise exceptions.DatabaseError(
-            "The fencing table celery_pglock_fencing does not exist on "
-            f"{engines.engine_info(engine)['masked_url']} and this role may not create "
-            f"it; {FIX}."
-        ) from exc
 
 
 def issue(engine: sa.Engine, key: LockKey, holder: Holder, bound: float) -> int | None:
     """Issue ``key``'s next token if ``holder`` holds it now, on a pooled connection of
     ``engine`` within ``bound`` seconds; None if it does not hold it."""
     action = f"issue a fencing token for lock {key.name!r}"
-    params = {**_ids(key), **dataclasses.asdict(holder)}
-    with driver_errors.wrap_db_errors(action, engine):
-        pooled: Any = engine.raw_connection()
+    with (
+        driver_errors.wrap_db_errors(action, engine),
+        autocommit(engine) as dbapi,
+        deadlines.bounded(dbapi, bound),
+        dbapi.cursor() as cursor,
+    ):
+        try:
+            cursor.execute(_ISSUE, {**key_params(key), **dataclasses.asdict(holder)})
+            sql_text.to_last_result(cursor)
+            held, token = cursor.fetchone() or (False, None)
+        except Exception as exc:
+            code = driver_errors.sqlstate(exc)
+            if code not in (UNDEFINED_TABLE, INSUFFICIENT_PRIVILEGE):
+                raise
+            with _ready_guard:
+                _ready.discard(engine)  # check the table again at the next issue
+            problem = (
+                "does not exist (dropped since this process checked?)"
+                if code == UNDEFINED_TABLE
+                else "is not writable by this role"
+            )
+            raise exceptions.DatabaseError(
+                f"Could not issue a fencing token for lock {key.name!r}: "
+                f"celery_pglock_fencing {problem}; {FIX}."
+            ) from exc
+        if not held:
+            return None
+        if token is None:
+            raise exceptions.DatabaseError(
+                f"Could not issue a fencing token for lock {key.name!r} (key {key}): "
+                "celery_pglock_fencing_token_seq gave a token below the last one "
+                "issued for this key (was it reset with setval, or given a CACHE "
+                "above 1?). Tokens never go back: set CACHE 1 and the sequence past "
+                "max(token) of celery_pglock_fencing."
+            )
+        return int(token)
+
+
+@contextlib.contextmanager
+def autocommit(engine: sa.Engine) -> Iterator[Any]:
+    """A pooled DBAPI connection of ``engine`` in autocommit; invalidated after an error
+    (its state is unknown), else returned to the pool."""
+    pooled: Any = engine.raw_connection()
     try:
-        dbapi = pooled.dbapi_connection
-        dbapi.autocommit = True
-        with (
-            driver_errors.wrap_db_errors(action, engine),
-            deadlines.bounded(dbapi, bound),
-            dbapi.cursor() as cursor,
-        ):
-            try:
-                cursor.execute(_ISSUE, params)
-                sql_text.to_last_result(cursor)
-                row = cursor.fetchone()
-            except Exception as exc:
-                code = driver_errors.sqlstate(exc)
-                if code not in (UNDEFINED_TABLE, INSUFFICIENT_PRIVILEGE):
-                    raise
-                with _ready_guard:
-                    _ready.discard(engine)  # check the table again at the next issue
-                problem = (
-                    "does not exist (dropped since this process checked?)"
-                    if code == UNDEFINED_TABLE
-                    else "is not writable by this role"
-                )
-                raise exceptions.DatabaseError(
-                    f"Could not issue a fencing token for lock {key.name!r}: "
-                    f"celery_pglock_fencing {problem}; {FIX}."
-                ) from exc
-            held, token = row if row is not None else (False, None)
-            if not held:
-                return None
-            if token is None:
-                raise exceptions.DatabaseError(
-                    f"Could not issue a fencing token for lock {key.name!r} (key {key}): "
-                    "celery_pglock_fencing_token_seq gave a token below the last one "
-                    "issued for this key (was it reset with setval, or given a CACHE "
-                    "above 1?). Tokens never go back: set CACHE 1 and the sequence past "
-                    "max(token) of celery_pglock_fencing."
-                )
-            return int(token)
+        pooled.dbapi_connection.autocommit = True
+        yield pooled.dbapi_connection
     except BaseException:
-        pooled.invalidate()  # unknown state: never pool it
+        pooled.invalidate()
         raise
     finally:
         pooled.close()
 
 
-def _ids(key: LockKey) -> dict[str, Any]:
-    classid, objid, objsubid = key.pg_locks_ids
-    return {"classid": classid, "objid": objid, "objsubid": objsubid}
+def key_params(key: LockKey) -> dict[str, Any]:
+    """The parameters of ``key`` for the statements here (its pg_locks ids)."""
+    return dict(zip(("classid", "objid", "objsubid"), key.pg_locks_ids, strict=True))

@@ -35,11 +35,6 @@ class Server:
     directory: str  #: The PROMETHEUS_MULTIPROC_DIR in use.
     owned: bool  #: serve() created the directory: close() removes it.
 
-    @property
-    def port(self) -> int:
-        """The port actually bound."""
-        return int(self.httpd.server_port)
-
     def close(self) -> None:
         """Stop serving; remove the multiprocess directory if serve() created it."""
         self.httpd.shutdown()
@@ -89,7 +84,7 @@ def serve(
             "variable per worker)."
         ) from exc
     os.environ[MULTIPROC_ENV] = directory  # now that it serves: children count there
-    if not getattr(values.ValueClass, "_multiprocess", False):
+    if not metrics.multiprocess():
         # prometheus_client chose in-process values at its import, before the variable
         # was set; values created from now on (in the children) use files.
         values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
@@ -142,20 +137,16 @@ class _ArchivingCollector:
             _remove(_dead_files(self._directory, "gauge_*_*.db"))
             families = list(self._inner.collect())
         for family in families:
-            yield (
-                _oldest_held(family) if family.name == metrics.OLDEST_START else family
-            )
-
-
-def _oldest_held(starts: Any) -> Any:
-    """Each task's oldest held lock's age, from each live process's start (0: none held)."""
-    oldest: dict[str, float] = {}  # task -> earliest start; math.inf if none held
-    for sample in starts.samples:
-        start = sample.value if sample.value > 0 else math.inf
-        task = sample.labels["task"]
-        oldest[task] = min(oldest.get(task, math.inf), start)
-    now = time.time()
-    return metrics.oldest_held_family({t: now - start for t, start in oldest.items()})
+            if family.name != metrics.OLDEST_START:
+                yield family
+                continue
+            # Each task's oldest held lock's age, from each live process's start (0: none).
+            oldest: dict[str, float] = {}  # task -> earliest start (inf: none held)
+            for sample in family.samples:
+                task, start = sample.labels["task"], sample.value or math.inf
+                oldest[task] = min(oldest.get(task, math.inf), start)
+            now = time.time()
+            yield metrics.oldest_held_family({t: now - s for t, s in oldest.items()})
 
 
 def _archive_dead(directory: str, kind: str) -> None:
@@ -193,8 +184,13 @@ def _dead_files(directory: str, pattern: str) -> list[str]:
     dead = []
     for path in glob.glob(os.path.join(directory, pattern)):
         pid = os.path.basename(path)[:-3].rsplit("_", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
-            dead.append(path)
+        if pid.isdigit():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                dead.append(path)
+            except PermissionError:  # another user's process: alive
+                pass
     return dead
 
 
@@ -202,13 +198,3 @@ def _remove(paths: list[str]) -> None:
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # another user's process
-    return True

@@ -18,37 +18,31 @@ from celery_pglock.task import metrics_endpoint, singleton_task
 
 logger = logging.getLogger(__name__)
 
-_SHUTDOWN_SIGNALS = {
-    "worker_process_shutdown": celery_signals.worker_process_shutdown,
-    "worker_shutdown": celery_signals.worker_shutdown,
-}
 _connected = False
 _connect_guard = threading.Lock()
-#: What start_metrics() did, for report_lock_database() to log once logging is set up.
+#: What serving /metrics at worker_init did, for _report_at_ready() to log once logging is set up.
 _metrics_outcome: metrics_endpoint.Server | exceptions.ConfigurationError | None = None
+
+
+def _receivers() -> dict[str, Any]:
+    return {
+        "worker_init": _check_worker_config,
+        "worker_ready": _report_at_ready,
+        "task_postrun": singleton_task.after_task,
+        "worker_process_shutdown": _release_everything,
+        "worker_shutdown": _release_everything,
+    }
 
 
 def connect() -> None:
     """Connect the receivers (idempotent)."""
     global _connected
     with _connect_guard:
-        if _connected:
-            return
-        celery_signals.worker_init.connect(
-            _check_worker_config, weak=False, dispatch_uid="celery_pglock.worker_init"
-        )
-        celery_signals.worker_ready.connect(
-            _report_at_ready, weak=False, dispatch_uid="celery_pglock.worker_ready"
-        )
-        celery_signals.task_postrun.connect(
-            singleton_task.after_task,
-            weak=False,
-            dispatch_uid="celery_pglock.task_postrun",
-        )
-        for name, signal in _SHUTDOWN_SIGNALS.items():
-            signal.connect(
-                _release_everything, weak=False, dispatch_uid=f"celery_pglock.{name}"
-            )
+        if not _connected:
+            for name, receiver in _receivers().items():
+                getattr(celery_signals, name).connect(
+                    receiver, weak=False, dispatch_uid=f"celery_pglock.{name}"
+                )
         _connected = True
 
 
@@ -56,15 +50,10 @@ def disconnect() -> None:
     """Disconnect the receivers (tests; a worker never needs this)."""
     global _connected
     with _connect_guard:
-        celery_signals.worker_init.disconnect(dispatch_uid="celery_pglock.worker_init")
-        celery_signals.worker_ready.disconnect(
-            dispatch_uid="celery_pglock.worker_ready"
-        )
-        celery_signals.task_postrun.disconnect(
-            dispatch_uid="celery_pglock.task_postrun"
-        )
-        for name, signal in _SHUTDOWN_SIGNALS.items():
-            signal.disconnect(dispatch_uid=f"celery_pglock.{name}")
+        for name in _receivers():
+            getattr(celery_signals, name).disconnect(
+                dispatch_uid=f"celery_pglock.{name}"
+            )
         _connected = False
 
 
@@ -74,7 +63,7 @@ def check_app(app: Any) -> None:
     Raises:
         ConfigurationError: naming the setting (and environment variable) at fault.
     """
-    if not _singleton_tasks(app):
+    if not singleton_tasks(app):
         return
     config.check_unknown_settings(app.conf)
     engines.check_url(config.database_url(app.conf))
@@ -90,7 +79,7 @@ def check_lock_server(app: Any) -> None:
             tasks; the message names them and the fix.
     """
     scopes: dict[config.LockScope, list[str]] = {}
-    for task in sorted(_singleton_tasks(app), key=lambda task: str(task.name)):
+    for task in sorted(singleton_tasks(app), key=lambda task: str(task.name)):
         scopes.setdefault(task.lock_config.scope, []).append(task.name)
     if not scopes:
         return
@@ -109,12 +98,13 @@ def check_lock_server(app: Any) -> None:
             )
 
 
-def report_lock_database(app: Any) -> None:
-    """Connect once to the lock database of ``app``; log the configuration or an ERROR.
+def _report_at_ready(sender: Any = None, **_: Any) -> None:
+    """Connect once to the lock database; log the configuration or an ERROR.
 
     Never raises: an unreachable database does not stop the worker (docs/design.md).
     """
-    tasks = _singleton_tasks(app)
+    app: Any = getattr(sender, "app", None)
+    tasks = singleton_tasks(app) if app is not None else []
     if not tasks:
         return
     try:
@@ -142,46 +132,24 @@ def report_lock_database(app: Any) -> None:
                 config.DATABASE_URL_ENV,
                 extra={"action": "lock_database_unreachable", "database": url},
             )
-        _report_metrics()
-        return
-    settings = {
-        name: app.conf.get(name)
-        for name in config.KNOWN_SETTINGS
-        if name != config.DATABASE_URL_SETTING and app.conf.get(name) is not None
-    }
-    if "pglock_engine_options" in settings:  # may carry credentials: names only
-        settings["pglock_engine_options"] = sorted(settings["pglock_engine_options"])
-    described = ", ".join(f"{name}={value!r}" for name, value in settings.items())
-    logger.info(
-        "celery-pglock: lock database %s (PostgreSQL %s), %d SingletonTasks, settings %s",
-        url,
-        version,
-        len(tasks),
-        described or "default",
-        extra={"action": "lock_config", "database": url},
-    )
-    _report_metrics()
-
-
-def start_metrics(app: Any) -> None:
-    """Serve /metrics when ``pglock_metrics_port`` is set (worker_init: before the fork).
-
-    The outcome is logged at worker_ready, once logging is set up; a failure does not stop
-    the worker.
-    """
-    global _metrics_outcome
-    tasks = _singleton_tasks(app)
-    if not tasks:
-        return
-    try:
-        _metrics_outcome = metrics_endpoint.serve(
-            app.conf, [(task.name, task.lock_config.on_busy.value) for task in tasks]
+    else:
+        settings = {
+            name: app.conf.get(name)
+            for name in config.KNOWN_SETTINGS
+            if name != config.DATABASE_URL_SETTING and app.conf.get(name) is not None
+        }
+        options = settings.get("pglock_engine_options")
+        if options is not None:  # may carry credentials: names only
+            settings["pglock_engine_options"] = sorted(options)
+        described = ", ".join(f"{name}={value!r}" for name, value in settings.items())
+        logger.info(
+            "celery-pglock: lock database %s (PostgreSQL %s), %d SingletonTasks, settings %s",
+            url,
+            version,
+            len(tasks),
+            described or "default",
+            extra={"action": "lock_config", "database": url},
         )
-    except exceptions.ConfigurationError as error:
-        _metrics_outcome = error
-
-
-def _report_metrics() -> None:
     outcome = _metrics_outcome
     if isinstance(outcome, exceptions.ConfigurationError):
         logger.error(
@@ -191,13 +159,14 @@ def _report_metrics() -> None:
         logger.info(
             "celery-pglock: serving /metrics on port %d (prometheus_client "
             "multiprocess directory %s)",
-            outcome.port,
+            outcome.httpd.server_port,
             outcome.directory,
             extra={"action": "lock_metrics_serving"},
         )
 
 
-def _singleton_tasks(app: Any) -> list[Any]:
+def singleton_tasks(app: Any) -> list[Any]:
+    """The SingletonTasks registered in ``app`` (also for the pglock CLI)."""
     return [
         task
         for task in app.tasks.values()
@@ -216,13 +185,17 @@ def _check_worker_config(sender: Any = None, **_: Any) -> None:
         # Said once, by the interpreter as the worker exits: a log record here would be
         # printed again by Python's last-resort handler (no logging set up yet).
         raise SystemExit(f"celery-pglock: {error}") from error
-    start_metrics(app)
-
-
-def _report_at_ready(sender: Any = None, **_: Any) -> None:
-    app = getattr(sender, "app", None)
-    if app is not None:
-        report_lock_database(app)
+    # Serve /metrics before the pool forks; the outcome is logged at worker_ready, once
+    # logging is set up (a failure does not stop the worker).
+    global _metrics_outcome
+    if tasks := singleton_tasks(app):
+        try:
+            _metrics_outcome = metrics_endpoint.serve(
+                app.conf,
+                [(task.name, task.lock_config.on_busy.value) for task in tasks],
+            )
+        except exceptions.ConfigurationError as error:
+            _metrics_outcome = error
 
 
 def _release_everything(**_: Any) -> None:
