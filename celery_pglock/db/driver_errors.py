@@ -76,13 +76,14 @@ def is_dead_session(error: exceptions.DatabaseError) -> bool:
 DRIVER_MODULES = ("psycopg2", "psycopg")
 
 
-def errors_named(name: str) -> tuple[type[Exception], ...]:
-    """The DBAPI error class ``name`` of every supported driver imported so far (neither
+def errors_named(*names: str) -> tuple[type[Exception], ...]:
+    """The DBAPI error classes ``names`` of every supported driver imported so far (neither
     is imported here: import stays cheap, and psycopg 3 need not be installed)."""
     return tuple(
         getattr(module, name)
         for module in map(sys.modules.get, DRIVER_MODULES)
         if module is not None
+        for name in names
     )
 
 
@@ -120,23 +121,18 @@ def is_disconnect(exc: BaseException | None) -> bool:
     return code is None or code.startswith(("08", "57P0"))
 
 
-def is_connect_failure(exc: BaseException | None) -> bool:
-    """True if ``exc`` looks like a failed connect (an OperationalError no statement
-    raised). A dead session may look the same: good enough for :func:`is_transient`."""
-    original = getattr(exc, "orig", exc)
-    return isinstance(
-        original, errors_named("OperationalError")
-    ) and not _from_statement(original)
-
-
 def is_transient(exc: BaseException | None) -> bool:
-    """True if ``exc`` says the database is unavailable for now: a failed connect, a dead
-    session, or SQLSTATE class 53 (``too_many_connections``); never a
-    :func:`misconfiguration`."""
+    """True if ``exc`` says the database is unavailable for now: a failed connect (an
+    OperationalError no statement raised), a dead session, or SQLSTATE class 53
+    (``too_many_connections``); never a :func:`misconfiguration`."""
     if exc is None or misconfiguration(exc) is not None:
         return False
+    original = getattr(exc, "orig", exc)
     return (
-        is_connect_failure(exc)
+        (
+            isinstance(original, errors_named("OperationalError"))
+            and not _from_statement(original)
+        )
         or is_disconnect(exc)
         or (sqlstate(exc) or "").startswith("53")
     )
@@ -246,26 +242,22 @@ def misconfiguration(exc: BaseException | None) -> Misconfiguration | None:
     if not isinstance(original, errors_named("Error")):
         return None
     code = sqlstate(original)
-    if code is not None:
-        if not code.startswith("28") and code != "3D000":
-            return None  # a statement's error, or an outage the server names (57P03)
-        text = str(original)
-        for pattern, problem in _RULES:
-            if problem.sqlstate == code and pattern.search(text):
-                return problem
-        if code == _NO_DATABASE.sqlstate:
-            return _NO_DATABASE
-        return Misconfiguration(
-            code, "the server refused the login", f"Check the role and {_URL}."
+    if code is None:
+        connecting = isinstance(
+            original, errors_named("OperationalError", "ProgrammingError")
         )
-    if not isinstance(
-        original, errors_named("OperationalError") + errors_named("ProgrammingError")
-    ):
-        return None
-    if _from_statement(original):
-        return None  # a statement's error: no connect failure
+        if not connecting or _from_statement(original):
+            return None  # a statement's error: no connect failure
+    elif not code.startswith("28") and code != "3D000":
+        return None  # a statement's error, or an outage the server names (57P03)
     text = str(original)
     for pattern, problem in _RULES:
-        if pattern.search(text):
+        if (code is None or problem.sqlstate == code) and pattern.search(text):
             return problem
-    return None
+    if code is None:
+        return None
+    if code == _NO_DATABASE.sqlstate:
+        return _NO_DATABASE
+    return Misconfiguration(
+        code, "the server refused the login", f"Check the role and {_URL}."
+    )

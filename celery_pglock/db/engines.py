@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import logging
+import math
 import os
 import re
 import socket
@@ -70,6 +71,8 @@ _connect_args: weakref.WeakKeyDictionary[sa.Engine, dict[str, Any]] = (
 _process_tag: tuple[int, str] = (0, "")
 _connections: weakref.WeakSet[Any] = weakref.WeakSet()  #: Lock-database connections.
 _foreign: weakref.WeakSet[Any] = weakref.WeakSet()  #: The parent's, in a forked child.
+#: Per engine: its connections opened (monotonic) before this are retired at checkout.
+_stale_before: weakref.WeakKeyDictionary[sa.Engine, float] = weakref.WeakKeyDictionary()
 
 
 def process_tag() -> str:
@@ -127,11 +130,11 @@ def check_url(url: str) -> sa.URL:
         )
     if driver == "psycopg":
         try:
-            installed: str | None = importlib.metadata.version("psycopg")
+            installed = importlib.metadata.version("psycopg")
         except importlib.metadata.PackageNotFoundError:
-            installed = None
-        release = re.findall(r"\d+", re.sub(r"[^\d.].*", "", installed or ""))
-        if installed is None or tuple(map(int, release)) < PSYCOPG_MIN:
+            installed = ""
+        release = re.findall(r"\d+", re.sub(r"[^\d.].*", "", installed))
+        if tuple(map(int, release)) < PSYCOPG_MIN:
             found = f"psycopg {installed} is" if installed else "it is not"
             raise exceptions.ConfigurationError(
                 f"{setting} is a postgresql+psycopg:// URL, which needs psycopg >= "
@@ -183,7 +186,9 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
     if engine.url.get_driver_name() == "psycopg":
         # First, before any listener runs a statement on the new connection.
         event.listen(engine, "connect", _bind_on_client, insert=True)
-    _install_hooks(engine, _ours(options))
+    # Only the library's own ``options`` may be dropped by the fallback, never the user's.
+    given = options["connect_args"].get("options")
+    _install_hooks(engine, given if given == startup_options.SERVER_OPTIONS else None)
     _connect_args[engine] = dict(options["connect_args"])
     return engine
 
@@ -206,14 +211,16 @@ def engine_info(engine: sa.Engine) -> dict[str, str]:
 def _install_hooks(engine: sa.Engine, ours: str | None) -> None:
     event.listen(engine, "checkin", _unlock_leftovers)
     event.listen(engine, "connect", adopt)
-    _track_staleness(engine)
+
+    def retire(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        if record.info.get(OPENED, -math.inf) < _stale_before.get(engine, -math.inf):
+            raise sa_exc.DisconnectionError(
+                "opened before the lock database was last found dead"
+            )
+
+    # First: before any other checkout listener sees a stale connection.
+    event.listen(engine, "checkout", retire, insert=True)
     startup_options.install_fallback(engine, mask_url(engine.url), ours)
-
-
-def _ours(options: Mapping[str, Any]) -> str | None:
-    """The ``options`` connect argument if it is the library's own (not the user's)."""
-    given = options["connect_args"].get("options")
-    return given if given == startup_options.SERVER_OPTIONS else None
 
 
 def _prefix(conf: Mapping[str, Any]) -> str:
@@ -221,8 +228,11 @@ def _prefix(conf: Mapping[str, Any]) -> str:
 
 
 def adopt(dbapi_connection: Any, record: Any = None) -> None:
-    """Remember a lock-database connection of this process, to neuter it after a fork."""
+    """Remember a lock-database connection of this process, to neuter it after a fork
+    (and, as the pool's ``connect`` hook, when it was opened)."""
     _connections.add(dbapi_connection)
+    if record is not None:
+        record.info[OPENED] = time.monotonic()
 
 
 def is_foreign(dbapi_connection: Any) -> bool:
@@ -330,9 +340,7 @@ def probe(conf: Mapping[str, Any]) -> str:
 
 def held_keys(connection_info: dict[Any, Any]) -> Counter[tuple[int, ...]]:
     """The Counter of advisory keys a pooled connection holds (created on first use)."""
-    held: Counter[tuple[int, ...]] | None = connection_info.get(HELD)
-    if held is None:
-        held = connection_info[HELD] = Counter()
+    held: Counter[tuple[int, ...]] = connection_info.setdefault(HELD, Counter())
     return held
 
 
@@ -377,48 +385,9 @@ def mark_pool_stale(
     Once per death: a ``pooled`` opened before the last mark does not move it. The
     caller invalidates ``pooled`` itself.
     """
-    staleness = _track_staleness(engine)
-    opened = float("-inf") if pooled is None else pooled.info.get(OPENED, float("-inf"))
-    if pooled is None or staleness.before is None or staleness.before < opened:
-        staleness.before = time.monotonic()
-
-
-class _Staleness:
-    """Stamps each new connection; retires at checkout those opened before ``before``."""
-
-    def __init__(self) -> None:
-        self.before: float | None = None
-
-    def stamp(self, dbapi_connection: Any, record: Any) -> None:
-        record.info[OPENED] = time.monotonic()
-
-    def retire(self, dbapi_connection: Any, record: Any, proxy: Any) -> None:
-        before = self.before
-        if before is not None and record.info.get(OPENED, float("-inf")) < before:
-            raise sa_exc.DisconnectionError(
-                "opened before the lock database was last found dead"
-            )
-
-
-_staleness: weakref.WeakKeyDictionary[sa.Engine, _Staleness] = (
-    weakref.WeakKeyDictionary()
-)
-_staleness_lock = threading.Lock()  # not _engines_lock: engine_for holds that one
-
-
-def _track_staleness(engine: sa.Engine) -> _Staleness:
-    """The :class:`_Staleness` of ``engine``, installed on first use."""
-    staleness = _staleness.get(engine)
-    if staleness is not None:
-        return staleness
-    with _staleness_lock:
-        staleness = _staleness.get(engine)
-        if staleness is None:
-            staleness = _staleness[engine] = _Staleness()
-            event.listen(engine, "connect", staleness.stamp)
-            # First: before any other checkout listener sees a stale connection.
-            event.listen(engine, "checkout", staleness.retire, insert=True)
-    return staleness
+    before = _stale_before.get(engine)
+    if pooled is None or before is None or before < pooled.info.get(OPENED, -math.inf):
+        _stale_before[engine] = time.monotonic()
 
 
 def _forget_engines_after_fork() -> None:
@@ -442,7 +411,7 @@ def dispose_all() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _engines_lock, _staleness_lock
+    global _engines_lock
     # The sockets first: the disposal below must finalise nothing on the parent's.
     connections = list(_connections)
     _connections.clear()
@@ -457,7 +426,6 @@ def _after_fork_in_child() -> None:
     if null >= 0:
         os.close(null)
     _engines_lock = threading.Lock()  # another thread of the parent may have held it
-    _staleness_lock = threading.Lock()
     _forget_engines_after_fork()
 
 

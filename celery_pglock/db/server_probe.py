@@ -219,9 +219,7 @@ def _statement_or_transaction(connection: Any) -> Pooling:
             cursor.execute("BEGIN")
             cursor.execute("SELECT 1")
             cursor.execute("COMMIT")
-    except driver_errors.errors_named("OperationalError") + driver_errors.errors_named(
-        "InterfaceError"
-    ):
+    except driver_errors.errors_named("OperationalError", "InterfaceError"):
         # PgBouncer answers BEGIN in statement pooling by dropping the client.
         return Pooling.STATEMENT
     return Pooling.TRANSACTION
@@ -248,10 +246,6 @@ def _proxied(connection: Any, server_seen_port: int | None) -> bool | None:
 
 
 _facts: weakref.WeakKeyDictionary[sa.Engine, ServerFacts] = weakref.WeakKeyDictionary()
-#: Per engine: each scope's refusal (None: allowed): check() is one lookup once probed.
-_refusals: weakref.WeakKeyDictionary[sa.Engine, dict[LockScope, str | None]] = (
-    weakref.WeakKeyDictionary()
-)
 _probing = threading.Lock()
 
 
@@ -266,9 +260,7 @@ def facts_for(
     with _probing:
         facts = _facts.get(engine)
         if facts is None:
-            facts = probe(engine, action=action)
-            _refusals[engine] = {scope: facts.refusal(scope) for scope in LockScope}
-            _facts[engine] = facts
+            facts = _facts[engine] = probe(engine, action=action)
             logger.debug(
                 "celery-pglock: lock database %s: PostgreSQL %s, standby=%s, pooling=%s",
                 facts.masked_url,
@@ -296,10 +288,7 @@ def check(engine: sa.Engine, scope: LockScope, lock_name: str = "") -> None:
             message names the fix.
         DatabaseError: the probe could not reach the database.
     """
-    refusals = _refusals.get(engine)
-    if refusals is None:
-        facts_for(engine, f"acquire lock {lock_name!r}")
-        refusals = _refusals[engine]
-    message = refusals[scope]
+    facts = _facts.get(engine) or facts_for(engine, f"acquire lock {lock_name!r}")
+    message = facts.refusal(scope)
     if message is not None:
         raise exceptions.ConfigurationError(message)
