@@ -1,10 +1,7 @@
-"""Driver errors at the lock database boundary: translated once, then classified.
-
-Every SQLAlchemy or driver (psycopg2, psycopg 3) error a lock path meets leaves it as
-:class:`~celery_pglock.exceptions.DatabaseError` (:func:`wrap_db_errors`), scrubbed of
-secrets. The classifiers read the driver's error (``__cause__``): a dead session, a
-transient error, a misconfiguration. What each means for a run:
-docs/operations/failure-modes.md ("Lock database unavailable").
+"""Driver errors at the lock database boundary: translated once into a scrubbed
+:class:`~celery_pglock.exceptions.DatabaseError` (:func:`wrap_db_errors`), then classified
+from its ``__cause__``: a dead session, a transient error, a misconfiguration. What each
+means for a run: docs/operations/failure-modes.md ("Lock database unavailable").
 """
 
 from __future__ import annotations
@@ -30,11 +27,8 @@ if TYPE_CHECKING:
 def wrap_db_errors(
     action: str, engine: sa.Engine | None = None, *, connecting: bool = False
 ) -> Iterator[None]:
-    """Translate SQLAlchemy/driver errors into :class:`DatabaseError` at one boundary.
-
-    ``connecting=True`` around the opening of a lock connection: its failure then never
-    counts as a dead session (:func:`is_dead_session`).
-    """
+    """Translate SQLAlchemy/driver errors into :class:`DatabaseError`; with
+    ``connecting=True`` (opening a lock connection) never a dead session."""
     try:
         yield
     except exceptions.PgLockError:
@@ -55,13 +49,8 @@ def wrap_db_errors(
         if problem is not None:
             message += f" -- {problem}"
         error = exceptions.DatabaseError(message)
-        if connecting:
-            setattr(error, _CONNECT_FAILED, True)
+        error.pglock_connect_failed = connecting  # type: ignore[attr-defined]
         raise error from exc
-
-
-#: Set on a DatabaseError raised while opening a lock connection (see wrap_db_errors).
-_CONNECT_FAILED = "_pglock_connect_failed"
 
 
 def is_dead_session(error: exceptions.DatabaseError) -> bool:
@@ -69,7 +58,8 @@ def is_dead_session(error: exceptions.DatabaseError) -> bool:
     more. Decided by where the error arose (``wrap_db_errors(connecting=)``), not by its
     shape, which is the same as a failed connect's on psycopg 3 and at psycopg2's BEGIN.
     """
-    return not getattr(error, _CONNECT_FAILED, False) and is_disconnect(error.__cause__)
+    connect_failed = getattr(error, "pglock_connect_failed", False)
+    return not connect_failed and is_disconnect(error.__cause__)
 
 
 #: The supported drivers' modules (db.SUPPORTED_DRIVERS), by import name.

@@ -1,11 +1,9 @@
 """The lock database: one SQLAlchemy engine per URL per process, and its pool hooks.
 
-Hazard: fork. In a forked child every lock-database connection of the parent gets its
-socket pointed at ``/dev/null``, then the engines are forgotten (``dispose(close=False)``),
-so nothing the child does reaches the parent's sessions (docs/operations/lock-loss.md,
-"Forks inside a body"). Locks use this engine, never the application's: the pool's
-``checkin`` hook assumes every connection in it is a lock connection. See
-docs/guide/how-it-works.md and docs/design.md.
+Hazard: fork. A forked child points the parent's lock-database sockets at ``/dev/null``
+and forgets the engines (docs/operations/lock-loss.md, "Forks inside a body"). The pool's
+``checkin`` hook assumes every connection in it is a lock connection: never share this
+engine with the application. See docs/guide/how-it-works.md.
 """
 
 from __future__ import annotations
@@ -85,10 +83,8 @@ def process_tag() -> str:
 
 
 def application_name(prefix: str, *parts: object) -> str:
-    """An application_name within 63 bytes; the last part is cut from the left.
-
-    Only names and numbers go in, never argument values (personal data).
-    """
+    """An application_name within 63 bytes, the last part cut from the left (names and
+    numbers only, never argument values: personal data)."""
     text = " ".join(str(part) for part in (prefix, *parts))
     encoded = text.encode("ascii", "replace")
     if len(encoded) <= APPLICATION_NAME_MAX:
@@ -241,8 +237,8 @@ def is_foreign(dbapi_connection: Any) -> bool:
 
 
 def _bind_on_client(dbapi_connection: Any, record: Any) -> None:
-    """psycopg 3 binds on the server, one statement per execute; the lock statements are
-    several in one round trip. A ClientCursor binds them as psycopg2 does."""
+    # psycopg 3 binds on the server, one statement per execute; the lock statements are
+    # several in one round trip, which a ClientCursor binds as psycopg2 does.
     import psycopg  # only a psycopg engine gets here
 
     dbapi_connection.cursor_factory = psycopg.ClientCursor
@@ -303,9 +299,8 @@ def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
     connect_args.update(extra.pop("connect_args", {}))
     options: dict[str, Any] = {"pool_pre_ping": False, "connect_args": connect_args}
     if "poolclass" not in extra:
-        # Transaction scope, waits and per_lock mode pin a pooled connection per held
-        # lock, several at once under threads/gevent. (A custom poolclass, e.g.
-        # NullPool, may not take these arguments.)
+        # A pinned pooled connection per held lock (transaction scope, waits, per_lock),
+        # several under threads/gevent. (NullPool and others refuse these arguments.)
         options.update(pool_size=10, max_overflow=20)
     options.update(extra)
     return options
@@ -314,9 +309,8 @@ def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
 def probe(conf: Mapping[str, Any]) -> str:
     """Connect once to the lock database of ``conf`` and return its ``server_version``.
 
-    Connects as lock connections do (a PgBouncer setup is probed as it is used), but
-    outside any pool: a worker's main process runs this before forks, and leaves no
-    socket behind for its children.
+    Connects as lock connections do, but outside any pool: a worker's main process runs
+    this before forks, and leaves no socket behind for its children.
 
     Raises:
         ConfigurationError: no database URL, or an invalid one.
@@ -324,14 +318,13 @@ def probe(conf: Mapping[str, Any]) -> str:
     """
     engine = create_engine(config.database_url(conf), conf)
     try:
-        with driver_errors.wrap_db_errors("connect to the lock database", engine):
-            connection = connect(engine)
-            try:
-                with connection.cursor() as cursor:
-                    cursor.execute("SHOW server_version")
-                    (version,) = cursor.fetchone()
-            finally:
-                connection.close()
+        with (
+            driver_errors.wrap_db_errors("connect to the lock database", engine),
+            contextlib.closing(connect(engine)) as connection,
+            connection.cursor() as cursor,
+        ):
+            cursor.execute("SHOW server_version")
+            (version,) = cursor.fetchone()
     finally:
         engine.dispose()
     # Distribution builds append their own text: "15.14 (Ubuntu 15.14-1.pgdg22.04+1)".
@@ -345,11 +338,8 @@ def held_keys(connection_info: dict[Any, Any]) -> Counter[tuple[int, ...]]:
 
 
 def _unlock_leftovers(dbapi_connection: Any, record: Any) -> None:
-    """Pool check-in net: a connection never goes back to the pool holding a lock.
-
-    Free on the hot path (normal releases leave the Counter empty). If the unlock fails,
-    the connection is invalidated: closing the session always releases.
-    """
+    """Pool check-in net: a connection never goes back to the pool holding a lock (if the
+    unlock fails, it is invalidated: closing the session releases)."""
     held = record.info.get(HELD)
     if not held or dbapi_connection is None or is_foreign(dbapi_connection):
         return  # (a forked child's copy of its parent's lock session: not ours to unlock)
@@ -377,13 +367,11 @@ def _unlock_leftovers(dbapi_connection: Any, record: Any) -> None:
 def mark_pool_stale(
     engine: sa.Engine, pooled: Any, exc: BaseException | None = None
 ) -> None:
-    """``pooled`` (a connection of ``engine``'s pool, or None) was found dead: retire its
-    siblings.
+    """``pooled`` (of ``engine``'s pool, or None) was found dead: retire its siblings.
 
-    Every connection opened before now is replaced at its next checkout; checked-out
-    ones keep their sessions (and locks) until given back, unlike ``engine.dispose()``.
-    Once per death: a ``pooled`` opened before the last mark does not move it. The
-    caller invalidates ``pooled`` itself.
+    Each connection opened before now is replaced at its next checkout; checked-out ones
+    keep their sessions (and locks) until given back, unlike ``engine.dispose()``. A
+    ``pooled`` opened before the last mark does not move it. The caller invalidates it.
     """
     before = _stale_before.get(engine)
     if pooled is None or before is None or before < pooled.info.get(OPENED, -math.inf):
