@@ -1,9 +1,8 @@
 """What sits at the other end of the lock database URL: its version, a standby, or a
-transaction- or statement-pooling proxy (which break advisory locks silently, so they are
-refused). How they are told apart, and why: docs/operations/pgbouncer.md.
+pooling proxy that breaks advisory locks (refused). Why: docs/operations/pgbouncer.md.
 
-Hazard: a probe costs two connections and about eight round trips, so it runs once per
-engine (per process, at the first lock) and once at worker start, never per task.
+Hazard: a probe costs two connections and about eight round trips: once per engine (at
+the first lock) and once at worker start, never per task.
 """
 
 from __future__ import annotations
@@ -121,16 +120,9 @@ def probe(
         DatabaseError: the database could not be reached or did not answer in time.
     """
     if isinstance(target, sa.Engine):
-        return _bounded(target, timeout, action)
-    engine = engines.create_engine(target, conf)
-    try:
-        return _bounded(engine, timeout, action)
-    finally:
-        engine.dispose()
-
-
-def _bounded(engine: sa.Engine, timeout: float, action: str) -> ServerFacts:
-    """Run the probe in a thread, so that a stuck connect cannot hold the caller."""
+        engine = target
+    else:
+        engine = engines.create_engine(target, conf)
     masked = engines.engine_info(engine)["masked_url"]
     opened: list[Any] = []
     outcome: list[ServerFacts | BaseException] = []
@@ -141,9 +133,12 @@ def _bounded(engine: sa.Engine, timeout: float, action: str) -> ServerFacts:
         except BaseException as exc:  # handed to the caller's thread
             outcome.append(exc)
 
+    # In a thread, so that a stuck connect cannot hold the caller.
     thread = threading.Thread(target=run, name="celery-pglock-probe", daemon=True)
     thread.start()
     thread.join(timeout)
+    if engine is not target:
+        engine.dispose()  # its pool only: the probe's connections are outside it
     if thread.is_alive() or not outcome:
         for connection in list(opened):
             with contextlib.suppress(Exception):

@@ -126,12 +126,9 @@ def watch(
 
 
 def unwatch(lock: AdvisoryLock) -> None:
-    """The body of ``lock``'s run has ended: stop watching, never interrupt it now.
-
-    If the lock was found lost, wait (bounded) for the report, so ``lock_lost`` comes
-    before the run's outcome. A pending interrupt may still land here as LockLostError,
-    with the entry still registered: call again to unwatch.
-    """
+    """The body of ``lock``'s run has ended: stop watching, and wait (bounded) for a loss
+    report under way, so ``lock_lost`` comes before the run's outcome. A pending interrupt
+    may still land here as LockLostError, the entry still registered: call again."""
     with _mutex:
         entry = _entries.pop(id(lock), None)
         if entry is None:
@@ -299,11 +296,9 @@ class Observer:
         deadline: float,
         session: per_process.ProcessSession | None = None,
     ) -> dict[int, str]:
-        """{id(entry): cause} for each lock found lost; every entry if unverifiable.
-
-        On ``session`` (the process's open lock session) if given; only if it cannot
-        answer does the check connect here, to tell why, and close again.
-        """
+        """{id(entry): cause} for each lock found lost; every entry if unverifiable. On
+        ``session`` (the process's lock session) if given; connects here only if it
+        cannot answer, to tell why, and closes again."""
         diagnosing = False
         if session is not None:
             timeout = entries[0].timeout
@@ -329,8 +324,7 @@ class Observer:
                 self.close()
 
     def _check_here(self, entries: list[Entry], deadline: float) -> dict[int, str]:
-        """The check on the observer's own session (connected on demand, reconnected
-        while time remains)."""
+        """The check on the observer's own session, (re)connected while time remains."""
         while True:
             try:
                 if self.connection is None:
