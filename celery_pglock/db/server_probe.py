@@ -167,8 +167,8 @@ def _probe(engine: sa.Engine, opened: list[Any], masked: str) -> ServerFacts:
         opened.append(engines.connect(engine))
         opened.append(engines.connect(engine))
         first, second = opened
-        for connection in (first, second):
-            connection.autocommit = True  # else the driver would open transactions
+        # Else the driver would open transactions.
+        first.autocommit = second.autocommit = True
         pid, version, version_num, in_recovery, client_port = _fetch(
             first, _FIRST_QUERY
         )
