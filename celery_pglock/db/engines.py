@@ -231,11 +231,6 @@ def adopt(dbapi_connection: Any, record: Any = None) -> None:
         record.info[OPENED] = time.monotonic()
 
 
-def is_foreign(dbapi_connection: Any) -> bool:
-    """True for a connection inherited from the parent process: never use it."""
-    return dbapi_connection in _foreign
-
-
 def _bind_on_client(dbapi_connection: Any, record: Any) -> None:
     # psycopg 3 binds on the server, one statement per execute; the lock statements are
     # several in one round trip, which a ClientCursor binds as psycopg2 does.
@@ -299,8 +294,9 @@ def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
     connect_args.update(extra.pop("connect_args", {}))
     options: dict[str, Any] = {"pool_pre_ping": False, "connect_args": connect_args}
     if "poolclass" not in extra:
-        # A pinned pooled connection per held lock (transaction scope, waits, per_lock),
-        # several under threads/gevent. (NullPool and others refuse these arguments.)
+        # Transaction scope, waits and per_lock mode pin a pooled connection per held
+        # lock, several at once under threads/gevent. (A custom poolclass, e.g.
+        # NullPool, may not take these arguments.)
         options.update(pool_size=10, max_overflow=20)
     options.update(extra)
     return options
@@ -341,7 +337,7 @@ def _unlock_leftovers(dbapi_connection: Any, record: Any) -> None:
     """Pool check-in net: a connection never goes back to the pool holding a lock (if the
     unlock fails, it is invalidated: closing the session releases)."""
     held = record.info.get(HELD)
-    if not held or dbapi_connection is None or is_foreign(dbapi_connection):
+    if not held or dbapi_connection is None or dbapi_connection in _foreign:
         return  # (a forked child's copy of its parent's lock session: not ours to unlock)
     logger.warning(
         "A lock connection came back to the pool still holding advisory keys %s; unlocking them all",

@@ -278,17 +278,13 @@ def _interrupt(entry: Entry) -> None:
     )
 
 
-class UnverifiableError(Exception):
-    """A check had no answer by its deadline."""
-
-
+@dataclasses.dataclass(eq=False)
 class Observer:
     """The watcher's own asynchronous psycopg2 session to one lock database."""
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.connection: Any = None
-        self.server_start: str | None = None
+    engine: Any
+    connection: Any = None
+    server_start: str | None = None
 
     def check(
         self,
@@ -464,7 +460,7 @@ def wait(connection: Any, deadline: float) -> None:
     while (state := connection.poll()) != ext.POLL_OK:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise UnverifiableError("no answer in time")
+            raise TimeoutError("no answer in time")
         reading, fd = state == ext.POLL_READ, connection.fileno()
         if hasattr(select, "poll"):  # select() refuses fd >= 1024; gevent removes poll
             poller = select.poll()
