@@ -88,14 +88,18 @@ def watch(
 ) -> None:
     """Watch ``lock`` while its body runs; ``report(cause)`` once if it is lost (no-op if
     checks are off)."""
-    global _thread, _idle
+    global _thread, _idle, _handler
     if not options.watch_interval:
         return
     thread_id = threading.get_ident()
     in_main = thread_id == threading.main_thread().ident
     terminate = options.on_lost is OnLost.TERMINATE and not _green()
-    if terminate and in_main:
-        _install_handler()
+    if terminate and in_main and (_handler is None or _handler[0] != os.getpid()):
+        previous = signal.getsignal(SIGNAL)
+        if previous is _on_signal:  # inherited across a fork: keep its predecessor
+            previous = _handler[1] if _handler is not None else signal.SIG_DFL
+        signal.signal(SIGNAL, _on_signal)  # main thread only
+        _handler = (os.getpid(), previous)
     entry = Entry(
         lock,
         report,
@@ -235,19 +239,6 @@ def _green() -> bool:
             extra={"action": "lock_terminate_unsupported"},
         )
     return patched
-
-
-def _install_handler() -> None:
-    """Install the SIGNAL handler in this process (main thread only)."""
-    global _handler
-    pid = os.getpid()
-    if _handler is not None and _handler[0] == pid:
-        return
-    previous = signal.getsignal(SIGNAL)
-    if previous is _on_signal:  # inherited across a fork: keep its predecessor
-        previous = _handler[1] if _handler is not None else signal.SIG_DFL
-    signal.signal(SIGNAL, _on_signal)
-    _handler = (pid, previous)
 
 
 def _on_signal(signum: int, frame: Any) -> None:

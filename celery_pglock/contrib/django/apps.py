@@ -16,7 +16,7 @@ from celery_pglock import config, exceptions, metrics
 from celery_pglock.db import engines
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
 TAG = "celery_pglock"
 #: The task name config.resolve puts in its messages for the app-wide defaults; removed
@@ -52,12 +52,7 @@ def check_settings(
 
     if run(lambda: config.check_unknown_settings(conf), "celery_pglock.E001"):
         # Resolve the app's settings as a task with no options of its own would.
-        run(
-            lambda: config.resolve(
-                task_name=_DEFAULTS, attributes={}, conf=conf, parameters=()
-            ),
-            "celery_pglock.E002",
-        )
+        run(lambda: _resolve_defaults(conf), "celery_pglock.E002")
     run(lambda: config.session_mode(conf), "celery_pglock.E002")
     run(lambda: metrics.from_conf(conf), "celery_pglock.E002")
     try:
@@ -75,6 +70,10 @@ def check_settings(
     else:
         run(lambda: engines.check_url(url), "celery_pglock.E003")
     return messages
+
+
+def _resolve_defaults(conf: Mapping[str, Any]) -> None:
+    config.resolve(task_name=_DEFAULTS, attributes={}, conf=conf, parameters=())
 
 
 def _spelling_hint(conf: Any) -> str:
