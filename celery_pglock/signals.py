@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from celery.utils.dispatch import Signal
 
-lock_acquired = Signal(
-    name="lock_acquired"
-)  #: The body is about to run under the lock.
+#: The body is about to run under the lock.
+lock_acquired = Signal(name="lock_acquired")
 #: The body did not run: the lock was held (``action``, ``holder``, ``shadow``).
 lock_skipped = Signal(name="lock_skipped")
 lock_completed = Signal(name="lock_completed")  #: The body returned (``held_seconds``).

@@ -1,10 +1,7 @@
-"""Driver errors at the lock database boundary: translated once, then classified.
-
-Every SQLAlchemy or driver (psycopg2, psycopg 3) error a lock path meets leaves it as
-:class:`~celery_pglock.exceptions.DatabaseError` (:func:`wrap_db_errors`), scrubbed of
-secrets. The classifiers read the driver's error (``__cause__``): a dead session, a
-transient error, a misconfiguration. What each means for a run:
-docs/operations/failure-modes.md ("Lock database unavailable").
+"""Driver errors at the lock database boundary: translated once into a scrubbed
+:class:`~celery_pglock.exceptions.DatabaseError` (:func:`wrap_db_errors`), then classified
+from its ``__cause__``: a dead session, a transient error, a misconfiguration. What each
+means for a run: docs/operations/failure-modes.md ("Lock database unavailable").
 """
 
 from __future__ import annotations
@@ -30,11 +27,8 @@ if TYPE_CHECKING:
 def wrap_db_errors(
     action: str, engine: sa.Engine | None = None, *, connecting: bool = False
 ) -> Iterator[None]:
-    """Translate SQLAlchemy/driver errors into :class:`DatabaseError` at one boundary.
-
-    ``connecting=True`` around the opening of a lock connection: its failure then never
-    counts as a dead session (:func:`is_dead_session`).
-    """
+    """Translate SQLAlchemy/driver errors into :class:`DatabaseError`; with
+    ``connecting=True`` (opening a lock connection) never a dead session."""
     try:
         yield
     except exceptions.PgLockError:
@@ -55,13 +49,8 @@ def wrap_db_errors(
         if problem is not None:
             message += f" -- {problem}"
         error = exceptions.DatabaseError(message)
-        if connecting:
-            setattr(error, _CONNECT_FAILED, True)
+        error.pglock_connect_failed = connecting  # type: ignore[attr-defined]
         raise error from exc
-
-
-#: Set on a DatabaseError raised while opening a lock connection (see wrap_db_errors).
-_CONNECT_FAILED = "_pglock_connect_failed"
 
 
 def is_dead_session(error: exceptions.DatabaseError) -> bool:
@@ -69,20 +58,22 @@ def is_dead_session(error: exceptions.DatabaseError) -> bool:
     more. Decided by where the error arose (``wrap_db_errors(connecting=)``), not by its
     shape, which is the same as a failed connect's on psycopg 3 and at psycopg2's BEGIN.
     """
-    return not getattr(error, _CONNECT_FAILED, False) and is_disconnect(error.__cause__)
+    connect_failed = getattr(error, "pglock_connect_failed", False)
+    return not connect_failed and is_disconnect(error.__cause__)
 
 
 #: The supported drivers' modules (db.SUPPORTED_DRIVERS), by import name.
 DRIVER_MODULES = ("psycopg2", "psycopg")
 
 
-def errors_named(name: str) -> tuple[type[Exception], ...]:
-    """The DBAPI error class ``name`` of every supported driver imported so far (neither
+def errors_named(*names: str) -> tuple[type[Exception], ...]:
+    """The DBAPI error classes ``names`` of every supported driver imported so far (neither
     is imported here: import stays cheap, and psycopg 3 need not be installed)."""
     return tuple(
         getattr(module, name)
         for module in map(sys.modules.get, DRIVER_MODULES)
         if module is not None
+        for name in names
     )
 
 
@@ -120,23 +111,18 @@ def is_disconnect(exc: BaseException | None) -> bool:
     return code is None or code.startswith(("08", "57P0"))
 
 
-def is_connect_failure(exc: BaseException | None) -> bool:
-    """True if ``exc`` looks like a failed connect (an OperationalError no statement
-    raised). A dead session may look the same: good enough for :func:`is_transient`."""
-    original = getattr(exc, "orig", exc)
-    return isinstance(
-        original, errors_named("OperationalError")
-    ) and not _from_statement(original)
-
-
 def is_transient(exc: BaseException | None) -> bool:
-    """True if ``exc`` says the database is unavailable for now: a failed connect, a dead
-    session, or SQLSTATE class 53 (``too_many_connections``); never a
-    :func:`misconfiguration`."""
+    """True if ``exc`` says the database is unavailable for now: a failed connect (an
+    OperationalError no statement raised), a dead session, or SQLSTATE class 53
+    (``too_many_connections``); never a :func:`misconfiguration`."""
     if exc is None or misconfiguration(exc) is not None:
         return False
+    original = getattr(exc, "orig", exc)
     return (
-        is_connect_failure(exc)
+        (
+            isinstance(original, errors_named("OperationalError"))
+            and not _from_statement(original)
+        )
         or is_disconnect(exc)
         or (sqlstate(exc) or "").startswith("53")
     )
@@ -246,26 +232,22 @@ def misconfiguration(exc: BaseException | None) -> Misconfiguration | None:
     if not isinstance(original, errors_named("Error")):
         return None
     code = sqlstate(original)
-    if code is not None:
-        if not code.startswith("28") and code != "3D000":
-            return None  # a statement's error, or an outage the server names (57P03)
-        text = str(original)
-        for pattern, problem in _RULES:
-            if problem.sqlstate == code and pattern.search(text):
-                return problem
-        if code == _NO_DATABASE.sqlstate:
-            return _NO_DATABASE
-        return Misconfiguration(
-            code, "the server refused the login", f"Check the role and {_URL}."
+    if code is None:
+        connecting = isinstance(
+            original, errors_named("OperationalError", "ProgrammingError")
         )
-    if not isinstance(
-        original, errors_named("OperationalError") + errors_named("ProgrammingError")
-    ):
-        return None
-    if _from_statement(original):
-        return None  # a statement's error: no connect failure
+        if not connecting or _from_statement(original):
+            return None  # a statement's error: no connect failure
+    elif not code.startswith("28") and code != "3D000":
+        return None  # a statement's error, or an outage the server names (57P03)
     text = str(original)
     for pattern, problem in _RULES:
-        if pattern.search(text):
+        if (code is None or problem.sqlstate == code) and pattern.search(text):
             return problem
-    return None
+    if code is None:
+        return None
+    if code == _NO_DATABASE.sqlstate:
+        return _NO_DATABASE
+    return Misconfiguration(
+        code, "the server refused the login", f"Check the role and {_URL}."
+    )

@@ -1,11 +1,9 @@
 """The lock database: one SQLAlchemy engine per URL per process, and its pool hooks.
 
-Hazard: fork. In a forked child every lock-database connection of the parent gets its
-socket pointed at ``/dev/null``, then the engines are forgotten (``dispose(close=False)``),
-so nothing the child does reaches the parent's sessions (docs/operations/lock-loss.md,
-"Forks inside a body"). Locks use this engine, never the application's: the pool's
-``checkin`` hook assumes every connection in it is a lock connection. See
-docs/guide/how-it-works.md and docs/design.md.
+Hazard: fork. A forked child points the parent's lock-database sockets at ``/dev/null``
+and forgets the engines (docs/operations/lock-loss.md, "Forks inside a body"). The pool's
+``checkin`` hook assumes every connection in it is a lock connection: never share this
+engine with the application. See docs/guide/how-it-works.md.
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import logging
+import math
 import os
 import re
 import socket
@@ -70,6 +69,8 @@ _connect_args: weakref.WeakKeyDictionary[sa.Engine, dict[str, Any]] = (
 _process_tag: tuple[int, str] = (0, "")
 _connections: weakref.WeakSet[Any] = weakref.WeakSet()  #: Lock-database connections.
 _foreign: weakref.WeakSet[Any] = weakref.WeakSet()  #: The parent's, in a forked child.
+#: Per engine: its connections opened (monotonic) before this are retired at checkout.
+_stale_before: weakref.WeakKeyDictionary[sa.Engine, float] = weakref.WeakKeyDictionary()
 
 
 def process_tag() -> str:
@@ -82,10 +83,8 @@ def process_tag() -> str:
 
 
 def application_name(prefix: str, *parts: object) -> str:
-    """An application_name within 63 bytes; the last part is cut from the left.
-
-    Only names and numbers go in, never argument values (personal data).
-    """
+    """An application_name within 63 bytes, the last part cut from the left (names and
+    numbers only, never argument values: personal data)."""
     text = " ".join(str(part) for part in (prefix, *parts))
     encoded = text.encode("ascii", "replace")
     if len(encoded) <= APPLICATION_NAME_MAX:
@@ -127,11 +126,11 @@ def check_url(url: str) -> sa.URL:
         )
     if driver == "psycopg":
         try:
-            installed: str | None = importlib.metadata.version("psycopg")
+            installed = importlib.metadata.version("psycopg")
         except importlib.metadata.PackageNotFoundError:
-            installed = None
-        release = re.findall(r"\d+", re.sub(r"[^\d.].*", "", installed or ""))
-        if installed is None or tuple(map(int, release)) < PSYCOPG_MIN:
+            installed = ""
+        release = re.findall(r"\d+", re.sub(r"[^\d.].*", "", installed))
+        if tuple(map(int, release)) < PSYCOPG_MIN:
             found = f"psycopg {installed} is" if installed else "it is not"
             raise exceptions.ConfigurationError(
                 f"{setting} is a postgresql+psycopg:// URL, which needs psycopg >= "
@@ -181,7 +180,9 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
     if engine.url.get_driver_name() == "psycopg":
         # First, before any listener runs a statement on the new connection.
         event.listen(engine, "connect", _bind_on_client, insert=True)
-    _install_hooks(engine, _ours(options))
+    # Only the library's own ``options`` may be dropped by the fallback, never the user's.
+    given = options["connect_args"].get("options")
+    _install_hooks(engine, given if given == startup_options.SERVER_OPTIONS else None)
     _connect_args[engine] = dict(options["connect_args"])
     return engine
 
@@ -203,14 +204,16 @@ def engine_info(engine: sa.Engine) -> dict[str, str]:
 def _install_hooks(engine: sa.Engine, ours: str | None) -> None:
     event.listen(engine, "checkin", _unlock_leftovers)
     event.listen(engine, "connect", adopt)
-    _track_staleness(engine)
+
+    def retire(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        if record.info.get(OPENED, -math.inf) < _stale_before.get(engine, -math.inf):
+            raise sa_exc.DisconnectionError(
+                "opened before the lock database was last found dead"
+            )
+
+    # First: before any other checkout listener sees a stale connection.
+    event.listen(engine, "checkout", retire, insert=True)
     startup_options.install_fallback(engine, mask_url(engine.url), ours)
-
-
-def _ours(options: Mapping[str, Any]) -> str | None:
-    """The ``options`` connect argument if it is the library's own (not the user's)."""
-    given = options["connect_args"].get("options")
-    return given if given == startup_options.SERVER_OPTIONS else None
 
 
 def _prefix(conf: Mapping[str, Any]) -> str:
@@ -218,18 +221,16 @@ def _prefix(conf: Mapping[str, Any]) -> str:
 
 
 def adopt(dbapi_connection: Any, record: Any = None) -> None:
-    """Remember a lock-database connection of this process, to neuter it after a fork."""
+    """Remember a lock-database connection of this process, to neuter it after a fork
+    (and, as the pool's ``connect`` hook, when it was opened)."""
     _connections.add(dbapi_connection)
-
-
-def is_foreign(dbapi_connection: Any) -> bool:
-    """True for a connection inherited from the parent process: never use it."""
-    return dbapi_connection in _foreign
+    if record is not None:
+        record.info[OPENED] = time.monotonic()
 
 
 def _bind_on_client(dbapi_connection: Any, record: Any) -> None:
-    """psycopg 3 binds on the server, one statement per execute; the lock statements are
-    several in one round trip. A ClientCursor binds them as psycopg2 does."""
+    # psycopg 3 binds on the server, one statement per execute; the lock statements are
+    # several in one round trip, which a ClientCursor binds as psycopg2 does.
     import psycopg  # only a psycopg engine gets here
 
     dbapi_connection.cursor_factory = psycopg.ClientCursor
@@ -302,9 +303,8 @@ def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
 def probe(conf: Mapping[str, Any]) -> str:
     """Connect once to the lock database of ``conf`` and return its ``server_version``.
 
-    Connects as lock connections do (a PgBouncer setup is probed as it is used), but
-    outside any pool: a worker's main process runs this before forks, and leaves no
-    socket behind for its children.
+    Connects as lock connections do, but outside any pool: a worker's main process runs
+    this before forks, and leaves no socket behind for its children.
 
     Raises:
         ConfigurationError: no database URL, or an invalid one.
@@ -312,14 +312,13 @@ def probe(conf: Mapping[str, Any]) -> str:
     """
     engine = create_engine(config.database_url(conf), conf)
     try:
-        with driver_errors.wrap_db_errors("connect to the lock database", engine):
-            connection = connect(engine)
-            try:
-                with connection.cursor() as cursor:
-                    cursor.execute("SHOW server_version")
-                    (version,) = cursor.fetchone()
-            finally:
-                connection.close()
+        with (
+            driver_errors.wrap_db_errors("connect to the lock database", engine),
+            contextlib.closing(connect(engine)) as connection,
+            connection.cursor() as cursor,
+        ):
+            cursor.execute("SHOW server_version")
+            (version,) = cursor.fetchone()
     finally:
         engine.dispose()
     # Distribution builds append their own text: "15.14 (Ubuntu 15.14-1.pgdg22.04+1)".
@@ -328,20 +327,15 @@ def probe(conf: Mapping[str, Any]) -> str:
 
 def held_keys(connection_info: dict[Any, Any]) -> Counter[tuple[int, ...]]:
     """The Counter of advisory keys a pooled connection holds (created on first use)."""
-    held: Counter[tuple[int, ...]] | None = connection_info.get(HELD)
-    if held is None:
-        held = connection_info[HELD] = Counter()
+    held: Counter[tuple[int, ...]] = connection_info.setdefault(HELD, Counter())
     return held
 
 
 def _unlock_leftovers(dbapi_connection: Any, record: Any) -> None:
-    """Pool check-in net: a connection never goes back to the pool holding a lock.
-
-    Free on the hot path (normal releases leave the Counter empty). If the unlock fails,
-    the connection is invalidated: closing the session always releases.
-    """
+    """Pool check-in net: a connection never goes back to the pool holding a lock (if the
+    unlock fails, it is invalidated: closing the session releases)."""
     held = record.info.get(HELD)
-    if not held or dbapi_connection is None or is_foreign(dbapi_connection):
+    if not held or dbapi_connection is None or dbapi_connection in _foreign:
         return  # (a forked child's copy of its parent's lock session: not ours to unlock)
     logger.warning(
         "A lock connection came back to the pool still holding advisory keys %s; unlocking them all",
@@ -367,56 +361,15 @@ def _unlock_leftovers(dbapi_connection: Any, record: Any) -> None:
 def mark_pool_stale(
     engine: sa.Engine, pooled: Any, exc: BaseException | None = None
 ) -> None:
-    """``pooled`` (a connection of ``engine``'s pool, or None) was found dead: retire its
-    siblings.
+    """``pooled`` (of ``engine``'s pool, or None) was found dead: retire its siblings.
 
-    Every connection opened before now is replaced at its next checkout; checked-out
-    ones keep their sessions (and locks) until given back, unlike ``engine.dispose()``.
-    Once per death: a ``pooled`` opened before the last mark does not move it. The
-    caller invalidates ``pooled`` itself.
+    Each connection opened before now is replaced at its next checkout; checked-out ones
+    keep their sessions (and locks) until given back, unlike ``engine.dispose()``. A
+    ``pooled`` opened before the last mark does not move it. The caller invalidates it.
     """
-    staleness = _track_staleness(engine)
-    opened = float("-inf") if pooled is None else pooled.info.get(OPENED, float("-inf"))
-    if pooled is None or staleness.before is None or staleness.before < opened:
-        staleness.before = time.monotonic()
-
-
-class _Staleness:
-    """Stamps each new connection; retires at checkout those opened before ``before``."""
-
-    def __init__(self) -> None:
-        self.before: float | None = None
-
-    def stamp(self, dbapi_connection: Any, record: Any) -> None:
-        record.info[OPENED] = time.monotonic()
-
-    def retire(self, dbapi_connection: Any, record: Any, proxy: Any) -> None:
-        before = self.before
-        if before is not None and record.info.get(OPENED, float("-inf")) < before:
-            raise sa_exc.DisconnectionError(
-                "opened before the lock database was last found dead"
-            )
-
-
-_staleness: weakref.WeakKeyDictionary[sa.Engine, _Staleness] = (
-    weakref.WeakKeyDictionary()
-)
-_staleness_lock = threading.Lock()  # not _engines_lock: engine_for holds that one
-
-
-def _track_staleness(engine: sa.Engine) -> _Staleness:
-    """The :class:`_Staleness` of ``engine``, installed on first use."""
-    staleness = _staleness.get(engine)
-    if staleness is not None:
-        return staleness
-    with _staleness_lock:
-        staleness = _staleness.get(engine)
-        if staleness is None:
-            staleness = _staleness[engine] = _Staleness()
-            event.listen(engine, "connect", staleness.stamp)
-            # First: before any other checkout listener sees a stale connection.
-            event.listen(engine, "checkout", staleness.retire, insert=True)
-    return staleness
+    before = _stale_before.get(engine)
+    if pooled is None or before is None or before < pooled.info.get(OPENED, -math.inf):
+        _stale_before[engine] = time.monotonic()
 
 
 def _forget_engines_after_fork() -> None:
@@ -440,7 +393,7 @@ def dispose_all() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _engines_lock, _staleness_lock
+    global _engines_lock
     # The sockets first: the disposal below must finalise nothing on the parent's.
     connections = list(_connections)
     _connections.clear()
@@ -455,7 +408,6 @@ def _after_fork_in_child() -> None:
     if null >= 0:
         os.close(null)
     _engines_lock = threading.Lock()  # another thread of the parent may have held it
-    _staleness_lock = threading.Lock()
     _forget_engines_after_fork()
 
 

@@ -41,7 +41,7 @@ SECRET_OPTIONS = frozenset(
 )
 #: Characters of a component that is shown; anything else is masked.
 _SAFE_SCHEME = re.compile(r"[A-Za-z][\w+.\-]*")
-_SAFE_USER = re.compile(r"[\w.\-+@]+")  # '@' only from %40: see _ambiguous()
+_SAFE_USER = re.compile(r"[\w.\-+@]+")  # '@' only from %40: see ambiguous_userinfo()
 _SAFE_HOST = re.compile(r"[\w.\-]+|[0-9A-Fa-f:.%]+")  # a name, an IPv4 or IPv6 address
 _SAFE_DATABASE = re.compile(r"[\w.\-$/]*")
 _SAFE_NAME = re.compile(r"[A-Za-z_]\w*")
@@ -83,16 +83,10 @@ def mask_url(url: str | sa.URL | None) -> str:
 
 
 def ambiguous_userinfo(url: str) -> bool:
-    """True if ``url`` has more than one literal ``@``: its user/password split is a guess
-    (SQLAlchemy and libpq split at the first one)."""
-    _, separator, rest = url.partition("://")
-    if not separator:
-        return False
-    try:
-        parsed = make_url(url)
-    except Exception:  # unparseable: check_url reports that on its own
-        return _ambiguous(rest)
-    return _ambiguous(rest, parsed)
+    """True if ``url`` has more than one literal ``@`` anywhere (a password may hold ``?``
+    and ``/``): its user/password split is a guess (SQLAlchemy and libpq split at the
+    first one, and a second ``@`` then parses into the host)."""
+    return url.partition("://")[2].count("@") > 1
 
 
 def secrets_of(url: sa.URL) -> list[str]:
@@ -165,12 +159,6 @@ def _query(url: sa.URL) -> list[tuple[str, str]]:
     ]
 
 
-def _ambiguous(rest: str, parsed: sa.URL | None = None) -> bool:
-    """More than one literal ``@`` anywhere (a password may hold ``?`` and ``/``), or one
-    inside what parsed as the host."""
-    return rest.count("@") > 1 or "@" in ((parsed and parsed.host) or "")
-
-
 def _mask_url(scheme: str, rest: str) -> str:
     if not _SAFE_SCHEME.fullmatch(scheme):
         return UNPARSEABLE
@@ -178,7 +166,7 @@ def _mask_url(scheme: str, rest: str) -> str:
         parsed = make_url(f"{scheme}://{rest}")
     except Exception:  # a bad port or an unparseable shape: show only the scheme
         return f"{scheme}://{MASK}"
-    ambiguous = _ambiguous(rest, parsed)
+    ambiguous = ambiguous_userinfo(f"{scheme}://{rest}")
     userinfo = ""
     if parsed.username is not None or parsed.password is not None:
         user = parsed.username or ""

@@ -1,9 +1,8 @@
 """What sits at the other end of the lock database URL: its version, a standby, or a
-transaction- or statement-pooling proxy (which break advisory locks silently, so they are
-refused). How they are told apart, and why: docs/operations/pgbouncer.md.
+pooling proxy that breaks advisory locks (refused). Why: docs/operations/pgbouncer.md.
 
-Hazard: a probe costs two connections and about eight round trips, so it runs once per
-engine (per process, at the first lock) and once at worker start, never per task.
+Hazard: a probe costs two connections and about eight round trips: once per engine (at
+the first lock) and once at worker start, never per task.
 """
 
 from __future__ import annotations
@@ -121,16 +120,9 @@ def probe(
         DatabaseError: the database could not be reached or did not answer in time.
     """
     if isinstance(target, sa.Engine):
-        return _bounded(target, timeout, action)
-    engine = engines.create_engine(target, conf)
-    try:
-        return _bounded(engine, timeout, action)
-    finally:
-        engine.dispose()
-
-
-def _bounded(engine: sa.Engine, timeout: float, action: str) -> ServerFacts:
-    """Run the probe in a thread, so that a stuck connect cannot hold the caller."""
+        engine = target
+    else:
+        engine = engines.create_engine(target, conf)
     masked = engines.engine_info(engine)["masked_url"]
     opened: list[Any] = []
     outcome: list[ServerFacts | BaseException] = []
@@ -141,9 +133,12 @@ def _bounded(engine: sa.Engine, timeout: float, action: str) -> ServerFacts:
         except BaseException as exc:  # handed to the caller's thread
             outcome.append(exc)
 
+    # In a thread, so that a stuck connect cannot hold the caller.
     thread = threading.Thread(target=run, name="celery-pglock-probe", daemon=True)
     thread.start()
     thread.join(timeout)
+    if engine is not target:
+        engine.dispose()  # its pool only: the probe's connections are outside it
     if thread.is_alive() or not outcome:
         for connection in list(opened):
             with contextlib.suppress(Exception):
@@ -172,8 +167,8 @@ def _probe(engine: sa.Engine, opened: list[Any], masked: str) -> ServerFacts:
         opened.append(engines.connect(engine))
         opened.append(engines.connect(engine))
         first, second = opened
-        for connection in (first, second):
-            connection.autocommit = True  # else the driver would open transactions
+        # Else the driver would open transactions.
+        first.autocommit = second.autocommit = True
         pid, version, version_num, in_recovery, client_port = _fetch(
             first, _FIRST_QUERY
         )
@@ -219,9 +214,7 @@ def _statement_or_transaction(connection: Any) -> Pooling:
             cursor.execute("BEGIN")
             cursor.execute("SELECT 1")
             cursor.execute("COMMIT")
-    except driver_errors.errors_named("OperationalError") + driver_errors.errors_named(
-        "InterfaceError"
-    ):
+    except driver_errors.errors_named("OperationalError", "InterfaceError"):
         # PgBouncer answers BEGIN in statement pooling by dropping the client.
         return Pooling.STATEMENT
     return Pooling.TRANSACTION
@@ -248,10 +241,6 @@ def _proxied(connection: Any, server_seen_port: int | None) -> bool | None:
 
 
 _facts: weakref.WeakKeyDictionary[sa.Engine, ServerFacts] = weakref.WeakKeyDictionary()
-#: Per engine: each scope's refusal (None: allowed): check() is one lookup once probed.
-_refusals: weakref.WeakKeyDictionary[sa.Engine, dict[LockScope, str | None]] = (
-    weakref.WeakKeyDictionary()
-)
 _probing = threading.Lock()
 
 
@@ -266,9 +255,7 @@ def facts_for(
     with _probing:
         facts = _facts.get(engine)
         if facts is None:
-            facts = probe(engine, action=action)
-            _refusals[engine] = {scope: facts.refusal(scope) for scope in LockScope}
-            _facts[engine] = facts
+            facts = _facts[engine] = probe(engine, action=action)
             logger.debug(
                 "celery-pglock: lock database %s: PostgreSQL %s, standby=%s, pooling=%s",
                 facts.masked_url,
@@ -296,10 +283,7 @@ def check(engine: sa.Engine, scope: LockScope, lock_name: str = "") -> None:
             message names the fix.
         DatabaseError: the probe could not reach the database.
     """
-    refusals = _refusals.get(engine)
-    if refusals is None:
-        facts_for(engine, f"acquire lock {lock_name!r}")
-        refusals = _refusals[engine]
-    message = refusals[scope]
+    facts = _facts.get(engine) or facts_for(engine, f"acquire lock {lock_name!r}")
+    message = facts.refusal(scope)
     if message is not None:
         raise exceptions.ConfigurationError(message)

@@ -1,9 +1,7 @@
 """The lock sessions' own settings: the ``options`` startup parameter, or a statement at
-connect where a pooler or an older server refuses it (:class:`OptionsFallback`).
-
-Only the library's own options are ever dropped; a user's ``connect_args["options"]`` fails
-loudly. Why: docs/operations/pgbouncer.md ("Connection options through PgBouncer") and
-docs/operations/lock-loss.md ("Server settings").
+connect where a pooler or an older server refuses it (:class:`OptionsFallback`). Only the
+library's own options are ever dropped. Why: docs/operations/pgbouncer.md ("Connection
+options through PgBouncer") and docs/operations/lock-loss.md ("Server settings").
 """
 
 from __future__ import annotations
@@ -66,12 +64,9 @@ def apply_session_settings(dbapi_connection: Any) -> None:
 
 
 class OptionsFallback:
-    """``do_connect`` hook: our ``options`` where accepted, else without the refused part;
-    every lock session gets SESSION_SETTINGS.
-
-    ``ours`` is the ``options`` value the library set (None if none); a connection asked
-    for with another value (the user's) is made as asked, then given the settings.
-    """
+    """``do_connect`` hook: our ``options`` (``ours``: SERVER_OPTIONS or None) where
+    accepted, else without the refused part; every lock session gets SESSION_SETTINGS.
+    A connection asked for with other options (the user's) is made as asked."""
 
     def __init__(self, masked_url: str, ours: str | None) -> None:
         self.masked_url = masked_url
@@ -99,19 +94,16 @@ class OptionsFallback:
             params["options"] = options
 
     def carries_settings(self) -> bool:
-        """Does a connection made with :meth:`current` carry every known session setting?"""
-        current = self.current() or ""
-        return bool(current) and all(
-            f"-c {name}={value}" in current or name in self.unknown
-            for name, value in SESSION_SETTINGS
-        )
+        """Does a connection made with :meth:`current` carry every known session setting?
+        (``ours`` holds them all, and :meth:`current` drops only the unknown ones.)"""
+        return self.current() is not None
 
     def learn(self, error: BaseException) -> bool:
         """A connect with :meth:`current` failed with ``error``: remember what was refused
         and return True if a retry without it may succeed."""
-        text = str(error)
         if self.current() is None:
             return False
+        text = str(error)
         if any(refused in text for refused in OPTIONS_REJECTED):
             self.dropped = True
             logger.info(

@@ -2,20 +2,20 @@
 lock is gone, reports it once, and with ``lock_on_lost='terminate'`` ends the body.
 
 Hazard: it interrupts bodies from another thread (:data:`SIGNAL` to the main thread, an
-asynchronous exception to a pool thread) and is forgotten in a forked child. How locks are
-checked, the deadlines and what a loss does: docs/operations/lock-loss.md.
-
-From the lock layer it uses ``lock.engine``, ``lock.key.pg_locks_ids``,
-``lock.backend_pid``, ``lock.acquired_at``, ``lock.holding_name``, ``lock.mark_lost()``,
-``lock.lost_error()`` and ``sessions.open_process_session()``; the query itself is
-``observer_session.py``'s.
+asynchronous exception to a pool thread) and is forgotten in a forked child. Its checks
+run on the process's lock session when it has one, else on an :class:`Observer` session
+that waits in ``poll()`` until the check's deadline, never longer. How locks are checked,
+the deadlines and what a loss does: docs/operations/lock-loss.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from celery_pglock import exceptions
 from celery_pglock.config import OnLost
+from celery_pglock.db import engines, redact, server_probe, sql_text, startup_options
 from celery_pglock.lock import sessions
-from celery_pglock.watch import observer_session
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -42,56 +42,31 @@ SIGNAL = signal.SIGUSR2
 MIN_TICK = 0.05
 #: Longest a finished body waits for its loss to be reported (signal receivers run).
 REPORT_WAIT = 2.0
+#: Checks answered in this process (tests prove short tasks run none).
+checks_run = 0
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class Entry:
-    """One watched lock and what to do if it is lost (slots, no dataclass: one per run)."""
+    """One watched lock and what to do if it is lost."""
 
-    __slots__ = (
-        "backend_pid",
-        "checked_at",
-        "ended",
-        "in_main",
-        "interrupted",
-        "interval",
-        "lock",
-        "pid_confirmed",
-        "report",
-        "reported",
-        "server_start",
-        "terminate",
-        "thread_id",
-        "timeout",
-    )
-
-    def __init__(
-        self,
-        lock: AdvisoryLock,
-        report: Callable[[str], None],
-        options: LockConfig,
-        terminate: bool,
-        thread_id: int,
-        in_main: bool,
-    ) -> None:
-        self.lock = lock
-        self.report = report  #: Called once with the cause when the loss is found.
-        self.interval: float = options.watch_interval
-        self.timeout: float = options.db_timeout
-        self.terminate = terminate
-        self.thread_id = thread_id  #: threading.get_ident() of the body's thread.
-        self.in_main = in_main  #: The body runs in the main thread (prefork, solo).
-        #: time.monotonic() when the lock was last known held.
-        self.checked_at: float = lock.acquired_at or time.monotonic()
-        #: The holder's backend pid: lock.backend_pid, or the real one learnt at the
-        #: first check when libpq's is a pooler's (PgBouncer invents the pid it reports).
-        self.backend_pid: int | None = lock.backend_pid
-        self.pid_confirmed = False  #: backend_pid was seen holding the lock.
-        #: pg_postmaster_start_time() at the first check.
-        self.server_start: str | None = None
-        self.ended = False  #: The body ended: never interrupt it any more.
-        self.interrupted = False
-        #: Set once the lock was found lost; set() once the loss has been reported.
-        self.reported: threading.Event | None = None
+    lock: AdvisoryLock
+    report: Callable[[str], None]  #: Called once with the cause when the loss is found.
+    interval: float
+    timeout: float
+    terminate: bool
+    thread_id: int  #: threading.get_ident() of the body's thread.
+    in_main: bool  #: The body runs in the main thread (prefork, solo).
+    checked_at: float  #: time.monotonic() when the lock was last known held.
+    #: The holder's backend pid: lock.backend_pid, or the real one learnt at the first
+    #: check when libpq's is a pooler's (PgBouncer invents the pid it reports).
+    backend_pid: int | None
+    pid_confirmed: bool = False  #: backend_pid was seen holding the lock.
+    server_start: str | None = None  #: pg_postmaster_start_time() at the first check.
+    ended: bool = False  #: The body ended: never interrupt it any more.
+    interrupted: bool = False
+    #: Set once the lock was found lost; set() once the loss has been reported.
+    reported: threading.Event | None = None
 
 
 _entries: dict[int, Entry] = {}
@@ -101,10 +76,11 @@ _mutex = threading.Lock()
 _cond = threading.Condition(_mutex)
 _idle = False  #: The watcher waits for an entry (notify it on insert).
 _thread: threading.Thread | None = None
-_observers: dict[int, observer_session.Observer] = {}
+_observers: dict[int, Observer] = {}
 #: The main-thread body to interrupt when SIGNAL arrives.
 _target: Entry | None = None
 _handler: tuple[int, Any] | None = None  #: (pid, previous handler) once installed.
+_green_warned = 0
 
 
 def watch(
@@ -112,19 +88,40 @@ def watch(
 ) -> None:
     """Watch ``lock`` while its body runs; ``report(cause)`` once if it is lost (no-op if
     checks are off)."""
+    global _thread, _idle, _handler
     if not options.watch_interval:
         return
     thread_id = threading.get_ident()
     in_main = thread_id == threading.main_thread().ident
     terminate = options.on_lost is OnLost.TERMINATE and not _green()
-    if terminate and in_main:
-        _install_handler()
-    entry = Entry(lock, report, options, terminate, thread_id, in_main)
+    if terminate and in_main and (_handler is None or _handler[0] != os.getpid()):
+        previous = signal.getsignal(SIGNAL)
+        if previous is _on_signal:  # inherited across a fork: keep its predecessor
+            previous = _handler[1] if _handler is not None else signal.SIG_DFL
+        signal.signal(SIGNAL, _on_signal)  # main thread only
+        _handler = (os.getpid(), previous)
+    entry = Entry(
+        lock,
+        report,
+        options.watch_interval,
+        options.db_timeout,
+        terminate,
+        thread_id,
+        in_main,
+        lock.acquired_at or time.monotonic(),
+        lock.backend_pid,
+    )
     # The bare lock, as in unwatch(): an outer body's interrupt may land here too (a
     # terminate-mode body calling another SingletonTask).
     with _mutex:
         if _thread is None:
-            _start_thread()
+            _idle = False
+            # Recorded before start(): an interrupt landing after it must not make the
+            # next watch() start a second watcher.
+            _thread = threading.Thread(
+                target=_run, name="celery-pglock-watch", daemon=True
+            )
+            _thread.start()
         _entries[id(lock)] = entry
         if _idle:
             # The watcher clears _idle itself once awake: an interrupt landing before
@@ -133,12 +130,9 @@ def watch(
 
 
 def unwatch(lock: AdvisoryLock) -> None:
-    """The body of ``lock``'s run has ended: stop watching, never interrupt it now.
-
-    If the lock was found lost, wait (bounded) for the report, so ``lock_lost`` comes
-    before the run's outcome. A pending interrupt may still land here as LockLostError,
-    with the entry still registered: call again to unwatch.
-    """
+    """The body of ``lock``'s run has ended: stop watching, and wait (bounded) for a loss
+    report under way, so ``lock_lost`` comes before the run's outcome. A pending interrupt
+    may still land here as LockLostError, the entry still registered: call again."""
     with _mutex:
         entry = _entries.pop(id(lock), None)
         if entry is None:
@@ -155,50 +149,34 @@ def unwatch(lock: AdvisoryLock) -> None:
         reported.wait(REPORT_WAIT)
 
 
-def _start_thread() -> None:
-    """Start the watcher in this process (call with _mutex held)."""
-    global _thread, _idle
-    _idle = False
-    thread = threading.Thread(target=_run, name="celery-pglock-watch", daemon=True)
-    # Recorded first: an interrupt landing after start() must not make the next
-    # watch() start a second watcher.
-    _thread = thread
-    thread.start()
-
-
 def _run() -> None:
-    global _thread
+    global _thread, _idle
     try:
-        _watch_forever()
+        while True:
+            with _cond:
+                if not _entries:
+                    _idle = True
+                    _cond.wait()
+                    _idle = False
+                entries = list(_entries.values())
+            now = time.monotonic()
+            due = [
+                entry
+                for entry in entries
+                if entry.reported is None and now - entry.checked_at >= entry.interval
+            ]
+            if due:
+                try:
+                    _check(due)
+                except Exception:  # the watcher must survive anything and keep watching
+                    logger.exception("celery-pglock: the lock watcher failed a check")
+            # Sleep a tick even when the body that woke us has ended: else every short
+            # task would cost a thread switch (~30 us measured), not one per tick.
+            tick = min((entry.interval for entry in entries), default=4 * MIN_TICK) / 4
+            time.sleep(max(MIN_TICK, tick))
     finally:  # only if something unforeseen killed it: the next watch() restarts it
         if _thread is threading.current_thread():
             _thread = None
-
-
-def _watch_forever() -> None:
-    global _idle
-    while True:
-        with _cond:
-            if not _entries:
-                _idle = True
-                _cond.wait()
-                _idle = False
-            entries = list(_entries.values())
-        now = time.monotonic()
-        due = [
-            entry
-            for entry in entries
-            if entry.reported is None and now - entry.checked_at >= entry.interval
-        ]
-        if due:
-            try:
-                _check(due)
-            except Exception:  # the watcher must survive anything and keep watching
-                logger.exception("celery-pglock: the lock watcher failed a check")
-        # Sleep a tick even when the body that woke us has ended: else every short task
-        # would cost a thread switch (~30 us measured), not one per tick.
-        tick = min((entry.interval for entry in entries), default=4 * MIN_TICK) / 4
-        time.sleep(max(MIN_TICK, tick))
 
 
 def _check(due: list[Entry]) -> None:
@@ -206,11 +184,10 @@ def _check(due: list[Entry]) -> None:
     groups: dict[int, list[Entry]] = {}
     for entry in due:
         groups.setdefault(id(entry.lock.engine), []).append(entry)
-    for entries in groups.values():
+    for engine_id, entries in groups.items():
         engine = entries[0].lock.engine
-        observer = _observers.get(id(engine))
-        if observer is None:
-            observer = _observers[id(engine)] = observer_session.Observer(engine)
+        if (observer := _observers.get(engine_id)) is None:
+            observer = _observers[engine_id] = Observer(engine)
         started = time.monotonic()
         timeout = min(entry.timeout for entry in entries)
         # On the process's own lock session when it has one (no second connection).
@@ -264,22 +241,6 @@ def _green() -> bool:
     return patched
 
 
-_green_warned = 0
-
-
-def _install_handler() -> None:
-    """Install the SIGNAL handler in this process (main thread only)."""
-    global _handler
-    pid = os.getpid()
-    if _handler is not None and _handler[0] == pid:
-        return
-    previous = signal.getsignal(SIGNAL)
-    if previous is _on_signal:  # inherited across a fork: keep its predecessor
-        previous = _handler[1] if _handler is not None else signal.SIG_DFL
-    signal.signal(SIGNAL, _on_signal)
-    _handler = (pid, previous)
-
-
 def _on_signal(signum: int, frame: Any) -> None:
     global _target
     entry = _target
@@ -306,6 +267,200 @@ def _interrupt(entry: Entry) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(entry.thread_id), ctypes.py_object(exceptions.LockLostError)
     )
+
+
+@dataclasses.dataclass(eq=False)
+class Observer:
+    """The watcher's own asynchronous psycopg2 session to one lock database."""
+
+    engine: Any
+    connection: Any = None
+    server_start: str | None = None
+
+    def check(
+        self,
+        entries: list[Entry],
+        deadline: float,
+        session: sessions.ProcessSession | None = None,
+    ) -> dict[int, str]:
+        """{id(entry): cause} for each lock found lost; every entry if unverifiable. On
+        ``session`` (the process's lock session) if given; connects here only if it
+        cannot answer, to tell why, and closes again."""
+        diagnosing = False
+        if session is not None:
+            timeout = entries[0].timeout
+            try:
+                rows = session.run_check(
+                    sql_text.CHECK_HELD, _params(entries), deadline, least=timeout / 2
+                )
+            except sessions.SessionBusyError:
+                # Busy with (bounded) lock statements: checked here instead, with a
+                # budget of its own, so a busy session never looks unverifiable.
+                diagnosing = True
+                deadline = time.monotonic() + timeout
+            except Exception:
+                # Gone, or no answer in time: ask the server why, within what is left.
+                diagnosing = True
+            else:
+                if rows is not None:
+                    return self._evaluate(entries, rows)
+        try:
+            return self._check_here(entries, deadline)
+        finally:
+            if diagnosing:
+                self.close()
+
+    def _check_here(self, entries: list[Entry], deadline: float) -> dict[int, str]:
+        """The check on the observer's own session, (re)connected while time remains."""
+        while True:
+            try:
+                if self.connection is None:
+                    self._connect(deadline)
+                cursor = self.connection.cursor()
+                cursor.execute(sql_text.CHECK_HELD, _params(entries))
+                wait(self.connection, deadline)
+                rows = cursor.fetchall()
+                cursor.close()
+                return self._evaluate(entries, rows)
+            except Exception as error:  # no answer in time, or a dead session
+                last_error = error
+            self.close()
+            if time.monotonic() + 0.1 >= deadline:
+                break
+            time.sleep(0.1)
+        # libpq may echo connection options: scrub as the security layer does.
+        text = redact.scrub_text(str(last_error), redact.secrets_of(self.engine.url))
+        reason = " ".join(text.split()) or type(last_error).__name__
+        cause = (
+            "unverifiable: the lock database did not confirm it within "
+            f"{entries[0].timeout:g}s ({reason})"
+        )
+        return {id(entry): cause for entry in entries}
+
+    def _evaluate(
+        self, entries: list[Entry], rows: list[tuple[Any, ...]]
+    ) -> dict[int, str]:
+        """{id(entry): cause} from the rows of CHECK_HELD for ``entries``."""
+        global checks_run
+        checks_run += 1
+        start, standby = rows[0][4], rows[0][5]
+        restarted = self.server_start is not None and start != self.server_start
+        self.server_start = start
+        # May libpq's backend pids be a pooler's invention here? (Yes if unknown.)
+        facts = server_probe.known_facts(self.engine)
+        pids_invented = facts is None or not facts.reports_backend_pid
+        losses: dict[int, str] = {}
+        for entry, (_, holder, holder_name, alive, _, _) in zip(
+            entries, rows, strict=True
+        ):
+            if entry.server_start is None:
+                entry.server_start = start
+            if standby:
+                losses[id(entry)] = (
+                    "the server is now a standby (pg_is_in_recovery()): the address "
+                    "reaches a replica, not the primary that granted the lock"
+                )
+            elif holder is not None and holder == entry.backend_pid:
+                entry.pid_confirmed = True
+            elif (
+                holder is not None
+                and not entry.pid_confirmed
+                and pids_invented
+                and holder_name == getattr(entry.lock, "holding_name", None)
+            ):
+                # Through PgBouncer libpq's backend pid is the pooler's invention: the
+                # session showing this lock's own application_name is ours. Learnt once.
+                # Never where libpq's pid is the real one: there another session of
+                # this process (same name) may have taken the key after ours ended.
+                entry.backend_pid, entry.pid_confirmed = holder, True
+            elif restarted or entry.server_start != start:
+                # A promoted standby's postmaster started when the standby did: a
+                # failover looks exactly like a restart from here.
+                losses[id(entry)] = (
+                    "the server restarted or was replaced (pg_postmaster_start_time() "
+                    "changed): a restart, a crash, or a failover to a promoted standby"
+                )
+            elif not alive:
+                losses[id(entry)] = (
+                    f"its session (backend {entry.backend_pid}) ended: "
+                    "terminated, timed out or disconnected"
+                )
+            else:
+                losses[id(entry)] = (
+                    f"its session (backend {entry.backend_pid}) no longer holds "
+                    "it (unlocked, or its transaction ended)"
+                )
+        return losses
+
+    def _connect(self, deadline: float) -> None:
+        import psycopg2  # a dependency, whatever driver the lock engine uses
+
+        timeout = max(1, int(deadline - time.monotonic() + 0.999))
+        params = engines.connect_params(self.engine)
+        params["application_name"] = engines.application_name(
+            engines.engine_info(self.engine)["application_name_prefix"],
+            engines.process_tag(),
+            "watch",
+        )
+        params["connect_timeout"] = timeout
+        connection = psycopg2.connect(**params, async_=1)
+        engines.adopt(connection)  # a forked child must not touch it either
+        self.connection = connection
+        fallback = startup_options.fallback_of(self.engine)
+        try:
+            wait(connection, deadline)
+        except psycopg2.OperationalError as error:
+            # Refused options: retry without the refused part, as the lock sessions do.
+            if fallback is None or not fallback.learn(error):
+                raise
+            self.close()
+            self._connect(deadline)
+            return
+        cursor = connection.cursor()
+        # The server gives up too, so a slow check never lingers there.
+        cursor.execute(
+            "SELECT set_config('statement_timeout', %s, false)", (f"{timeout}s",)
+        )
+        wait(connection, deadline)
+        if fallback is None or not fallback.carries_settings():
+            # Idle between checks: never ended by a role's idle_session_timeout.
+            cursor.execute(
+                startup_options.APPLY_SESSION_SETTINGS,
+                startup_options.SESSION_SETTINGS_PARAMS,
+            )
+            wait(connection, deadline)
+        cursor.close()
+
+    def close(self) -> None:
+        connection, self.connection = self.connection, None
+        if connection is not None:
+            with contextlib.suppress(Exception):  # it is dead already, most often
+                connection.close()
+
+
+def _params(entries: list[Entry]) -> tuple[list[int], ...]:
+    """CHECK_HELD's parameters for ``entries``: classids, objids, objsubids, pids."""
+    ids = zip(*(entry.lock.key.pg_locks_ids for entry in entries), strict=True)
+    return (*map(list, ids), [entry.backend_pid or 0 for entry in entries])
+
+
+def wait(connection: Any, deadline: float) -> None:
+    """Drive an asynchronous psycopg2 connection until it is ready, or the deadline."""
+    import psycopg2.extensions as ext
+
+    while (state := connection.poll()) != ext.POLL_OK:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("no answer in time")
+        reading, fd = state == ext.POLL_READ, connection.fileno()
+        if hasattr(select, "poll"):  # select() refuses fd >= 1024; gevent removes poll
+            poller = select.poll()
+            poller.register(fd, select.POLLIN if reading else select.POLLOUT)
+            poller.poll(remaining * 1000)
+        else:
+            select.select(
+                [fd] if reading else [], [] if reading else [fd], [], remaining
+            )
 
 
 def _forget_in_child() -> None:

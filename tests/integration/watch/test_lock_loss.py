@@ -29,7 +29,7 @@ from celery_pglock import (
 )
 from celery_pglock.db import engines as db_module
 from celery_pglock.lock import sessions
-from celery_pglock.watch import loss_watcher, observer_session
+from celery_pglock.watch import loss_watcher
 from tests.integration.loss_support import (
     dsn,
     holder_pid,
@@ -99,11 +99,11 @@ def test_short_tasks_run_no_check(
     def short():
         return 1
 
-    before = observer_session.checks_run
+    before = loss_watcher.checks_run
     for _ in range(50):
         assert short.apply().get() == 1
     time.sleep(1.5)  # past the default interval: nothing was due
-    assert observer_session.checks_run == before
+    assert loss_watcher.checks_run == before
 
 
 def test_interval_zero_turns_checks_off(
@@ -508,7 +508,7 @@ def test_a_terminate_landing_as_the_body_returns_still_releases_the_lock(
         time.sleep(0.3)  # the body returns meanwhile, and waits in unwatch()
         interrupt(entry)
 
-    monkeypatch.setattr(observer_session.Observer, "check", unverifiable)
+    monkeypatch.setattr(loss_watcher.Observer, "check", unverifiable)
     monkeypatch.setattr(loss_watcher, "_interrupt", late_interrupt)
 
     @app.task(base=SingletonTask, shared=False)
