@@ -144,18 +144,21 @@ def probe(
             with contextlib.suppress(Exception):
                 connection.cancel()  # the thread then fails and closes them
         # Caused by a driver OperationalError, as an expired connect_timeout is: an
-        # outage for driver_errors.is_transient().
-        raise exceptions.DatabaseError(
+        # outage for driver_errors.is_transient(). A failed connect, never a dead lock
+        # session (the probe opens connections of its own): no reconnect follows it.
+        error = exceptions.DatabaseError(
             f"Could not {action} on {masked}: the server probe had no answer within "
             f"{timeout:g} s."
-        ) from engine.dialect.loaded_dbapi.OperationalError(
+        )
+        error.pglock_connect_failed = True  # type: ignore[attr-defined]
+        raise error from engine.dialect.loaded_dbapi.OperationalError(
             "the server probe timed out"
         )
     result = outcome[0]
     if isinstance(result, BaseException):
         if isinstance(result, exceptions.PgLockError):
             raise result
-        with driver_errors.wrap_db_errors(action, engine):
+        with driver_errors.wrap_db_errors(action, engine, connecting=True):
             raise result
     return result
 
