@@ -33,31 +33,37 @@ class Bound:
     """A deadline on the round trips of one connection: ``deadline`` (time.monotonic(),
     ``math.inf`` when disarmed), and ``fired`` once the reaper shut its socket down.
 
-    One-shot as the context manager :func:`bounded` makes; or long-lived, registered
-    with :func:`watch` once per connection and armed by setting ``deadline``.
+    One-shot as :func:`bounded` makes it; or long-lived (``once=False``), registered with
+    :func:`watch` once per connection and armed per round trip by calling it.
     """
 
-    __slots__ = ("connection", "deadline", "fd", "fired", "late_answer_fails")
+    __slots__ = ("connection", "deadline", "fd", "fired", "late_answer_fails", "once")
 
     def __init__(
-        self,
-        connection: Any,
-        deadline: float = math.inf,
-        late_answer_fails: bool = True,
+        self, connection: Any, late_answer_fails: bool = True, once: bool = False
     ) -> None:
         self.connection = connection
         self.fd = connection.fileno()
-        self.deadline = deadline
+        self.deadline = math.inf
         self.fired = False
         self.late_answer_fails = late_answer_fails
+        self.once = once
+
+    def __call__(self, seconds: float) -> Bound:
+        self.fired = False
+        self.deadline = time.monotonic() + seconds
+        return self
 
     def __enter__(self) -> Bound:
-        watch(self)
+        if self.once:
+            watch(self)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
         with guard:
-            _watched.discard(self)
+            self.deadline = math.inf
+            if self.once:
+                _watched.discard(self)
         if self.fired and exc_type is None and self.late_answer_fails:
             # The answer came after the socket was shut down: the session is ending.
             raise driver_errors.operational_error(self.connection)(NO_ANSWER)
@@ -74,7 +80,7 @@ def bounded(
     fired raises OperationalError on exit, unless ``late_answer_fails`` is False (the
     caller then checks ``fired``).
     """
-    return Bound(dbapi_connection, time.monotonic() + seconds, late_answer_fails)
+    return Bound(dbapi_connection, late_answer_fails, once=True)(seconds)
 
 
 def watch(bound: Bound) -> None:

@@ -10,7 +10,6 @@ parent's sessions and opens its own.
 
 from __future__ import annotations
 
-import abc
 import logging
 import math
 import os
@@ -150,7 +149,7 @@ class Claims:
         return None if ref is None else ref()
 
 
-class LockSessions(abc.ABC):
+class LockSessions:
     """What both strategies share: the holder and run lookups, names, error tail."""
 
     def __init__(self, engine: sa.Engine, claims: Claims) -> None:
@@ -175,12 +174,39 @@ class LockSessions(abc.ABC):
         )
         return None if row is None else bool(row[0])
 
-    @abc.abstractmethod
     def _one_row(
         self, what: str, statement: str, params: tuple[Any, ...], bound: float
     ) -> tuple[Any, ...] | None:
-        """One statement's row, or None if it failed (logged at DEBUG: these questions
-        add detail to an outcome, never decide one)."""
+        """One statement's row on a pooled connection, or None if it failed (logged at
+        DEBUG: these questions add detail to an outcome, never decide one)."""
+        try:
+            pooled = self.engine.raw_connection()
+        except Exception:
+            logger.debug("%s failed", what, exc_info=True)
+            return None
+        try:
+            dbapi: Any = pooled.dbapi_connection
+            dbapi.autocommit = True
+            with deadlines.bounded(dbapi, bound), dbapi.cursor() as cursor:
+                cursor.execute(statement, params)
+                row: tuple[Any, ...] | None = cursor.fetchone()
+        except Exception as exc:
+            logger.debug("%s failed", what, exc_info=True)
+            self._discard(pooled, exc)
+            return None
+        finally:
+            pooled.close()
+        return row
+
+    def _discard(self, pooled: Any, exc: BaseException) -> None:
+        """Close ``pooled`` (its session in an unknown state) instead of pooling it."""
+        self._retire_if_dead(pooled, exc)
+        pooled.invalidate()
+
+    def _retire_if_dead(self, pooled: Any, exc: BaseException) -> None:
+        """If ``exc`` says ``pooled``'s session died, retire the pool's older connections."""
+        if driver_errors.is_disconnect(exc):
+            engines.mark_pool_stale(self.engine, pooled, exc)
 
     def _name(self, *parts: str) -> str:
         """The application_name showing ``parts`` (cached: the same names recur)."""
@@ -209,27 +235,6 @@ class SessionBusyError(Exception):
     """The lock session was kept busy by other statements until a check's deadline."""
 
 
-class _Bound(deadlines.Bound):
-    """The process session's bound, watched from connect to close; armed per round trip."""
-
-    __slots__ = ()
-
-    def __call__(self, seconds: float) -> _Bound:
-        self.fired = False
-        self.deadline = time.monotonic() + seconds
-        return self
-
-    def __enter__(self) -> _Bound:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
-        with deadlines.guard:
-            self.deadline = math.inf
-        if self.fired and exc_type is None:
-            # The answer came after the socket was shut down: the session is ending.
-            raise driver_errors.operational_error(self.connection)(deadlines.NO_ANSWER)
-
-
 class ProcessSession(LockSessions):
     """One connection per process and engine carrying every session-scope try-lock.
 
@@ -244,7 +249,7 @@ class ProcessSession(LockSessions):
         self._pooled: Any = None  # the detached pool proxy owning the connection
         self._connection: Any = None
         self._cursor: Any = None
-        self._bound: Any = None  # a _Bound while connected
+        self._bound: Any = None  # a long-lived deadlines.Bound while connected
         self._holder: fencing_tokens.Holder | None = None  # asked once per connection
         self._shown: str | None = None  # the application_name the session shows
         #: key ids -> the hold on the current connection (a lost one leaves; its key
@@ -431,7 +436,7 @@ class ProcessSession(LockSessions):
                     self._ended(f"{what} failed: {exc!r}", exc)
                     return None
                 return row
-        return self.waits._one_row(what, statement, params, bound)
+        return super()._one_row(what, statement, params, bound)
 
     # -- for the lock watcher and shutdown ------------------------------------------------
 
@@ -502,7 +507,7 @@ class ProcessSession(LockSessions):
         except Exception as exc:
             self._raise(exc, f"acquire lock {key.name!r}", connecting=True)
         self._pooled, self._connection, self._cursor = pooled, dbapi, cursor
-        self._bound = _Bound(dbapi)
+        self._bound = deadlines.Bound(dbapi)
         deadlines.watch(self._bound)
         self._shown = None
 
@@ -618,38 +623,6 @@ class PerLockSessions(LockSessions):
             if connection.closed or driver_errors.is_disconnect(exc):
                 return None  # its session ended; the release says so
             self._raise(exc, f"issue a fencing token for lock {key.name!r}")
-
-    def _one_row(
-        self, what: str, statement: str, params: tuple[Any, ...], bound: float
-    ) -> tuple[Any, ...] | None:
-        try:
-            pooled = self.engine.raw_connection()
-        except Exception:
-            logger.debug("%s failed", what, exc_info=True)
-            return None
-        try:
-            dbapi: Any = pooled.dbapi_connection
-            dbapi.autocommit = True
-            with deadlines.bounded(dbapi, bound), dbapi.cursor() as cursor:
-                cursor.execute(statement, params)
-                row: tuple[Any, ...] | None = cursor.fetchone()
-        except Exception as exc:
-            logger.debug("%s failed", what, exc_info=True)
-            self._discard(pooled, exc)
-            return None
-        finally:
-            pooled.close()
-        return row
-
-    def _discard(self, pooled: Any, exc: BaseException) -> None:
-        """Close ``pooled`` (its session in an unknown state) instead of pooling it."""
-        self._retire_if_dead(pooled, exc)
-        pooled.invalidate()
-
-    def _retire_if_dead(self, pooled: Any, exc: BaseException) -> None:
-        """If ``exc`` says ``pooled``'s session died, retire the pool's older connections."""
-        if driver_errors.is_disconnect(exc):
-            engines.mark_pool_stale(self.engine, pooled, exc)
 
     def _lock_session(
         self,
