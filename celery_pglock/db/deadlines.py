@@ -33,37 +33,31 @@ class Bound:
     """A deadline on the round trips of one connection: ``deadline`` (time.monotonic(),
     ``math.inf`` when disarmed), and ``fired`` once the reaper shut its socket down.
 
-    One-shot as :func:`bounded` makes it; or long-lived (``once=False``), registered with
-    :func:`watch` once per connection and armed per round trip by calling it.
+    One-shot as the context manager :func:`bounded` makes; or long-lived, registered
+    with :func:`watch` once per connection and armed by setting ``deadline``.
     """
 
-    __slots__ = ("connection", "deadline", "fd", "fired", "late_answer_fails", "once")
+    __slots__ = ("connection", "deadline", "fd", "fired", "late_answer_fails")
 
     def __init__(
-        self, connection: Any, late_answer_fails: bool = True, once: bool = False
+        self,
+        connection: Any,
+        deadline: float = math.inf,
+        late_answer_fails: bool = True,
     ) -> None:
         self.connection = connection
         self.fd = connection.fileno()
-        self.deadline = math.inf
+        self.deadline = deadline
         self.fired = False
         self.late_answer_fails = late_answer_fails
-        self.once = once
-
-    def __call__(self, seconds: float) -> Bound:
-        self.fired = False
-        self.deadline = time.monotonic() + seconds
-        return self
 
     def __enter__(self) -> Bound:
-        if self.once:
-            watch(self)
+        watch(self)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
         with guard:
-            self.deadline = math.inf
-            if self.once:
-                _watched.discard(self)
+            _watched.discard(self)
         if self.fired and exc_type is None and self.late_answer_fails:
             # The answer came after the socket was shut down: the session is ending.
             raise driver_errors.operational_error(self.connection)(NO_ANSWER)
@@ -80,7 +74,7 @@ def bounded(
     fired raises OperationalError on exit, unless ``late_answer_fails`` is False (the
     caller then checks ``fired``).
     """
-    return Bound(dbapi_connection, late_answer_fails, once=True)(seconds)
+    return Bound(dbapi_connection, time.monotonic() + seconds, late_answer_fails)
 
 
 def watch(bound: Bound) -> None:
