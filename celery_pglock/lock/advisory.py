@@ -201,33 +201,26 @@ class AdvisoryLock:
             )
         try:
             fencing_tokens.ensure_table(self.engine)
-            holder = hold.session.fencing_holder(
-                hold, self.key, bound=self.round_trip_timeout
-            )
-            token = (
-                None
-                if holder is None
-                else fencing_tokens.issue(
-                    self.engine, self.key, holder, self.round_trip_timeout
+            bound = self.round_trip_timeout
+            holder = hold.session.fencing_holder(hold, self.key, bound=bound)
+            token = None
+            if holder is not None:
+                token = fencing_tokens.issue(self.engine, self.key, holder, bound)
+            if token is None:
+                self.mark_lost(
+                    "its session no longer held it when its fencing token was issued, "
+                    "before the body started"
                 )
-            )
+                raise exceptions.LockLostError(
+                    f"Lock {self.key.name!r} (key {self.key}) was lost between its grant "
+                    "and its fencing token (its session ended); no token was issued, and "
+                    "the body did not run.",
+                    key=str(self.key),
+                    name=self.key.name,
+                )
         except BaseException:
             self._release_quietly()  # a fenced run never runs without its token
             raise
-        if token is None:
-            self.mark_lost(
-                "its session no longer held it when its fencing token was issued, "
-                "before the body started"
-            )
-            error = exceptions.LockLostError(
-                f"Lock {self.key.name!r} (key {self.key}) was lost between its grant and "
-                "its fencing token (its session ended); no token was issued, and the "
-                "body did not run.",
-                key=str(self.key),
-                name=self.key.name,
-            )
-            self._release_quietly()
-            raise error
         self.fencing_token = token
         return token
 

@@ -496,12 +496,9 @@ class ProcessSession(LockSessions):
         return False
 
     def _fail(self, cause: str, exc: BaseException) -> None:
-        """Under the mutex: a statement failed; end the session.
-
-        If it died (a server restart ends every session), the pool's connections are
-        likely dead too: detached, this one cannot say when it was opened, so every
-        pooled connection opened until now is retired.
-        """
+        """Under the mutex: a statement failed; end the session. If it died (a server
+        restart ends every session), every pooled connection opened until now is retired
+        (detached, this one cannot say when it was opened)."""
         self._close(cause)
         if driver_errors.is_disconnect(exc):
             engines.mark_pool_stale(self.engine, None, exc)
@@ -609,10 +606,10 @@ class PerLockSessions(LockSessions):
         bound: float,
         run_ids: tuple[int, ...] | None,
     ) -> bool:
-        try:
+        with driver_errors.wrap_db_errors(
+            f"acquire lock {key.name!r}", self.engine, connecting=True
+        ):
             pooled = self.engine.raw_connection()
-        except Exception as exc:
-            self._raise(exc, f"acquire lock {key.name!r}", connecting=True)
         try:
             dbapi: Any = pooled.dbapi_connection
             dbapi.autocommit = True
