@@ -13,18 +13,21 @@ from typing import Any
 
 _KEY = {1: "%s::bigint", 2: "%s::integer, %s::integer"}
 
+
+def _keyed(statement: str) -> dict[int, str]:
+    """``statement`` per key arity: its ``KEY`` spelt as that arity's parameters."""
+    return {arity: statement.replace("KEY", key) for arity, key in _KEY.items()}
+
+
 #: Take a session lock and label the session. Params: key ids, application_name.
 #: Returns the new name, or NULL when busy.
-TRY_LOCK_SESSION = {
-    arity: f"SELECT CASE WHEN pg_try_advisory_lock({key}) "
+TRY_LOCK_SESSION = _keyed(
+    "SELECT CASE WHEN pg_try_advisory_lock(KEY) "
     "THEN set_config('application_name', %s, false) END"
-    for arity, key in _KEY.items()
-}
+)
 
 #: Take a session lock, no relabel (the session shows the task already). Params: key ids.
-TRY_LOCK_SESSION_BARE = {
-    arity: f"SELECT pg_try_advisory_lock({key})" for arity, key in _KEY.items()
-}
+TRY_LOCK_SESSION_BARE = _keyed("SELECT pg_try_advisory_lock(KEY)")
 
 #: ``"<backend pid> <application_name>"`` of a key's holder, or NULL (pg_stat_get_activity
 #: reads one backend: a third of the view's cost). Params: LockKey.pg_locks_ids.
@@ -41,25 +44,21 @@ _HOLDER_TEXT = (
 #: (the lock outlives it). statement_timeout is 0 meanwhile: lock_timeout is the wait's
 #: bound (PostgreSQL 13+ times each statement of a string separately). Params: timeout in
 #: ms, application_name, key ids. Raises 55P03 (lock_not_available) on timeout.
-WAIT_LOCK_SESSION = {
-    arity: "BEGIN; SELECT set_config('lock_timeout', %s, true), "
+WAIT_LOCK_SESSION = _keyed(
+    "BEGIN; SELECT set_config('lock_timeout', %s, true), "
     "set_config('statement_timeout', '0', true); "
-    f"SELECT set_config('application_name', %s, false), pg_advisory_lock({key}); COMMIT"
-    for arity, key in _KEY.items()
-}
+    "SELECT set_config('application_name', %s, false), pg_advisory_lock(KEY); COMMIT"
+)
 
 #: Release a session lock and relabel the idle session. Params: key ids, the idle
 #: application_name. Returns (unlocked, name).
-UNLOCK_SESSION = {
-    arity: f"SELECT pg_advisory_unlock({key}), set_config('application_name', %s, false)"
-    for arity, key in _KEY.items()
-}
+UNLOCK_SESSION = _keyed(
+    "SELECT pg_advisory_unlock(KEY), set_config('application_name', %s, false)"
+)
 
 #: Release a session lock on the process's session, which keeps its label (relabelling
 #: per task doubled the server's CPU). Params: key ids. Returns unlocked.
-UNLOCK_SESSION_KEEP_NAME = {
-    arity: f"SELECT pg_advisory_unlock({key})" for arity, key in _KEY.items()
-}
+UNLOCK_SESSION_KEEP_NAME = _keyed("SELECT pg_advisory_unlock(KEY)")
 
 # The lock's transaction lasts as long as its body: neither a role's
 # idle_in_transaction_session_timeout nor transaction_timeout (PostgreSQL 17+) may end it.
@@ -72,26 +71,24 @@ _KEEP_TRANSACTION = (
 
 #: Take a transaction lock in the open transaction, with a transaction-local label and
 #: _KEEP_TRANSACTION. Params: key ids, application_name.
-TRY_LOCK_TRANSACTION = {
-    arity: f"SELECT CASE WHEN pg_try_advisory_xact_lock({key}) "
+TRY_LOCK_TRANSACTION = _keyed(
+    f"SELECT CASE WHEN pg_try_advisory_xact_lock(KEY) "
     "THEN set_config('application_name', %s, true) "
     f"|| {_KEEP_TRANSACTION} END"
-    for arity, key in _KEY.items()
-}
+)
 
 #: Wait for a transaction lock as WAIT_LOCK_SESSION does, then restore both timeouts for
 #: the body's statements; _KEEP_TRANSACTION as TRY_LOCK_TRANSACTION. Params: timeout in
 #: ms, application_name, key ids.
-WAIT_LOCK_TRANSACTION = {
-    arity: "SELECT set_config('celery_pglock.saved_lock_timeout', current_setting('lock_timeout'), true), "
+WAIT_LOCK_TRANSACTION = _keyed(
+    "SELECT set_config('celery_pglock.saved_lock_timeout', current_setting('lock_timeout'), true), "
     "set_config('celery_pglock.saved_statement_timeout', current_setting('statement_timeout'), true), "
     f"{_KEEP_TRANSACTION}; "
     "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', '0', true); "
-    f"SELECT set_config('application_name', %s, true), pg_advisory_xact_lock({key}); "
+    f"SELECT set_config('application_name', %s, true), pg_advisory_xact_lock(KEY); "
     "SELECT set_config('lock_timeout', current_setting('celery_pglock.saved_lock_timeout'), true), "
     "set_config('statement_timeout', current_setting('celery_pglock.saved_statement_timeout'), true)"
-    for arity, key in _KEY.items()
-}
+)
 
 #: Ends the server-side transaction a timed-out WAIT_LOCK_SESSION left aborted.
 ROLLBACK = "ROLLBACK"
@@ -144,44 +141,38 @@ _RUN = "%s::integer, %s::integer"
 
 #: TRY_LOCK_SESSION_BARE and the run lock. Params: key ids, run ids. Returns NULL when
 #: busy, else whether the run lock was granted.
-TRY_LOCK_SESSION_BARE_RUN = {
-    arity: f"SELECT CASE WHEN pg_try_advisory_lock({key}) "
-    f"THEN pg_try_advisory_lock({_RUN}) END"
-    for arity, key in _KEY.items()
-}
+TRY_LOCK_SESSION_BARE_RUN = _keyed(
+    f"SELECT CASE WHEN pg_try_advisory_lock(KEY) THEN pg_try_advisory_lock({_RUN}) END"
+)
 
 #: TRY_LOCK_SESSION and the run lock. Params: key ids, application_name, run ids. Returns
 #: NULL when busy, else ARRAY[the new name, run lock granted].
-TRY_LOCK_SESSION_RUN = {
-    arity: f"SELECT CASE WHEN pg_try_advisory_lock({key}) "
+TRY_LOCK_SESSION_RUN = _keyed(
+    f"SELECT CASE WHEN pg_try_advisory_lock(KEY) "
     "THEN ARRAY[set_config('application_name', %s, false), "
     f"pg_try_advisory_lock({_RUN})::text] END"
-    for arity, key in _KEY.items()
-}
+)
 
 #: TRY_LOCK_TRANSACTION and a transaction-level run lock. Same params and answer.
-TRY_LOCK_TRANSACTION_RUN = {
-    arity: f"SELECT CASE WHEN pg_try_advisory_xact_lock({key}) "
+TRY_LOCK_TRANSACTION_RUN = _keyed(
+    f"SELECT CASE WHEN pg_try_advisory_xact_lock(KEY) "
     "THEN ARRAY[set_config('application_name', %s, true) "
     f"|| {_KEEP_TRANSACTION}, "
     f"pg_try_advisory_xact_lock({_RUN})::text] END"
-    for arity, key in _KEY.items()
-}
+)
 
 #: After a bounded wait was granted: the run lock alone. Params: run ids.
 RUN_LOCK_SESSION = f"SELECT pg_try_advisory_lock({_RUN})"
 RUN_LOCK_TRANSACTION = f"SELECT pg_try_advisory_xact_lock({_RUN})"
 
 #: UNLOCK_SESSION_KEEP_NAME and UNLOCK_SESSION with the run lock (its ids last).
-UNLOCK_SESSION_KEEP_NAME_RUN = {
-    arity: f"SELECT pg_advisory_unlock({key}), pg_advisory_unlock({_RUN})"
-    for arity, key in _KEY.items()
-}
-UNLOCK_SESSION_RUN = {
-    arity: f"SELECT pg_advisory_unlock({key}), set_config('application_name', %s, false), "
+UNLOCK_SESSION_KEEP_NAME_RUN = _keyed(
+    f"SELECT pg_advisory_unlock(KEY), pg_advisory_unlock({_RUN})"
+)
+UNLOCK_SESSION_RUN = _keyed(
+    f"SELECT pg_advisory_unlock(KEY), set_config('application_name', %s, false), "
     f"pg_advisory_unlock({_RUN})"
-    for arity, key in _KEY.items()
-}
+)
 
 #: Is a run lock held by any session (try it; give it back)? Params: run ids twice.
 RUN_ALIVE = (

@@ -20,8 +20,6 @@ from celery_pglock.db import driver_errors, engines, sql_text
 from celery_pglock.lock import fencing_tokens, sessions
 
 if TYPE_CHECKING:
-    from types import TracebackType
-
     import sqlalchemy as sa
 
     from celery_pglock.keys import LockKey
@@ -71,9 +69,7 @@ class AdvisoryLock:
         self.round_trip_timeout: float = sessions.DEFAULT_ROUND_TRIP_TIMEOUT
         #: A shadow-mode run without this lock: ensure_held() passes, fencing is off.
         self.shadowed = False
-        self.fencing_token: int | None = (
-            None  #: This hold's token (fencing on), or None.
-        )
+        self.fencing_token: int | None = None  #: This hold's token (fencing on).
         #: A run lock held beside the key (keys.run_key; acks_late runs), or None.
         self.run_key: LockKey | None = None
 
@@ -145,9 +141,7 @@ class AdvisoryLock:
                 self.backend_pid = None
             self.owner_pid = pid
             self.lost_cause = None
-            self.fencing_token = (
-                None  # issued after the grant, by celery_pglock.fencing
-            )
+            self.fencing_token = None  # issued after the grant (celery_pglock.fencing)
         return granted
 
     def release(self, *, commit: bool = True) -> None:
@@ -207,33 +201,26 @@ class AdvisoryLock:
             )
         try:
             fencing_tokens.ensure_table(self.engine)
-            holder = hold.session.fencing_holder(
-                hold, self.key, bound=self.round_trip_timeout
-            )
-            token = (
-                None
-                if holder is None
-                else fencing_tokens.issue(
-                    self.engine, self.key, holder, self.round_trip_timeout
+            bound = self.round_trip_timeout
+            holder = hold.session.fencing_holder(hold, self.key, bound=bound)
+            token = None
+            if holder is not None:
+                token = fencing_tokens.issue(self.engine, self.key, holder, bound)
+            if token is None:
+                self.mark_lost(
+                    "its session no longer held it when its fencing token was issued, "
+                    "before the body started"
                 )
-            )
+                raise exceptions.LockLostError(
+                    f"Lock {self.key.name!r} (key {self.key}) was lost between its grant "
+                    "and its fencing token (its session ended); no token was issued, and "
+                    "the body did not run.",
+                    key=str(self.key),
+                    name=self.key.name,
+                )
         except BaseException:
             self._release_quietly()  # a fenced run never runs without its token
             raise
-        if token is None:
-            self.mark_lost(
-                "its session no longer held it when its fencing token was issued, "
-                "before the body started"
-            )
-            error = exceptions.LockLostError(
-                f"Lock {self.key.name!r} (key {self.key}) was lost between its grant and "
-                "its fencing token (its session ended); no token was issued, and the "
-                "body did not run.",
-                key=str(self.key),
-                name=self.key.name,
-            )
-            self._release_quietly()
-            raise error
         self.fencing_token = token
         return token
 
@@ -345,12 +332,7 @@ class AdvisoryLock:
             )
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
         if self.owned():
             self.release(commit=exc_type is None)
 

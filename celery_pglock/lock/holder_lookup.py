@@ -86,23 +86,17 @@ def find(lock: AdvisoryLock) -> Holder | None:
     """
     key = lock.key
     session = lock.session
-    remembered = _recent.get(session)
-    if remembered is None:
-        remembered = _recent[session] = {}
+    remembered = _recent.setdefault(session, {})
     now = time.monotonic()
     recent = remembered.get(key.ids)
     if recent is not None and now - recent[0] < RECENT_SECONDS:
         return recent[1]
     text = session.holder_of(key, bound=lock.round_trip_timeout)
-    holder = None if text is None else parse_holder(text)
+    holder = None
+    if text is not None:  # "<backend pid> <application_name>" (sql_text.HOLDER)
+        pid, _, application_name = text.partition(" ")
+        holder = Holder(int(pid), *parse_application_name(application_name))
     if len(remembered) >= _RECENT_MAX:
         remembered.clear()
     remembered[key.ids] = (now, holder)
     return holder
-
-
-def parse_holder(text: str) -> Holder:
-    """A Holder from ``"<backend pid> <application_name>"`` (see sql_text.HOLDER)."""
-    pid, _, application_name = text.partition(" ")
-    process, task = parse_application_name(application_name)
-    return Holder(backend_pid=int(pid), process=process, task=task)

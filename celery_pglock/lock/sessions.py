@@ -10,7 +10,7 @@ parent's sessions and opens its own.
 
 from __future__ import annotations
 
-import abc
+import dataclasses
 import logging
 import math
 import os
@@ -46,44 +46,23 @@ DEFAULT_ROUND_TRIP_TIMEOUT = 5.0
 _HOLDER = "celery_pglock_fencing_holder"
 
 
+@dataclasses.dataclass(slots=True, weakref_slot=True, eq=False)  # Claims: weak refs
 class Hold:
     """One granted lock: the session it lives on, for its release."""
 
-    __slots__ = (
-        "__weakref__",  # Claims refers to holds weakly
-        "connection",
-        "holding_name",
-        "idle_name",
-        "ids",
-        "lent",
-        "lost",
-        "pid",
-        "pooled",
-        "run_ids",
-        "sa_connection",
-        "session",
-        "transaction",
-    )
-
-    def __init__(
-        self,
-        session: ProcessSession | PerLockSessions,
-        ids: tuple[int, ...],
-        idle_name: str = "",
-    ) -> None:
-        self.session = session
-        self.ids = ids
-        self.idle_name = idle_name  # per lock: what its connection shows once released
-        self.holding_name: str | None = None  # what its session showed when granted
-        self.pid = os.getpid()
-        self.connection: Any = None  # the DBAPI connection it lives on
-        self.pooled: Any = None  # per lock: the pool's proxy, pinned until release
-        # Transaction scope: the SQLAlchemy connection and transaction lent to the body.
-        self.sa_connection: sa.Connection | None = None
-        self.transaction: sa.RootTransaction | None = None
-        self.lent = False
-        self.lost: str | None = None  # why its session ended before its release
-        self.run_ids: tuple[int, ...] | None = None  # the run lock held beside the key
+    session: ProcessSession | PerLockSessions
+    ids: tuple[int, ...]
+    idle_name: str = ""  # per lock: what its connection shows once released
+    holding_name: str | None = None  # what its session showed when granted
+    pid: int = dataclasses.field(default_factory=os.getpid)
+    connection: Any = None  # the DBAPI connection it lives on
+    pooled: Any = None  # per lock: the pool's proxy, pinned until release
+    # Transaction scope: the SQLAlchemy connection and transaction lent to the body.
+    sa_connection: sa.Connection | None = None
+    transaction: sa.RootTransaction | None = None
+    lent: bool = False
+    lost: str | None = None  # why its session ended before its release
+    run_ids: tuple[int, ...] | None = None  # the run lock held beside the key
 
 
 class Claims:
@@ -115,20 +94,18 @@ class Claims:
         """
         ids = hold.ids
         with self._mutex:
-            if self._holder(ids) is None:
-                self._held[ids] = weakref.ref(hold)
-                return True
-            if deadline is None:
-                return False
-            self._waiting += 1
-            try:
-                while self._holder(ids) is not None:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        return False
-                    self._cond.wait(min(remaining, self.POLL))
-            finally:
-                self._waiting -= 1
+            if self._holder(ids) is not None:
+                if deadline is None:
+                    return False
+                self._waiting += 1
+                try:
+                    while self._holder(ids) is not None:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            return False
+                        self._cond.wait(min(remaining, self.POLL))
+                finally:
+                    self._waiting -= 1
             self._held[ids] = weakref.ref(hold)
             return True
 
@@ -150,7 +127,7 @@ class Claims:
         return None if ref is None else ref()
 
 
-class LockSessions(abc.ABC):
+class LockSessions:
     """What both strategies share: the holder and run lookups, names, error tail."""
 
     def __init__(self, engine: sa.Engine, claims: Claims) -> None:
@@ -175,12 +152,39 @@ class LockSessions(abc.ABC):
         )
         return None if row is None else bool(row[0])
 
-    @abc.abstractmethod
     def _one_row(
         self, what: str, statement: str, params: tuple[Any, ...], bound: float
     ) -> tuple[Any, ...] | None:
-        """One statement's row, or None if it failed (logged at DEBUG: these questions
-        add detail to an outcome, never decide one)."""
+        """One statement's row on a pooled connection, or None if it failed (logged at
+        DEBUG: these questions add detail to an outcome, never decide one)."""
+        try:
+            pooled = self.engine.raw_connection()
+        except Exception:
+            logger.debug("%s failed", what, exc_info=True)
+            return None
+        try:
+            dbapi: Any = pooled.dbapi_connection
+            dbapi.autocommit = True
+            with deadlines.bounded(dbapi, bound), dbapi.cursor() as cursor:
+                cursor.execute(statement, params)
+                row: tuple[Any, ...] | None = cursor.fetchone()
+        except Exception as exc:
+            logger.debug("%s failed", what, exc_info=True)
+            self._discard(pooled, exc)
+            return None
+        finally:
+            pooled.close()
+        return row
+
+    def _discard(self, pooled: Any, exc: BaseException) -> None:
+        """Close ``pooled`` (its session in an unknown state) instead of pooling it."""
+        self._retire_if_dead(pooled, exc)
+        pooled.invalidate()
+
+    def _retire_if_dead(self, pooled: Any, exc: BaseException) -> None:
+        """If ``exc`` says ``pooled``'s session died, retire the pool's older connections."""
+        if driver_errors.is_disconnect(exc):
+            engines.mark_pool_stale(self.engine, pooled, exc)
 
     def _name(self, *parts: str) -> str:
         """The application_name showing ``parts`` (cached: the same names recur)."""
@@ -210,7 +214,8 @@ class SessionBusyError(Exception):
 
 
 class _Bound(deadlines.Bound):
-    """The process session's bound, watched from connect to close; armed per round trip."""
+    """The process session's bound, watched from connect to close; armed per round trip
+    (here, not in db/deadlines.py: it runs on the locked path)."""
 
     __slots__ = ()
 
@@ -264,12 +269,10 @@ class ProcessSession(LockSessions):
     ) -> Hold | None:
         """Take ``key``; the hold, or None when another session (or run) holds it.
 
-        A key claimed in :attr:`claims` is refused without a round trip (or waited for
-        within ``timeout_ms``: per lock). ``label`` goes into the application_name;
-        ``bound`` limits the round trip beyond the wait; ``run``: a run lock taken and
-        released with the key. ``on_granted`` gets the hold as soon as it is recorded,
-        so an exception landing before the return (a soft time limit) cannot leave a
-        granted key its owner does not know.
+        ``bound`` limits the round trip beyond any ``timeout_ms`` wait; ``run``: a run
+        lock taken and released with the key. ``on_granted`` gets the hold as soon as it
+        is recorded, so an exception landing before the return (a soft time limit)
+        cannot leave a granted key its owner does not know.
         """
         if transaction or timeout_ms is not None:
             waits = self.waits
@@ -277,79 +280,58 @@ class ProcessSession(LockSessions):
                 key, label, timeout_ms, transaction, bound, run, on_granted
             )
         hold = Hold(self, key.ids)
+        ids = hold.ids
         with self._mutex:
             try:
                 # Inside the try: an exception just after the claim (a soft time limit)
                 # must not leave the key claimed by nobody.
-                if self.claims.claim(hold):
-                    self._try_lock(hold, key, label, bound, run, on_granted)
+                if not self.claims.claim(hold):
+                    return None
+                # A run lock held in this process already (the same task id twice) would
+                # re-enter on this session: not taken again, so its release ends no
+                # other run's.
+                run_ids = None if run is None or run.ids in self._runs else run.ids
+                if self._cursor is None:
+                    self._connect(key)
+                name = self._name(label)
+                try:
+                    # Bounded: a frozen link would otherwise hold the mutex, and with it
+                    # every lock statement of the process, for as long as TCP waits.
+                    with self._bound(bound):
+                        granted, run_granted = self._try(ids, name, run_ids)
+                    if granted:
+                        # Recorded inside the try: a soft time limit landing here must not
+                        # leave a granted key nobody in the process knows.
+                        self._shown = hold.holding_name = name
+                        hold.connection = self._connection
+                        self._owners[ids] = hold
+                        if run_granted and run_ids is not None:
+                            hold.run_ids = run_ids
+                            self._runs[run_ids] = hold
+                        if on_granted is not None:
+                            on_granted(hold)
+                except BaseException as exc:
+                    self._fail(f"acquiring lock {key.name!r} failed: {exc!r}", exc)
+                    self._raise(exc, f"acquire lock {key.name!r}")
             finally:
-                if self._owners.get(hold.ids) is not hold:
+                if self._owners.get(ids) is not hold:
                     self.claims.release(hold)  # a no-op if the claim was refused
-            return hold if self._owners.get(hold.ids) is hold else None
-
-    def _try_lock(
-        self,
-        hold: Hold,
-        key: LockKey,
-        label: str,
-        bound: float,
-        run: LockKey | None,
-        on_granted: Callable[[Hold], None] | None,
-    ) -> None:
-        """Under the mutex, ``hold`` claimed: the try-lock round trip and its record."""
-        # A run lock held in this process already (the same task id twice) would
-        # re-enter on this session: not taken again, so its release ends no other run's.
-        run_ids = None if run is None or run.ids in self._runs else run.ids
-        if self._cursor is None:
-            self._connect(key)
-        name = self._name(label)
-        try:
-            # Bounded: a frozen link would otherwise hold the mutex, and with it every
-            # lock statement of the process, for as long as TCP waits.
-            with self._bound(bound):
-                granted, run_granted = self._try(self._cursor, hold.ids, name, run_ids)
-            if granted:
-                # Recorded inside the try: a soft time limit landing here must not leave
-                # a granted key nobody in the process knows.
-                hold.connection = self._connection
-                hold.holding_name = self._shown
-                self._owners[hold.ids] = hold
-                if run_granted and run_ids is not None:
-                    hold.run_ids = run_ids
-                    self._runs[run_ids] = hold
-                if on_granted is not None:
-                    on_granted(hold)
-        except BaseException as exc:
-            self._fail(f"acquiring lock {key.name!r} failed: {exc!r}", exc)
-            self._raise(exc, f"acquire lock {key.name!r}")
+            return hold if self._owners.get(ids) is hold else None
 
     def _try(
-        self,
-        cursor: Any,
-        ids: tuple[int, ...],
-        name: str,
-        run_ids: tuple[int, ...] | None,
+        self, ids: tuple[int, ...], name: str, run_ids: tuple[int, ...] | None
     ) -> tuple[bool, bool]:
         """One try-lock statement: (granted, run lock granted)."""
-        arity = len(ids)
-        if name == self._shown:  # no relabel: it costs about what the lock does
-            if run_ids is None:
-                cursor.execute(sql_text.TRY_LOCK_SESSION_BARE[arity], ids)
-                row = cursor.fetchone()
-                return row is not None and row[0] is True, False
-            cursor.execute(sql_text.TRY_LOCK_SESSION_BARE_RUN[arity], (*ids, *run_ids))
-            row = cursor.fetchone()
-            return row is not None and row[0] is not None, bool(row and row[0])
+        cursor = self._cursor
+        if name != self._shown:  # a relabel costs about what the lock does
+            return _try_named(cursor, ids, name, run_ids)
         if run_ids is None:
-            cursor.execute(sql_text.TRY_LOCK_SESSION[arity], (*ids, name))
-        else:
-            cursor.execute(sql_text.TRY_LOCK_SESSION_RUN[arity], (*ids, name, *run_ids))
+            cursor.execute(sql_text.TRY_LOCK_SESSION_BARE[len(ids)], ids)
+            row = cursor.fetchone()
+            return row is not None and row[0] is True, False
+        cursor.execute(sql_text.TRY_LOCK_SESSION_BARE_RUN[len(ids)], (*ids, *run_ids))
         row = cursor.fetchone()
-        granted = row is not None and row[0] is not None
-        if granted:
-            self._shown = name
-        return granted, granted and run_ids is not None and row[0][1] == "true"
+        return row is not None and row[0] is not None, bool(row and row[0])
 
     def release(self, hold: Hold, key: LockKey, commit: bool, timeout: float) -> None:
         """Give ``hold`` back, and its claim whatever the outcome; raises
@@ -431,7 +413,7 @@ class ProcessSession(LockSessions):
                     self._ended(f"{what} failed: {exc!r}", exc)
                     return None
                 return row
-        return self.waits._one_row(what, statement, params, bound)
+        return super()._one_row(what, statement, params, bound)
 
     # -- for the lock watcher and shutdown ------------------------------------------------
 
@@ -514,12 +496,9 @@ class ProcessSession(LockSessions):
         return False
 
     def _fail(self, cause: str, exc: BaseException) -> None:
-        """Under the mutex: a statement failed; end the session.
-
-        If it died (a server restart ends every session), the pool's connections are
-        likely dead too: detached, this one cannot say when it was opened, so every
-        pooled connection opened until now is retired.
-        """
+        """Under the mutex: a statement failed; end the session. If it died (a server
+        restart ends every session), every pooled connection opened until now is retired
+        (detached, this one cannot say when it was opened)."""
         self._close(cause)
         if driver_errors.is_disconnect(exc):
             engines.mark_pool_stale(self.engine, None, exc)
@@ -592,10 +571,10 @@ class PerLockSessions(LockSessions):
 
     def release(self, hold: Hold, key: LockKey, commit: bool, timeout: float) -> None:
         try:
-            if hold.sa_connection is not None:
-                self._release_transaction(hold, key, commit, timeout)
-            else:
+            if hold.transaction is None:
                 self._release_session(hold, key, timeout)
+            else:
+                self._release_transaction(hold, hold.transaction, key, commit, timeout)
         finally:
             self.claims.release(hold)  # the run has ended, whatever became of its lock
 
@@ -619,38 +598,6 @@ class PerLockSessions(LockSessions):
                 return None  # its session ended; the release says so
             self._raise(exc, f"issue a fencing token for lock {key.name!r}")
 
-    def _one_row(
-        self, what: str, statement: str, params: tuple[Any, ...], bound: float
-    ) -> tuple[Any, ...] | None:
-        try:
-            pooled = self.engine.raw_connection()
-        except Exception:
-            logger.debug("%s failed", what, exc_info=True)
-            return None
-        try:
-            dbapi: Any = pooled.dbapi_connection
-            dbapi.autocommit = True
-            with deadlines.bounded(dbapi, bound), dbapi.cursor() as cursor:
-                cursor.execute(statement, params)
-                row: tuple[Any, ...] | None = cursor.fetchone()
-        except Exception as exc:
-            logger.debug("%s failed", what, exc_info=True)
-            self._discard(pooled, exc)
-            return None
-        finally:
-            pooled.close()
-        return row
-
-    def _discard(self, pooled: Any, exc: BaseException) -> None:
-        """Close ``pooled`` (its session in an unknown state) instead of pooling it."""
-        self._retire_if_dead(pooled, exc)
-        pooled.invalidate()
-
-    def _retire_if_dead(self, pooled: Any, exc: BaseException) -> None:
-        """If ``exc`` says ``pooled``'s session died, retire the pool's older connections."""
-        if driver_errors.is_disconnect(exc):
-            engines.mark_pool_stale(self.engine, pooled, exc)
-
     def _lock_session(
         self,
         hold: Hold,
@@ -659,10 +606,10 @@ class PerLockSessions(LockSessions):
         bound: float,
         run_ids: tuple[int, ...] | None,
     ) -> bool:
-        try:
+        with driver_errors.wrap_db_errors(
+            f"acquire lock {key.name!r}", self.engine, connecting=True
+        ):
             pooled = self.engine.raw_connection()
-        except Exception as exc:
-            self._raise(exc, f"acquire lock {key.name!r}", connecting=True)
         try:
             dbapi: Any = pooled.dbapi_connection
             dbapi.autocommit = True
@@ -761,15 +708,14 @@ class PerLockSessions(LockSessions):
         return True
 
     def _release_transaction(
-        self, hold: Hold, key: LockKey, commit: bool, timeout: float
+        self,
+        hold: Hold,
+        transaction: sa.RootTransaction,
+        key: LockKey,
+        commit: bool,
+        timeout: float,
     ) -> None:
-        connection, transaction = hold.sa_connection, hold.transaction
-        if connection is None or transaction is None:  # a session-scope hold
-            raise exceptions.LockNotOwnedError(
-                f"Lock {key.name!r} has no open transaction.",
-                key=str(key),
-                name=key.name,
-            )
+        connection = transaction.connection
         bound: deadlines.Bound | None = None
         try:
             if not transaction.is_active:
@@ -779,17 +725,11 @@ class PerLockSessions(LockSessions):
                     key=str(key),
                     name=key.name,
                 )
-            with (
-                driver_errors.wrap_db_errors(
-                    f"{'commit' if commit else 'roll back'} lock {key.name!r}",
-                    self.engine,
-                ),
-                # A late answer still counts: the transaction did end, which is what
-                # released the lock.
-                deadlines.bounded(
-                    hold.connection, timeout, late_answer_fails=False
-                ) as bound,
-            ):
+            # A late answer still counts: the transaction did end, which is what
+            # released the lock.
+            with deadlines.bounded(
+                hold.connection, timeout, late_answer_fails=False
+            ) as bound:
                 if commit:
                     transaction.commit()
                 else:
@@ -797,19 +737,18 @@ class PerLockSessions(LockSessions):
             if bound.fired:
                 connection.invalidate()  # the socket was shut down: the session ends
             elif hold.lent:
-                self._discard_all(hold, timeout)
+                self._discard_all(hold, connection, timeout)
         except BaseException as exc:
-            self._retire_if_dead(hold.pooled, exc.__cause__ or exc)
+            self._retire_if_dead(hold.pooled, exc)
             connection.invalidate()
-            if isinstance(exc, exceptions.DatabaseError) and deadlines.explain(bound):
-                raise exceptions.DatabaseError(
-                    f"{exc}{deadlines.explain(bound)}"
-                ) from exc.__cause__
-            raise
+            verb = "commit" if commit else "roll back"
+            self._raise(exc, f"{verb} lock {key.name!r}{deadlines.explain(bound)}")
         finally:
             connection.close()
 
-    def _discard_all(self, hold: Hold, timeout: float) -> None:
+    def _discard_all(
+        self, hold: Hold, connection: sa.Connection, timeout: float
+    ) -> None:
         """After a transaction-scope body had the connection: wipe what it may have left
         on the session before pooling it. A failure only costs the connection."""
         try:
@@ -825,8 +764,29 @@ class PerLockSessions(LockSessions):
         except Exception as exc:
             logger.debug("DISCARD ALL after lock %s failed", hold.ids, exc_info=True)
             self._retire_if_dead(hold.pooled, exc)
-            if hold.sa_connection is not None:
-                hold.sa_connection.invalidate()
+            connection.invalidate()
+
+
+def _try_named(
+    cursor: Any,
+    ids: tuple[int, ...],
+    name: str | None,
+    run_ids: tuple[int, ...] | None,
+    transaction: bool = False,
+) -> tuple[bool, bool]:
+    """A try-lock that labels the session ``name``: (granted, run lock granted)."""
+    if transaction:
+        tries = (
+            sql_text.TRY_LOCK_TRANSACTION_RUN
+            if run_ids
+            else sql_text.TRY_LOCK_TRANSACTION
+        )
+    else:
+        tries = sql_text.TRY_LOCK_SESSION_RUN if run_ids else sql_text.TRY_LOCK_SESSION
+    cursor.execute(tries[len(ids)], (*ids, name, *(run_ids or ())))
+    row = cursor.fetchone()
+    granted = row is not None and row[0] is not None
+    return granted, granted and run_ids is not None and row[0][1] == "true"
 
 
 def _lock(
@@ -842,22 +802,8 @@ def _lock(
     run lock: (granted, run lock granted, the session must be discarded)."""
     connection, arity, name = cursor.connection, len(key.ids), hold.holding_name
     if timeout_ms is None:
-        if transaction:
-            tries = (
-                sql_text.TRY_LOCK_TRANSACTION_RUN
-                if run_ids
-                else sql_text.TRY_LOCK_TRANSACTION
-            )
-        else:
-            tries = (
-                sql_text.TRY_LOCK_SESSION_RUN if run_ids else sql_text.TRY_LOCK_SESSION
-            )
         with deadlines.bounded(connection, bound):
-            cursor.execute(tries[arity], (*key.ids, name, *(run_ids or ())))
-            row = cursor.fetchone()
-        if row is None or row[0] is None:
-            return False, False, False
-        return True, run_ids is not None and row[0][1] == "true", False
+            return (*_try_named(cursor, key.ids, name, run_ids, transaction), False)
     waits = (
         sql_text.WAIT_LOCK_TRANSACTION if transaction else sql_text.WAIT_LOCK_SESSION
     )
@@ -918,9 +864,7 @@ def process_session(engine: sa.Engine) -> ProcessSession:
     with _registry_guard:
         session = _process.get(engine)
         if session is None:
-            claims = _claims.get(engine)
-            if claims is None:
-                claims = _claims[engine] = Claims()
+            claims = _claims.setdefault(engine, Claims())
             session = _process[engine] = ProcessSession(engine, claims)
         return session
 
@@ -940,11 +884,8 @@ def use_per_lock_sessions(enabled: bool = True) -> None:
 
 def close_all() -> None:
     """Close this process's lock sessions (worker shutdown, tests)."""
-    with _registry_guard:
-        closing = list(_process.values())
-        _process.clear()
-    for session in closing:
-        session.close()
+    for engine in list(_process):
+        close_for(engine)
 
 
 def close_for(engine: sa.Engine) -> None:
