@@ -46,7 +46,7 @@ DEFAULT_ROUND_TRIP_TIMEOUT = 5.0
 _HOLDER = "celery_pglock_fencing_holder"
 
 
-@dataclasses.dataclass(slots=True, weakref_slot=True, eq=False)  # Claims: weak refs
+@dataclasses.dataclass(eq=False)  # no slots: Claims refers to holds weakly (3.10)
 class Hold:
     """One granted lock: the session it lives on, for its release."""
 
