@@ -1,9 +1,7 @@
 """The worker's /metrics endpoint: served by the main process, counted by the pool.
 
-Prefork hazard: the pool children count, but only the main process serves, so counting
-goes through prometheus_client's multiprocess files; each scrape folds the files of
-exited children into one archive per metric type and drops their gauges.
-docs/operations/metrics.md ("Prefork") says how and why.
+Counts go through prometheus_client's multiprocess files; each scrape folds exited
+children's into one archive per metric type. Why: docs/operations/metrics.md ("Prefork").
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Outcome reporting: each lock outcome, once, to the signals, the log and the metrics sink.
+"""Each lock outcome of a run, reported once: to the signals, the log and the metrics sink.
 
-``singleton_task.py`` and ``busy_policy.py`` decide what happens to a run and call one
-function here per outcome. The hot path (acquired + released) builds no dict and formats
-no string unless a receiver, DEBUG logging or a metrics sink asks for it. What is logged
-at which level (Celery's own task line already carries a skip's message):
-docs/operations/monitoring.md.
+The hot path (acquired + released) builds no dict and formats no string unless a
+receiver, DEBUG logging or a metrics sink asks. Levels: docs/operations/monitoring.md.
 """
 
 from __future__ import annotations
@@ -52,12 +49,9 @@ def skipped(
 ) -> None:
     """The run did not get its lock; ``action`` is the lock_on_busy policy applied.
 
-    Args:
-        message: The sentence naming lock, key and holder (also the message the run ends
-            with).
-        details: The skip as plain data (``LockSkipped.details``).
-        celery_logs: Celery's own task log line carries ``message``, so ours is DEBUG.
-        shadow: Shadow mode: the body runs anyway; this is a would-be skip.
+    ``message`` names lock, key and holder (the run ends with it too); ``details`` is
+    ``LockSkipped.details``; ``celery_logs``: Celery's task line carries ``message``, so
+    ours is DEBUG; ``shadow``: a would-be skip, the body runs anyway.
     """
     wait = lock.wait_seconds or 0.0
     if metrics.sink is not None:
@@ -209,15 +203,14 @@ _metrics_warned = False
 def _payload(
     task: Any, task_id: str | None, lock: AdvisoryLock, **more: Any
 ) -> dict[str, Any]:
-    payload = {
+    return {
         "sender": task,
         "task_id": task_id,
         "task_name": task.name,
         "key": lock.key,
         "wait_seconds": lock.wait_seconds,
+        **more,
     }
-    payload.update(more)
-    return payload
 
 
 def _extra(action: str, lock: AdvisoryLock, task_id: str | None) -> dict[str, Any]:

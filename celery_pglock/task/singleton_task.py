@@ -1,16 +1,14 @@
 """SingletonTask: a Celery task whose body runs under a PostgreSQL advisory lock.
 
-``__call__`` reads as the story of one run: bind the key, take the lock, run the body
-under watch, finish (release, report). Where each step happens and why there (the lock
-in ``__call__``, not ``task_prerun``; the release before Celery stores the result; a
-retried run's release at ``task_postrun``): docs/design.md and docs/guide/retries.md.
-Outcomes are reported by ``outcomes.py``; ``busy_policy.py`` decides a busy run's end.
+``__call__`` tells one run: key, lock, watched body, release and report. Why each step
+is where it is: docs/design.md and docs/guide/retries.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import inspect
 import logging
@@ -39,6 +37,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class Execution:
     """One run of a SingletonTask: its lock once created, and how it ends.
 
@@ -46,15 +45,12 @@ class Execution:
     keyed by task id: a redelivery or a retry shares its id with another execution.
     """
 
-    __slots__ = ("ended_with", "lock", "release_at_postrun", "task_id")
-
-    def __init__(self, task_id: str | None, lock: AdvisoryLock | None = None) -> None:
-        self.task_id = task_id
-        self.lock = lock
-        #: The body published a retry: task_postrun releases the lock, after RETRY is stored.
-        self.release_at_postrun = False
-        #: With release_at_postrun: the exception the body ended with (None: returned).
-        self.ended_with: BaseException | None = None
+    task_id: str | None
+    lock: AdvisoryLock | None = None
+    #: The body published a retry: task_postrun releases the lock, after RETRY is stored.
+    release_at_postrun: bool = False
+    #: With release_at_postrun: the exception the body ended with (None: returned).
+    ended_with: BaseException | None = None
 
 
 _current: contextvars.ContextVar[Execution | None] = contextvars.ContextVar(
@@ -94,8 +90,7 @@ def held_locks() -> list[AdvisoryLock]:
 
 
 class Binding:
-    """A task's resolved options, its key per call and its per-process engine: built once,
-    when Celery binds the task."""
+    """A task's resolved options, keys and per-process engine, built when Celery binds it."""
 
     __slots__ = ("conf", "config", "custom_key", "engine_of_pid", "keys")
 
@@ -139,8 +134,6 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     are not plain arguments, override :meth:`lock_key_for` in a subclass.
     """
 
-    # Each option: a decorator keyword or class attribute; "App-wide" ones also
-    # app.conf.pglock_<name without lock_> (docs/reference/options.md).
     #: Parameters whose values form the key (None: one lock per task).
     lock_args: ClassVar[Sequence[str] | str | None] = None
     #: An explicit numeric key: a signed 64-bit int or two signed 32-bit ints.
@@ -232,16 +225,20 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             request.called_directly
             or getattr(request, "pglock_execution", None) is not None
         )
-        execution = Execution(None if direct else request.id)
+        task_id = None if direct else request.id
+        execution = Execution(task_id)
         token = _current.set(execution)
         if not direct:
             # task_postrun finds the execution on the tracer's request (never by id).
             request.pglock_execution = execution  # type: ignore[attr-defined]
+        options = binding.config
         try:
             lock = self._new_lock(binding, execution, args, kwargs)
-            if not self._acquire(binding.config, lock, execution.task_id, direct):
-                return self._busy(binding.config, execution, lock, args, kwargs, direct)
-            return self._run(binding.config, execution, lock, args, kwargs, direct)
+            if self._acquire(options, lock, task_id, direct):
+                return self._run(options, execution, lock, args, kwargs, direct)
+            if options.shadow:
+                return self._run_shadowed(options, lock, task_id, args, kwargs)
+            return busy_policy.apply_policy(self, lock, task_id, direct=direct)
         finally:
             _current.reset(token)
 
@@ -270,8 +267,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         # the grant and the body, task_postrun still finds the lock and releases it.
         execution.lock = lock
         if execution.task_id is not None and self.acks_late:
-            # Its message may be redelivered while this run goes on: the run lock tells
-            # that redelivery so (busy_policy.py).
+            # Tells a redelivery of its message that this run goes on (busy_policy.py).
             lock.run_key = keys.run_key(execution.task_id)
         return lock
 
@@ -284,9 +280,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     ) -> bool:
         """Take the lock (and its fencing token); False when another run holds it."""
         request = self.request
-        # A retry's run may find its predecessor still unwinding (it keeps its lock until
-        # Celery stored RETRY, see retry()): it waits for it, bounded. An eager retry's
-        # predecessor released its lock before retrying.
+        # A retry's run waits (bounded) for its predecessor, which keeps its lock until
+        # Celery stored RETRY (see retry()); an eager retry's released it before.
         waits = options.on_busy is OnBusy.WAIT or (
             request.retries and not direct and not request.is_eager
         )
@@ -304,20 +299,6 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             outcomes.lost(self, task_id, lock, lock.lost_cause or "unknown")
             raise
         return granted
-
-    def _busy(
-        self,
-        options: config.LockConfig,
-        execution: Execution,
-        lock: AdvisoryLock,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        direct: bool,
-    ) -> Any:
-        """Another run holds the key: the busy policy decides (shadow mode runs anyway)."""
-        if options.shadow:
-            return self._run_shadowed(execution, lock, args, kwargs)
-        return busy_policy.apply_policy(self, lock, execution.task_id, direct=direct)
 
     def _run(
         self,
@@ -337,11 +318,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             loss_watcher.watch(
                 lock, functools.partial(outcomes.lost, self, task_id, lock), options
             )
-            # In a worker (and in apply()) Celery's tracer has already pushed this request
-            # and task, so Task.__call__ would only push copies (~35 us per task); a
-            # direct call has no request yet and needs Task.__call__ to push one.
-            body = super().__call__ if direct else self.run
-            retval = body(*args, **kwargs)
+            retval = self._body(direct)(*args, **kwargs)
         except BaseException as exc:
             self._end(execution, lock, exc)
             raise
@@ -391,12 +368,12 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     def _on_database_error(
         self, error: exceptions.DatabaseError, *, direct: bool
     ) -> NoReturn:
-        """The lock database failed at acquire: retry as Celery's autoretry_for would
-        retry the body (docs/guide/retries.md), else fail. The body never ran."""
+        """The lock database failed at acquire (the body never ran): retry as Celery's
+        autoretry_for would (docs/guide/retries.md), else fail."""
         request = self.request
-        # Celery's autoretry wraps run(); the acquire is in __call__, before run(), so
-        # its rule (celery/app/autoretry.py) is applied here. A misconfiguration (a
-        # wrong password) is not an outage: never retried, as its message says.
+        # Celery's autoretry wraps run(), after this acquire: its rule
+        # (celery/app/autoretry.py) is applied here. A misconfiguration (a wrong
+        # password) is not an outage: never retried, as its message says.
         if (
             direct
             or request.is_eager  # eager retries run inline, without the countdown
@@ -431,16 +408,22 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         limit = self.max_retries if max_retries is None else max_retries
         return limit is None or self.request.retries + 1 <= limit
 
+    def _body(self, direct: bool) -> Any:
+        # In a worker (and in apply()) Celery's tracer has already pushed this request
+        # and task, so Task.__call__ would only push copies (~35 us per task); a
+        # direct call has no request yet and needs Task.__call__ to push one.
+        return super().__call__ if direct else self.run
+
     def _run_shadowed(
         self,
-        execution: Execution,
+        options: config.LockConfig,
         lock: AdvisoryLock,
+        task_id: str | None,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
         """Shadow mode, lock busy: report the would-be outcome, then run the body unlocked."""
-        task_id = execution.task_id
-        action = self._binding().config.on_busy
+        action = options.on_busy
         message, details = busy_policy.report(self, lock, task_id, action)
         outcomes.skipped(
             self,
@@ -454,15 +437,10 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         )
         # current_lock() answers with the lock that was tried: owned() is False.
         lock.shadowed = True  # ensure_held() lets the body go on; fenced writes apply
-        execution.lock = lock
-        body = super().__call__ if execution.task_id is None else self.run
-        return body(*args, **kwargs)
+        return self._body(task_id is None)(*args, **kwargs)
 
     def _end(
-        self,
-        execution: Execution,
-        lock: AdvisoryLock,
-        exc: BaseException | None,
+        self, execution: Execution, lock: AdvisoryLock, exc: BaseException | None
     ) -> None:
         """The body has ended: finish now, or at task_postrun if it published a retry
         (so that the retry's own outcome is never overwritten by this run's)."""
@@ -480,13 +458,9 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         self._finish_run(execution, lock, exc)
 
     def _finish_run(
-        self,
-        execution: Execution,
-        lock: AdvisoryLock,
-        exc: BaseException | None,
+        self, execution: Execution, lock: AdvisoryLock, exc: BaseException | None
     ) -> None:
-        """Release ``lock`` (if still held) and report the run's outcome (from _end, or
-        from the task_postrun hook)."""
+        """Release ``lock`` (if still held) and report the run's outcome."""
         if lock.owner_pid is not None and lock.owner_pid != os.getpid():
             return  # a forked child's copy of the run: lock and outcome are the parent's
         task_id = execution.task_id
@@ -586,9 +560,8 @@ def release_leftover(lock: AdvisoryLock, where: str) -> None:
 def _option_attributes(cls: type) -> dict[str, Any]:
     """The task's ``lock_*`` (and peer libraries') attributes that are set, unwrapped.
 
-    Peer options are collected so that config.resolve() refuses them instead of running
-    with one lock for all argument values.
-    """
+    Peer options are collected so that config.resolve() refuses them, rather than run
+    with one lock for all argument values."""
     found: dict[str, Any] = {}
     for klass in reversed(cls.__mro__):
         for name in vars(klass):

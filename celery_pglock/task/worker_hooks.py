@@ -6,7 +6,6 @@ Which signal does what, and why there: docs/design.md#worker-signal-hooks.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 from celery import signals as celery_signals
@@ -18,8 +17,6 @@ from celery_pglock.task import metrics_endpoint, singleton_task
 
 logger = logging.getLogger(__name__)
 
-_connected = False
-_connect_guard = threading.Lock()
 #: What serving /metrics at worker_init did, for _report_at_ready() to log once logging is set up.
 _metrics_outcome: metrics_endpoint.Server | exceptions.ConfigurationError | None = None
 
@@ -35,26 +32,17 @@ def _receivers() -> dict[str, Any]:
 
 
 def connect() -> None:
-    """Connect the receivers (idempotent)."""
-    global _connected
-    with _connect_guard:
-        if not _connected:
-            for name, receiver in _receivers().items():
-                getattr(celery_signals, name).connect(
-                    receiver, weak=False, dispatch_uid=f"celery_pglock.{name}"
-                )
-        _connected = True
+    """Connect the receivers (idempotent: Celery connects a ``dispatch_uid`` once)."""
+    for name, receiver in _receivers().items():
+        getattr(celery_signals, name).connect(
+            receiver, weak=False, dispatch_uid=f"celery_pglock.{name}"
+        )
 
 
 def disconnect() -> None:
     """Disconnect the receivers (tests; a worker never needs this)."""
-    global _connected
-    with _connect_guard:
-        for name in _receivers():
-            getattr(celery_signals, name).disconnect(
-                dispatch_uid=f"celery_pglock.{name}"
-            )
-        _connected = False
+    for name in _receivers():
+        getattr(celery_signals, name).disconnect(dispatch_uid=f"celery_pglock.{name}")
 
 
 def check_app(app: Any) -> None:
@@ -107,10 +95,12 @@ def _report_at_ready(sender: Any = None, **_: Any) -> None:
     tasks = singleton_tasks(app) if app is not None else []
     if not tasks:
         return
+    url: str | None = None  # no URL configured: the error below says so
     try:
         url = engines.mask_url(config.database_url(app.conf))
         version = engines.probe(app.conf)
     except exceptions.PgLockError as error:
+        reason = " ".join(str(error).split())
         if driver_errors.misconfiguration(error.__cause__) is not None:
             # The error's text ends with the cause and its fix; "check that PostgreSQL
             # runs" would send the operator the wrong way.
@@ -118,7 +108,7 @@ def _report_at_ready(sender: Any = None, **_: Any) -> None:
                 "celery-pglock: the lock database refused this worker at start: %s "
                 "Until that is fixed, every SingletonTask fails at once with "
                 "DatabaseError (no retry).",
-                " ".join(str(error).split()),
+                reason,
                 extra={"action": "lock_database_misconfigured", "database": url},
             )
         else:
@@ -127,7 +117,7 @@ def _report_at_ready(sender: Any = None, **_: Any) -> None:
                 "SingletonTasks cannot take their locks, and fail with DatabaseError, "
                 "until it answers. Check that PostgreSQL runs and accepts connections "
                 "from this host, and the URL in app.conf.%s or %s.",
-                " ".join(str(error).split()),
+                reason,
                 config.DATABASE_URL_SETTING,
                 config.DATABASE_URL_ENV,
                 extra={"action": "lock_database_unreachable", "database": url},

@@ -1,11 +1,8 @@
-"""The lock watcher: one daemon thread per process notices, while a body runs, that its
-lock is gone, reports it once, and with ``lock_on_lost='terminate'`` ends the body.
+"""The lock watcher: one daemon thread per process notices that a running body's lock is
+gone, reports it once, and with ``lock_on_lost='terminate'`` ends the body.
 
-Hazard: it interrupts bodies from another thread (:data:`SIGNAL` to the main thread, an
-asynchronous exception to a pool thread) and is forgotten in a forked child. Its checks
-run on the process's lock session when it has one, else on an :class:`Observer` session
-that waits in ``poll()`` until the check's deadline, never longer. How locks are checked,
-the deadlines and what a loss does: docs/operations/lock-loss.md.
+Hazard: it interrupts bodies from another thread, and is forgotten in a forked child.
+How and why: docs/operations/lock-loss.md.
 """
 
 from __future__ import annotations
@@ -86,8 +83,7 @@ _green_warned = 0
 def watch(
     lock: AdvisoryLock, report: Callable[[str], None], options: LockConfig
 ) -> None:
-    """Watch ``lock`` while its body runs; ``report(cause)`` once if it is lost (no-op if
-    checks are off)."""
+    """Watch ``lock`` while its body runs; ``report(cause)`` once if it is lost."""
     global _thread, _idle, _handler
     if not options.watch_interval:
         return
@@ -116,8 +112,8 @@ def watch(
     with _mutex:
         if _thread is None:
             _idle = False
-            # Recorded before start(): an interrupt landing after it must not make the
-            # next watch() start a second watcher.
+            # Recorded before start(): else an interrupt landing after it makes the next
+            # watch() start a second watcher.
             _thread = threading.Thread(
                 target=_run, name="celery-pglock-watch", daemon=True
             )
@@ -221,7 +217,7 @@ def _lost(entry: Entry, cause: str) -> None:
 
 
 def _green() -> bool:
-    """gevent/eventlet monkey-patched? Then no interrupt can reach the right body, and
+    """gevent/eventlet monkey-patched? No interrupt reaches the right body there:
     'terminate' acts as 'signal' (said once per process)."""
     global _green_warned
     gevent, eventlet = map(sys.modules.get, ("gevent.monkey", "eventlet.patcher"))
@@ -284,8 +280,8 @@ class Observer:
         session: sessions.ProcessSession | None = None,
     ) -> dict[int, str]:
         """{id(entry): cause} for each lock found lost; every entry if unverifiable. On
-        ``session`` (the process's lock session) if given; connects here only if it
-        cannot answer, to tell why, and closes again."""
+        the process's lock ``session`` if given; connects itself only if it cannot
+        answer, to tell why, and closes again."""
         diagnosing = False
         if session is not None:
             timeout = entries[0].timeout
@@ -311,7 +307,7 @@ class Observer:
                 self.close()
 
     def _check_here(self, entries: list[Entry], deadline: float) -> dict[int, str]:
-        """The check on the observer's own session, (re)connected while time remains."""
+        """The check on the observer's own session, reconnected while time remains."""
         while True:
             try:
                 if self.connection is None:
@@ -340,7 +336,6 @@ class Observer:
     def _evaluate(
         self, entries: list[Entry], rows: list[tuple[Any, ...]]
     ) -> dict[int, str]:
-        """{id(entry): cause} from the rows of CHECK_HELD for ``entries``."""
         global checks_run
         checks_run += 1
         start, standby = rows[0][4], rows[0][5]
@@ -439,7 +434,7 @@ class Observer:
 
 
 def _params(entries: list[Entry]) -> tuple[list[int], ...]:
-    """CHECK_HELD's parameters for ``entries``: classids, objids, objsubids, pids."""
+    # CHECK_HELD's parameters: classids, objids, objsubids, pids.
     ids = zip(*(entry.lock.key.pg_locks_ids for entry in entries), strict=True)
     return (*map(list, ids), [entry.backend_pid or 0 for entry in entries])
 
@@ -464,7 +459,7 @@ def wait(connection: Any, deadline: float) -> None:
 
 
 def _forget_in_child() -> None:
-    """A forked child watches nothing of its parent's (its sockets are neutered)."""
+    # A forked child watches nothing of its parent's (its sockets are neutered).
     global _thread, _target, _idle, _cond, _mutex
     _entries.clear()
     _observers.clear()
