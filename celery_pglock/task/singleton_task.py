@@ -218,9 +218,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         binding = self._binding()
         request = self.request
-        # A body calling its own task directly finds the running message's request on
-        # the task's stack, already carrying that run's execution: a direct call, not
-        # a second run of that message.
+        # A body calling its own task finds its message's request (with that run's
+        # execution) on the task's stack: a direct call, not a second run of it.
         direct = (
             request.called_directly
             or getattr(request, "pglock_execution", None) is not None
@@ -409,9 +408,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         return limit is None or self.request.retries + 1 <= limit
 
     def _body(self, direct: bool) -> Any:
-        # In a worker (and in apply()) Celery's tracer has already pushed this request
-        # and task, so Task.__call__ would only push copies (~35 us per task); a
-        # direct call has no request yet and needs Task.__call__ to push one.
+        # In a worker (and apply()) Celery's tracer already pushed request and task:
+        # Task.__call__ would push copies (~35 us per task). A direct call needs it.
         return super().__call__ if direct else self.run
 
     def _run_shadowed(
@@ -472,9 +470,14 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             lost_error = lock.lost_error()
         release_error: exceptions.PgLockError | None = None
         if lock.owned():
-            release_error = self._release(
-                lock, task_id, commit=exc is None and not lock.lost
-            )
+            with _held_guard:
+                _held.discard(lock)
+            try:
+                lock.release(commit=exc is None and not lock.lost)
+            except exceptions.PgLockError as error:
+                if not lock.lost:  # a lost lock's release fails; lock_lost said it all
+                    outcomes.release_failed(self, task_id, lock, error)
+                release_error = error
         # A session-scope release failure leaves the outcome as it was (the work is done;
         # the lock is gone either way: a failed round trip ended its session, a refused
         # unlock held nothing). In transaction scope the work was not committed: failed.
@@ -497,28 +500,13 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         if failed and exc is None and release_error is not None:
             raise release_error  # transaction scope: nothing was committed
 
-    def _release(
-        self, lock: AdvisoryLock, task_id: str | None, *, commit: bool
-    ) -> exceptions.PgLockError | None:
-        """Release ``lock``; a failure is reported (lock_release_failed) and returned."""
-        with _held_guard:
-            _held.discard(lock)
-        try:
-            lock.release(commit=commit)
-        except exceptions.PgLockError as error:
-            if not lock.lost:  # a lost lock's release fails; lock_lost said it all
-                outcomes.release_failed(self, task_id, lock, error)
-            return error
-        return None
-
 
 def after_task(task: Any = None, retval: Any = None, **_: Any) -> None:
     """task_postrun: release a retried run's lock now that Celery stored RETRY, or a
     leftover one (docs/guide/retries.md)."""
     if isinstance(retval, exceptions.LockSkipped):
-        # Celery clears a failure's traceback frames to break the cycle with its own
-        # frame; a skip's fixed frame defeats that, so drop them here, or each skip
-        # leaves ~30 objects (lock, execution, frames) to the cyclic collector.
+        # Celery clears a failure's frames to break the cycle with its own; a skip's
+        # fixed frame defeats that: else each skip leaves ~30 objects to the collector.
         retval.__traceback__ = None
     request: Any = getattr(task, "request", None)
     execution = getattr(request, "pglock_execution", None)

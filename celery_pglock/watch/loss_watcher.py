@@ -363,10 +363,9 @@ class Observer:
                 and pids_invented
                 and holder_name == getattr(entry.lock, "holding_name", None)
             ):
-                # Through PgBouncer libpq's backend pid is the pooler's invention: the
-                # session showing this lock's own application_name is ours. Learnt once.
-                # Never where libpq's pid is the real one: there another session of
-                # this process (same name) may have taken the key after ours ended.
+                # Through PgBouncer libpq's pid is invented: the session showing this
+                # lock's own application_name is ours (learnt once). Not where the pid is
+                # real: another session of ours (same name) may have the key by now.
                 entry.backend_pid, entry.pid_confirmed = holder, True
             elif restarted or entry.server_start != start:
                 # A promoted standby's postmaster started when the standby did: a
