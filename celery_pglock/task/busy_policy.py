@@ -1,7 +1,6 @@
 """What a run whose lock is held becomes (``lock_on_busy``), and its skip record.
 
-See docs/guide/policies.md and docs/guide/skipped-results.md.
-"""
+Why: docs/guide/policies.md and docs/guide/skipped-results.md."""
 
 from __future__ import annotations
 

@@ -352,11 +352,10 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             **options,
         }
         execution = _current.get()
-        lock = execution.lock if execution is not None else None
         if (
             execution is not None
-            and lock is not None
-            and lock.owned()
+            and execution.lock is not None
+            and execution.lock.owned()
             and execution.task_id is not None  # not a direct (or recursive) call
             and not self.request.is_eager
             and self._retry_publishes(max_retries)
