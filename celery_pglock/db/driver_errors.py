@@ -1,7 +1,6 @@
 """Driver errors at the lock database boundary: translated once into a scrubbed
-:class:`~celery_pglock.exceptions.DatabaseError` (:func:`wrap_db_errors`), then classified
-from its ``__cause__``: a dead session, a transient error, a misconfiguration. What each
-means for a run: docs/operations/failure-modes.md ("Lock database unavailable").
+DatabaseError (:func:`wrap_db_errors`), then classified from its ``__cause__``. What each
+class means for a run: docs/operations/failure-modes.md ("Lock database unavailable").
 """
 
 from __future__ import annotations
@@ -54,16 +53,14 @@ def wrap_db_errors(
 
 
 def is_dead_session(error: exceptions.DatabaseError) -> bool:
-    """True if an established lock session died under a statement: it held nothing any
-    more. Decided by where the error arose (``wrap_db_errors(connecting=)``), not by its
-    shape, which is the same as a failed connect's on psycopg 3 and at psycopg2's BEGIN.
-    """
+    """True if an established lock session died under a statement (it holds nothing now).
+    Decided by where the error arose (``wrap_db_errors(connecting=)``), not by its shape:
+    that is a failed connect's too on psycopg 3 and at psycopg2's BEGIN."""
     connect_failed = getattr(error, "pglock_connect_failed", False)
     return not connect_failed and is_disconnect(error.__cause__)
 
 
-#: The supported drivers' modules (db.SUPPORTED_DRIVERS), by import name.
-DRIVER_MODULES = ("psycopg2", "psycopg")
+DRIVER_MODULES = ("psycopg2", "psycopg")  #: The supported drivers, by import name.
 
 
 def errors_named(*names: str) -> tuple[type[Exception], ...]:
@@ -78,8 +75,8 @@ def errors_named(*names: str) -> tuple[type[Exception], ...]:
 
 
 def operational_error(dbapi_connection: Any) -> type[Exception]:
-    """The OperationalError class of ``dbapi_connection``'s driver (found through its MRO:
-    a ``connection_factory`` subclass lives in the user's module)."""
+    """The OperationalError of ``dbapi_connection``'s driver (through its MRO: a
+    ``connection_factory`` subclass lives in the user's module)."""
     for cls in type(dbapi_connection).__mro__:
         package = cls.__module__.partition(".")[0]
         if package in DRIVER_MODULES:
@@ -89,8 +86,8 @@ def operational_error(dbapi_connection: Any) -> type[Exception]:
 
 
 def _from_statement(original: BaseException) -> bool:
-    """Did a statement raise ``original`` (psycopg2 attaches its cursor, psycopg 3 the
-    server's result)? Then it is no failure to connect."""
+    # psycopg2 attaches the statement's cursor, psycopg 3 the server's result.
+
     return (
         getattr(original, "cursor", None) is not None
         or getattr(original, "pgresult", None) is not None
