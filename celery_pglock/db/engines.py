@@ -202,7 +202,8 @@ def _prefix(conf: Mapping[str, Any]) -> str:
 
 
 def adopt(dbapi_connection: Any, record: Any = None) -> None:
-    """Remember a lock connection, to neuter it after a fork (as a pool hook: its opening)."""
+    """Remember a lock connection, to neuter it after a fork (as a pool hook: when it was
+    opened)."""
     _connections.add(dbapi_connection)
     if record is not None:
         record.info[OPENED] = time.monotonic()
@@ -239,12 +240,9 @@ def connect_params(engine: sa.Engine) -> dict[str, Any]:
         # Only libpq's keywords: a driver's own (psycopg 3's ``context``,
         # ``prepare_threshold``, psycopg2's ``cursor_factory``) would be an invalid DSN.
         if isinstance(value, str | int | float):
-            with_key: dict[str, Any] = {key: value}
-            try:
-                make_dsn(None, **with_key)  # libpq's own parser
-            except ProgrammingError:
-                continue
-            kept[key] = value
+            with contextlib.suppress(ProgrammingError):
+                make_dsn(None, **{key: value})  # libpq's own parser
+                kept[key] = value
     fallback = startup_options.fallback_of(engine)
     if fallback is not None and kept.get("options") == fallback.ours:
         fallback.apply(kept)
