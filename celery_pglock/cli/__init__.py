@@ -1,8 +1,6 @@
-"""The ``pglock`` command, under its two entry points: ``celery -A proj pglock <verb>`` (a
-Celery sub-command, with the project's app) and ``celery-pglock [--app proj]
-[--database-url URL] <verb>`` (or ``python -m celery_pglock``). An operator surface: it
-may import every layer, and only the entry points import it. docs/operations/cli.md is
-its manual, exit statuses included; every database URL it prints is masked.
+"""The ``pglock`` command: ``celery -A proj pglock <verb>`` (a Celery sub-command) and
+``celery-pglock [--app proj] [--database-url URL] <verb>`` (or ``python -m celery_pglock``).
+An operator surface: it may import every layer. Manual: docs/operations/cli.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""``pglock check``: what must hold for locks to mean anything, each with its fix.
-
-docs/operations/cli.md lists the checks and what each needs; any FAIL exits 1.
-"""
+"""``pglock check``: what must hold for locks to mean anything, each with its fix (the
+list: docs/operations/cli.md); any FAIL exits 1."""
 
 from __future__ import annotations
 

@@ -19,9 +19,8 @@ if TYPE_CHECKING:
 
     from celery_pglock.cli import Target
 
-#: Every advisory lock of this database, held or awaited, with its session: the key as
-#: LockKey.__str__ writes it, "since" as docs/operations/cli.md defines it; without the
-#: run locks (keys.run_key) an acks_late run holds beside its key.
+#: Every advisory lock here, held or awaited, with its session: the key as LockKey.__str__
+#: writes it, "since" as cli.md defines it; not the run locks (keys.run_key).
 LOCKS = f"""
 SELECT CASE WHEN l.objsubid = 1 THEN ((l.classid::bigint << 32) | l.objid::bigint)::text
        ELSE l.classid::bigint::bit(32)::int || ',' || l.objid::bigint::bit(32)::int

@@ -20,9 +20,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Ends the session ``pid`` if it still holds the key (classid, objid, objsubid) here.
-TERMINATE = """
-SELECT pg_terminate_backend(l.pid)
+#: Seconds ``release`` waits for the ended session to exit (its locks go with it).
+EXIT_WAIT = 10
+#: Ends the session ``pid`` if it still holds the key (classid, objid, objsubid) here, and
+#: waits (PostgreSQL >= 14) for it to exit: False if it had not within the wait.
+TERMINATE = f"""
+SELECT pg_terminate_backend(l.pid, {EXIT_WAIT * 1000})
 FROM pg_locks l
 WHERE l.locktype = 'advisory' AND l.granted AND l.pid = %s
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
@@ -109,10 +112,15 @@ def release(
                 TERMINATE, (pid, *lock_key.pg_locks_ids)
             ).scalar()
             connection.commit()
-    if not ended:
+    if ended is None:
         raise click.ClickException(
             f"Backend {pid} no longer holds the lock {lock_key} "
             "(released meanwhile, or ended); nothing was done."
+        )
+    if not ended:
+        raise click.ClickException(
+            f"Backend {pid} was told to end but had not exited after {EXIT_WAIT} s: "
+            f"PostgreSQL frees lock {lock_key} when it does (see `pglock locks`)."
         )
     who = f"{getpass.getuser()}@{socket.gethostname()}"
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -1,8 +1,6 @@
 """``pglock sql``: print or apply the SQL twin of ``keys.make_key`` and a view of advisory
 locks, for people in psql (docs/operations/cli.md), or the fencing table (``--fencing``).
-
-Parameters are never spliced in; the only spliced text is a quoted schema name.
-"""
+The only text spliced in is a quoted schema name."""
 
 from __future__ import annotations
 

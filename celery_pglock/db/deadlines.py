@@ -1,10 +1,8 @@
 """A client-side bound on the blocking round trips of lock connections (either driver).
 
-A round trip on a cut or frozen link can wait minutes for an answer that
-``statement_timeout`` cannot bound: a per-process reaper thread shuts the socket of an
-expired :class:`Bound` down, which wakes the blocked ``recv`` at once, and the caller
-handles a dead session. Why and the numbers: docs/operations/lock-loss.md. A forked child
-starts its own reaper.
+A per-process reaper thread shuts an expired :class:`Bound`'s socket down, waking the
+blocked ``recv`` at once; the caller handles a dead session. Why (a cut link outwaits
+``statement_timeout``) and the numbers: docs/operations/lock-loss.md.
 """
 
 from __future__ import annotations
@@ -32,10 +30,8 @@ _reaper: threading.Thread | None = None
 class Bound:
     """A deadline on the round trips of one connection: ``deadline`` (time.monotonic(),
     ``math.inf`` when disarmed), and ``fired`` once the reaper shut its socket down.
-
-    One-shot as the context manager :func:`bounded` makes; or long-lived, registered
-    with :func:`watch` once per connection and armed by setting ``deadline``.
-    """
+    One-shot as :func:`bounded` makes it, or long-lived: :func:`watch` it once, then arm
+    it by setting ``deadline``."""
 
     __slots__ = ("connection", "deadline", "fd", "fired", "late_answer_fails")
 
@@ -67,13 +63,10 @@ def bounded(
     dbapi_connection: Any, seconds: float, *, late_answer_fails: bool = True
 ) -> Bound:
     """Shut the connection's socket down if the ``with`` block has not ended after
-    ``seconds``.
+    ``seconds`` (a connection this process owns, one thread at a time; the caller closes
+    it after a fired bound). A block ending without an error after its bound fired raises
+    OperationalError on exit, unless ``late_answer_fails`` is False (check ``fired``)."""
 
-    For a connection this process owns, used by one thread at a time; after a fired
-    bound the caller must close it. A block that ended without an error after its bound
-    fired raises OperationalError on exit, unless ``late_answer_fails`` is False (the
-    caller then checks ``fired``).
-    """
     return Bound(dbapi_connection, time.monotonic() + seconds, late_answer_fails)
 
 

@@ -1,7 +1,6 @@
 """Driver errors at the lock database boundary: translated once into a scrubbed
-:class:`~celery_pglock.exceptions.DatabaseError` (:func:`wrap_db_errors`), then classified
-from its ``__cause__``: a dead session, a transient error, a misconfiguration. What each
-means for a run: docs/operations/failure-modes.md ("Lock database unavailable").
+DatabaseError (:func:`wrap_db_errors`), then classified from its ``__cause__``. What each
+class means for a run: docs/operations/failure-modes.md ("Lock database unavailable").
 """
 
 from __future__ import annotations
@@ -54,16 +53,14 @@ def wrap_db_errors(
 
 
 def is_dead_session(error: exceptions.DatabaseError) -> bool:
-    """True if an established lock session died under a statement: it held nothing any
-    more. Decided by where the error arose (``wrap_db_errors(connecting=)``), not by its
-    shape, which is the same as a failed connect's on psycopg 3 and at psycopg2's BEGIN.
-    """
+    """True if an established lock session died under a statement (it holds nothing now).
+    Decided by where the error arose (``wrap_db_errors(connecting=)``), not by its shape:
+    that is a failed connect's too on psycopg 3 and at psycopg2's BEGIN."""
     connect_failed = getattr(error, "pglock_connect_failed", False)
     return not connect_failed and is_disconnect(error.__cause__)
 
 
-#: The supported drivers' modules (db.SUPPORTED_DRIVERS), by import name.
-DRIVER_MODULES = ("psycopg2", "psycopg")
+DRIVER_MODULES = ("psycopg2", "psycopg")  #: The supported drivers, by import name.
 
 
 def errors_named(*names: str) -> tuple[type[Exception], ...]:
@@ -78,8 +75,8 @@ def errors_named(*names: str) -> tuple[type[Exception], ...]:
 
 
 def operational_error(dbapi_connection: Any) -> type[Exception]:
-    """The OperationalError class of ``dbapi_connection``'s driver (found through its MRO:
-    a ``connection_factory`` subclass lives in the user's module)."""
+    """The OperationalError of ``dbapi_connection``'s driver (through its MRO: a
+    ``connection_factory`` subclass lives in the user's module)."""
     for cls in type(dbapi_connection).__mro__:
         package = cls.__module__.partition(".")[0]
         if package in DRIVER_MODULES:
@@ -89,8 +86,8 @@ def operational_error(dbapi_connection: Any) -> type[Exception]:
 
 
 def _from_statement(original: BaseException) -> bool:
-    """Did a statement raise ``original`` (psycopg2 attaches its cursor, psycopg 3 the
-    server's result)? Then it is no failure to connect."""
+    # psycopg2 attaches the statement's cursor, psycopg 3 the server's result.
+
     return (
         getattr(original, "cursor", None) is not None
         or getattr(original, "pgresult", None) is not None
@@ -152,16 +149,11 @@ class Misconfiguration:
 
 
 _URL = "the lock database URL (app.conf.pglock_database_url or $CELERY_PGLOCK_DATABASE_URL)"
-_NO_DATABASE = Misconfiguration(
-    "3D000",
-    "the database does not exist",
-    f"Fix the database name in {_URL}, or create the database.",
-)
 _CONNECT_ARGS = "pglock_engine_options['connect_args']"
 #: A refused connect's English text (libpq gives no SQLSTATE for it): a server whose
 #: lc_messages is not English is unmatched, so taken for an outage.
 _RULES: tuple[tuple[re.Pattern[str], Misconfiguration], ...] = tuple(
-    (re.compile(pattern), Misconfiguration(*problem) if problem else _NO_DATABASE)
+    (re.compile(pattern), Misconfiguration(*problem))
     for pattern, *problem in (
         (
             r"password authentication failed|no password supplied",
@@ -189,7 +181,12 @@ _RULES: tuple[tuple[re.Pattern[str], Misconfiguration], ...] = tuple(
             "Add a pg_hba.conf line for it on the server, or connect as it expects "
             "(sslmode in the URL's query).",
         ),
-        (r'database "[^"]*" does not exist',),
+        (
+            r'database "[^"]*" does not exist',
+            "3D000",
+            "the database does not exist",
+            f"Fix the database name in {_URL}, or create the database.",
+        ),
         (
             r"permission denied for database",
             "42501",
@@ -226,28 +223,16 @@ _RULES: tuple[tuple[re.Pattern[str], Misconfiguration], ...] = tuple(
 
 def misconfiguration(exc: BaseException | None) -> Misconfiguration | None:
     """What is misconfigured if the server (or libpq) refused the connection of ``exc`` for
-    a reason waiting does not fix (SQLSTATE class 28, 3D000, pg_hba.conf, TLS, an invalid
-    option); None for anything else."""
+    a reason waiting does not fix (a login, database, pg_hba.conf, TLS or option problem);
+    None for anything else."""
     original = getattr(exc, "orig", exc)
-    if not isinstance(original, errors_named("Error")):
+    # Neither driver gives a refused connect a SQLSTATE (psycopg2 2.9, psycopg 3.3): the
+    # rules' codes are for the message. An error with one is a statement's.
+    if (
+        not isinstance(original, errors_named("OperationalError", "ProgrammingError"))
+        or sqlstate(original) is not None
+        or _from_statement(original)
+    ):
         return None
-    code = sqlstate(original)
-    if code is None:
-        connecting = isinstance(
-            original, errors_named("OperationalError", "ProgrammingError")
-        )
-        if not connecting or _from_statement(original):
-            return None  # a statement's error: no connect failure
-    elif not code.startswith("28") and code != "3D000":
-        return None  # a statement's error, or an outage the server names (57P03)
     text = str(original)
-    for pattern, problem in _RULES:
-        if (code is None or problem.sqlstate == code) and pattern.search(text):
-            return problem
-    if code is None:
-        return None
-    if code == _NO_DATABASE.sqlstate:
-        return _NO_DATABASE
-    return Misconfiguration(
-        code, "the server refused the login", f"Check the role and {_URL}."
-    )
+    return next((problem for pattern, problem in _RULES if pattern.search(text)), None)

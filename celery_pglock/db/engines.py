@@ -1,9 +1,7 @@
 """The lock database: one SQLAlchemy engine per URL per process, and its pool hooks.
 
-Hazard: fork. A forked child points the parent's lock-database sockets at ``/dev/null``
-and forgets the engines (docs/operations/lock-loss.md, "Forks inside a body"). The pool's
-``checkin`` hook assumes every connection in it is a lock connection: never share this
-engine with the application. See docs/guide/how-it-works.md.
+Never share a lock engine with the application: its ``checkin`` hook takes every pooled
+connection for a lock connection. Forks: docs/operations/lock-loss.md, "Forks inside a body".
 """
 
 from __future__ import annotations
@@ -32,8 +30,8 @@ from celery_pglock.db import driver_errors, redact, sql_text, startup_options
 
 logger = logging.getLogger(__name__)
 
-#: Keys in a pooled connection's ``info``: the Counter of advisory keys it holds, the
-#: application_name it shows when idle, and when (monotonic) it was opened.
+#: Keys in a pooled connection's ``info``: the Counter of advisory keys it holds, its idle
+#: application_name, when (monotonic) it was opened.
 HELD = "celery_pglock.held"
 IDLE_NAME = "celery_pglock.idle_name"
 OPENED = "celery_pglock.opened"
@@ -49,10 +47,8 @@ CLIENT_KEEPALIVES: dict[str, Any] = {
 }
 #: Seconds a new lock connection may take, unless ``connect_args`` says otherwise.
 CONNECT_TIMEOUT = 10
-#: ``postgresql+<driver>://``: psycopg2 (what ``postgresql://`` means here) or psycopg 3.
-SUPPORTED_DRIVERS = driver_errors.DRIVER_MODULES
-#: The oldest psycopg 3 that works (the ``psycopg`` extra's floor).
-PSYCOPG_MIN = (3, 1, 8)
+SUPPORTED_DRIVERS = driver_errors.DRIVER_MODULES  #: ``postgresql+<driver>://``
+PSYCOPG_MIN = (3, 1, 8)  #: The oldest psycopg 3 that works (the extra's floor).
 
 mask_url = redact.mask_url
 
@@ -62,7 +58,7 @@ _engines_lock = threading.Lock()
 _labels: weakref.WeakKeyDictionary[sa.Engine, dict[str, str]] = (
     weakref.WeakKeyDictionary()
 )
-#: The connect_args each lock engine was made with (for connect() and connect_params()).
+#: The connect_args each lock engine was made with.
 _connect_args: weakref.WeakKeyDictionary[sa.Engine, dict[str, Any]] = (
     weakref.WeakKeyDictionary()
 )
@@ -96,11 +92,8 @@ def application_name(prefix: str, *parts: object) -> str:
 
 
 def check_url(url: str) -> sa.URL:
-    """Parse and check a lock database URL.
-
-    Raises:
-        ConfigurationError: not a PostgreSQL URL with a supported driver.
-    """
+    """Parse and check a lock database URL (ConfigurationError: not a PostgreSQL URL with
+    a supported driver)."""
     setting = config.DATABASE_URL_SETTING
     try:
         parsed = make_url(url)
@@ -141,41 +134,29 @@ def check_url(url: str) -> sa.URL:
 
 
 def engine_for(conf: Mapping[str, Any]) -> sa.Engine:
-    """The lock engine of this process for the app configuration ``conf``.
-
-    Created on first use (never at import, never in the parent before a fork), then cached.
-
-    Raises:
-        ConfigurationError: no database URL, or an invalid one.
-    """
+    """The lock engine of this process for ``conf``, created on first use (never at import,
+    never in the parent before a fork); ConfigurationError for a missing or invalid URL."""
     url = config.database_url(conf)
-    cache_key = url
-    engine = _engines.get(cache_key)
+    engine = _engines.get(url)
     if engine is not None and _engines_pid == os.getpid():
         return engine
     with _engines_lock:
         _forget_engines_after_fork()
-        engine = _engines.get(cache_key)
+        engine = _engines.get(url)
         if engine is None:
-            engine = _engines[cache_key] = create_engine(url, conf)
+            engine = _engines[url] = create_engine(url, conf)
         return engine
 
 
 def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
-    """Create a lock engine: keepalives, session settings, an idle application_name
-    and the check-in net.
-
-    ``app.conf.pglock_engine_options`` (a dict) is passed to ``sqlalchemy.create_engine``
-    and wins over the defaults; ``pglock_server_keepalives = False`` sends no startup
-    options. See docs/reference/settings.md.
-    """
+    """Create a lock engine: keepalives, session settings, an idle application_name and
+    the check-in net; ``pglock_engine_options`` win (docs/reference/settings.md)."""
     conf = conf or {}
-    parsed = check_url(url)
     options = _engine_options(conf)
-    engine = sa.create_engine(parsed, **options)
+    engine = sa.create_engine(check_url(url), **options)
     _labels[engine] = {
         "application_name_prefix": _prefix(conf),
-        "masked_url": mask_url(parsed),
+        "masked_url": mask_url(engine.url),
     }
     if engine.url.get_driver_name() == "psycopg":
         # First, before any listener runs a statement on the new connection.
@@ -188,7 +169,7 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
 
 
 def engine_info(engine: sa.Engine) -> dict[str, str]:
-    """The labels create_engine attached: application_name prefix, masked URL, session mode."""
+    """The labels create_engine attached: application_name prefix, masked URL."""
     labels = _labels.get(engine)
     if labels is None:
         # An engine the caller made: add the hooks and label it on first sight.
@@ -221,8 +202,8 @@ def _prefix(conf: Mapping[str, Any]) -> str:
 
 
 def adopt(dbapi_connection: Any, record: Any = None) -> None:
-    """Remember a lock-database connection of this process, to neuter it after a fork
-    (and, as the pool's ``connect`` hook, when it was opened)."""
+    """Remember a lock connection, to neuter it after a fork (as a pool hook: when it was
+    opened)."""
     _connections.add(dbapi_connection)
     if record is not None:
         record.info[OPENED] = time.monotonic()
@@ -237,8 +218,8 @@ def _bind_on_client(dbapi_connection: Any, record: Any) -> None:
 
 
 def connect(engine: sa.Engine) -> Any:
-    """A DBAPI connection of ``engine`` made outside its pool, as the pool makes them
-    (connect arguments and the options fallback; no pool listener runs)."""
+    """A DBAPI connection of ``engine`` made outside its pool, as the pool makes them (no
+    pool listener runs)."""
     cargs, params = engine.dialect.create_connect_args(engine.url)
     cparams = {**params, **_connect_args.get(engine, {})}
     fallback = startup_options.fallback_of(engine)
@@ -259,12 +240,9 @@ def connect_params(engine: sa.Engine) -> dict[str, Any]:
         # Only libpq's keywords: a driver's own (psycopg 3's ``context``,
         # ``prepare_threshold``, psycopg2's ``cursor_factory``) would be an invalid DSN.
         if isinstance(value, str | int | float):
-            with_key: dict[str, Any] = {key: value}
-            try:
-                make_dsn(None, **with_key)  # libpq's own parser
-            except ProgrammingError:
-                continue
-            kept[key] = value
+            with contextlib.suppress(ProgrammingError):
+                make_dsn(None, **{key: value})  # libpq's own parser
+                kept[key] = value
     fallback = startup_options.fallback_of(engine)
     if fallback is not None and kept.get("options") == fallback.ours:
         fallback.apply(kept)
@@ -272,7 +250,6 @@ def connect_params(engine: sa.Engine) -> dict[str, Any]:
 
 
 def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
-    """``sqlalchemy.create_engine`` keywords for a lock engine of ``conf``."""
     connect_args: dict[str, Any] = {
         **CLIENT_KEEPALIVES,
         # libpq waits for a silent host as long as the kernel lets it: bound it.
@@ -291,10 +268,9 @@ def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
     connect_args.update(extra.pop("connect_args", {}))
     options: dict[str, Any] = {"pool_pre_ping": False, "connect_args": connect_args}
     if "poolclass" not in extra:
-        # Transaction-scope locks and bounded waits pin one pooled connection per
-        # held lock, and threads/gevent pools run several at
-        # once in one process. Idle connections are kept so those never connect per
-        # task. (A custom poolclass, e.g. NullPool, may not take these arguments.)
+        # Transaction-scope locks and bounded waits pin a pooled connection per held
+        # lock, several at once under threads/gevent: kept idle, never made per task.
+        # (A custom poolclass, e.g. NullPool, may not take these arguments.)
         options.update(pool_size=10, max_overflow=20)
     options.update(extra)
     return options
@@ -303,12 +279,8 @@ def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
 def probe(conf: Mapping[str, Any]) -> str:
     """Connect once to the lock database of ``conf`` and return its ``server_version``.
 
-    Connects as lock connections do, but outside any pool: a worker's main process runs
-    this before forks, and leaves no socket behind for its children.
-
-    Raises:
-        ConfigurationError: no database URL, or an invalid one.
-        DatabaseError: the connection or the query failed (masked URL in the message).
+    Outside any pool: a worker's main process runs this before forking, and leaves no
+    socket to its children. ConfigurationError: a bad URL; DatabaseError: it failed.
     """
     engine = create_engine(config.database_url(conf), conf)
     try:
@@ -364,9 +336,10 @@ def mark_pool_stale(
     """``pooled`` (of ``engine``'s pool, or None) was found dead: retire its siblings.
 
     Each connection opened before now is replaced at its next checkout; checked-out ones
-    keep their sessions (and locks) until given back, unlike ``engine.dispose()``. A
-    ``pooled`` opened before the last mark does not move it. The caller invalidates it.
+    keep their sessions (and locks) until given back, unlike ``engine.dispose()``. One
+    opened before the last mark does not move it. The caller invalidates ``pooled``.
     """
+
     before = _stale_before.get(engine)
     if pooled is None or before is None or before < pooled.info.get(OPENED, -math.inf):
         _stale_before[engine] = time.monotonic()

@@ -1,9 +1,8 @@
 """Redaction: database URLs and driver error texts made safe to log. Pure functions.
 
-Hazard: a malformed URL is parsed differently by different readers (an unescaped ``@`` in
-the password), so :func:`mask_url` shows a component only when it is unambiguous and
-plain, and masks everything else: it may hide too much, never too little. Why:
-docs/operations/security.md ("Passwords: what is masked, and where").
+Readers parse a malformed URL differently (an unescaped ``@`` in the password), so
+:func:`mask_url` may hide too much, never too little. Why: docs/operations/security.md
+("Passwords: what is masked, and where").
 """
 
 from __future__ import annotations
@@ -141,8 +140,7 @@ def scrub_exception(exc: BaseException, secrets: Iterable[str] = ()) -> None:
 
 
 def _mask_url_in_text(match: re.Match[str]) -> str:
-    """Mask a URL in free text, keeping the punctuation after its path (not after a
-    query, where it may be part of a secret value)."""
+    # Keep the punctuation after its path, not after a query (part of a secret value?).
     url = match.group(0)
     core = url.rstrip(_TRAILING_PUNCTUATION)
     if "?" in core or core == url:
@@ -151,7 +149,7 @@ def _mask_url_in_text(match: re.Match[str]) -> str:
 
 
 def _query(url: sa.URL) -> list[tuple[str, str]]:
-    """Every ``(name, value)`` of the URL's query (a repeated name has a tuple)."""
+    # A repeated name has a tuple of values.
     return [
         (name, value)
         for name, values in url.query.items()
@@ -192,7 +190,6 @@ def _mask_url(scheme: str, rest: str) -> str:
 
 
 def _mask_conninfo(text: str) -> str:
-    """Mask a libpq ``key=value`` string; anything that is not one is unparseable."""
     items: list[tuple[str, str]] = []
     position = 0
     stripped = text.strip()

@@ -1,8 +1,6 @@
 """What sits at the other end of the lock database URL: its version, a standby, or a
 pooling proxy that breaks advisory locks (refused). Why: docs/operations/pgbouncer.md.
-
-Hazard: a probe costs two connections and about eight round trips: once per engine (at
-the first lock) and once at worker start, never per task.
+A probe costs two connections and about eight round trips: once per engine, never per task.
 """
 
 from __future__ import annotations
@@ -108,21 +106,14 @@ def probe(
 ) -> ServerFacts:
     """Probe the lock database: version, standby or not, pooling mode in between.
 
-    Args:
-        target: A lock engine (probed on two connections of its own, outside the pool)
-            or a database URL (probed through a temporary lock engine).
-        conf: App configuration for a URL target (application_name, engine options).
-        timeout: Seconds the whole probe may take.
-        action: What failed, for the DatabaseError message ("Could not <action> ...").
-
-    Raises:
-        ConfigurationError: an invalid URL.
-        DatabaseError: the database could not be reached or did not answer in time.
+    ``target`` is a lock engine (probed on two connections of its own, outside the pool)
+    or a URL (through a temporary engine made with ``conf``). ``action`` names what
+    failed in a DatabaseError ("Could not <action> ..."): unreachable, or no answer
+    within ``timeout`` seconds. ConfigurationError: an invalid URL.
     """
-    if isinstance(target, sa.Engine):
-        engine = target
-    else:
-        engine = engines.create_engine(target, conf)
+    engine = (
+        target if isinstance(target, sa.Engine) else engines.create_engine(target, conf)
+    )
     masked = engines.engine_info(engine)["masked_url"]
     opened: list[Any] = []
     outcome: list[ServerFacts | BaseException] = []
@@ -143,9 +134,8 @@ def probe(
         for connection in list(opened):
             with contextlib.suppress(Exception):
                 connection.cancel()  # the thread then fails and closes them
-        # Caused by a driver OperationalError, as an expired connect_timeout is: an
-        # outage for driver_errors.is_transient(). A failed connect, never a dead lock
-        # session (the probe opens connections of its own): no reconnect follows it.
+        # An outage, as an expired connect_timeout is (a driver OperationalError), and a
+        # failed connect, never a dead lock session: the probe's connections are its own.
         error = exceptions.DatabaseError(
             f"Could not {action} on {masked}: the server probe had no answer within "
             f"{timeout:g} s."
@@ -250,8 +240,8 @@ _probing = threading.Lock()
 def facts_for(
     engine: sa.Engine, action: str = "probe the lock database"
 ) -> ServerFacts:
-    """The facts of ``engine``'s server: probed at the first call, then cached (a failed
-    probe is not: the next call probes again)."""
+    """The facts of ``engine``'s server, probed at the first call and cached (a failed
+    probe is not)."""
     facts = _facts.get(engine)
     if facts is not None:
         return facts
@@ -276,16 +266,13 @@ def known_facts(engine: sa.Engine) -> ServerFacts | None:
 
 
 def check(engine: sa.Engine, scope: LockScope, lock_name: str = "") -> None:
-    """Refuse locks of ``scope`` on ``engine`` if its server cannot honour them.
+    """Refuse locks of ``scope`` on ``engine`` if its server cannot honour them (a standby,
+    a pooling mode that breaks this scope: ConfigurationError naming the fix).
 
-    The first call per engine probes (:func:`facts_for`); later ones are a dict lookup.
-    ``lock_name`` names the lock in the DatabaseError of a failed probe.
-
-    Raises:
-        ConfigurationError: a standby, or a pooling mode that breaks this scope; the
-            message names the fix.
-        DatabaseError: the probe could not reach the database.
+    The first call per engine probes (DatabaseError naming ``lock_name`` if it fails);
+    later ones are a dict lookup.
     """
+
     facts = _facts.get(engine) or facts_for(engine, f"acquire lock {lock_name!r}")
     message = facts.refusal(scope)
     if message is not None:

@@ -1,10 +1,9 @@
 """Every SQL statement the lock sessions send, as named constants (and one cursor helper).
 
-Parameters are DBAPI ``%s`` placeholders bound on the client by either driver, so one
-execute may hold several statements. Statements taking a lock key come in two forms,
-``{1: <bigint form>, 2: <(int, int) form>}`` by the key's arity, key ids first. Each lock
-function is called once per statement, as a scalar of a one-row SELECT: in a multi-row
-query the planner may call it twice and leave a phantom re-entrant hold (GoodJob PR #1735).
+``%s`` parameters are bound on the client by either driver, so one execute may hold
+several statements. Keyed statements are ``{1: <bigint form>, 2: <(int, int) form>}``,
+key ids first. Each lock function is a scalar of a one-row SELECT: in a multi-row query
+the planner may call it twice and leave a phantom re-entrant hold (GoodJob PR #1735).
 """
 
 from __future__ import annotations
@@ -15,12 +14,11 @@ _KEY = {1: "%s::bigint", 2: "%s::integer, %s::integer"}
 
 
 def _keyed(statement: str) -> dict[int, str]:
-    """``statement`` per key arity: its ``KEY`` spelt as that arity's parameters."""
     return {arity: statement.replace("KEY", key) for arity, key in _KEY.items()}
 
 
-#: Take a session lock and label the session. Params: key ids, application_name.
-#: Returns the new name, or NULL when busy.
+#: Take a session lock and label the session. Params: key ids, application_name. Returns
+#: the new name, or NULL when busy.
 TRY_LOCK_SESSION = _keyed(
     "SELECT CASE WHEN pg_try_advisory_lock(KEY) "
     "THEN set_config('application_name', %s, false) END"
@@ -90,16 +88,15 @@ WAIT_LOCK_TRANSACTION = _keyed(
     "set_config('statement_timeout', current_setting('celery_pglock.saved_statement_timeout'), true)"
 )
 
-#: Ends the server-side transaction a timed-out WAIT_LOCK_SESSION left aborted.
-ROLLBACK = "ROLLBACK"
+ROLLBACK = (
+    "ROLLBACK"  #: Ends the transaction a timed-out WAIT_LOCK_SESSION left aborted.
+)
 
 #: Pool check-in safety net: drop every session advisory lock. Params: the idle name.
 UNLOCK_ALL = (
     "SELECT pg_advisory_unlock_all(), set_config('application_name', %s, false)"
 )
-
-#: After a transaction-scope body had the connection: reset all it may have left.
-DISCARD_ALL = "DISCARD ALL"
+DISCARD_ALL = "DISCARD ALL"  #: After a transaction-scope body: reset all it left.
 
 #: Is the key granted to any session in this database? Params: LockKey.pg_locks_ids.
 IS_LOCKED = (
@@ -161,7 +158,8 @@ TRY_LOCK_TRANSACTION_RUN = _keyed(
     f"pg_try_advisory_xact_lock({_RUN})::text] END"
 )
 
-#: After a bounded wait was granted: the run lock alone. Params: run ids.
+#: After a granted bounded wait: the run lock alone. Params: run ids.
+
 RUN_LOCK_SESSION = f"SELECT pg_try_advisory_lock({_RUN})"
 RUN_LOCK_TRANSACTION = f"SELECT pg_try_advisory_xact_lock({_RUN})"
 

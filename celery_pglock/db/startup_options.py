@@ -1,7 +1,6 @@
 """The lock sessions' own settings: the ``options`` startup parameter, or a statement at
-connect where a pooler or an older server refuses it (:class:`OptionsFallback`). Only the
-library's own options are ever dropped. Why: docs/operations/pgbouncer.md ("Connection
-options through PgBouncer") and docs/operations/lock-loss.md ("Server settings").
+connect where a pooler or an older server refuses it. Why: docs/operations/pgbouncer.md
+("Connection options through PgBouncer"), docs/operations/lock-loss.md ("Server settings").
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ def apply_session_settings(dbapi_connection: Any) -> None:
 class OptionsFallback:
     """``do_connect`` hook: our ``options`` (``ours``: SERVER_OPTIONS or None) where
     accepted, else without the refused part; every lock session gets SESSION_SETTINGS.
-    A connection asked for with other options (the user's) is made as asked."""
+    Only our own options are ever dropped: the user's are sent as asked."""
 
     def __init__(self, masked_url: str, ours: str | None) -> None:
         self.masked_url = masked_url
@@ -155,11 +154,10 @@ _fallbacks: weakref.WeakKeyDictionary[sa.Engine, OptionsFallback] = (
 
 
 def install_fallback(engine: sa.Engine, masked_url: str, ours: str | None) -> None:
-    """Add :class:`OptionsFallback` to a lock engine."""
     fallback = _fallbacks[engine] = OptionsFallback(masked_url, ours)
     event.listen(engine, "do_connect", fallback)
 
 
 def fallback_of(engine: sa.Engine) -> OptionsFallback | None:
-    """The engine's :class:`OptionsFallback` (what its server accepts), if it has one."""
+    """The engine's OptionsFallback (what its server accepts), if it has one."""
     return _fallbacks.get(engine)

@@ -125,3 +125,19 @@ def test_a_statement_error_is_no_misconfiguration(password_postgres):
     finally:
         engine.dispose()
     assert None is driver_errors.misconfiguration(caught.value)
+
+
+@pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
+def test_a_refused_connect_carries_no_sqlstate_on_either_driver(
+    password_postgres, driver
+):
+    """Why misconfiguration() reads a refused connect by its text alone: neither driver
+    gives it a SQLSTATE, not even psycopg 3 (3D000 here is the rule's, for the message)."""
+    url = _url(
+        password_postgres, user=PASSWORD_ROLE, password=ROLE_PASSWORD, database="nope"
+    )
+    error = _refusal(url.replace(f"+{_support.driver()}://", f"+{driver}://"))
+    assert None is driver_errors.sqlstate(error.__cause__)
+    problem = driver_errors.misconfiguration(error.__cause__)
+    assert problem is not None
+    assert "3D000" == problem.sqlstate
