@@ -1,11 +1,6 @@
-"""The lock sessions: the PostgreSQL session that carries a key from acquire to release.
-
-:func:`for_lock` picks, per engine and process, a :class:`ProcessSession` (one connection
-carrying every session-scope try-lock of the process) or its :class:`PerLockSessions` (a
-pooled connection pinned per lock: transaction scope and bounded waits). Both keep a key
-claimed in the process (:class:`Claims`) until its run ends. Why: docs/design.md
-("One lock session per process", "A key stays claimed"). A forked child forgets its
-parent's sessions and opens its own.
+"""The PostgreSQL sessions that carry a key from acquire to release: :func:`for_lock`
+picks a :class:`ProcessSession` or its :class:`PerLockSessions`, per engine and process.
+Why: docs/design.md ("One lock session per process", "A key stays claimed").
 """
 
 from __future__ import annotations
@@ -67,10 +62,8 @@ class Hold:
 
 class Claims:
     """The keys held by runs of this process (per engine), from acquire until release,
-    whatever became of their sessions (docs/design.md, "A key stays claimed").
-
-    A claim refers to its hold weakly: a hold dropped without a release frees its key,
-    as the pool's check-in frees its lock. Thread-safe (gevent/eventlet patch its lock).
+    whatever became of their sessions. A claim refers to its hold weakly: a hold dropped
+    without a release frees its key, as the pool's check-in frees its lock. Thread-safe.
     """
 
     __slots__ = ("_cond", "_held", "_mutex", "_waiting")
@@ -87,11 +80,9 @@ class Claims:
         self._waiting = 0
 
     def claim(self, hold: Hold, deadline: float | None = None) -> bool:
-        """Claim ``hold.ids``; False if another run of the process holds it.
-
-        ``deadline`` (``time.monotonic()``): wait until then; None: try once. The caller
-        gives the claim back with :meth:`release`, granted or not.
-        """
+        """Claim ``hold.ids``, waiting until ``deadline`` (``time.monotonic()``; None:
+        try once); False if another run of the process holds it. Given back by
+        :meth:`release`, granted or not."""
         ids = hold.ids
         with self._mutex:
             if self._holder(ids) is not None:
@@ -110,7 +101,6 @@ class Claims:
             return True
 
     def release(self, hold: Hold) -> None:
-        """``hold``'s run has ended (or was not granted the lock): free its key."""
         with self._mutex:
             if self._holder(hold.ids) is hold:
                 del self._held[hold.ids]
@@ -118,7 +108,6 @@ class Claims:
                     self._cond.notify_all()
 
     def held(self, ids: tuple[int, ...]) -> bool:
-        """Is ``ids`` claimed by a run of this process (tests, diagnostics)?"""
         with self._mutex:
             return self._holder(ids) is not None
 
@@ -155,34 +144,22 @@ class LockSessions:
     def _one_row(
         self, what: str, statement: str, params: tuple[Any, ...], bound: float
     ) -> tuple[Any, ...] | None:
-        """One statement's row on a pooled connection, or None if it failed (logged at
-        DEBUG: these questions add detail to an outcome, never decide one)."""
+        """The statement's row, or None if it failed (logged at DEBUG: these questions
+        add detail to an outcome, never decide one)."""
         try:
-            pooled = self.engine.raw_connection()
+            with (
+                fencing_tokens.autocommit(self.engine) as dbapi,
+                deadlines.bounded(dbapi, bound),
+                dbapi.cursor() as cursor,
+            ):
+                cursor.execute(statement, params)
+                row: tuple[Any, ...] | None = cursor.fetchone()
         except Exception:
             logger.debug("%s failed", what, exc_info=True)
             return None
-        try:
-            dbapi: Any = pooled.dbapi_connection
-            dbapi.autocommit = True
-            with deadlines.bounded(dbapi, bound), dbapi.cursor() as cursor:
-                cursor.execute(statement, params)
-                row: tuple[Any, ...] | None = cursor.fetchone()
-        except Exception as exc:
-            logger.debug("%s failed", what, exc_info=True)
-            self._discard(pooled, exc)
-            return None
-        finally:
-            pooled.close()
         return row
 
-    def _discard(self, pooled: Any, exc: BaseException) -> None:
-        """Close ``pooled`` (its session in an unknown state) instead of pooling it."""
-        self._retire_if_dead(pooled, exc)
-        pooled.invalidate()
-
     def _retire_if_dead(self, pooled: Any, exc: BaseException) -> None:
-        """If ``exc`` says ``pooled``'s session died, retire the pool's older connections."""
         if driver_errors.is_disconnect(exc):
             engines.mark_pool_stale(self.engine, pooled, exc)
 
@@ -200,7 +177,7 @@ class LockSessions:
     def _raise(
         self, exc: BaseException, action: str, *, connecting: bool = False
     ) -> NoReturn:
-        """Raise ``exc`` (being handled) again: a driver error as a DatabaseError."""
+        """Raise ``exc`` again, a driver error as a DatabaseError."""
         if isinstance(exc, Exception):
             with driver_errors.wrap_db_errors(
                 action, self.engine, connecting=connecting
@@ -214,7 +191,7 @@ class SessionBusyError(Exception):
 
 
 class _Bound(deadlines.Bound):
-    """The process session's bound, watched from connect to close; armed per round trip
+    """The process session's bound, watched from connect to close, armed per round trip
     (here, not in db/deadlines.py: it runs on the locked path)."""
 
     __slots__ = ()
@@ -275,8 +252,7 @@ class ProcessSession(LockSessions):
         cannot leave a granted key its owner does not know.
         """
         if transaction or timeout_ms is not None:
-            waits = self.waits
-            return waits.acquire(
+            return self.waits.acquire(
                 key, label, timeout_ms, transaction, bound, run, on_granted
             )
         hold = Hold(self, key.ids)
@@ -300,8 +276,7 @@ class ProcessSession(LockSessions):
                     with self._bound(bound):
                         granted, run_granted = self._try(ids, name, run_ids)
                     if granted:
-                        # Recorded inside the try: a soft time limit landing here must not
-                        # leave a granted key nobody in the process knows.
+                        # Inside the try, for the same reason.
                         self._shown = hold.holding_name = name
                         hold.connection = self._connection
                         self._owners[ids] = hold
@@ -321,7 +296,6 @@ class ProcessSession(LockSessions):
     def _try(
         self, ids: tuple[int, ...], name: str, run_ids: tuple[int, ...] | None
     ) -> tuple[bool, bool]:
-        """One try-lock statement: (granted, run lock granted)."""
         cursor = self._cursor
         if name != self._shown:  # a relabel costs about what the lock does
             return _try_named(cursor, ids, name, run_ids)
@@ -401,8 +375,7 @@ class ProcessSession(LockSessions):
     def _one_row(
         self, what: str, statement: str, params: tuple[Any, ...], bound: float
     ) -> tuple[Any, ...] | None:
-        # On this session when it is open: no second connection.
-        with self._mutex:
+        with self._mutex:  # on this session when it is open: no second connection
             if self._cursor is not None:
                 try:
                     with self._bound(bound):
@@ -415,18 +388,14 @@ class ProcessSession(LockSessions):
                 return row
         return super()._one_row(what, statement, params, bound)
 
-    # -- for the lock watcher and shutdown ------------------------------------------------
-
     def run_check(
         self, statement: str, params: tuple[Any, ...], deadline: float, least: float
     ) -> list[tuple[Any, ...]] | None:
-        """For the lock watcher: one read-only statement on this session by ``deadline``
-        (``time.monotonic()``): its rows, or None if the session is not open.
-
-        Raises :class:`SessionBusyError` if other statements keep the session until less
-        than ``least`` seconds remain. A statement that gets no answer in time, or finds
-        the session gone, ends the session (its holds are lost); any error is raised.
-        """
+        """For the lock watcher: one read-only statement's rows by ``deadline``
+        (``time.monotonic()``), or None if the session is not open. Raises
+        :class:`SessionBusyError` if other statements keep the session until less than
+        ``least`` seconds remain; a statement that finds the session gone, or gets no
+        answer in time, ends it (its holds are lost). Any error is raised."""
         if not self._mutex.acquire(
             timeout=max(0.0, deadline - least - time.monotonic())
         ):
@@ -449,7 +418,6 @@ class ProcessSession(LockSessions):
             self._mutex.release()
 
     def holds(self) -> list[Hold]:
-        """The locks held on this session right now."""
         with self._mutex:
             return list(self._owners.values())
 
@@ -467,8 +435,6 @@ class ProcessSession(LockSessions):
                 len(lost),
                 extra={"action": "lock_checkin_unlock_all"},
             )
-
-    # -- internals ------------------------------------------------------------------------
 
     def _connect(self, key: LockKey) -> None:
         # A standby or a pooler that breaks session locks is refused (probed once).
@@ -489,23 +455,22 @@ class ProcessSession(LockSessions):
         self._shown = None
 
     def _ended(self, cause: str, exc: BaseException) -> bool:
-        """Under the mutex, after a failed statement: end the session if it is dead."""
+        """After a failed statement: end the session if it is dead."""
         if self._connection.closed or driver_errors.is_disconnect(exc):
             self._fail(cause, exc)
             return True
         return False
 
     def _fail(self, cause: str, exc: BaseException) -> None:
-        """Under the mutex: a statement failed; end the session. If it died (a server
-        restart ends every session), every pooled connection opened until now is retired
-        (detached, this one cannot say when it was opened)."""
+        """End the session. If it died (a server restart ends every session), retire
+        every pooled connection opened until now (detached, it cannot say when it was)."""
         self._close(cause)
         if driver_errors.is_disconnect(exc):
             engines.mark_pool_stale(self.engine, None, exc)
 
     def _close(self, cause: str) -> list[Hold]:
-        """Under the mutex: end the session; every hold on it is lost (their keys stay
-        claimed until their release: their bodies may still run)."""
+        """End the session; its holds are lost (their keys stay claimed until their
+        release: their bodies may still run). This and the two above: under the mutex."""
         connection, self._connection = self._connection, None
         if self._bound is not None:
             deadlines.unwatch(self._bound)
@@ -558,8 +523,7 @@ class PerLockSessions(LockSessions):
                 # What the wait in the process left, never 0 (lock_timeout 0: unbounded).
                 timeout_ms = max(1, math.ceil((deadline - time.monotonic()) * 1000))
             run_ids = None if run is None else run.ids
-            lock = self._lock_transaction if transaction else self._lock_session
-            if lock(hold, key, timeout_ms, bound, run_ids):
+            if self._pin(hold, key, timeout_ms, bound, run_ids, transaction):
                 # From here a pinned connection nobody knows is unlocked at check-in.
                 if on_granted is not None:
                     on_granted(hold)
@@ -598,38 +562,54 @@ class PerLockSessions(LockSessions):
                 return None  # its session ended; the release says so
             self._raise(exc, f"issue a fencing token for lock {key.name!r}")
 
-    def _lock_session(
+    def _pin(
         self,
         hold: Hold,
         key: LockKey,
         timeout_ms: int | None,
         bound: float,
         run_ids: tuple[int, ...] | None,
+        transaction: bool,
     ) -> bool:
-        with driver_errors.wrap_db_errors(
-            f"acquire lock {key.name!r}", self.engine, connecting=True
-        ):
-            pooled = self.engine.raw_connection()
+        """Take ``key`` on a pooled connection pinned to ``hold``: an autocommit one in
+        session scope, an SQLAlchemy one in an open transaction in transaction scope."""
+        action = f"acquire lock {key.name!r}"
+        with driver_errors.wrap_db_errors(action, self.engine, connecting=True):
+            owner: Any = (
+                self.engine.connect() if transaction else self.engine.raw_connection()
+            )
+        pooled: Any = None
+        lock_transaction: Any = None
         try:
+            pooled = owner.connection if transaction else owner
             dbapi: Any = pooled.dbapi_connection
-            dbapi.autocommit = True
+            dbapi.autocommit = not transaction
+            if transaction:
+                lock_transaction = owner.begin()
             with dbapi.cursor() as cursor:
                 granted, run_granted, discard = _lock(
-                    cursor, key, hold, False, timeout_ms, bound, run_ids
+                    cursor, key, hold, transaction, timeout_ms, bound, run_ids
                 )
+            if not granted:
+                if transaction:
+                    lock_transaction.rollback()
+                elif discard:
+                    owner.invalidate()
+                owner.close()
+                return False
         except BaseException as exc:
             # Unknown state (interrupted mid-statement): closing is the only safe release.
-            self._discard(pooled, exc)
-            pooled.close()
-            self._raise(exc, f"acquire lock {key.name!r}")
-        if not granted:
-            if discard:
-                pooled.invalidate()
-            pooled.close()
-            return False
-        engines.held_keys(pooled.info)[key.ids] += 1
-        pooled.info[engines.IDLE_NAME] = hold.idle_name
+            self._retire_if_dead(pooled, exc)
+            owner.invalidate()
+            owner.close()
+            self._raise(exc, action)
+        if transaction:
+            hold.sa_connection, hold.transaction = owner, lock_transaction
+        else:
+            engines.held_keys(pooled.info)[key.ids] += 1
+            pooled.info[engines.IDLE_NAME] = hold.idle_name
         hold.pooled, hold.connection = pooled, dbapi
+        # A transaction-level run lock ends with the transaction: nothing to release.
         hold.run_ids = run_ids if run_granted else None
         return True
 
@@ -651,7 +631,8 @@ class PerLockSessions(LockSessions):
                 row = cursor.fetchone()
         except BaseException as exc:
             held.clear()
-            self._discard(pooled, exc)  # the session's end frees whatever it held
+            self._retire_if_dead(pooled, exc)
+            pooled.invalidate()  # the session's end frees whatever it held
             pooled.close()
             self._raise(exc, f"release lock {key.name!r}{deadlines.explain(bound)}")
         held[key.ids] -= 1
@@ -668,44 +649,6 @@ class PerLockSessions(LockSessions):
                 name=key.name,
             )
         pooled.close()
-
-    def _lock_transaction(
-        self,
-        hold: Hold,
-        key: LockKey,
-        timeout_ms: int | None,
-        bound: float,
-        run_ids: tuple[int, ...] | None,
-    ) -> bool:
-        with driver_errors.wrap_db_errors(
-            f"acquire lock {key.name!r}", self.engine, connecting=True
-        ):
-            connection = self.engine.connect()
-        pooled: Any = None
-        try:
-            pooled = connection.connection
-            dbapi: Any = pooled.dbapi_connection
-            dbapi.autocommit = False
-            transaction = connection.begin()
-            with dbapi.cursor() as cursor:
-                # A failed wait in a transaction is rolled back: nothing to discard.
-                granted, run_granted, _ = _lock(
-                    cursor, key, hold, True, timeout_ms, bound, run_ids
-                )
-            if not granted:
-                transaction.rollback()
-                connection.close()
-                return False
-        except BaseException as exc:
-            self._retire_if_dead(pooled, exc)
-            connection.invalidate()
-            connection.close()
-            self._raise(exc, f"acquire lock {key.name!r}")
-        hold.pooled, hold.connection = pooled, dbapi
-        hold.sa_connection, hold.transaction = connection, transaction
-        # A transaction-level run lock ends with the transaction: nothing to release.
-        hold.run_ids = run_ids if run_granted else None
-        return True
 
     def _release_transaction(
         self,
