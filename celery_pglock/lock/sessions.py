@@ -127,8 +127,7 @@ class LockSessions:
         self._names: dict[tuple[str, ...], str] = {}
 
     def holder_of(self, key: LockKey, *, bound: float) -> str | None:
-        """``"<backend pid> <application_name>"`` of the session holding ``key`` now;
-        None when nobody does or it could not be found out (never raises)."""
+        """``"<backend pid> <application_name>"`` of ``key``'s holder; None if unknown."""
         what = f"looking up the holder of {key.name!r}"
         row = self._one_row(what, sql_text.HOLDER, key.pg_locks_ids, bound)
         return None if row is None else row[0]
@@ -191,8 +190,7 @@ class SessionBusyError(Exception):
 
 
 class _Bound(deadlines.Bound):
-    """The process session's bound, watched from connect to close, armed per round trip
-    (here, not in db/deadlines.py: it runs on the locked path)."""
+    """The process session's bound, armed per round trip (kept here: the locked path)."""
 
     __slots__ = ()
 
@@ -214,10 +212,7 @@ class _Bound(deadlines.Bound):
 
 class ProcessSession(LockSessions):
     """One connection per process and engine carrying every session-scope try-lock.
-
-    Thread-safe: one mutex serialises the holds table and every statement on the
-    connection (a psycopg2 connection runs one statement at a time).
-    """
+    One mutex serialises the holds table and every statement on the connection."""
 
     def __init__(self, engine: sa.Engine, claims: Claims) -> None:
         super().__init__(engine, claims)
@@ -244,13 +239,11 @@ class ProcessSession(LockSessions):
         run: LockKey | None,
         on_granted: Callable[[Hold], None] | None,
     ) -> Hold | None:
-        """Take ``key``; the hold, or None when another session (or run) holds it.
+        """Take ``key`` (and the run lock ``run`` with it); the hold, or None if busy.
 
-        ``bound`` limits the round trip beyond any ``timeout_ms`` wait; ``run``: a run
-        lock taken and released with the key. ``on_granted`` gets the hold as soon as it
-        is recorded, so an exception landing before the return (a soft time limit)
-        cannot leave a granted key its owner does not know.
-        """
+        ``bound`` limits the round trip beyond any ``timeout_ms`` wait. ``on_granted``
+        gets the hold once recorded: a soft time limit landing before the return cannot
+        leave a granted key its owner does not know."""
         if transaction or timeout_ms is not None:
             return self.waits.acquire(
                 key, label, timeout_ms, transaction, bound, run, on_granted
@@ -264,8 +257,7 @@ class ProcessSession(LockSessions):
                 if not self.claims.claim(hold):
                     return None
                 # A run lock held in this process already (the same task id twice) would
-                # re-enter on this session: not taken again, so its release ends no
-                # other run's.
+                # re-enter on this session: not taken, so its release ends no other run's.
                 run_ids = None if run is None or run.ids in self._runs else run.ids
                 if self._cursor is None:
                     self._connect(key)
@@ -308,8 +300,8 @@ class ProcessSession(LockSessions):
         return row is not None and row[0] is not None, bool(row and row[0])
 
     def release(self, hold: Hold, key: LockKey, commit: bool, timeout: float) -> None:
-        """Give ``hold`` back, and its claim whatever the outcome; raises
-        LockNotOwnedError, LockLostError or DatabaseError (the session is then closed)."""
+        """Give ``hold`` back, and its claim whatever the outcome (AdvisoryLock.release
+        lists what it raises)."""
         ids, run_ids = hold.ids, hold.run_ids
         with self._mutex:
             # Under the mutex: no try-lock of the process runs before the unlock below.
@@ -515,8 +507,7 @@ class PerLockSessions(LockSessions):
         deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
         handed = False
         try:
-            # Inside the try: an exception just after the claim must not leave the key
-            # claimed by nobody.
+            # Inside the try, as in ProcessSession.acquire.
             if not self.claims.claim(hold, deadline):
                 return None
             if deadline is not None:
@@ -781,8 +772,6 @@ def _lock(
     return True, bool(row and row[0]), False
 
 
-# -- the sessions of this process, per engine ---------------------------------------------
-
 _process: dict[sa.Engine, ProcessSession] = {}
 #: The claims per engine, shared by both strategies; they outlive close_for() and a new
 #: session (a run that lost its session keeps its key until its release).
@@ -813,8 +802,7 @@ def process_session(engine: sa.Engine) -> ProcessSession:
 
 
 def open_process_session(engine: sa.Engine) -> ProcessSession | None:
-    """This process's session for ``engine`` if it has one (never creates it): the lock
-    watcher checks locks on it instead of a connection of its own."""
+    """This process's session for ``engine`` if it has one (never creates it)."""
     return _process.get(engine)
 
 
@@ -832,11 +820,8 @@ def close_all() -> None:
 
 
 def close_for(engine: sa.Engine) -> None:
-    """Close this process's session of ``engine``, if any (before disposing of it).
-
-    Not tied to ``engine.dispose()``: disposing of a pool (after a fork, say) must not
-    end the locks of every other task of the process.
-    """
+    """Close this process's session of ``engine``, if any (before disposing of it; not
+    tied to ``engine.dispose()``, which must not end every other task's locks)."""
     with _registry_guard:
         session = _process.pop(engine, None)
     if session is not None:
