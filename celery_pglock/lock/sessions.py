@@ -524,15 +524,6 @@ class PerLockSessions(LockSessions):
                 self.claims.release(hold)  # a no-op if the claim was refused
         return hold if handed else None
 
-    def release(self, hold: Hold, key: LockKey, commit: bool, timeout: float) -> None:
-        try:
-            if hold.transaction is None:
-                self._release_session(hold, key, timeout)
-            else:
-                self._release_transaction(hold, hold.transaction, key, commit, timeout)
-        finally:
-            self.claims.release(hold)  # the run has ended, whatever became of its lock
-
     def fencing_holder(
         self, hold: Hold, key: LockKey, *, bound: float
     ) -> fencing_tokens.Holder | None:
@@ -604,81 +595,71 @@ class PerLockSessions(LockSessions):
         hold.run_ids = run_ids if run_granted else None
         return True
 
-    def _release_session(self, hold: Hold, key: LockKey, timeout: float) -> None:
-        pooled = hold.pooled
-        held = engines.held_keys(pooled.info)
-        if hold.run_ids is None:
-            statement, params = sql_text.UNLOCK_SESSION, (*key.ids, hold.idle_name)
-        else:
-            statement = sql_text.UNLOCK_SESSION_RUN
-            params = (*key.ids, hold.idle_name, *hold.run_ids)
+    def release(self, hold: Hold, key: LockKey, commit: bool, timeout: float) -> None:
+        """Unlock (session scope) or end the transaction (transaction scope) and give the
+        connection back, closed after any failure; the claim is given back whatever the
+        outcome."""
+        transaction = hold.transaction
+        owner: Any = hold.pooled if transaction is None else transaction.connection
         bound: deadlines.Bound | None = None
         try:
-            with (
-                deadlines.bounded(hold.connection, timeout) as bound,
-                hold.connection.cursor() as cursor,
-            ):
-                cursor.execute(statement[len(key.ids)], params)
-                row = cursor.fetchone()
+            if transaction is None:
+                statement, params = sql_text.UNLOCK_SESSION, (*key.ids, hold.idle_name)
+                if hold.run_ids is not None:
+                    statement = sql_text.UNLOCK_SESSION_RUN
+                    params = (*params, *hold.run_ids)
+                with (
+                    deadlines.bounded(hold.connection, timeout) as bound,
+                    hold.connection.cursor() as cursor,
+                ):
+                    cursor.execute(statement[len(key.ids)], params)
+                    row = cursor.fetchone()
+                held = engines.held_keys(hold.pooled.info)
+                held[key.ids] -= 1
+                if held[key.ids] <= 0:
+                    del held[key.ids]
+                if not (row and row[0]):
+                    raise exceptions.LockNotOwnedError(
+                        f"PostgreSQL says the session no longer held lock {key.name!r} (key {key}) "
+                        "at release; the connection was closed instead of being pooled.",
+                        key=str(key),
+                        name=key.name,
+                    )
+            else:
+                if not transaction.is_active:
+                    raise exceptions.LockLostError(
+                        f"The transaction of lock {key.name!r} (key {key}) was ended before "
+                        "release (committed or rolled back by the task?), so the lock ended early.",
+                        key=str(key),
+                        name=key.name,
+                    )
+                # A late answer still counts: the transaction did end, which is what
+                # released the lock.
+                with deadlines.bounded(
+                    hold.connection, timeout, late_answer_fails=False
+                ) as bound:
+                    if commit:
+                        transaction.commit()
+                    else:
+                        transaction.rollback()
+                if bound.fired:
+                    owner.invalidate()  # the socket was shut down: the session ends
+                elif hold.lent:
+                    self._discard_all(hold, owner, timeout)
         except BaseException as exc:
-            held.clear()
-            self._retire_if_dead(pooled, exc)
-            pooled.invalidate()  # the session's end frees whatever it held
-            pooled.close()
-            self._raise(exc, f"release lock {key.name!r}{deadlines.explain(bound)}")
-        held[key.ids] -= 1
-        if held[key.ids] <= 0:
-            del held[key.ids]
-        if not (row and row[0]):
-            held.clear()
-            pooled.invalidate()
-            pooled.close()
-            raise exceptions.LockNotOwnedError(
-                f"PostgreSQL says the session no longer held lock {key.name!r} (key {key}) "
-                "at release; the connection was closed instead of being pooled.",
-                key=str(key),
-                name=key.name,
-            )
-        pooled.close()
-
-    def _release_transaction(
-        self,
-        hold: Hold,
-        transaction: sa.RootTransaction,
-        key: LockKey,
-        commit: bool,
-        timeout: float,
-    ) -> None:
-        connection = transaction.connection
-        bound: deadlines.Bound | None = None
-        try:
-            if not transaction.is_active:
-                raise exceptions.LockLostError(
-                    f"The transaction of lock {key.name!r} (key {key}) was ended before "
-                    "release (committed or rolled back by the task?), so the lock ended early.",
-                    key=str(key),
-                    name=key.name,
-                )
-            # A late answer still counts: the transaction did end, which is what
-            # released the lock.
-            with deadlines.bounded(
-                hold.connection, timeout, late_answer_fails=False
-            ) as bound:
-                if commit:
-                    transaction.commit()
-                else:
-                    transaction.rollback()
-            if bound.fired:
-                connection.invalidate()  # the socket was shut down: the session ends
-            elif hold.lent:
-                self._discard_all(hold, connection, timeout)
-        except BaseException as exc:
+            if transaction is None:
+                engines.held_keys(hold.pooled.info).clear()
+                verb = "release"
+            else:
+                verb = "commit" if commit else "roll back"
             self._retire_if_dead(hold.pooled, exc)
-            connection.invalidate()
-            verb = "commit" if commit else "roll back"
+            owner.invalidate()  # the session's end frees whatever it held
             self._raise(exc, f"{verb} lock {key.name!r}{deadlines.explain(bound)}")
         finally:
-            connection.close()
+            try:
+                owner.close()
+            finally:  # the run has ended, whatever became of its lock
+                self.claims.release(hold)
 
     def _discard_all(
         self, hold: Hold, connection: sa.Connection, timeout: float
