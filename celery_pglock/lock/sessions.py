@@ -34,8 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Seconds one lock round trip (acquire beyond any lock_timeout wait, or release) may
-#: wait on the database before its socket is shut down (db/deadlines.py).
+#: The default of AdvisoryLock.round_trip_timeout, in seconds (db/deadlines.py).
 DEFAULT_ROUND_TRIP_TIMEOUT = 5.0
 #: Key of a pooled connection's ``info``: the fencing Holder its session is.
 _HOLDER = "celery_pglock_fencing_holder"
