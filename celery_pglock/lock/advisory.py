@@ -1,9 +1,5 @@
 """AdvisoryLock: one PostgreSQL advisory lock, on the session :mod:`.sessions` picks.
-
-``session`` scope releases with a checked ``pg_advisory_unlock``; ``transaction`` scope
-ends when ``release()`` commits or rolls back. Lifetimes and timelines: docs/design.md
-and docs/guide/how-it-works.md. Not thread-safe: one AdvisoryLock belongs to one thread
-(or greenlet) at a time; separate AdvisoryLock objects are safe in any number of threads.
+Why: docs/design.md and docs/guide/how-it-works.md.
 """
 
 from __future__ import annotations
@@ -29,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 class AdvisoryLock:
     """One advisory lock of ``engine``'s database.
+
+    Not thread-safe: one AdvisoryLock belongs to one thread (or greenlet) at a time;
+    separate AdvisoryLock objects are safe in any number of threads.
 
     Args:
         engine: A lock engine (see ``celery_pglock.db.engines.create_engine``); its pool
@@ -72,8 +71,6 @@ class AdvisoryLock:
         self.fencing_token: int | None = None  #: This hold's token (fencing on).
         #: A run lock held beside the key (keys.run_key; acks_late runs), or None.
         self.run_key: LockKey | None = None
-
-    # -- public verbs -------------------------------------------------------------------
 
     def acquire(self, *, timeout: float | None = None) -> bool:
         """Take the lock; True if granted, False if another session holds it.
@@ -177,7 +174,6 @@ class AdvisoryLock:
                 name=self.key.name,
             )
         try:
-            # A bounded wait's hold lives on the per-lock sessions.
             hold.session.release(hold, self.key, commit, self.round_trip_timeout)
         finally:
             self.released_at = time.monotonic()
@@ -219,7 +215,12 @@ class AdvisoryLock:
                     name=self.key.name,
                 )
         except BaseException:
-            self._release_quietly()  # a fenced run never runs without its token
+            # A fenced run never runs without its token; a lost session freed it anyway.
+            if self.owned():
+                try:
+                    self.release(commit=False)
+                except exceptions.PgLockError:
+                    logger.debug("Release after a failed fencing token", exc_info=True)
             raise
         self.fencing_token = token
         return token
@@ -340,8 +341,6 @@ class AdvisoryLock:
         state = "held" if self.owned() else "not held"
         return f"<AdvisoryLock {self.key.name!r} key={self.key} scope={self.scope.value} {state}>"
 
-    # -- primitives ---------------------------------------------------------------------
-
     def _do_acquire(self, timeout_ms: int | None) -> bool:
         transaction = self.scope is LockScope.TRANSACTION
         hold = self._session.acquire(
@@ -355,14 +354,6 @@ class AdvisoryLock:
         )
         self._hold = hold
         return hold is not None
-
-    def _release_quietly(self) -> None:
-        """Give the lock back after a failed token; a lost session has freed it anyway."""
-        if self.owned():
-            try:
-                self.release(commit=False)
-            except exceptions.PgLockError:
-                logger.debug("Release after a failed fencing token", exc_info=True)
 
     def _granted(self, hold: sessions.Hold) -> None:
         # Owned from the moment the session recorded the grant (ProcessSession.acquire).

@@ -1,7 +1,5 @@
-"""Fencing tokens: the table, its SQL, and issuing a token only to a session that holds
-the key at that very moment (:class:`Holder` names it, :func:`issue` checks and issues
-in one committed statement on a pooled connection). docs/guide/fencing.md says why this
-design never gives a stale run a token, and why the table is keyed and sequenced so.
+"""Fencing tokens: the table, its SQL, and issuing a token only to the session that
+holds the key at that very moment. Why: docs/guide/fencing.md.
 """
 
 from __future__ import annotations
@@ -206,12 +204,15 @@ def issue(engine: sa.Engine, key: LockKey, holder: Holder, bound: float) -> int 
 @contextlib.contextmanager
 def autocommit(engine: sa.Engine) -> Iterator[Any]:
     """A pooled DBAPI connection of ``engine`` in autocommit; invalidated after an error
-    (its state is unknown), else returned to the pool."""
+    (its state is unknown; a dead session also retires its older siblings), else
+    returned to the pool."""
     pooled: Any = engine.raw_connection()
     try:
         pooled.dbapi_connection.autocommit = True
         yield pooled.dbapi_connection
-    except BaseException:
+    except BaseException as exc:
+        if driver_errors.is_disconnect(exc):
+            engines.mark_pool_stale(engine, pooled, exc)
         pooled.invalidate()
         raise
     finally:

@@ -1,9 +1,6 @@
-"""Who holds a lock: the holder's backend pid, worker ``host:pid`` and task name.
-
-Read from ``pg_locks`` on the skip path only, at most once a second per hot key, and
-parsed from the holder's ``application_name`` (docs/operations/monitoring.md shows the
-formats). A snapshot up to RECENT_SECONDS old. Never raises: not knowing the holder must
-never change how a skip ends.
+"""Who holds a lock (backend pid, worker ``host:pid``, task name), for the skip path;
+never raises: not knowing the holder must never change how a skip ends. The
+application_name formats: docs/operations/monitoring.md.
 """
 
 from __future__ import annotations
@@ -20,8 +17,8 @@ if TYPE_CHECKING:
 #: How long a holder found for a key is reused for further skips of that key.
 RECENT_SECONDS = 1.0
 _RECENT_MAX = 1024  # keys remembered per sessions object; cleared when full
-#: The lock's sessions object -> {key ids: (time.monotonic() of the lookup, its answer)}
-#: (not the engine's URL: hashing a URL renders it, which costs more than a skip).
+#: Sessions object -> {key ids: (time.monotonic() of the lookup, its answer)} (not the
+#: engine's URL: hashing a URL renders it, which costs more than a skip).
 _recent: weakref.WeakKeyDictionary[
     object, dict[tuple[int, ...], tuple[float, Holder | None]]
 ] = weakref.WeakKeyDictionary()
@@ -80,12 +77,10 @@ def parse_application_name(
 def find(lock: AdvisoryLock) -> Holder | None:
     """The session holding ``lock``'s key, or None (released since, or unknown).
 
-    Asked on the lock's own session where it has one, at most once per key and process
-    in RECENT_SECONDS: under full contention the lookup costs the server several times
-    what the refused try did.
+    Asked at most once per key and sessions object in RECENT_SECONDS: under full
+    contention the lookup costs the server several times what the refused try did.
     """
-    key = lock.key
-    session = lock.session
+    key, session = lock.key, lock.session
     remembered = _recent.setdefault(session, {})
     now = time.monotonic()
     recent = remembered.get(key.ids)

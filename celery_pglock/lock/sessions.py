@@ -1,11 +1,6 @@
-"""The lock sessions: the PostgreSQL session that carries a key from acquire to release.
-
-:func:`for_lock` picks, per engine and process, a :class:`ProcessSession` (one connection
-carrying every session-scope try-lock of the process) or its :class:`PerLockSessions` (a
-pooled connection pinned per lock: transaction scope and bounded waits). Both keep a key
-claimed in the process (:class:`Claims`) until its run ends. Why: docs/design.md
-("One lock session per process", "A key stays claimed"). A forked child forgets its
-parent's sessions and opens its own.
+"""The PostgreSQL sessions that carry a key from acquire to release: :func:`for_lock`
+picks a :class:`ProcessSession` or its :class:`PerLockSessions`, per engine and process.
+Why: docs/design.md ("One lock session per process", "A key stays claimed").
 """
 
 from __future__ import annotations
@@ -39,8 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Seconds one lock round trip (acquire beyond any lock_timeout wait, or release) may
-#: wait on the database before its socket is shut down (db/deadlines.py).
+#: The default of AdvisoryLock.round_trip_timeout, in seconds (db/deadlines.py).
 DEFAULT_ROUND_TRIP_TIMEOUT = 5.0
 #: Key of a pooled connection's ``info``: the fencing Holder its session is.
 _HOLDER = "celery_pglock_fencing_holder"
@@ -67,10 +61,8 @@ class Hold:
 
 class Claims:
     """The keys held by runs of this process (per engine), from acquire until release,
-    whatever became of their sessions (docs/design.md, "A key stays claimed").
-
-    A claim refers to its hold weakly: a hold dropped without a release frees its key,
-    as the pool's check-in frees its lock. Thread-safe (gevent/eventlet patch its lock).
+    whatever became of their sessions. A claim refers to its hold weakly: a hold dropped
+    without a release frees its key, as the pool's check-in frees its lock. Thread-safe.
     """
 
     __slots__ = ("_cond", "_held", "_mutex", "_waiting")
@@ -87,11 +79,9 @@ class Claims:
         self._waiting = 0
 
     def claim(self, hold: Hold, deadline: float | None = None) -> bool:
-        """Claim ``hold.ids``; False if another run of the process holds it.
-
-        ``deadline`` (``time.monotonic()``): wait until then; None: try once. The caller
-        gives the claim back with :meth:`release`, granted or not.
-        """
+        """Claim ``hold.ids``, waiting until ``deadline`` (``time.monotonic()``; None:
+        try once); False if another run of the process holds it. Given back by
+        :meth:`release`, granted or not."""
         ids = hold.ids
         with self._mutex:
             if self._holder(ids) is not None:
@@ -110,7 +100,6 @@ class Claims:
             return True
 
     def release(self, hold: Hold) -> None:
-        """``hold``'s run has ended (or was not granted the lock): free its key."""
         with self._mutex:
             if self._holder(hold.ids) is hold:
                 del self._held[hold.ids]
@@ -118,7 +107,6 @@ class Claims:
                     self._cond.notify_all()
 
     def held(self, ids: tuple[int, ...]) -> bool:
-        """Is ``ids`` claimed by a run of this process (tests, diagnostics)?"""
         with self._mutex:
             return self._holder(ids) is not None
 
@@ -138,8 +126,7 @@ class LockSessions:
         self._names: dict[tuple[str, ...], str] = {}
 
     def holder_of(self, key: LockKey, *, bound: float) -> str | None:
-        """``"<backend pid> <application_name>"`` of the session holding ``key`` now;
-        None when nobody does or it could not be found out (never raises)."""
+        """``"<backend pid> <application_name>"`` of ``key``'s holder; None if unknown."""
         what = f"looking up the holder of {key.name!r}"
         row = self._one_row(what, sql_text.HOLDER, key.pg_locks_ids, bound)
         return None if row is None else row[0]
@@ -155,34 +142,22 @@ class LockSessions:
     def _one_row(
         self, what: str, statement: str, params: tuple[Any, ...], bound: float
     ) -> tuple[Any, ...] | None:
-        """One statement's row on a pooled connection, or None if it failed (logged at
-        DEBUG: these questions add detail to an outcome, never decide one)."""
+        """The statement's row, or None if it failed (logged at DEBUG: these questions
+        add detail to an outcome, never decide one)."""
         try:
-            pooled = self.engine.raw_connection()
+            with (
+                fencing_tokens.autocommit(self.engine) as dbapi,
+                deadlines.bounded(dbapi, bound),
+                dbapi.cursor() as cursor,
+            ):
+                cursor.execute(statement, params)
+                row: tuple[Any, ...] | None = cursor.fetchone()
         except Exception:
             logger.debug("%s failed", what, exc_info=True)
             return None
-        try:
-            dbapi: Any = pooled.dbapi_connection
-            dbapi.autocommit = True
-            with deadlines.bounded(dbapi, bound), dbapi.cursor() as cursor:
-                cursor.execute(statement, params)
-                row: tuple[Any, ...] | None = cursor.fetchone()
-        except Exception as exc:
-            logger.debug("%s failed", what, exc_info=True)
-            self._discard(pooled, exc)
-            return None
-        finally:
-            pooled.close()
         return row
 
-    def _discard(self, pooled: Any, exc: BaseException) -> None:
-        """Close ``pooled`` (its session in an unknown state) instead of pooling it."""
-        self._retire_if_dead(pooled, exc)
-        pooled.invalidate()
-
     def _retire_if_dead(self, pooled: Any, exc: BaseException) -> None:
-        """If ``exc`` says ``pooled``'s session died, retire the pool's older connections."""
         if driver_errors.is_disconnect(exc):
             engines.mark_pool_stale(self.engine, pooled, exc)
 
@@ -200,7 +175,7 @@ class LockSessions:
     def _raise(
         self, exc: BaseException, action: str, *, connecting: bool = False
     ) -> NoReturn:
-        """Raise ``exc`` (being handled) again: a driver error as a DatabaseError."""
+        """Raise ``exc`` again, a driver error as a DatabaseError."""
         if isinstance(exc, Exception):
             with driver_errors.wrap_db_errors(
                 action, self.engine, connecting=connecting
@@ -214,8 +189,7 @@ class SessionBusyError(Exception):
 
 
 class _Bound(deadlines.Bound):
-    """The process session's bound, watched from connect to close; armed per round trip
-    (here, not in db/deadlines.py: it runs on the locked path)."""
+    """The process session's bound, armed per round trip (kept here: the locked path)."""
 
     __slots__ = ()
 
@@ -237,10 +211,7 @@ class _Bound(deadlines.Bound):
 
 class ProcessSession(LockSessions):
     """One connection per process and engine carrying every session-scope try-lock.
-
-    Thread-safe: one mutex serialises the holds table and every statement on the
-    connection (a psycopg2 connection runs one statement at a time).
-    """
+    One mutex serialises the holds table and every statement on the connection."""
 
     def __init__(self, engine: sa.Engine, claims: Claims) -> None:
         super().__init__(engine, claims)
@@ -267,16 +238,13 @@ class ProcessSession(LockSessions):
         run: LockKey | None,
         on_granted: Callable[[Hold], None] | None,
     ) -> Hold | None:
-        """Take ``key``; the hold, or None when another session (or run) holds it.
+        """Take ``key`` (and the run lock ``run`` with it); the hold, or None if busy.
 
-        ``bound`` limits the round trip beyond any ``timeout_ms`` wait; ``run``: a run
-        lock taken and released with the key. ``on_granted`` gets the hold as soon as it
-        is recorded, so an exception landing before the return (a soft time limit)
-        cannot leave a granted key its owner does not know.
-        """
+        ``bound`` limits the round trip beyond any ``timeout_ms`` wait. ``on_granted``
+        gets the hold once recorded: a soft time limit landing before the return cannot
+        leave a granted key its owner does not know."""
         if transaction or timeout_ms is not None:
-            waits = self.waits
-            return waits.acquire(
+            return self.waits.acquire(
                 key, label, timeout_ms, transaction, bound, run, on_granted
             )
         hold = Hold(self, key.ids)
@@ -288,8 +256,7 @@ class ProcessSession(LockSessions):
                 if not self.claims.claim(hold):
                     return None
                 # A run lock held in this process already (the same task id twice) would
-                # re-enter on this session: not taken again, so its release ends no
-                # other run's.
+                # re-enter on this session: not taken, so its release ends no other run's.
                 run_ids = None if run is None or run.ids in self._runs else run.ids
                 if self._cursor is None:
                     self._connect(key)
@@ -300,8 +267,7 @@ class ProcessSession(LockSessions):
                     with self._bound(bound):
                         granted, run_granted = self._try(ids, name, run_ids)
                     if granted:
-                        # Recorded inside the try: a soft time limit landing here must not
-                        # leave a granted key nobody in the process knows.
+                        # Inside the try, for the same reason.
                         self._shown = hold.holding_name = name
                         hold.connection = self._connection
                         self._owners[ids] = hold
@@ -321,7 +287,6 @@ class ProcessSession(LockSessions):
     def _try(
         self, ids: tuple[int, ...], name: str, run_ids: tuple[int, ...] | None
     ) -> tuple[bool, bool]:
-        """One try-lock statement: (granted, run lock granted)."""
         cursor = self._cursor
         if name != self._shown:  # a relabel costs about what the lock does
             return _try_named(cursor, ids, name, run_ids)
@@ -334,8 +299,8 @@ class ProcessSession(LockSessions):
         return row is not None and row[0] is not None, bool(row and row[0])
 
     def release(self, hold: Hold, key: LockKey, commit: bool, timeout: float) -> None:
-        """Give ``hold`` back, and its claim whatever the outcome; raises
-        LockNotOwnedError, LockLostError or DatabaseError (the session is then closed)."""
+        """Give ``hold`` back, and its claim whatever the outcome (AdvisoryLock.release
+        lists what it raises)."""
         ids, run_ids = hold.ids, hold.run_ids
         with self._mutex:
             # Under the mutex: no try-lock of the process runs before the unlock below.
@@ -401,8 +366,7 @@ class ProcessSession(LockSessions):
     def _one_row(
         self, what: str, statement: str, params: tuple[Any, ...], bound: float
     ) -> tuple[Any, ...] | None:
-        # On this session when it is open: no second connection.
-        with self._mutex:
+        with self._mutex:  # on this session when it is open: no second connection
             if self._cursor is not None:
                 try:
                     with self._bound(bound):
@@ -415,18 +379,14 @@ class ProcessSession(LockSessions):
                 return row
         return super()._one_row(what, statement, params, bound)
 
-    # -- for the lock watcher and shutdown ------------------------------------------------
-
     def run_check(
         self, statement: str, params: tuple[Any, ...], deadline: float, least: float
     ) -> list[tuple[Any, ...]] | None:
-        """For the lock watcher: one read-only statement on this session by ``deadline``
-        (``time.monotonic()``): its rows, or None if the session is not open.
-
-        Raises :class:`SessionBusyError` if other statements keep the session until less
-        than ``least`` seconds remain. A statement that gets no answer in time, or finds
-        the session gone, ends the session (its holds are lost); any error is raised.
-        """
+        """For the lock watcher: one read-only statement's rows by ``deadline``
+        (``time.monotonic()``), or None if the session is not open. Raises
+        :class:`SessionBusyError` if other statements keep the session until less than
+        ``least`` seconds remain; a statement that finds the session gone, or gets no
+        answer in time, ends it (its holds are lost). Any error is raised."""
         if not self._mutex.acquire(
             timeout=max(0.0, deadline - least - time.monotonic())
         ):
@@ -449,7 +409,6 @@ class ProcessSession(LockSessions):
             self._mutex.release()
 
     def holds(self) -> list[Hold]:
-        """The locks held on this session right now."""
         with self._mutex:
             return list(self._owners.values())
 
@@ -467,8 +426,6 @@ class ProcessSession(LockSessions):
                 len(lost),
                 extra={"action": "lock_checkin_unlock_all"},
             )
-
-    # -- internals ------------------------------------------------------------------------
 
     def _connect(self, key: LockKey) -> None:
         # A standby or a pooler that breaks session locks is refused (probed once).
@@ -489,23 +446,22 @@ class ProcessSession(LockSessions):
         self._shown = None
 
     def _ended(self, cause: str, exc: BaseException) -> bool:
-        """Under the mutex, after a failed statement: end the session if it is dead."""
+        """After a failed statement: end the session if it is dead."""
         if self._connection.closed or driver_errors.is_disconnect(exc):
             self._fail(cause, exc)
             return True
         return False
 
     def _fail(self, cause: str, exc: BaseException) -> None:
-        """Under the mutex: a statement failed; end the session. If it died (a server
-        restart ends every session), every pooled connection opened until now is retired
-        (detached, this one cannot say when it was opened)."""
+        """End the session. If it died (a server restart ends every session), retire
+        every pooled connection opened until now (detached, it cannot say when it was)."""
         self._close(cause)
         if driver_errors.is_disconnect(exc):
             engines.mark_pool_stale(self.engine, None, exc)
 
     def _close(self, cause: str) -> list[Hold]:
-        """Under the mutex: end the session; every hold on it is lost (their keys stay
-        claimed until their release: their bodies may still run)."""
+        """End the session; its holds are lost (their keys stay claimed until their
+        release: their bodies may still run). This and the two above: under the mutex."""
         connection, self._connection = self._connection, None
         if self._bound is not None:
             deadlines.unwatch(self._bound)
@@ -550,16 +506,14 @@ class PerLockSessions(LockSessions):
         deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
         handed = False
         try:
-            # Inside the try: an exception just after the claim must not leave the key
-            # claimed by nobody.
+            # Inside the try, as in ProcessSession.acquire.
             if not self.claims.claim(hold, deadline):
                 return None
             if deadline is not None:
                 # What the wait in the process left, never 0 (lock_timeout 0: unbounded).
                 timeout_ms = max(1, math.ceil((deadline - time.monotonic()) * 1000))
             run_ids = None if run is None else run.ids
-            lock = self._lock_transaction if transaction else self._lock_session
-            if lock(hold, key, timeout_ms, bound, run_ids):
+            if self._pin(hold, key, timeout_ms, bound, run_ids, transaction):
                 # From here a pinned connection nobody knows is unlocked at check-in.
                 if on_granted is not None:
                     on_granted(hold)
@@ -568,15 +522,6 @@ class PerLockSessions(LockSessions):
             if not handed:
                 self.claims.release(hold)  # a no-op if the claim was refused
         return hold if handed else None
-
-    def release(self, hold: Hold, key: LockKey, commit: bool, timeout: float) -> None:
-        try:
-            if hold.transaction is None:
-                self._release_session(hold, key, timeout)
-            else:
-                self._release_transaction(hold, hold.transaction, key, commit, timeout)
-        finally:
-            self.claims.release(hold)  # the run has ended, whatever became of its lock
 
     def fencing_holder(
         self, hold: Hold, key: LockKey, *, bound: float
@@ -598,153 +543,122 @@ class PerLockSessions(LockSessions):
                 return None  # its session ended; the release says so
             self._raise(exc, f"issue a fencing token for lock {key.name!r}")
 
-    def _lock_session(
+    def _pin(
         self,
         hold: Hold,
         key: LockKey,
         timeout_ms: int | None,
         bound: float,
         run_ids: tuple[int, ...] | None,
+        transaction: bool,
     ) -> bool:
-        with driver_errors.wrap_db_errors(
-            f"acquire lock {key.name!r}", self.engine, connecting=True
-        ):
-            pooled = self.engine.raw_connection()
+        """Take ``key`` on a pooled connection pinned to ``hold``: an autocommit one in
+        session scope, an SQLAlchemy one in an open transaction in transaction scope."""
+        action = f"acquire lock {key.name!r}"
+        with driver_errors.wrap_db_errors(action, self.engine, connecting=True):
+            owner: Any = (
+                self.engine.connect() if transaction else self.engine.raw_connection()
+            )
+        pooled: Any = None
+        lock_transaction: Any = None
         try:
+            pooled = owner.connection if transaction else owner
             dbapi: Any = pooled.dbapi_connection
-            dbapi.autocommit = True
+            dbapi.autocommit = not transaction
+            if transaction:
+                lock_transaction = owner.begin()
             with dbapi.cursor() as cursor:
                 granted, run_granted, discard = _lock(
-                    cursor, key, hold, False, timeout_ms, bound, run_ids
-                )
-        except BaseException as exc:
-            # Unknown state (interrupted mid-statement): closing is the only safe release.
-            self._discard(pooled, exc)
-            pooled.close()
-            self._raise(exc, f"acquire lock {key.name!r}")
-        if not granted:
-            if discard:
-                pooled.invalidate()
-            pooled.close()
-            return False
-        engines.held_keys(pooled.info)[key.ids] += 1
-        pooled.info[engines.IDLE_NAME] = hold.idle_name
-        hold.pooled, hold.connection = pooled, dbapi
-        hold.run_ids = run_ids if run_granted else None
-        return True
-
-    def _release_session(self, hold: Hold, key: LockKey, timeout: float) -> None:
-        pooled = hold.pooled
-        held = engines.held_keys(pooled.info)
-        if hold.run_ids is None:
-            statement, params = sql_text.UNLOCK_SESSION, (*key.ids, hold.idle_name)
-        else:
-            statement = sql_text.UNLOCK_SESSION_RUN
-            params = (*key.ids, hold.idle_name, *hold.run_ids)
-        bound: deadlines.Bound | None = None
-        try:
-            with (
-                deadlines.bounded(hold.connection, timeout) as bound,
-                hold.connection.cursor() as cursor,
-            ):
-                cursor.execute(statement[len(key.ids)], params)
-                row = cursor.fetchone()
-        except BaseException as exc:
-            held.clear()
-            self._discard(pooled, exc)  # the session's end frees whatever it held
-            pooled.close()
-            self._raise(exc, f"release lock {key.name!r}{deadlines.explain(bound)}")
-        held[key.ids] -= 1
-        if held[key.ids] <= 0:
-            del held[key.ids]
-        if not (row and row[0]):
-            held.clear()
-            pooled.invalidate()
-            pooled.close()
-            raise exceptions.LockNotOwnedError(
-                f"PostgreSQL says the session no longer held lock {key.name!r} (key {key}) "
-                "at release; the connection was closed instead of being pooled.",
-                key=str(key),
-                name=key.name,
-            )
-        pooled.close()
-
-    def _lock_transaction(
-        self,
-        hold: Hold,
-        key: LockKey,
-        timeout_ms: int | None,
-        bound: float,
-        run_ids: tuple[int, ...] | None,
-    ) -> bool:
-        with driver_errors.wrap_db_errors(
-            f"acquire lock {key.name!r}", self.engine, connecting=True
-        ):
-            connection = self.engine.connect()
-        pooled: Any = None
-        try:
-            pooled = connection.connection
-            dbapi: Any = pooled.dbapi_connection
-            dbapi.autocommit = False
-            transaction = connection.begin()
-            with dbapi.cursor() as cursor:
-                # A failed wait in a transaction is rolled back: nothing to discard.
-                granted, run_granted, _ = _lock(
-                    cursor, key, hold, True, timeout_ms, bound, run_ids
+                    cursor, key, hold, transaction, timeout_ms, bound, run_ids
                 )
             if not granted:
-                transaction.rollback()
-                connection.close()
+                if transaction:
+                    lock_transaction.rollback()
+                elif discard:
+                    owner.invalidate()
+                owner.close()
                 return False
         except BaseException as exc:
+            # Unknown state (interrupted mid-statement): closing is the only safe release.
             self._retire_if_dead(pooled, exc)
-            connection.invalidate()
-            connection.close()
-            self._raise(exc, f"acquire lock {key.name!r}")
+            owner.invalidate()
+            owner.close()
+            self._raise(exc, action)
+        if transaction:
+            hold.sa_connection, hold.transaction = owner, lock_transaction
+        else:
+            engines.held_keys(pooled.info)[key.ids] += 1
+            pooled.info[engines.IDLE_NAME] = hold.idle_name
         hold.pooled, hold.connection = pooled, dbapi
-        hold.sa_connection, hold.transaction = connection, transaction
         # A transaction-level run lock ends with the transaction: nothing to release.
         hold.run_ids = run_ids if run_granted else None
         return True
 
-    def _release_transaction(
-        self,
-        hold: Hold,
-        transaction: sa.RootTransaction,
-        key: LockKey,
-        commit: bool,
-        timeout: float,
-    ) -> None:
-        connection = transaction.connection
+    def release(self, hold: Hold, key: LockKey, commit: bool, timeout: float) -> None:
+        """Unlock (session scope) or end the transaction (transaction scope) and give the
+        connection back, closed after any failure; the claim is given back whatever the
+        outcome."""
+        transaction = hold.transaction
+        owner: Any = hold.pooled if transaction is None else transaction.connection
         bound: deadlines.Bound | None = None
         try:
-            if not transaction.is_active:
-                raise exceptions.LockLostError(
-                    f"The transaction of lock {key.name!r} (key {key}) was ended before "
-                    "release (committed or rolled back by the task?), so the lock ended early.",
-                    key=str(key),
-                    name=key.name,
-                )
-            # A late answer still counts: the transaction did end, which is what
-            # released the lock.
-            with deadlines.bounded(
-                hold.connection, timeout, late_answer_fails=False
-            ) as bound:
-                if commit:
-                    transaction.commit()
-                else:
-                    transaction.rollback()
-            if bound.fired:
-                connection.invalidate()  # the socket was shut down: the session ends
-            elif hold.lent:
-                self._discard_all(hold, connection, timeout)
+            if transaction is None:
+                statement, params = sql_text.UNLOCK_SESSION, (*key.ids, hold.idle_name)
+                if hold.run_ids is not None:
+                    statement = sql_text.UNLOCK_SESSION_RUN
+                    params = (*params, *hold.run_ids)
+                with (
+                    deadlines.bounded(hold.connection, timeout) as bound,
+                    hold.connection.cursor() as cursor,
+                ):
+                    cursor.execute(statement[len(key.ids)], params)
+                    row = cursor.fetchone()
+                held = engines.held_keys(hold.pooled.info)
+                held[key.ids] -= 1
+                if held[key.ids] <= 0:
+                    del held[key.ids]
+                if not (row and row[0]):
+                    raise exceptions.LockNotOwnedError(
+                        f"PostgreSQL says the session no longer held lock {key.name!r} (key {key}) "
+                        "at release; the connection was closed instead of being pooled.",
+                        key=str(key),
+                        name=key.name,
+                    )
+            else:
+                if not transaction.is_active:
+                    raise exceptions.LockLostError(
+                        f"The transaction of lock {key.name!r} (key {key}) was ended before "
+                        "release (committed or rolled back by the task?), so the lock ended early.",
+                        key=str(key),
+                        name=key.name,
+                    )
+                # A late answer still counts: the transaction did end, which is what
+                # released the lock.
+                with deadlines.bounded(
+                    hold.connection, timeout, late_answer_fails=False
+                ) as bound:
+                    if commit:
+                        transaction.commit()
+                    else:
+                        transaction.rollback()
+                if bound.fired:
+                    owner.invalidate()  # the socket was shut down: the session ends
+                elif hold.lent:
+                    self._discard_all(hold, owner, timeout)
         except BaseException as exc:
+            if transaction is None:
+                engines.held_keys(hold.pooled.info).clear()
+                verb = "release"
+            else:
+                verb = "commit" if commit else "roll back"
             self._retire_if_dead(hold.pooled, exc)
-            connection.invalidate()
-            verb = "commit" if commit else "roll back"
+            owner.invalidate()  # the session's end frees whatever it held
             self._raise(exc, f"{verb} lock {key.name!r}{deadlines.explain(bound)}")
         finally:
-            connection.close()
+            try:
+                owner.close()
+            finally:  # the run has ended, whatever became of its lock
+                self.claims.release(hold)
 
     def _discard_all(
         self, hold: Hold, connection: sa.Connection, timeout: float
@@ -838,8 +752,6 @@ def _lock(
     return True, bool(row and row[0]), False
 
 
-# -- the sessions of this process, per engine ---------------------------------------------
-
 _process: dict[sa.Engine, ProcessSession] = {}
 #: The claims per engine, shared by both strategies; they outlive close_for() and a new
 #: session (a run that lost its session keeps its key until its release).
@@ -870,8 +782,7 @@ def process_session(engine: sa.Engine) -> ProcessSession:
 
 
 def open_process_session(engine: sa.Engine) -> ProcessSession | None:
-    """This process's session for ``engine`` if it has one (never creates it): the lock
-    watcher checks locks on it instead of a connection of its own."""
+    """This process's session for ``engine`` if it has one (never creates it)."""
     return _process.get(engine)
 
 
@@ -889,11 +800,8 @@ def close_all() -> None:
 
 
 def close_for(engine: sa.Engine) -> None:
-    """Close this process's session of ``engine``, if any (before disposing of it).
-
-    Not tied to ``engine.dispose()``: disposing of a pool (after a fork, say) must not
-    end the locks of every other task of the process.
-    """
+    """Close this process's session of ``engine``, if any (before disposing of it; not
+    tied to ``engine.dispose()``, which must not end every other task's locks)."""
     with _registry_guard:
         session = _process.pop(engine, None)
     if session is not None:
