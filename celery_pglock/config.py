@@ -1,9 +1,6 @@
 """Task options and app settings: resolved once when a task is bound, frozen, validated.
 
-Each option comes from the task's attribute, else ``app.conf.pglock_<option>``, else its
-default (docs/reference/options.md, docs/reference/settings.md). A bad value, an unknown
-or removed ``lock_*``/``pglock_*`` name, or a peer library's option raises
-:class:`~celery_pglock.exceptions.ConfigurationError` naming the task and the fix.
+The options and settings: docs/reference/options.md, docs/reference/settings.md.
 """
 
 from __future__ import annotations
@@ -210,8 +207,7 @@ def check_unknown_settings(conf: Mapping[str, Any]) -> None:
 def _unknown(
     where: str, kind: str, spelled: str, known: Sequence[str]
 ) -> exceptions.ConfigurationError:
-    """A removed option or setting, naming its replacement, or an unknown one, with a
-    did-you-mean hint."""
+    """A removed name, with its replacement, or an unknown one, with a did-you-mean."""
     bare = spelled.lower().split("pglock_" if kind == "setting" else "lock_", 1)[-1]
     if bare in REMOVED:
         message = f"{where}{kind} {spelled!r} was removed: {REMOVED[bare]}."
@@ -233,7 +229,8 @@ def resolve(
     parameters: Sequence[inspect.Parameter],
 ) -> LockConfig:
     """One task's options (its ``lock_*`` attributes that are not None): task attribute,
-    else ``app.conf.pglock_*``, else the default; ConfigurationError if any is wrong."""
+    else ``app.conf.pglock_*``, else the default. ConfigurationError for a bad value, an
+    unknown or removed name, or a peer library's option, naming the task and the fix."""
     for attribute in attributes:
         if attribute in PEER_OPTIONS:
             raise peer_refusal(task_name, attribute, attributes[attribute])

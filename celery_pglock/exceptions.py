@@ -1,19 +1,8 @@
 """The whole celery-pglock error tree; a leaf that imports nothing of the package.
 
-::
-
-    PgLockError                  root; its docstring is the default message
-    ├── ConfigurationError       (also ValueError) a missing or invalid setting
-    ├── LockKeyError             (also TypeError) a task argument that cannot form a key
-    ├── DatabaseError            any SQLAlchemy/driver failure; the original is __cause__
-    └── LockError                .key and .name on every instance
-        ├── LockBusy             busy lock, or a bounded wait that timed out
-        │   └── LockSkipped      a run skipped because its lock was held (a result)
-        ├── LockNotOwnedError    release of a lock this connection does not hold
-        └── LockLostError        the lock ended before the protected work did
-
-Every exception pickles with its message, key and name: Celery ships a failed task's
-exception through the result backend. See docs/reference/exceptions.md.
+Each docstring is its class's default message. Every exception pickles with its message,
+key and name, for the result backend. The tree and when each is raised:
+docs/reference/exceptions.md.
 """
 
 from __future__ import annotations
@@ -149,8 +138,7 @@ def _skipped_run() -> TracebackType | None:
         raise_skipped()
     except LockSkipped as skip:
         traceback: TracebackType = _BASE_TRACEBACK.__get__(skip)
-        return traceback.tb_next  # without this function's own frame
-    raise AssertionError("unreachable")
+    return traceback.tb_next  # without this function's own frame
 
 
 _SKIP_TRACEBACK = _skipped_run()

@@ -1,9 +1,7 @@
 """Lock keys: task name + arguments -> a PostgreSQL advisory key. Pure functions, no I/O.
 
-The algorithm (key format 1: canonical JSON, SHA-256, first 8 bytes big-endian signed) is a
-contract with every process that takes these locks, psql and other languages included, and
-must never change silently: docs/reference/keys.md. Never Python's ``hash()``: it is
-salted per process, so two workers would disagree.
+The algorithm is a contract with every process that takes these locks, psql included:
+docs/reference/keys.md. Never Python's ``hash()``: it is salted per process.
 """
 
 from __future__ import annotations
@@ -86,17 +84,7 @@ _ENCODER = json.JSONEncoder(
 
 def key_from_text(text: str) -> int:
     """Hash a key text to a signed 64-bit advisory key (step 3 of the format)."""
-    if len(text) <= CHUNK:
-        digest = hashlib.sha256(text.encode("utf-8")).digest()
-    else:
-        # A huge key text is encoded a slice at a time, so hashing never allocates a
-        # second copy of it (UTF-8 is self-synchronising per code point, so the
-        # concatenated slices encode to the same bytes).
-        hasher = hashlib.sha256()
-        for start in range(0, len(text), CHUNK):
-            hasher.update(text[start : start + CHUNK].encode("utf-8"))
-        digest = hasher.digest()
-    return _key_from_digest(digest)
+    return _key_from_digest(hashlib.sha256(text.encode("utf-8")).digest())
 
 
 def make_key(
@@ -104,11 +92,9 @@ def make_key(
 ) -> LockKey:
     """Build the ``LockKey`` for ``material`` under ``namespace`` and lock ``name``.
 
-    A key text longer than :data:`TEXT_MAX` characters is hashed as a stream, a slice at
-    a time, and never built: the key's ``text`` is then None (rebuild it with
-    ``key_text(namespace, name, canonical(material))`` if needed). So a 5 MB argument
-    costs no multi-megabyte copies, and a LockKey never holds megabytes of argument
-    values.
+    A key text longer than :data:`TEXT_MAX` characters is hashed as a stream and never
+    built, so its ``text`` is None (``key_text(namespace, name, canonical(material))``
+    rebuilds it): a 5 MB argument costs no multi-megabyte copies.
 
     Args:
         namespace: Separates applications that share one database.
@@ -130,8 +116,8 @@ def key_for_canonical(
     ``short``: the caller knows the key text is far below :data:`TEXT_MAX`."""
     if not short and _longer_than(canonical_material, TEXT_MAX):
         hasher = hashlib.sha256()
-        for piece in _encoded_pieces([KEY_FORMAT, namespace, name, canonical_material]):
-            hasher.update(piece)
+        for chunk in json_chunks([KEY_FORMAT, namespace, name, canonical_material]):
+            hasher.update(chunk.encode("utf-8"))
         return LockKey(name=name, ids=(_key_from_digest(hasher.digest()),))
     text = key_text(namespace, name, canonical_material)
     return LockKey(name=name, ids=(key_from_text(text),), text=text)
@@ -211,12 +197,10 @@ class CallKeys:
         lock_args: Sequence[str],
         fixed: LockKey | None,
     ) -> None:
-        self.task_name, self.namespace, self.name, self.fixed = (
-            task_name,
-            namespace,
-            name,
-            fixed,
-        )
+        self.task_name = task_name
+        self.namespace = namespace
+        self.name = name
+        self.fixed = fixed
         positional = [
             p.name
             for p in parameters
@@ -351,20 +335,11 @@ def run_key(task_id: str) -> LockKey:
 def canonical(value: object, where: str = "value") -> Json:
     """Return ``value`` as plain JSON data whose text form is stable across processes.
 
-    Deliberate choices, each tested:
-
-    - ``7`` and ``"7"`` differ (JSON number vs string); ``True`` and ``1`` differ too.
-    - Tuples become arrays: Celery's JSON serializer turns them into lists in transit, so
-      the producer's tuple and the worker's list must give one key.
-    - UUID, Decimal, date, datetime and time become their ``str()``/ISO text, which is
-      what a non-Python producer sends for them; so ``UUID(x)`` and ``str(UUID(x))`` match.
-    - Strings are hashed exactly as given: no Unicode normalisation (NFC and NFD forms of
-      one word are different keys), and lone surrogates are refused.
-    - ``int``/``str`` enum members count as their value; other enums, bytes, sets, NaN,
-      infinities and arbitrary objects are refused, because their text form is either
-      unstable (a ``repr`` with a memory address) or ambiguous.
-    - Nesting deeper than :data:`MAX_DEPTH` (or a container holding itself) and integers
-      of more than :data:`MAX_INT_DIGITS` digits are refused: bounded stack and time.
+    The rules, each tested, are listed in docs/reference/keys.md ("Canonical forms"):
+    ``7``, ``"7"`` and ``True`` differ; tuples and lists match; UUID, Decimal and
+    date/time values key as their text; strings are not normalised. Refused: other
+    enums, bytes, sets, NaN, infinities, arbitrary objects, lone surrogates, nesting
+    deeper than :data:`MAX_DEPTH` and ints of more than :data:`MAX_INT_DIGITS` digits.
 
     Raises:
         LockKeyError: naming ``where`` plus the path inside it (``[2]`` for a list
@@ -419,34 +394,33 @@ class _Refusal(Exception):  # noqa: N818 - internal, never escapes canonical()
         return f"{where}{''.join(segments)} {self.reason}"
 
 
+def _unkeyable(reason: str) -> _Refusal:
+    return _Refusal(f"{reason}; it cannot be part of a lock key.")
+
+
 def _canonical(value: object, depth: int) -> Json:
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int):
         if not -_INT_LIMIT < value < _INT_LIMIT:
-            raise _Refusal(
-                f"is an int of more than {MAX_INT_DIGITS} digits; it cannot be part of "
-                "a lock key."
-            )
+            raise _unkeyable(f"is an int of more than {MAX_INT_DIGITS} digits")
         return int(value)
     if isinstance(value, str):
         # isascii() is O(1): the common case pays nothing for the surrogate check.
         if not value.isascii() and _SURROGATE.search(value):
-            raise _Refusal(
-                "is a string that is not valid Unicode text (it holds a lone "
-                "surrogate); it cannot be part of a lock key."
+            raise _unkeyable(
+                "is a string that is not valid Unicode text (it holds a lone surrogate)"
             )
         return str.__str__(value)
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise _Refusal(
-                "is a float that is not finite (NaN or infinity); it cannot be part of "
-                "a lock key."
-            )
+            raise _unkeyable("is a float that is not finite (NaN or infinity)")
         return float(value)
+    if isinstance(value, (list, tuple, Mapping)) and depth >= MAX_DEPTH:
+        raise _unkeyable(
+            f"is nested more than {MAX_DEPTH} levels deep (or holds itself)"
+        )
     if isinstance(value, (list, tuple)):
-        if depth >= MAX_DEPTH:
-            raise _too_deep()
         items: list[Json] = []
         for index, item in enumerate(value):
             try:
@@ -456,8 +430,6 @@ def _canonical(value: object, depth: int) -> Json:
                 raise
         return items
     if isinstance(value, Mapping):
-        if depth >= MAX_DEPTH:
-            raise _too_deep()
         result: dict[str, Json] = {}
         for position, (item_key, item) in enumerate(value.items()):
             if not isinstance(item_key, str):
@@ -476,10 +448,7 @@ def _canonical(value: object, depth: int) -> Json:
         return str(value)
     if isinstance(value, decimal.Decimal):
         if not value.is_finite():
-            raise _Refusal(
-                "is a Decimal that is not finite (NaN or infinity); it cannot be part "
-                "of a lock key."
-            )
+            raise _unkeyable("is a Decimal that is not finite (NaN or infinity)")
         return str(value)
     if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
         return value.isoformat()
@@ -495,20 +464,12 @@ def _canonical(value: object, depth: int) -> Json:
     )
 
 
-def _too_deep() -> _Refusal:
-    return _Refusal(
-        f"is nested more than {MAX_DEPTH} levels deep (or holds itself); it cannot "
-        "be part of a lock key."
-    )
-
-
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-# -- streamed key texts: a huge key text hashed without ever being built. The stream must
-# be byte-for-byte the JSON of key_text (property-tested against json.dumps in
-# tests/unit/test_key_properties.py, against PostgreSQL's sha256 in
-# tests/integration/test_keys_sql.py) --
+# -- streamed key texts: a huge key text hashed without ever being built, byte-for-byte
+# key_text's JSON (tested in tests/unit/test_key_properties.py and, against PostgreSQL's
+# sha256, tests/integration/test_keys_sql.py) --
 
 
 #: Characters encoded per piece (at most 256 KiB of UTF-8).
@@ -541,25 +502,9 @@ def _longer_than(value: Json, limit: int) -> bool:
     return False
 
 
-def _encoded_pieces(value: Json) -> Iterator[bytes]:
-    """The UTF-8 of ``value``'s key text (exactly ``keys.key_text``'s JSON), in pieces of
-    about CHUNK characters: no piece of the text is ever copied whole."""
-    buffer: list[str] = []
-    size = 0
-    for chunk in json_chunks(value):
-        buffer.append(chunk)
-        size += len(chunk)
-        if size >= CHUNK:
-            yield "".join(buffer).encode("utf-8")
-            buffer.clear()
-            size = 0
-    if buffer:
-        yield "".join(buffer).encode("utf-8")
-
-
 def json_chunks(value: Json) -> Iterator[str]:
     """json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":")) in
-    chunks, for canonical values (exact JSON types). Property-tested against json.dumps."""
+    chunks, for canonical values (exact JSON types)."""
     if value is None:
         yield "null"
     elif value is True:

@@ -1,8 +1,7 @@
 """Lock metrics: a Metrics protocol, a no-op default and a Prometheus adapter (extra).
 
-Every outcome reaches the process's sink through ``task/outcomes.py`` (no call at all while
-none is installed). Labels are task names, policies and states only, never argument
-values. What each series means, and serving /metrics: docs/operations/metrics.md.
+Labels are task names, policies and states, never argument values. What each series
+means, and serving /metrics: docs/operations/metrics.md.
 """
 
 from __future__ import annotations

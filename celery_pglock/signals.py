@@ -1,10 +1,6 @@
-"""Celery-style signals for every lock outcome: connect receivers to export metrics.
+"""Celery-style signals, one per lock outcome, all sent from ``task/outcomes.py``.
 
-Each is sent with ``sender`` = the task instance and the keyword arguments ``task_id``,
-``task_name``, ``key`` (the :class:`~celery_pglock.keys.LockKey`) and ``wait_seconds``,
-plus its own (docs/reference/signals.md lists them). Fed from one place,
-``celery_pglock.task.outcomes``. Receivers run synchronously on the task's path: keep them
-cheap; as with every Celery signal, an exception in one is logged and swallowed.
+Their arguments, and why receivers must stay cheap: docs/reference/signals.md.
 """
 
 from __future__ import annotations
