@@ -51,21 +51,11 @@ class LockError(PgLockError):
         key: str | None = None,
         name: str | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(message)  # key and name are pickled with the instance __dict__
         #: The advisory key as PostgreSQL sees it, e.g. ``"-4311986427365126397"`` or ``"42,1001"``.
         self.key = key
         #: The lock's name: the task name unless ``lock_name`` overrides it.
         self.name = name
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # key and name are keyword-only, so not in self.args: rebuild them explicitly.
-        return (_rebuild_lock_error, (type(self), self.message, self.key, self.name))
-
-
-def _rebuild_lock_error(
-    cls: type[LockError], message: str, key: str | None, name: str | None
-) -> LockError:
-    return cls(message, key=key, name=name)
 
 
 class LockBusy(LockError):  # noqa: N818 - the public name users asked for
@@ -94,9 +84,6 @@ class LockSkipped(LockBusy):
         """``host:pid`` of the worker process that held the lock, if known."""
         value = self.details.get("holder")
         return None if value is None else str(value)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.message, self.details))
 
     @property
     def __traceback__(self) -> TracebackType | None:

@@ -1,9 +1,8 @@
 """Fencing tokens: refuse the writes of a holder whose lock has already ended.
 
-With ``lock_fencing=True`` each acquisition gets a token greater than every token issued
-before for its key (``current_lock().fencing_token``); :func:`fenced_update` and
-:func:`fenced_upsert` make a PostgreSQL table refuse a write with an older token than it
-holds, in one statement. docs/guide/fencing.md explains when a lock ends under a body.
+Each acquisition under ``lock_fencing=True`` gets a token above all earlier ones for its
+key; :func:`fenced_update` and :func:`fenced_upsert` refuse a write with an older token
+than the row holds, in one statement. When and why: docs/guide/fencing.md.
 """
 
 from __future__ import annotations

@@ -58,11 +58,8 @@ class LockKey:
 
     @property
     def pg_locks_ids(self) -> tuple[int, int, int]:
-        """``(classid, objid, objsubid)`` as this key appears in ``pg_locks``.
-
-        A bigint key shows its high and low 32 bits as unsigned OIDs with objsubid 1;
-        the two-int form shows both ints (as unsigned OIDs) with objsubid 2.
-        """
+        """``(classid, objid, objsubid)`` as this key appears in ``pg_locks``: a bigint
+        key's high and low 32 bits with objsubid 1, or the two ints with objsubid 2."""
         if len(self.ids) == 1:
             unsigned = self.ids[0] & 0xFFFFFFFFFFFFFFFF
             return unsigned >> 32, unsigned & 0xFFFFFFFF, 1
@@ -128,12 +125,9 @@ TEXT_MAX = 64 * 1024
 
 
 class ScalarKeys:
-    """Keys of one lock for material ``{argument name: scalar}``, built without the
-    JSON encoder: the per-task hot path for the everyday key (a tenant id, a date).
-
-    The text is byte-for-byte :func:`key_text`'s (property-tested against it): the
-    fixed head and the sorted, encoded argument names are computed once.
-    """
+    """Keys of one lock for material ``{argument name: scalar}`` without the JSON
+    encoder (the per-task hot path): :func:`key_text`'s very text (property-tested),
+    from a head and sorted, encoded argument names computed once."""
 
     __slots__ = ("_head", "_names", "_order", "name")
 
@@ -342,11 +336,9 @@ def canonical(value: object, where: str = "value") -> Json:
     deeper than :data:`MAX_DEPTH` and ints of more than :data:`MAX_INT_DIGITS` digits.
 
     Raises:
-        LockKeyError: naming ``where`` plus the path inside it (``[2]`` for a list
-            item, ``[key #0]`` for the value of a dict's first key) and the offending
-            type. Never the value itself, nor a dict key's text: both may be personal
-            data (an e-mail address as a dict key), and this message reaches the ERROR
-            log and the result backend.
+        LockKeyError: naming ``where``, the path inside it (``[2]``, ``[key #0]``) and
+            the offending type; never a value or a dict key's text, which may be
+            personal data and would reach the ERROR log and the result backend.
     """
     try:
         return _canonical(value, 0)
@@ -538,9 +530,6 @@ def json_chunks(value: Json) -> Iterator[str]:
 def string_chunks(text: str) -> Iterator[str]:
     # JSON escapes character by character, so escaping slices separately gives the same
     # text as escaping the whole string.
-    if len(text) <= CHUNK:
-        yield _encode_string(text)
-        return
     yield '"'
     for start in range(0, len(text), CHUNK):
         yield _encode_string(text[start : start + CHUNK])[1:-1]

@@ -1,7 +1,6 @@
 """The Django app of celery-pglock: ``manage.py check`` reports bad lock settings.
 
-Configuration only: it never connects to the lock database (``celery -A proj pglock
-check`` does), so ``manage.py check`` stays fast and works without it.
+It never connects to the lock database (``celery -A proj pglock check`` does).
 """
 
 from __future__ import annotations
