@@ -105,13 +105,10 @@ def make_key(
     return key_for_canonical(namespace, name, canonical(material, where))
 
 
-def key_for_canonical(
-    namespace: str, name: str, canonical_material: Json, *, short: bool = False
-) -> LockKey:
+def key_for_canonical(namespace: str, name: str, canonical_material: Json) -> LockKey:
     """:func:`make_key` for material that :func:`canonical` already returned (a task's
-    per-argument path canonicalises each argument itself, to name it in errors).
-    ``short``: the caller knows the key text is far below :data:`TEXT_MAX`."""
-    if not short and _longer_than(canonical_material, TEXT_MAX):
+    per-argument path canonicalises each argument itself, to name it in errors)."""
+    if _longer_than(canonical_material, TEXT_MAX):
         hasher = hashlib.sha256()
         for chunk in json_chunks([KEY_FORMAT, namespace, name, canonical_material]):
             hasher.update(chunk.encode("utf-8"))
@@ -239,16 +236,17 @@ class CallKeys:
             return self.memo(tuple(typed))
         return self._make_key(tuple(values))
 
-    def _make_key(self, values: tuple[Any, ...], *, short: bool = False) -> LockKey:
+    def _make_key(self, values: tuple[Any, ...]) -> LockKey:
         material = {
             name: canonical(value, f"Task {self.task_name!r}: argument {name!r}")
             for (name, *_), value in zip(self.arguments, values, strict=True)
         }
-        return key_for_canonical(self.namespace, self.name, material, short=short)
+        return key_for_canonical(self.namespace, self.name, material)
 
     def _scalar_key(self, typed_values: tuple[tuple[type, Any], ...]) -> LockKey:
         values = tuple(value for _, value in typed_values)
-        return self._scalars.key(values) or self._make_key(values, short=True)
+        # _scalars refuses only lone surrogates; _make_key then raises LockKeyError.
+        return self._scalars.key(values) or self._make_key(values)
 
 
 def _memoisable(values: list[Any]) -> bool:

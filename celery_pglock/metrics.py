@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30)
 #: Seconds buckets for how long a lock was held (a task body's run time).
 HELD_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600)
+#: The collectors labelled by task alone.
+_TASK_ONLY = ("acquired", "release_failed", "lost", "wait_seconds", "held_seconds")
 DEFAULT_ADDRESS = "0.0.0.0"  # noqa: S104 - an exporter is scraped from other hosts
 
 
@@ -107,13 +109,7 @@ class PrometheusMetrics:
             version = "unknown"
         self.collectors()["info"].labels(version).set(1)
         for task, policy in tasks:
-            for name in (
-                "acquired",
-                "release_failed",
-                "lost",
-                "wait_seconds",
-                "held_seconds",
-            ):
+            for name in _TASK_ONLY:
                 self._child(name, task)
             self._child("skipped", task, policy)
             for state in ("SUCCESS", "FAILURE"):
@@ -264,14 +260,9 @@ def install(metrics: Metrics) -> None:
 
 
 def configure(conf: Mapping[str, Any]) -> None:
-    """Install the sink the app settings ask for (called when a SingletonTask is bound).
-
-    A process without prometheus_client (a web app sharing the workers' settings) keeps
-    none: only a worker needs the extra, and its start refuses to go on without it.
-
-    Raises:
-        ConfigurationError: a bad value.
-    """
+    """Install the sink the app settings ask for (called when a SingletonTask is bound);
+    ConfigurationError for a bad value. Without prometheus_client (a web app sharing the
+    workers' settings) none is installed: only workers need it (they check at start)."""
     wanted = from_conf(conf, require=False)
     if wanted is not None and not isinstance(wanted, str):
         install(wanted)
