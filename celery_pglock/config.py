@@ -302,11 +302,8 @@ def resolve(
 
 
 def database_url(conf: Mapping[str, Any]) -> str:
-    """The lock database URL: ``app.conf.pglock_database_url``, else the environment.
-
-    Raises:
-        ConfigurationError: neither is set.
-    """
+    """The lock database URL: ``app.conf.pglock_database_url``, else the environment
+    (ConfigurationError if neither is set)."""
     url = conf.get(DATABASE_URL_SETTING) or os.environ.get(DATABASE_URL_ENV)
     if not url:
         raise exceptions.ConfigurationError(
@@ -347,9 +344,8 @@ def _valid_lock_args(
 
 
 #: Per-task options of the Redis-based peers -> (their library, what to write instead),
-#: refused on a SingletonTask: left in place they would do nothing, and a task keyed per
-#: tenant through them would run with one lock for all tenants. Their app-wide settings
-#: are not refused: a peer may still run other tasks of the app (docs/migration.md).
+#: refused on a SingletonTask, where they would silently do nothing. Their app-wide
+#: settings are not: a peer may still run other tasks of the app (docs/migration.md).
 PEER_OPTIONS = {
     "once": (
         "celery-once",

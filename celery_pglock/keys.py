@@ -312,11 +312,9 @@ RUN_LOCK_NAME = "celery_pglock.run"
 
 def run_key(task_id: str) -> LockKey:
     """The run lock of a task id: held by an ``acks_late`` run beside its key, so that a
-    redelivery of that task can tell whether its first delivery still runs.
-
-    Two-int form ``(RUN_NAMESPACE, 32 bits of the id's SHA-256)``: a collision (two
-    running tasks among 2**32) can only make a redelivery store no skip record.
-    """
+    redelivery can tell whether its first delivery still runs. A collision of its 32
+    hash bits (two running tasks among 2**32) only makes a redelivery store no skip
+    record."""
     digest = hashlib.sha256(f"{KEY_FORMAT}/run\0{task_id}".encode()).digest()
     return LockKey(
         name=RUN_LOCK_NAME,

@@ -55,13 +55,9 @@ class NullMetrics:
 
 
 class PrometheusMetrics:
-    """Prometheus counters and histograms (``celery_pglock_*``) in ``registry``.
-
-    The collectors are created on first use, in the process that counts (a pool child,
-    after the fork), and registered in ``registry`` (prometheus_client's default
-    ``REGISTRY`` unless given). In multiprocess mode the registry does not matter: values
-    go to ``PROMETHEUS_MULTIPROC_DIR`` and a MultiProcessCollector serves them.
-    """
+    """Prometheus counters and histograms (``celery_pglock_*``) in ``registry``
+    (default: prometheus_client's ``REGISTRY``; unused in multiprocess mode), created on
+    first use, in the process that counts (a pool child, after the fork)."""
 
     def __init__(self, registry: Any = None) -> None:
         _require_prometheus()
@@ -273,10 +269,7 @@ def configure(conf: Mapping[str, Any]) -> None:
 
 def from_conf(conf: Mapping[str, Any], *, require: bool = True) -> Metrics | str | None:
     """Validate the metrics settings: ``"prometheus"``, a Metrics object, or None.
-
-    Args:
-        require: ``"prometheus"`` needs prometheus_client to be installed.
-    """
+    ``require``: ``"prometheus"`` needs prometheus_client to be installed."""
     value = conf.get("pglock_metrics")
     port = conf.get("pglock_metrics_port")
     address = conf.get("pglock_metrics_address")

@@ -18,8 +18,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
 TAG = "celery_pglock"
-#: The task name config.resolve puts in its messages for the app-wide defaults; removed
-#: from them again, as no task is at fault.
+#: The task name config.resolve's messages get for the app-wide defaults (then removed).
 _DEFAULTS = "app-wide defaults"
 
 
