@@ -171,9 +171,8 @@ class LockConfig:
 _DEFAULTS = LockConfig(task_name="", name="")
 #: Task attribute -> app setting for the options that have an app-wide default.
 APP_SETTINGS = {f"lock_{field}": f"pglock_{field}" for field in _CHECKS}
-#: Options that only make sense per task.
-TASK_ONLY_OPTIONS = ("lock_args", "lock_id", "lock_name")
-TASK_OPTIONS = (*TASK_ONLY_OPTIONS, *APP_SETTINGS)
+#: Every task option: those that only make sense per task, then the ones above.
+TASK_OPTIONS = ("lock_args", "lock_id", "lock_name", *APP_SETTINGS)
 #: Settings read by the connection layer (db/), listed here so typos are caught.
 DATABASE_SETTINGS = (
     DATABASE_URL_SETTING,

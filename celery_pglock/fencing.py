@@ -36,8 +36,7 @@ def issue_token(lock: AdvisoryLock) -> int:
 
     Raises:
         PgLockError: ``lock`` is not held.
-        LockLostError: ``lock``'s session no longer held the key (it was lost since
-            the grant): no token; the lock was released.
+        LockLostError: the key was lost since the grant; the lock was released.
         DatabaseError: the token could not be issued; the lock was released.
     """
     return lock.issue_fencing_token()

@@ -77,9 +77,8 @@ class PrometheusMetrics:
                 if self._collectors is None:
                     self._collectors = _create_collectors(self._registry)
                     if not multiprocess():
-                        # One process: collect() computes the age from self._held (in
-                        # multiprocess mode the /metrics endpoint computes it from
-                        # every process's start times).
+                        # collect() serves the age (multiprocess: the /metrics
+                        # endpoint computes it from every process's start times).
                         import prometheus_client as prom
 
                         (self._registry or prom.REGISTRY).register(self)
