@@ -105,8 +105,7 @@ def _interval(value: object) -> float:
     return 0.0 if type(value) in (int, float) and value == 0 else _seconds(value)
 
 
-#: LockConfig field -> the check of its value, for the options that are set per task as
-#: ``lock_<field>`` or app-wide as ``app.conf.pglock_<field>``.
+#: LockConfig field -> its check, for options set as lock_<field> or pglock_<field>.
 _CHECKS: dict[str, Callable[[object], Any]] = {
     "namespace": _text,
     "on_busy": _choice(OnBusy),

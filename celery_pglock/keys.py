@@ -156,9 +156,8 @@ class ScalarKeys:
         return LockKey(name=self.name, ids=(key_from_text(text),), text=text)
 
 
-#: Memo bounds per task: only calls whose str arguments total at most MEMO_MAX_CHARS
-#: characters and whose ints fit in 64 bits are memoised, so the memo stays under about
-#: 10 MiB per task (2 MiB for ASCII tenant ids); larger values are keyed afresh each call.
+#: Memo bounds per task: only calls whose strs total at most MEMO_MAX_CHARS characters
+#: and whose ints fit in 64 bits are memoised, so a memo stays under about 10 MiB.
 MEMO_ENTRIES = 4096
 MEMO_MAX_CHARS = 256
 _MEMO_SCALARS = frozenset({int, str, bool, type(None)})
@@ -455,9 +454,8 @@ def _canonical(value: object, depth: int) -> Json:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-# -- streamed key texts: a huge key text hashed without ever being built, byte-for-byte
-# key_text's JSON (tested in tests/unit/test_key_properties.py and, against PostgreSQL's
-# sha256, tests/integration/test_keys_sql.py) --
+# -- streamed key texts: a huge key text hashed without being built, byte-for-byte
+# key_text's JSON (tested in test_key_properties.py and, in SQL, test_keys_sql.py) --
 
 
 #: Characters encoded per piece (at most 256 KiB of UTF-8).
