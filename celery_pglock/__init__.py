@@ -7,13 +7,7 @@
 from __future__ import annotations
 
 from celery_pglock import fencing, metrics, signals
-from celery_pglock.config import (
-    LockConfig,
-    LockScope,
-    OnBusy,
-    OnLost,
-    SkipResult,
-)
+from celery_pglock.config import LockConfig, LockScope, OnBusy, OnLost, SkipResult
 from celery_pglock.exceptions import (
     ConfigurationError,
     DatabaseError,

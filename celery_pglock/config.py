@@ -1,9 +1,6 @@
 """Task options and app settings: resolved once when a task is bound, frozen, validated.
 
-Each option comes from the task's attribute, else ``app.conf.pglock_<option>``, else its
-default (docs/reference/options.md, docs/reference/settings.md). A bad value, an unknown
-or removed ``lock_*``/``pglock_*`` name, or a peer library's option raises
-:class:`~celery_pglock.exceptions.ConfigurationError` naming the task and the fix.
+The options and settings: docs/reference/options.md, docs/reference/settings.md.
 """
 
 from __future__ import annotations
@@ -108,8 +105,7 @@ def _interval(value: object) -> float:
     return 0.0 if type(value) in (int, float) and value == 0 else _seconds(value)
 
 
-#: LockConfig field -> the check of its value, for the options that are set per task as
-#: ``lock_<field>`` or app-wide as ``app.conf.pglock_<field>``.
+#: LockConfig field -> its check, for options set as lock_<field> or pglock_<field>.
 _CHECKS: dict[str, Callable[[object], Any]] = {
     "namespace": _text,
     "on_busy": _choice(OnBusy),
@@ -174,9 +170,8 @@ class LockConfig:
 _DEFAULTS = LockConfig(task_name="", name="")
 #: Task attribute -> app setting for the options that have an app-wide default.
 APP_SETTINGS = {f"lock_{field}": f"pglock_{field}" for field in _CHECKS}
-#: Options that only make sense per task.
-TASK_ONLY_OPTIONS = ("lock_args", "lock_id", "lock_name")
-TASK_OPTIONS = (*TASK_ONLY_OPTIONS, *APP_SETTINGS)
+#: Every task option: those that only make sense per task, then the ones above.
+TASK_OPTIONS = ("lock_args", "lock_id", "lock_name", *APP_SETTINGS)
 #: Settings read by the connection layer (db/), listed here so typos are caught.
 DATABASE_SETTINGS = (
     DATABASE_URL_SETTING,
@@ -210,8 +205,7 @@ def check_unknown_settings(conf: Mapping[str, Any]) -> None:
 def _unknown(
     where: str, kind: str, spelled: str, known: Sequence[str]
 ) -> exceptions.ConfigurationError:
-    """A removed option or setting, naming its replacement, or an unknown one, with a
-    did-you-mean hint."""
+    """A removed name, with its replacement, or an unknown one, with a did-you-mean."""
     bare = spelled.lower().split("pglock_" if kind == "setting" else "lock_", 1)[-1]
     if bare in REMOVED:
         message = f"{where}{kind} {spelled!r} was removed: {REMOVED[bare]}."
@@ -233,7 +227,8 @@ def resolve(
     parameters: Sequence[inspect.Parameter],
 ) -> LockConfig:
     """One task's options (its ``lock_*`` attributes that are not None): task attribute,
-    else ``app.conf.pglock_*``, else the default; ConfigurationError if any is wrong."""
+    else ``app.conf.pglock_*``, else the default. ConfigurationError for a bad value, an
+    unknown or removed name, or a peer library's option, naming the task and the fix."""
     for attribute in attributes:
         if attribute in PEER_OPTIONS:
             raise peer_refusal(task_name, attribute, attributes[attribute])
@@ -305,11 +300,8 @@ def resolve(
 
 
 def database_url(conf: Mapping[str, Any]) -> str:
-    """The lock database URL: ``app.conf.pglock_database_url``, else the environment.
-
-    Raises:
-        ConfigurationError: neither is set.
-    """
+    """The lock database URL: ``app.conf.pglock_database_url``, else the environment
+    (ConfigurationError if neither is set)."""
     url = conf.get(DATABASE_URL_SETTING) or os.environ.get(DATABASE_URL_ENV)
     if not url:
         raise exceptions.ConfigurationError(
@@ -350,9 +342,8 @@ def _valid_lock_args(
 
 
 #: Per-task options of the Redis-based peers -> (their library, what to write instead),
-#: refused on a SingletonTask: left in place they would do nothing, and a task keyed per
-#: tenant through them would run with one lock for all tenants. Their app-wide settings
-#: are not refused: a peer may still run other tasks of the app (docs/migration.md).
+#: refused on a SingletonTask, where they would silently do nothing. Their app-wide
+#: settings are not: a peer may still run other tasks of the app (docs/migration.md).
 PEER_OPTIONS = {
     "once": (
         "celery-once",

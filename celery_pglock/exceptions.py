@@ -1,19 +1,8 @@
 """The whole celery-pglock error tree; a leaf that imports nothing of the package.
 
-::
-
-    PgLockError                  root; its docstring is the default message
-    ├── ConfigurationError       (also ValueError) a missing or invalid setting
-    ├── LockKeyError             (also TypeError) a task argument that cannot form a key
-    ├── DatabaseError            any SQLAlchemy/driver failure; the original is __cause__
-    └── LockError                .key and .name on every instance
-        ├── LockBusy             busy lock, or a bounded wait that timed out
-        │   └── LockSkipped      a run skipped because its lock was held (a result)
-        ├── LockNotOwnedError    release of a lock this connection does not hold
-        └── LockLostError        the lock ended before the protected work did
-
-Every exception pickles with its message, key and name: Celery ships a failed task's
-exception through the result backend. See docs/reference/exceptions.md.
+Each docstring is its class's default message. Every exception pickles with its message,
+key and name, for the result backend. The tree and when each is raised:
+docs/reference/exceptions.md.
 """
 
 from __future__ import annotations
@@ -62,21 +51,11 @@ class LockError(PgLockError):
         key: str | None = None,
         name: str | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(message)  # key and name are pickled with the instance __dict__
         #: The advisory key as PostgreSQL sees it, e.g. ``"-4311986427365126397"`` or ``"42,1001"``.
         self.key = key
         #: The lock's name: the task name unless ``lock_name`` overrides it.
         self.name = name
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # key and name are keyword-only, so not in self.args: rebuild them explicitly.
-        return (_rebuild_lock_error, (type(self), self.message, self.key, self.name))
-
-
-def _rebuild_lock_error(
-    cls: type[LockError], message: str, key: str | None, name: str | None
-) -> LockError:
-    return cls(message, key=key, name=name)
 
 
 class LockBusy(LockError):  # noqa: N818 - the public name users asked for
@@ -105,9 +84,6 @@ class LockSkipped(LockBusy):
         """``host:pid`` of the worker process that held the lock, if known."""
         value = self.details.get("holder")
         return None if value is None else str(value)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.message, self.details))
 
     @property
     def __traceback__(self) -> TracebackType | None:
@@ -149,8 +125,7 @@ def _skipped_run() -> TracebackType | None:
         raise_skipped()
     except LockSkipped as skip:
         traceback: TracebackType = _BASE_TRACEBACK.__get__(skip)
-        return traceback.tb_next  # without this function's own frame
-    raise AssertionError("unreachable")
+    return traceback.tb_next  # without this function's own frame
 
 
 _SKIP_TRACEBACK = _skipped_run()

@@ -1,9 +1,8 @@
 """Fencing tokens: refuse the writes of a holder whose lock has already ended.
 
-With ``lock_fencing=True`` each acquisition gets a token greater than every token issued
-before for its key (``current_lock().fencing_token``); :func:`fenced_update` and
-:func:`fenced_upsert` make a PostgreSQL table refuse a write with an older token than it
-holds, in one statement. docs/guide/fencing.md explains when a lock ends under a body.
+Each acquisition under ``lock_fencing=True`` gets a token above all earlier ones for its
+key; :func:`fenced_update` and :func:`fenced_upsert` refuse a write with an older token
+than the row holds, in one statement. When and why: docs/guide/fencing.md.
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ def issue_token(lock: AdvisoryLock) -> int:
 
     Raises:
         PgLockError: ``lock`` is not held.
-        LockLostError: ``lock``'s session no longer held the key (it was lost since
-            the grant): no token; the lock was released.
+        LockLostError: the key was lost since the grant; the lock was released.
         DatabaseError: the token could not be issued; the lock was released.
     """
     return lock.issue_fencing_token()

@@ -1,9 +1,7 @@
 """Lock keys: task name + arguments -> a PostgreSQL advisory key. Pure functions, no I/O.
 
-The algorithm (key format 1: canonical JSON, SHA-256, first 8 bytes big-endian signed) is a
-contract with every process that takes these locks, psql and other languages included, and
-must never change silently: docs/reference/keys.md. Never Python's ``hash()``: it is
-salted per process, so two workers would disagree.
+The algorithm is a contract with every process that takes these locks, psql included:
+docs/reference/keys.md. Never Python's ``hash()``: it is salted per process.
 """
 
 from __future__ import annotations
@@ -60,11 +58,8 @@ class LockKey:
 
     @property
     def pg_locks_ids(self) -> tuple[int, int, int]:
-        """``(classid, objid, objsubid)`` as this key appears in ``pg_locks``.
-
-        A bigint key shows its high and low 32 bits as unsigned OIDs with objsubid 1;
-        the two-int form shows both ints (as unsigned OIDs) with objsubid 2.
-        """
+        """``(classid, objid, objsubid)`` as this key appears in ``pg_locks``: a bigint
+        key's high and low 32 bits with objsubid 1, or the two ints with objsubid 2."""
         if len(self.ids) == 1:
             unsigned = self.ids[0] & 0xFFFFFFFFFFFFFFFF
             return unsigned >> 32, unsigned & 0xFFFFFFFF, 1
@@ -86,17 +81,7 @@ _ENCODER = json.JSONEncoder(
 
 def key_from_text(text: str) -> int:
     """Hash a key text to a signed 64-bit advisory key (step 3 of the format)."""
-    if len(text) <= CHUNK:
-        digest = hashlib.sha256(text.encode("utf-8")).digest()
-    else:
-        # A huge key text is encoded a slice at a time, so hashing never allocates a
-        # second copy of it (UTF-8 is self-synchronising per code point, so the
-        # concatenated slices encode to the same bytes).
-        hasher = hashlib.sha256()
-        for start in range(0, len(text), CHUNK):
-            hasher.update(text[start : start + CHUNK].encode("utf-8"))
-        digest = hasher.digest()
-    return _key_from_digest(digest)
+    return _key_from_digest(hashlib.sha256(text.encode("utf-8")).digest())
 
 
 def make_key(
@@ -104,11 +89,9 @@ def make_key(
 ) -> LockKey:
     """Build the ``LockKey`` for ``material`` under ``namespace`` and lock ``name``.
 
-    A key text longer than :data:`TEXT_MAX` characters is hashed as a stream, a slice at
-    a time, and never built: the key's ``text`` is then None (rebuild it with
-    ``key_text(namespace, name, canonical(material))`` if needed). So a 5 MB argument
-    costs no multi-megabyte copies, and a LockKey never holds megabytes of argument
-    values.
+    A key text longer than :data:`TEXT_MAX` characters is hashed as a stream and never
+    built, so its ``text`` is None (``key_text(namespace, name, canonical(material))``
+    rebuilds it): a 5 MB argument costs no multi-megabyte copies.
 
     Args:
         namespace: Separates applications that share one database.
@@ -122,16 +105,13 @@ def make_key(
     return key_for_canonical(namespace, name, canonical(material, where))
 
 
-def key_for_canonical(
-    namespace: str, name: str, canonical_material: Json, *, short: bool = False
-) -> LockKey:
+def key_for_canonical(namespace: str, name: str, canonical_material: Json) -> LockKey:
     """:func:`make_key` for material that :func:`canonical` already returned (a task's
-    per-argument path canonicalises each argument itself, to name it in errors).
-    ``short``: the caller knows the key text is far below :data:`TEXT_MAX`."""
-    if not short and _longer_than(canonical_material, TEXT_MAX):
+    per-argument path canonicalises each argument itself, to name it in errors)."""
+    if _longer_than(canonical_material, TEXT_MAX):
         hasher = hashlib.sha256()
-        for piece in _encoded_pieces([KEY_FORMAT, namespace, name, canonical_material]):
-            hasher.update(piece)
+        for chunk in json_chunks([KEY_FORMAT, namespace, name, canonical_material]):
+            hasher.update(chunk.encode("utf-8"))
         return LockKey(name=name, ids=(_key_from_digest(hasher.digest()),))
     text = key_text(namespace, name, canonical_material)
     return LockKey(name=name, ids=(key_from_text(text),), text=text)
@@ -142,12 +122,9 @@ TEXT_MAX = 64 * 1024
 
 
 class ScalarKeys:
-    """Keys of one lock for material ``{argument name: scalar}``, built without the
-    JSON encoder: the per-task hot path for the everyday key (a tenant id, a date).
-
-    The text is byte-for-byte :func:`key_text`'s (property-tested against it): the
-    fixed head and the sorted, encoded argument names are computed once.
-    """
+    """Keys of one lock for material ``{argument name: scalar}`` without the JSON
+    encoder (the per-task hot path): :func:`key_text`'s very text (property-tested),
+    from a head and sorted, encoded argument names computed once."""
 
     __slots__ = ("_head", "_names", "_order", "name")
 
@@ -179,9 +156,8 @@ class ScalarKeys:
         return LockKey(name=self.name, ids=(key_from_text(text),), text=text)
 
 
-#: Memo bounds per task: only calls whose str arguments total at most MEMO_MAX_CHARS
-#: characters and whose ints fit in 64 bits are memoised, so the memo stays under about
-#: 10 MiB per task (2 MiB for ASCII tenant ids); larger values are keyed afresh each call.
+#: Memo bounds per task: only calls whose strs total at most MEMO_MAX_CHARS characters
+#: and whose ints fit in 64 bits are memoised, so a memo stays under about 10 MiB.
 MEMO_ENTRIES = 4096
 MEMO_MAX_CHARS = 256
 _MEMO_SCALARS = frozenset({int, str, bool, type(None)})
@@ -211,12 +187,10 @@ class CallKeys:
         lock_args: Sequence[str],
         fixed: LockKey | None,
     ) -> None:
-        self.task_name, self.namespace, self.name, self.fixed = (
-            task_name,
-            namespace,
-            name,
-            fixed,
-        )
+        self.task_name = task_name
+        self.namespace = namespace
+        self.name = name
+        self.fixed = fixed
         positional = [
             p.name
             for p in parameters
@@ -261,16 +235,17 @@ class CallKeys:
             return self.memo(tuple(typed))
         return self._make_key(tuple(values))
 
-    def _make_key(self, values: tuple[Any, ...], *, short: bool = False) -> LockKey:
+    def _make_key(self, values: tuple[Any, ...]) -> LockKey:
         material = {
             name: canonical(value, f"Task {self.task_name!r}: argument {name!r}")
             for (name, *_), value in zip(self.arguments, values, strict=True)
         }
-        return key_for_canonical(self.namespace, self.name, material, short=short)
+        return key_for_canonical(self.namespace, self.name, material)
 
     def _scalar_key(self, typed_values: tuple[tuple[type, Any], ...]) -> LockKey:
         values = tuple(value for _, value in typed_values)
-        return self._scalars.key(values) or self._make_key(values, short=True)
+        # _scalars refuses only lone surrogates; _make_key then raises LockKeyError.
+        return self._scalars.key(values) or self._make_key(values)
 
 
 def _memoisable(values: list[Any]) -> bool:
@@ -336,11 +311,9 @@ RUN_LOCK_NAME = "celery_pglock.run"
 
 def run_key(task_id: str) -> LockKey:
     """The run lock of a task id: held by an ``acks_late`` run beside its key, so that a
-    redelivery of that task can tell whether its first delivery still runs.
-
-    Two-int form ``(RUN_NAMESPACE, 32 bits of the id's SHA-256)``: a collision (two
-    running tasks among 2**32) can only make a redelivery store no skip record.
-    """
+    redelivery can tell whether its first delivery still runs. A collision of its 32
+    hash bits (two running tasks among 2**32) only makes a redelivery store no skip
+    record."""
     digest = hashlib.sha256(f"{KEY_FORMAT}/run\0{task_id}".encode()).digest()
     return LockKey(
         name=RUN_LOCK_NAME,
@@ -351,27 +324,16 @@ def run_key(task_id: str) -> LockKey:
 def canonical(value: object, where: str = "value") -> Json:
     """Return ``value`` as plain JSON data whose text form is stable across processes.
 
-    Deliberate choices, each tested:
-
-    - ``7`` and ``"7"`` differ (JSON number vs string); ``True`` and ``1`` differ too.
-    - Tuples become arrays: Celery's JSON serializer turns them into lists in transit, so
-      the producer's tuple and the worker's list must give one key.
-    - UUID, Decimal, date, datetime and time become their ``str()``/ISO text, which is
-      what a non-Python producer sends for them; so ``UUID(x)`` and ``str(UUID(x))`` match.
-    - Strings are hashed exactly as given: no Unicode normalisation (NFC and NFD forms of
-      one word are different keys), and lone surrogates are refused.
-    - ``int``/``str`` enum members count as their value; other enums, bytes, sets, NaN,
-      infinities and arbitrary objects are refused, because their text form is either
-      unstable (a ``repr`` with a memory address) or ambiguous.
-    - Nesting deeper than :data:`MAX_DEPTH` (or a container holding itself) and integers
-      of more than :data:`MAX_INT_DIGITS` digits are refused: bounded stack and time.
+    The rules, each tested, are listed in docs/reference/keys.md ("Canonical forms"):
+    ``7``, ``"7"`` and ``True`` differ; tuples and lists match; UUID, Decimal and
+    date/time values key as their text; strings are not normalised. Refused: other
+    enums, bytes, sets, NaN, infinities, arbitrary objects, lone surrogates, nesting
+    deeper than :data:`MAX_DEPTH` and ints of more than :data:`MAX_INT_DIGITS` digits.
 
     Raises:
-        LockKeyError: naming ``where`` plus the path inside it (``[2]`` for a list
-            item, ``[key #0]`` for the value of a dict's first key) and the offending
-            type. Never the value itself, nor a dict key's text: both may be personal
-            data (an e-mail address as a dict key), and this message reaches the ERROR
-            log and the result backend.
+        LockKeyError: naming ``where``, the path inside it (``[2]``, ``[key #0]``) and
+            the offending type; never a value or a dict key's text, which may be
+            personal data and would reach the ERROR log and the result backend.
     """
     try:
         return _canonical(value, 0)
@@ -419,34 +381,33 @@ class _Refusal(Exception):  # noqa: N818 - internal, never escapes canonical()
         return f"{where}{''.join(segments)} {self.reason}"
 
 
+def _unkeyable(reason: str) -> _Refusal:
+    return _Refusal(f"{reason}; it cannot be part of a lock key.")
+
+
 def _canonical(value: object, depth: int) -> Json:
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int):
         if not -_INT_LIMIT < value < _INT_LIMIT:
-            raise _Refusal(
-                f"is an int of more than {MAX_INT_DIGITS} digits; it cannot be part of "
-                "a lock key."
-            )
+            raise _unkeyable(f"is an int of more than {MAX_INT_DIGITS} digits")
         return int(value)
     if isinstance(value, str):
         # isascii() is O(1): the common case pays nothing for the surrogate check.
         if not value.isascii() and _SURROGATE.search(value):
-            raise _Refusal(
-                "is a string that is not valid Unicode text (it holds a lone "
-                "surrogate); it cannot be part of a lock key."
+            raise _unkeyable(
+                "is a string that is not valid Unicode text (it holds a lone surrogate)"
             )
         return str.__str__(value)
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise _Refusal(
-                "is a float that is not finite (NaN or infinity); it cannot be part of "
-                "a lock key."
-            )
+            raise _unkeyable("is a float that is not finite (NaN or infinity)")
         return float(value)
+    if isinstance(value, (list, tuple, Mapping)) and depth >= MAX_DEPTH:
+        raise _unkeyable(
+            f"is nested more than {MAX_DEPTH} levels deep (or holds itself)"
+        )
     if isinstance(value, (list, tuple)):
-        if depth >= MAX_DEPTH:
-            raise _too_deep()
         items: list[Json] = []
         for index, item in enumerate(value):
             try:
@@ -456,8 +417,6 @@ def _canonical(value: object, depth: int) -> Json:
                 raise
         return items
     if isinstance(value, Mapping):
-        if depth >= MAX_DEPTH:
-            raise _too_deep()
         result: dict[str, Json] = {}
         for position, (item_key, item) in enumerate(value.items()):
             if not isinstance(item_key, str):
@@ -476,10 +435,7 @@ def _canonical(value: object, depth: int) -> Json:
         return str(value)
     if isinstance(value, decimal.Decimal):
         if not value.is_finite():
-            raise _Refusal(
-                "is a Decimal that is not finite (NaN or infinity); it cannot be part "
-                "of a lock key."
-            )
+            raise _unkeyable("is a Decimal that is not finite (NaN or infinity)")
         return str(value)
     if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
         return value.isoformat()
@@ -495,20 +451,11 @@ def _canonical(value: object, depth: int) -> Json:
     )
 
 
-def _too_deep() -> _Refusal:
-    return _Refusal(
-        f"is nested more than {MAX_DEPTH} levels deep (or holds itself); it cannot "
-        "be part of a lock key."
-    )
-
-
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-# -- streamed key texts: a huge key text hashed without ever being built. The stream must
-# be byte-for-byte the JSON of key_text (property-tested against json.dumps in
-# tests/unit/test_key_properties.py, against PostgreSQL's sha256 in
-# tests/integration/test_keys_sql.py) --
+# -- streamed key texts: a huge key text hashed without being built, byte-for-byte
+# key_text's JSON (tested in test_key_properties.py and, in SQL, test_keys_sql.py) --
 
 
 #: Characters encoded per piece (at most 256 KiB of UTF-8).
@@ -541,25 +488,9 @@ def _longer_than(value: Json, limit: int) -> bool:
     return False
 
 
-def _encoded_pieces(value: Json) -> Iterator[bytes]:
-    """The UTF-8 of ``value``'s key text (exactly ``keys.key_text``'s JSON), in pieces of
-    about CHUNK characters: no piece of the text is ever copied whole."""
-    buffer: list[str] = []
-    size = 0
-    for chunk in json_chunks(value):
-        buffer.append(chunk)
-        size += len(chunk)
-        if size >= CHUNK:
-            yield "".join(buffer).encode("utf-8")
-            buffer.clear()
-            size = 0
-    if buffer:
-        yield "".join(buffer).encode("utf-8")
-
-
 def json_chunks(value: Json) -> Iterator[str]:
     """json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":")) in
-    chunks, for canonical values (exact JSON types). Property-tested against json.dumps."""
+    chunks, for canonical values (exact JSON types)."""
     if value is None:
         yield "null"
     elif value is True:
@@ -593,9 +524,6 @@ def json_chunks(value: Json) -> Iterator[str]:
 def string_chunks(text: str) -> Iterator[str]:
     # JSON escapes character by character, so escaping slices separately gives the same
     # text as escaping the whole string.
-    if len(text) <= CHUNK:
-        yield _encode_string(text)
-        return
     yield '"'
     for start in range(0, len(text), CHUNK):
         yield _encode_string(text[start : start + CHUNK])[1:-1]

@@ -1,8 +1,7 @@
 """Lock metrics: a Metrics protocol, a no-op default and a Prometheus adapter (extra).
 
-Every outcome reaches the process's sink through ``task/outcomes.py`` (no call at all while
-none is installed). Labels are task names, policies and states only, never argument
-values. What each series means, and serving /metrics: docs/operations/metrics.md.
+Labels are task names, policies and states, never argument values. What each series
+means, and serving /metrics: docs/operations/metrics.md.
 """
 
 from __future__ import annotations
@@ -22,6 +21,8 @@ if TYPE_CHECKING:
 WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30)
 #: Seconds buckets for how long a lock was held (a task body's run time).
 HELD_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600)
+#: The collectors labelled by task alone.
+_TASK_ONLY = ("acquired", "release_failed", "lost", "wait_seconds", "held_seconds")
 DEFAULT_ADDRESS = "0.0.0.0"  # noqa: S104 - an exporter is scraped from other hosts
 
 
@@ -54,13 +55,9 @@ class NullMetrics:
 
 
 class PrometheusMetrics:
-    """Prometheus counters and histograms (``celery_pglock_*``) in ``registry``.
-
-    The collectors are created on first use, in the process that counts (a pool child,
-    after the fork), and registered in ``registry`` (prometheus_client's default
-    ``REGISTRY`` unless given). In multiprocess mode the registry does not matter: values
-    go to ``PROMETHEUS_MULTIPROC_DIR`` and a MultiProcessCollector serves them.
-    """
+    """Prometheus counters and histograms (``celery_pglock_*``) in ``registry``
+    (default: prometheus_client's ``REGISTRY``; unused in multiprocess mode), created on
+    first use, in the process that counts (a pool child, after the fork)."""
 
     def __init__(self, registry: Any = None) -> None:
         _require_prometheus()
@@ -80,9 +77,8 @@ class PrometheusMetrics:
                 if self._collectors is None:
                     self._collectors = _create_collectors(self._registry)
                     if not multiprocess():
-                        # One process: collect() computes the age from self._held (in
-                        # multiprocess mode the /metrics endpoint computes it from
-                        # every process's start times).
+                        # collect() serves the age (multiprocess: the /metrics
+                        # endpoint computes it from every process's start times).
                         import prometheus_client as prom
 
                         (self._registry or prom.REGISTRY).register(self)
@@ -108,13 +104,7 @@ class PrometheusMetrics:
             version = "unknown"
         self.collectors()["info"].labels(version).set(1)
         for task, policy in tasks:
-            for name in (
-                "acquired",
-                "release_failed",
-                "lost",
-                "wait_seconds",
-                "held_seconds",
-            ):
+            for name in _TASK_ONLY:
                 self._child(name, task)
             self._child("skipped", task, policy)
             for state in ("SUCCESS", "FAILURE"):
@@ -265,14 +255,9 @@ def install(metrics: Metrics) -> None:
 
 
 def configure(conf: Mapping[str, Any]) -> None:
-    """Install the sink the app settings ask for (called when a SingletonTask is bound).
-
-    A process without prometheus_client (a web app sharing the workers' settings) keeps
-    none: only a worker needs the extra, and its start refuses to go on without it.
-
-    Raises:
-        ConfigurationError: a bad value.
-    """
+    """Install the sink the app settings ask for (called when a SingletonTask is bound);
+    ConfigurationError for a bad value. Without prometheus_client (a web app sharing the
+    workers' settings) none is installed: only workers need it (they check at start)."""
     wanted = from_conf(conf, require=False)
     if wanted is not None and not isinstance(wanted, str):
         install(wanted)
@@ -283,10 +268,7 @@ def configure(conf: Mapping[str, Any]) -> None:
 
 def from_conf(conf: Mapping[str, Any], *, require: bool = True) -> Metrics | str | None:
     """Validate the metrics settings: ``"prometheus"``, a Metrics object, or None.
-
-    Args:
-        require: ``"prometheus"`` needs prometheus_client to be installed.
-    """
+    ``require``: ``"prometheus"`` needs prometheus_client to be installed."""
     value = conf.get("pglock_metrics")
     port = conf.get("pglock_metrics_port")
     address = conf.get("pglock_metrics_address")

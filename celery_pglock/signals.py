@@ -1,27 +1,19 @@
-"""Celery-style signals for every lock outcome: connect receivers to export metrics.
+"""Celery-style signals, one per lock outcome, all sent from ``task/outcomes.py``.
 
-Each is sent with ``sender`` = the task instance and the keyword arguments ``task_id``,
-``task_name``, ``key`` (the :class:`~celery_pglock.keys.LockKey`) and ``wait_seconds``,
-plus its own (docs/reference/signals.md lists them). Fed from one place,
-``celery_pglock.task.outcomes``. Receivers run synchronously on the task's path: keep them
-cheap; as with every Celery signal, an exception in one is logged and swallowed.
+Their arguments, and why receivers must stay cheap: docs/reference/signals.md.
 """
 
 from __future__ import annotations
 
 from celery.utils.dispatch import Signal
 
-#: The body is about to run under the lock.
-lock_acquired = Signal(name="lock_acquired")
-#: The body did not run: the lock was held (``action``, ``holder``, ``shadow``).
-lock_skipped = Signal(name="lock_skipped")
-lock_completed = Signal(name="lock_completed")  #: The body returned (``held_seconds``).
-#: The body raised (``held_seconds``, ``state``, ``exception``).
-lock_failed = Signal(name="lock_failed")
-#: Releasing went wrong (``exception``); the connection was closed, so the lock is free.
+lock_acquired = Signal(name="lock_acquired")  #: The body is about to run locked.
+lock_skipped = Signal(name="lock_skipped")  #: The body did not run: the lock was held.
+lock_completed = Signal(name="lock_completed")  #: The body returned.
+lock_failed = Signal(name="lock_failed")  #: The body raised.
+#: Releasing went wrong; the connection was closed, so the lock is free.
 lock_release_failed = Signal(name="lock_release_failed")
-#: The lock was found lost while the body ran (``cause``); sent from the watcher thread.
-lock_lost = Signal(name="lock_lost")
+lock_lost = Signal(name="lock_lost")  #: The lock was lost while the body ran.
 
 __all__ = [
     "lock_acquired",

@@ -1,7 +1,6 @@
 """The Django app of celery-pglock: ``manage.py check`` reports bad lock settings.
 
-Configuration only: it never connects to the lock database (``celery -A proj pglock
-check`` does), so ``manage.py check`` stays fast and works without it.
+It never connects to the lock database (``celery -A proj pglock check`` does).
 """
 
 from __future__ import annotations
@@ -19,8 +18,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
 TAG = "celery_pglock"
-#: The task name config.resolve puts in its messages for the app-wide defaults; removed
-#: from them again, as no task is at fault.
+#: The task name config.resolve's messages get for the app-wide defaults (then removed).
 _DEFAULTS = "app-wide defaults"
 
 
