@@ -335,8 +335,8 @@ def test_a_50_mb_string_is_keyed_in_linear_time_and_constant_memory(char):
 
 
 @pytest.mark.parametrize("char", ["x", "é", "😀"])
-def test_sliced_hashing_equals_one_shot_hashing(char):
-    """Long key texts are hashed a slice at a time; the digest is the same."""
+def test_a_long_key_text_hashes_to_the_digest_of_its_utf8_bytes(char):
+    """The key of a long text is its SHA-256 prefix, whatever its characters' widths."""
     import hashlib
 
     text = "a" + char * (3 * 64 * 1024 + 7)
