@@ -1,6 +1,4 @@
-"""What a run whose lock is held becomes (``lock_on_busy``), and its skip record.
-
-Why: docs/guide/policies.md and docs/guide/skipped-results.md."""
+"""What a busy run becomes. Why: docs/guide/policies.md, docs/guide/skipped-results.md."""
 
 from __future__ import annotations
 
@@ -32,9 +30,7 @@ def apply_policy(
     if direct and action is not OnBusy.WAIT:
         action = OnBusy.RAISE  # a direct call has no message to skip or re-queue
     message, details = report(task, lock, task_id, action)
-    # This message, redelivered while its first delivery (an acks_late run holding its
-    # run lock; unknown counts as yes) still runs: storing anything under its id would
-    # end its caller's wait with the wrong outcome. The first delivery stores the real one.
+    # Its first delivery may still run: store nothing (docs/guide/skipped-results.md).
     first_delivery_runs = (
         task_id is not None
         and not direct
@@ -47,7 +43,6 @@ def apply_policy(
             " The message was a redelivery whose first delivery is still running, "
             "so no result was stored."
         )
-    # Celery's task line carries the message, except for a direct call (no tracer).
     outcomes.skipped(
         task,
         task_id,
@@ -63,8 +58,7 @@ def apply_policy(
     if first_delivery_runs:
         raise Ignore(message)
     if action is OnBusy.SKIP and options.skip_result is SkipResult.SUCCESS:
-        # Not a real success: the next link of a chain and link callbacks must not
-        # run with a skip record as their argument. A chord still counts the part.
+        # No chain link or callback gets a skip record: docs/guide/skipped-results.md.
         request.callbacks = None
         request.chain = None
         return {SKIP_MARKER: "skipped", **details}
@@ -101,7 +95,6 @@ def report(
     if holder is not None and holder.process is not None:
         running = f"{holder.task}, " if holder.task else ""
         by = f"{holder.process} ({running}backend {holder.backend_pid})"
-    # The time it really waited: a server setting or a cancel may end a wait early.
     waited = (
         f" after waiting {lock.wait_seconds or 0.0:.1f}s"
         f" (lock_wait_timeout {options.wait_timeout:g}s)"

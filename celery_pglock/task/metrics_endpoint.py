@@ -1,8 +1,4 @@
-"""The worker's /metrics endpoint: served by the main process, counted by the pool.
-
-Counts go through prometheus_client's multiprocess files; each scrape folds exited
-children's into one archive per metric type. Why: docs/operations/metrics.md ("Prefork").
-"""
+"""The worker's /metrics endpoint. Why: docs/operations/metrics.md (Prefork)."""
 
 from __future__ import annotations
 
@@ -27,14 +23,11 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 @dataclasses.dataclass
 class Server:
-    """The /metrics endpoint of one worker: its HTTP server and multiprocess directory."""
-
     httpd: Any
     directory: str  #: The PROMETHEUS_MULTIPROC_DIR in use.
     owned: bool  #: serve() created the directory: close() removes it.
 
     def close(self) -> None:
-        """Stop serving; remove the multiprocess directory if serve() created it."""
         self.httpd.shutdown()
         self.httpd.server_close()
         if self.owned:
@@ -49,12 +42,8 @@ _server: Server | None = None
 def serve(
     conf: Mapping[str, Any], tasks: Iterable[tuple[str, str]] = ()
 ) -> Server | None:
-    """Serve /metrics on ``pglock_metrics_port`` if set; idempotent per process.
-
-    Call in the worker's main process before the pool forks (worker_init does), so the
-    children inherit the multiprocess directory. ``tasks``: the ``(name, lock_on_busy
-    action)`` of each SingletonTask, whose series are served at zero from the start.
-    """
+    """Serve /metrics if ``pglock_metrics_port`` is set (idempotent); call before forking.
+    ``tasks``: each SingletonTask's ``(name, on_busy)``, served at 0 from the start."""
     global _server
     port = conf.get("pglock_metrics_port")
     if port is None:
@@ -83,8 +72,7 @@ def serve(
         ) from exc
     os.environ[MULTIPROC_ENV] = directory  # now that it serves: children count there
     if not metrics.multiprocess():
-        # prometheus_client chose in-process values at its import, before the variable
-        # was set; values created from now on (in the children) use files.
+        # prometheus_client chose in-process values at import; the children's use files.
         values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
     _server = Server(httpd, directory, owned)
     sink = metrics.current()
@@ -96,7 +84,6 @@ def serve(
 
 
 def stop() -> None:
-    """Stop serving (worker shutdown); idempotent."""
     global _server
     server, _server = _server, None
     if server is not None:
@@ -104,8 +91,7 @@ def stop() -> None:
 
 
 def _close_in_child() -> None:
-    # A forked pool child closes its inherited copy of the listening socket, so that only
-    # the main process holds the port (a lingering child cannot keep it bound).
+    # Only the main process holds the port: a lingering child cannot keep it bound.
     global _server
     if _server is not None:
         with contextlib.suppress(OSError):
@@ -138,7 +124,6 @@ class _ArchivingCollector:
             if family.name != metrics.OLDEST_START:
                 yield family
                 continue
-            # Each task's oldest held lock's age, from each live process's start (0: none).
             oldest: dict[str, float] = {}  # task -> earliest start (inf: none held)
             for sample in family.samples:
                 task, start = sample.labels["task"], sample.value or math.inf
@@ -178,7 +163,6 @@ def _archive_dead(directory: str, kind: str) -> None:
 
 
 def _dead_files(directory: str, pattern: str) -> list[str]:
-    """The files matching ``pattern`` whose name ends in the pid of a process now gone."""
     dead = []
     for path in glob.glob(os.path.join(directory, pattern)):
         pid = os.path.basename(path)[:-3].rsplit("_", 1)[-1]

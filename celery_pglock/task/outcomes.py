@@ -1,8 +1,6 @@
 """Each lock outcome of a run, reported once: to the signals, the log and the metrics sink.
 
-The hot path (acquired + released) builds no dict and formats no string unless a
-receiver, DEBUG logging or a metrics sink asks. Levels: docs/operations/monitoring.md.
-"""
+acquired() and released() build nothing unless asked. Levels: docs/operations/monitoring.md."""
 
 from __future__ import annotations
 
@@ -18,7 +16,6 @@ logger = logging.getLogger(__name__)
 
 
 def acquired(task: Any, task_id: str | None, lock: AdvisoryLock) -> None:
-    """The run got its lock and its body is about to run."""
     wait = lock.wait_seconds or 0.0
     if metrics.sink is not None:
         _count("acquired", task.name, wait)
@@ -47,12 +44,8 @@ def skipped(
     celery_logs: bool,
     shadow: bool = False,
 ) -> None:
-    """The run did not get its lock; ``action`` is the lock_on_busy policy applied.
-
-    ``message`` names lock, key and holder (the run ends with it too); ``details`` is
-    ``LockSkipped.details``; ``celery_logs``: Celery's task line carries ``message``, so
-    ours is DEBUG; ``shadow``: a would-be skip, the body runs anyway.
-    """
+    """``celery_logs``: Celery's task line carries ``message``, so ours is DEBUG;
+    ``shadow``: a would-be skip, the body runs anyway."""
     wait = lock.wait_seconds or 0.0
     if metrics.sink is not None:
         _count("skipped", task.name, action, wait)
@@ -124,7 +117,6 @@ def released(
 def release_failed(
     task: Any, task_id: str | None, lock: AdvisoryLock, error: BaseException
 ) -> None:
-    """Releasing failed: the lock is gone (its session was ended, or held nothing)."""
     if metrics.sink is not None:
         _count("release_failed", task.name)
     logger.error(
@@ -144,8 +136,7 @@ def release_failed(
 
 
 def lost(task: Any, task_id: str | None, lock: AdvisoryLock, cause: str) -> None:
-    """The lock was found lost: while the body ran (the process's lock watcher thread),
-    or before it (no fencing token)."""
+    """Called from the watcher thread (body running), or before the body (no token)."""
     if metrics.sink is not None:
         _count("lost", task.name)
     logger.error(
@@ -169,7 +160,6 @@ def database_error(
     countdown: float,
     max_retries: int | None,
 ) -> None:
-    """The lock database failed at acquire; the run is re-queued (autoretry_for)."""
     logger.warning(
         "%s[%s] could not take its lock: %s. The lock database looks unavailable; the "
         "run is re-queued in %gs (retry %d of %s), and its body has not run.",

@@ -1,8 +1,6 @@
 """SingletonTask: a Celery task whose body runs under a PostgreSQL advisory lock.
 
-``__call__`` tells one run: key, lock, watched body, release and report. Why each step
-is where it is: docs/design.md and docs/guide/retries.md.
-"""
+Why each step of a run is where it is: docs/design.md, docs/guide/retries.md."""
 
 from __future__ import annotations
 
@@ -39,33 +37,25 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(slots=True, eq=False)
 class Execution:
-    """One run of a SingletonTask: its lock once created, and how it ends.
-
-    Kept in a ContextVar (per thread and greenlet; nested calls each see their own), never
-    keyed by task id: a redelivery or a retry shares its id with another execution.
-    """
+    """One run, in a ContextVar; never keyed by task id (docs/design.md, Decisions)."""
 
     task_id: str | None
     lock: AdvisoryLock | None = None
-    #: The body published a retry: task_postrun releases the lock, after RETRY is stored.
-    release_at_postrun: bool = False
-    #: With release_at_postrun: the exception the body ended with (None: returned).
-    ended_with: BaseException | None = None
+    release_at_postrun: bool = False  #: A retry was published: release at task_postrun.
+    ended_with: BaseException | None = None  #: The body's exception (None: returned).
 
 
 _current: contextvars.ContextVar[Execution | None] = contextvars.ContextVar(
     "celery_pglock_execution", default=None
 )
-#: The locks SingletonTasks of this process hold (for the worker-shutdown safety net).
-_held: set[AdvisoryLock] = set()
+_held: set[AdvisoryLock] = set()  #: Locks held here, for the worker-shutdown net.
 _held_guard = threading.Lock()
 
 
 def current_lock() -> AdvisoryLock:
-    """The lock of the SingletonTask body running in this thread/greenlet.
+    """The lock of the SingletonTask body running in this thread or greenlet.
 
-    Its ``key`` says which lock; in transaction scope its ``connection`` is the open
-    transaction to do the protected database work in.
+    In transaction scope, its ``connection`` is the transaction to do the body's work in.
 
     Raises:
         PgLockError: no SingletonTask body is running here.
@@ -79,19 +69,15 @@ def current_lock() -> AdvisoryLock:
 
 
 def current_execution() -> Execution | None:
-    """The innermost SingletonTask execution of this thread/greenlet, if any."""
     return _current.get()
 
 
 def held_locks() -> list[AdvisoryLock]:
-    """Every lock SingletonTasks of this process hold right now."""
     with _held_guard:
         return list(_held)
 
 
 class Binding:
-    """A task's resolved options, keys and per-process engine, built when Celery binds it."""
-
     __slots__ = ("conf", "config", "custom_key", "engine_of_pid", "keys")
 
     def __init__(
@@ -111,12 +97,10 @@ class Binding:
             options.lock_args,
             options.fixed_key,
         )
-        #: A subclass overrides lock_key_for: every key comes from it.
-        self.custom_key = custom_key
+        self.custom_key = custom_key  # a subclass overrides lock_key_for
         self.engine_of_pid: tuple[int, sa.Engine] | None = None
 
     def engine(self) -> sa.Engine:
-        """The lock engine of this process (fetched again after a fork)."""
         cached = self.engine_of_pid
         if cached is not None and cached[0] == os.getpid():
             return cached[1]
@@ -170,8 +154,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         """Validate and freeze the lock options when Celery binds the task to ``app``."""
         super().on_bound(app)
         if exceptions.LockSkipped not in cls.throws:
-            # An expected outcome, not an error: Celery logs it at INFO without a
-            # traceback, and error trackers (Sentry's Celery integration) skip it.
+            # Expected, not an error: INFO without traceback, skipped by Sentry.
             cls.throws = (*cls.throws, exceptions.LockSkipped)
         if cls.name:  # an abstract base has no name and no real run() yet
             cls._pglock = cls._bind(app)
@@ -218,8 +201,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         binding = self._binding()
         request = self.request
-        # A body calling its own task finds its message's request (with that run's
-        # execution) on the task's stack: a direct call, not a second run of it.
+        # Already a run on this request: the body called its own task (a direct call).
         direct = (
             request.called_directly
             or getattr(request, "pglock_execution", None) is not None
@@ -228,7 +210,6 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         execution = Execution(task_id)
         token = _current.set(execution)
         if not direct:
-            # task_postrun finds the execution on the tracer's request (never by id).
             request.pglock_execution = execution  # type: ignore[attr-defined]
         options = binding.config
         try:
@@ -248,7 +229,6 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> AdvisoryLock:
-        """Decide: this call's key, as an AdvisoryLock known to the execution."""
         options = binding.config
         key = (
             self.lock_key_for(*args, **kwargs)
@@ -262,8 +242,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             label=options.task_name,
         )
         lock.round_trip_timeout = options.db_timeout
-        # Known before it is granted: if an exception (a soft time limit) lands between
-        # the grant and the body, task_postrun still finds the lock and releases it.
+        # Before the grant: if a time limit lands before the body, task_postrun frees it.
         execution.lock = lock
         if execution.task_id is not None and self.acks_late:
             # Tells a redelivery of its message that this run goes on (busy_policy.py).
@@ -279,8 +258,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     ) -> bool:
         """Take the lock (and its fencing token); False when another run holds it."""
         request = self.request
-        # A retry's run waits (bounded) for its predecessor, which keeps its lock until
-        # Celery stored RETRY (see retry()); an eager retry's released it before.
+        # A retry waits (bounded) for its predecessor's lock (docs/guide/retries.md).
         waits = options.on_busy is OnBusy.WAIT or (
             request.retries and not direct and not request.is_eager
         )
@@ -293,8 +271,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         except exceptions.DatabaseError as error:
             self._on_database_error(error, direct=direct)
         except exceptions.LockLostError:
-            # Lost between the grant and the token: reported like any loss; the run
-            # fails without its body (another run may hold the key now).
+            # Lost between grant and token: reported; the run fails without its body.
             outcomes.lost(self, task_id, lock, lock.lost_cause or "unknown")
             raise
         return granted
@@ -308,7 +285,6 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         kwargs: dict[str, Any],
         direct: bool,
     ) -> Any:
-        """Run the body under its lock, watched for loss, then finish the run."""
         task_id = execution.task_id
         with _held_guard:
             _held.add(lock)
@@ -337,10 +313,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     ) -> Any:
         """Celery's retry, with this run's lock kept until Celery has stored RETRY.
 
-        The retry is published at once (a worker killed afterwards loses no retry); the
-        lock is released at task_postrun, and the retry's run waits for it (bounded)
-        instead of being skipped by its predecessor. A direct, eager or last attempt
-        releases as usual. See docs/guide/retries.md.
+        Published at once; its run waits (bounded) for this lock, freed at task_postrun
+        (a direct, eager or last attempt releases as usual). See docs/guide/retries.md.
         """
         retry_options = {
             "args": args,
@@ -366,12 +340,9 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     def _on_database_error(
         self, error: exceptions.DatabaseError, *, direct: bool
     ) -> NoReturn:
-        """The lock database failed at acquire (the body never ran): retry as Celery's
-        autoretry_for would (docs/guide/retries.md), else fail."""
+        """Retry as Celery's autoretry_for would (docs/guide/retries.md), else raise."""
         request = self.request
-        # Celery's autoretry wraps run(), after this acquire: its rule
-        # (celery/app/autoretry.py) is applied here. A misconfiguration (a wrong
-        # password) is not an outage: never retried, as its message says.
+        # Celery's autoretry wraps run(), after this acquire: its rule applies here.
         if (
             direct
             or request.is_eager  # eager retries run inline, without the countdown
@@ -397,8 +368,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         try:
             raise self.retry(exc=error, **retry_kwargs)
         finally:
-            # retry(max_retries=...) leaves the limit on the task object, where it
-            # would apply to every later run in this process (Celery drops it too).
+            # retry() left its limit on the task, for later runs; Celery drops it too.
             vars(self).pop("override_max_retries", None)
 
     def _retry_publishes(self, max_retries: int | None) -> bool:
@@ -407,8 +377,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         return limit is None or self.request.retries + 1 <= limit
 
     def _body(self, direct: bool) -> Any:
-        # In a worker (and apply()) Celery's tracer already pushed request and task:
-        # Task.__call__ would push copies (~35 us per task). A direct call needs it.
+        # A worker's tracer pushed request and task already: Task.__call__ adds ~35 us.
         return super().__call__ if direct else self.run
 
     def _run_shadowed(
@@ -419,7 +388,6 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        """Shadow mode, lock busy: report the would-be outcome, then run the body unlocked."""
         action = options.on_busy
         message, details = busy_policy.report(self, lock, task_id, action)
         outcomes.skipped(
@@ -432,21 +400,17 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             celery_logs=False,
             shadow=True,
         )
-        # current_lock() answers with the lock that was tried: owned() is False.
         lock.shadowed = True  # ensure_held() lets the body go on; fenced writes apply
         return self._body(task_id is None)(*args, **kwargs)
 
     def _end(
         self, execution: Execution, lock: AdvisoryLock, exc: BaseException | None
     ) -> None:
-        """The body has ended: finish now, or at task_postrun if it published a retry
-        (so that the retry's own outcome is never overwritten by this run's)."""
+        """Finish now, or at task_postrun after a retry (docs/guide/retries.md)."""
         try:
-            # First: a loss found from now on never interrupts the body.
-            loss_watcher.unwatch(lock)
+            loss_watcher.unwatch(lock)  # first: no loss interrupts the body any more
         except exceptions.LockLostError as interrupted:
-            # lock_on_lost='terminate' interrupted the body just as it returned: the run
-            # ends as an interrupted one, and its lock is still released below.
+            # Interrupted as it returned: it ends as interrupted, lock released below.
             exc = exc if exc is not None else interrupted
             loss_watcher.unwatch(lock)
         if execution.release_at_postrun:
@@ -457,13 +421,10 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     def _finish_run(
         self, execution: Execution, lock: AdvisoryLock, exc: BaseException | None
     ) -> None:
-        """Release ``lock`` (if still held) and report the run's outcome."""
         if lock.owner_pid is not None and lock.owner_pid != os.getpid():
             return  # a forked child's copy of the run: lock and outcome are the parent's
         task_id = execution.task_id
-        # A lost lock (lock_lost was reported) fails a run that would otherwise succeed
-        # or that ended with lock_on_lost='terminate''s bare LockLostError; the body's
-        # own exception, if any, is kept. Its transaction is rolled back, not committed.
+        # Lost: fails the run; a body's own error is kept, a bare LockLostError replaced.
         lost_error: exceptions.LockLostError | None = None
         if lock.lost and (exc is None or type(exc) is exceptions.LockLostError):
             lost_error = lock.lost_error()
@@ -477,9 +438,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 if not lock.lost:  # a lost lock's release fails; lock_lost said it all
                     outcomes.release_failed(self, task_id, lock, error)
                 release_error = error
-        # A session-scope release failure leaves the outcome as it was (the work is done;
-        # the lock is gone either way: a failed round trip ended its session, a refused
-        # unlock held nothing). In transaction scope the work was not committed: failed.
+        # The outcome per scope: docs/operations/failure-modes.md (Release fails).
         failed = (
             exc is not None
             or lost_error is not None
@@ -501,11 +460,9 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
 
 
 def after_task(task: Any = None, retval: Any = None, **_: Any) -> None:
-    """task_postrun: release a retried run's lock now that Celery stored RETRY, or a
-    leftover one (docs/guide/retries.md)."""
+    """task_postrun: release a retried run's lock, or a leftover one (docs/design.md)."""
     if isinstance(retval, exceptions.LockSkipped):
-        # Celery clears a failure's frames to break the cycle with its own; a skip's
-        # fixed frame defeats that: else each skip leaves ~30 objects to the collector.
+        # Celery's frame clearing misses a skip's fixed frame: ~30 objects left per skip.
         retval.__traceback__ = None
     request: Any = getattr(task, "request", None)
     execution = getattr(request, "pglock_execution", None)
@@ -515,7 +472,6 @@ def after_task(task: Any = None, retval: Any = None, **_: Any) -> None:
     request.pglock_execution = None
     lock = execution.lock
     if execution.release_at_postrun and lock is not None:
-        # The run published a retry; Celery has now stored its RETRY state.
         execution.release_at_postrun = False
         # Reported as lock_release_failed; a signal receiver cannot fail the task.
         with contextlib.suppress(exceptions.PgLockError):
@@ -545,10 +501,7 @@ def release_leftover(lock: AdvisoryLock, where: str) -> None:
 
 
 def _option_attributes(cls: type) -> dict[str, Any]:
-    """The task's ``lock_*`` (and peer libraries') attributes that are set, unwrapped.
-
-    Peer options are collected so that config.resolve() refuses them, rather than run
-    with one lock for all argument values."""
+    """Set ``lock_*`` and peer options, unwrapped; config.resolve() refuses the peers'."""
     found: dict[str, Any] = {}
     for klass in reversed(cls.__mro__):
         for name in vars(klass):
@@ -567,7 +520,6 @@ def _option_attributes(cls: type) -> dict[str, Any]:
 
 
 def _call_parameters(cls: type) -> list[inspect.Parameter]:
-    """The parameters a caller passes to the task (``self`` left out of a bound task)."""
     run = inspect.getattr_static(cls, "run")
     if isinstance(run, staticmethod):  # @app.task without bind=True
         return list(inspect.signature(run.__func__).parameters.values())

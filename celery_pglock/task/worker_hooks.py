@@ -1,7 +1,4 @@
-"""Worker signal hooks: configuration checks at start, and the lock-release safety nets.
-
-Which signal does what, and why there: docs/design.md#worker-signal-hooks.
-"""
+"""Worker signal hooks: start-up checks, release safety nets. Why: docs/design.md."""
 
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ from celery_pglock.task import metrics_endpoint, singleton_task
 
 logger = logging.getLogger(__name__)
 
-#: What serving /metrics at worker_init did, for _report_at_ready() to log once logging is set up.
+#: What serving /metrics at worker_init did, logged by _report_at_ready().
 _metrics_outcome: metrics_endpoint.Server | exceptions.ConfigurationError | None = None
 
 
@@ -40,17 +37,12 @@ def connect() -> None:
 
 
 def disconnect() -> None:
-    """Disconnect the receivers (tests; a worker never needs this)."""
     for name in _receivers():
         getattr(celery_signals, name).disconnect(dispatch_uid=f"celery_pglock.{name}")
 
 
 def check_app(app: Any) -> None:
-    """Check the lock settings of ``app`` if it has SingletonTasks.
-
-    Raises:
-        ConfigurationError: naming the setting (and environment variable) at fault.
-    """
+    """Check the lock settings of an app with SingletonTasks (ConfigurationError)."""
     if not singleton_tasks(app):
         return
     config.check_unknown_settings(app.conf)
@@ -59,13 +51,8 @@ def check_app(app: Any) -> None:
 
 
 def check_lock_server(app: Any) -> None:
-    """Worker start: refuse a lock database that no SingletonTask of ``app`` can use
-    (probed with a temporary engine: the worker's own are made after the fork).
-
-    Raises:
-        ConfigurationError: a standby, or a pooling mode that breaks the scope of some
-            tasks; the message names them and the fix.
-    """
+    """Raise ConfigurationError on a standby or a pooler breaking some tasks' scope
+    (probed with a temporary engine: the worker's own are made after the fork)."""
     scopes: dict[config.LockScope, list[str]] = {}
     for task in sorted(singleton_tasks(app), key=lambda task: str(task.name)):
         scopes.setdefault(task.lock_config.scope, []).append(task.name)
@@ -75,9 +62,7 @@ def check_lock_server(app: Any) -> None:
     try:
         facts = server_probe.probe(url, app.conf)
     except exceptions.DatabaseError:
-        # Reported at worker_ready (logging is not set up yet in worker_init); each
-        # process probes again at its first lock.
-        return
+        return  # reported at worker_ready; each process probes again at its first lock
     for scope, names in scopes.items():
         message = facts.refusal(scope)
         if message is not None:
@@ -87,10 +72,7 @@ def check_lock_server(app: Any) -> None:
 
 
 def _report_at_ready(sender: Any = None, **_: Any) -> None:
-    """Connect once to the lock database; log the configuration or an ERROR.
-
-    Never raises: an unreachable database does not stop the worker (docs/design.md).
-    """
+    """Log the lock configuration or an ERROR; never raises (docs/design.md)."""
     app: Any = getattr(sender, "app", None)
     tasks = singleton_tasks(app) if app is not None else []
     if not tasks:
@@ -102,8 +84,7 @@ def _report_at_ready(sender: Any = None, **_: Any) -> None:
     except exceptions.PgLockError as error:
         reason = " ".join(str(error).split())
         if driver_errors.misconfiguration(error.__cause__) is not None:
-            # The error's text ends with the cause and its fix; "check that PostgreSQL
-            # runs" would send the operator the wrong way.
+            # Its text gives the fix; "check that PostgreSQL runs" would mislead here.
             logger.error(
                 "celery-pglock: the lock database refused this worker at start: %s "
                 "Until that is fixed, every SingletonTask fails at once with "
@@ -156,7 +137,6 @@ def _report_at_ready(sender: Any = None, **_: Any) -> None:
 
 
 def singleton_tasks(app: Any) -> list[Any]:
-    """The SingletonTasks registered in ``app`` (also for the pglock CLI)."""
     return [
         task
         for task in app.tasks.values()
@@ -172,11 +152,9 @@ def _check_worker_config(sender: Any = None, **_: Any) -> None:
         check_app(app)
         check_lock_server(app)  # standby, pooling mode against the tasks' scopes
     except exceptions.ConfigurationError as error:
-        # Said once, by the interpreter as the worker exits: a log record here would be
-        # printed again by Python's last-resort handler (no logging set up yet).
+        # Said once at exit: with no logging set up yet, a log record would print twice.
         raise SystemExit(f"celery-pglock: {error}") from error
-    # Serve /metrics before the pool forks; the outcome is logged at worker_ready, once
-    # logging is set up (a failure does not stop the worker).
+    # Before the pool forks; logged at worker_ready; a failure never stops the worker.
     global _metrics_outcome
     if tasks := singleton_tasks(app):
         try:

@@ -1,7 +1,3 @@
-"""The lock-loss watcher: notices, while a body runs, that its lock is gone.
-
-Layer 4 of docs/design.md (docs/operations/lock-loss.md). May import the bottom, ``db``
-and ``lock``; never ``task`` or the operator surfaces (the task hands it a callback).
-"""
+"""The lock-loss watcher. Why: docs/operations/lock-loss.md; imports: docs/design.md."""
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The lock watcher: one daemon thread per process notices that a running body's lock is
-gone, reports it once, and with ``lock_on_lost='terminate'`` ends the body.
+"""The lock watcher: one daemon thread per process finds running bodies' locks lost.
 
-Hazard: it interrupts bodies from another thread, and is forgotten in a forked child.
-How and why: docs/operations/lock-loss.md.
-"""
+Hazard: it interrupts bodies from another thread. Why: docs/operations/lock-loss.md."""
 
 from __future__ import annotations
 
@@ -32,21 +29,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Delivers lock_on_lost='terminate' to a body in the main thread. Not SIGUSR1: billiard
-#: uses it for the soft time limit. A handler someone else installed is chained.
-SIGNAL = signal.SIGUSR2
-#: The watcher wakes this often, at most (a fraction of the smallest interval).
-MIN_TICK = 0.05
-#: Longest a finished body waits for its loss to be reported (signal receivers run).
-REPORT_WAIT = 2.0
-#: Checks answered in this process (tests prove short tasks run none).
-checks_run = 0
+SIGNAL = signal.SIGUSR2  #: Ends main-thread bodies; SIGUSR1 is billiard's soft limit.
+MIN_TICK = 0.05  #: The watcher's shortest sleep between ticks.
+REPORT_WAIT = 2.0  #: Longest an ended body waits for its loss report.
+checks_run = 0  #: Checks answered in this process (tests: short tasks run none).
 
 
 @dataclasses.dataclass(slots=True, eq=False)
 class Entry:
-    """One watched lock and what to do if it is lost."""
-
     lock: AdvisoryLock
     report: Callable[[str], None]  #: Called once with the cause when the loss is found.
     interval: float
@@ -55,15 +45,12 @@ class Entry:
     thread_id: int  #: threading.get_ident() of the body's thread.
     in_main: bool  #: The body runs in the main thread (prefork, solo).
     checked_at: float  #: time.monotonic() when the lock was last known held.
-    #: The holder's backend pid: lock.backend_pid, or the real one learnt at the first
-    #: check when libpq's is a pooler's (PgBouncer invents the pid it reports).
-    backend_pid: int | None
+    backend_pid: int | None  #: lock.backend_pid, or the real one behind PgBouncer.
     pid_confirmed: bool = False  #: backend_pid was seen holding the lock.
     server_start: str | None = None  #: pg_postmaster_start_time() at the first check.
     ended: bool = False  #: The body ended: never interrupt it any more.
     interrupted: bool = False
-    #: Set once the lock was found lost; set() once the loss has been reported.
-    reported: threading.Event | None = None
+    reported: threading.Event | None = None  #: Found lost; set() once reported.
 
 
 _entries: dict[int, Entry] = {}
@@ -74,8 +61,7 @@ _cond = threading.Condition(_mutex)
 _idle = False  #: The watcher waits for an entry (notify it on insert).
 _thread: threading.Thread | None = None
 _observers: dict[int, Observer] = {}
-#: The main-thread body to interrupt when SIGNAL arrives.
-_target: Entry | None = None
+_target: Entry | None = None  #: The main-thread body SIGNAL interrupts.
 _handler: tuple[int, Any] | None = None  #: (pid, previous handler) once installed.
 _green_warned = 0
 
@@ -107,36 +93,30 @@ def watch(
         lock.acquired_at or time.monotonic(),
         lock.backend_pid,
     )
-    # The bare lock, as in unwatch(): an outer body's interrupt may land here too (a
-    # terminate-mode body calling another SingletonTask).
-    with _mutex:
+    with _mutex:  # bare, as in unwatch(): an outer body's interrupt may land here
         if _thread is None:
             _idle = False
-            # Recorded before start(): else an interrupt landing after it makes the next
-            # watch() start a second watcher.
+            # Set before start(): an interrupt after it must not start a second watcher.
             _thread = threading.Thread(
                 target=_run, name="celery-pglock-watch", daemon=True
             )
             _thread.start()
         _entries[id(lock)] = entry
         if _idle:
-            # The watcher clears _idle itself once awake: an interrupt landing before
-            # this notify() leaves it set, and the next watch() wakes the watcher.
+            # _idle: cleared by the watcher; interrupted here, the next watch() notifies.
             _cond.notify()
 
 
 def unwatch(lock: AdvisoryLock) -> None:
-    """The body of ``lock``'s run has ended: stop watching, and wait (bounded) for a loss
-    report under way, so ``lock_lost`` comes before the run's outcome. A pending interrupt
-    may still land here as LockLostError, the entry still registered: call again."""
+    """The body ended: stop watching; wait (bounded) for a loss report under way.
+    A pending interrupt may land here as LockLostError, still registered: call again."""
     with _mutex:
         entry = _entries.pop(id(lock), None)
         if entry is None:
             return
         entry.ended = True
         if entry.interrupted and not entry.in_main:
-            # The asynchronous exception may still be pending: withdraw it, the body
-            # it was meant for has ended (the run still ends FAILURE: the lock is lost).
+            # Withdraw a still-pending async raise: its body has ended.
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
                 ctypes.c_ulong(entry.thread_id), None
             )
@@ -166,8 +146,7 @@ def _run() -> None:
                     _check(due)
                 except Exception:  # the watcher must survive anything and keep watching
                     logger.exception("celery-pglock: the lock watcher failed a check")
-            # Sleep a tick even when the body that woke us has ended: else every short
-            # task would cost a thread switch (~30 us measured), not one per tick.
+            # Always sleep a tick: else each short task costs a thread switch (~30 us).
             tick = min((entry.interval for entry in entries), default=4 * MIN_TICK) / 4
             time.sleep(max(MIN_TICK, tick))
     finally:  # only if something unforeseen killed it: the next watch() restarts it
@@ -176,7 +155,6 @@ def _run() -> None:
 
 
 def _check(due: list[Entry]) -> None:
-    """Check the due locks, one query per lock database; handle every loss found."""
     groups: dict[int, list[Entry]] = {}
     for entry in due:
         groups.setdefault(id(entry.lock.engine), []).append(entry)
@@ -186,7 +164,6 @@ def _check(due: list[Entry]) -> None:
             observer = _observers[engine_id] = Observer(engine)
         started = time.monotonic()
         timeout = min(entry.timeout for entry in entries)
-        # On the process's own lock session when it has one (no second connection).
         losses = observer.check(
             entries, started + timeout, sessions.open_process_session(engine)
         )
@@ -217,8 +194,7 @@ def _lost(entry: Entry, cause: str) -> None:
 
 
 def _green() -> bool:
-    """gevent/eventlet monkey-patched? No interrupt reaches the right body there:
-    'terminate' acts as 'signal' (said once per process)."""
+    """Patched by gevent/eventlet? Then 'terminate' acts as 'signal' (warns once)."""
     global _green_warned
     gevent, eventlet = map(sys.modules.get, ("gevent.monkey", "eventlet.patcher"))
     patched = bool(
@@ -258,8 +234,7 @@ def _interrupt(entry: Entry) -> None:
         _target = entry
         signal.pthread_kill(threading.main_thread().ident or 0, SIGNAL)
         return
-    # Raised at the body's next bytecode: a bare LockLostError (the API takes a class);
-    # the task layer ends the run with one that names the key and cause.
+    # At the body's next bytecode; a bare class: the task layer adds key and cause.
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(entry.thread_id), ctypes.py_object(exceptions.LockLostError)
     )
@@ -279,9 +254,8 @@ class Observer:
         deadline: float,
         session: sessions.ProcessSession | None = None,
     ) -> dict[int, str]:
-        """{id(entry): cause} for each lock found lost; every entry if unverifiable. On
-        the process's lock ``session`` if given; connects itself only if it cannot
-        answer, to tell why, and closes again."""
+        """{id(entry): cause} per lost lock (all if unverifiable), on ``session`` if
+        given; connects itself only if that cannot answer, to tell why, then closes."""
         diagnosing = False
         if session is not None:
             timeout = entries[0].timeout
@@ -290,8 +264,7 @@ class Observer:
                     sql_text.CHECK_HELD, _params(entries), deadline, least=timeout / 2
                 )
             except sessions.SessionBusyError:
-                # Busy with (bounded) lock statements: checked here instead, with a
-                # budget of its own, so a busy session never looks unverifiable.
+                # Busy (bounded lock statements): check here, with a budget of its own.
                 diagnosing = True
                 deadline = time.monotonic() + timeout
             except Exception:
@@ -307,7 +280,6 @@ class Observer:
                 self.close()
 
     def _check_here(self, entries: list[Entry], deadline: float) -> dict[int, str]:
-        """The check on the observer's own session, reconnected while time remains."""
         while True:
             try:
                 if self.connection is None:
@@ -341,7 +313,6 @@ class Observer:
         start, standby = rows[0][4], rows[0][5]
         restarted = self.server_start is not None and start != self.server_start
         self.server_start = start
-        # May libpq's backend pids be a pooler's invention here? (Yes if unknown.)
         facts = server_probe.known_facts(self.engine)
         pids_invented = facts is None or not facts.reports_backend_pid
         losses: dict[int, str] = {}
@@ -363,13 +334,10 @@ class Observer:
                 and pids_invented
                 and holder_name == getattr(entry.lock, "holding_name", None)
             ):
-                # Through PgBouncer libpq's pid is invented: the session showing this
-                # lock's own application_name is ours (learnt once). Not where the pid is
-                # real: another session of ours (same name) may have the key by now.
+                # Invented pid (PgBouncer): the session with this lock's name is ours
+                # (learnt once). Not with real pids: another of ours may have it by now.
                 entry.backend_pid, entry.pid_confirmed = holder, True
             elif restarted or entry.server_start != start:
-                # A promoted standby's postmaster started when the standby did: a
-                # failover looks exactly like a restart from here.
                 losses[id(entry)] = (
                     "the server restarted or was replaced (pg_postmaster_start_time() "
                     "changed): a restart, a crash, or a failover to a promoted standby"
