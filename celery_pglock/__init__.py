@@ -1,8 +1,6 @@
-"""celery-pglock: singleton Celery tasks on PostgreSQL advisory locks.
+"""celery-pglock: singleton Celery tasks on PostgreSQL advisory locks (docs/index.md).
 
-``@app.task(base=SingletonTask)`` runs a task at most once at a time (per task, or per
-``lock_args`` values), however many workers, replicas or beat schedulers send it.
-"""
+``@app.task(base=SingletonTask)`` runs a task at most once at a time, per ``lock_args``."""
 
 from __future__ import annotations
 
