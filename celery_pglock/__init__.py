@@ -1,6 +1,4 @@
-"""celery-pglock: singleton Celery tasks on PostgreSQL advisory locks (docs/index.md).
-
-``@app.task(base=SingletonTask)`` runs a task at most once at a time, per ``lock_args``."""
+"""celery-pglock: singleton Celery tasks on PostgreSQL advisory locks (docs/index.md)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     import inspect
     from collections.abc import Callable, Mapping, Sequence
 
-#: Environment variable read when ``app.conf.pglock_database_url`` is not set.
 DATABASE_URL_ENV = "CELERY_PGLOCK_DATABASE_URL"
 DATABASE_URL_SETTING = "pglock_database_url"
 
@@ -40,8 +39,7 @@ class SkipResult(str, enum.Enum):
 
 
 class OnLost(str, enum.Enum):
-    """What a SingletonTask does when its lock is lost while the body runs (the run then
-    ends FAILURE with LockLostError either way: docs/operations/lock-loss.md)."""
+    """What a SingletonTask does on losing its lock mid-body (the run ends FAILURE either way)."""
 
     SIGNAL = "signal"  #: Report it; the body goes on until it checks ensure_held().
     #: Also end the body with LockLostError (gevent/eventlet: as SIGNAL). The default.
@@ -178,9 +176,8 @@ KNOWN_SETTINGS = (*APP_SETTINGS.values(), *DATABASE_SETTINGS, *METRICS_SETTINGS)
 
 
 def check_unknown_settings(conf: Mapping[str, Any]) -> None:
-    """Refuse ``pglock_*`` settings unknown or removed (``CELERY_PGLOCK_*`` as written)."""
-    # A namespace's keys are kept as given (CELERY_PGLOCK_ON_BUSY). list() first: a
-    # PendingConfiguration (celery.current_app) only knows its prefix once read.
+    """Refuse unknown or removed ``pglock_*`` settings, named as written (CELERY_PGLOCK_*)."""
+    # list() first: a PendingConfiguration (celery.current_app) knows its prefix once read.
     settings = list(conf)
     prefix = getattr(conf, "prefix", None) or ""
     for spelled in settings:
@@ -218,7 +215,7 @@ def resolve(
     conf: Mapping[str, Any],
     parameters: Sequence[inspect.Parameter],
 ) -> LockConfig:
-    """One task's options: attribute, else app setting, else default; ConfigurationError."""
+    """One task's options: attribute, else app setting, else default (or ConfigurationError)."""
     for attribute in attributes:
         if attribute in PEER_OPTIONS:
             raise peer_refusal(task_name, attribute, attributes[attribute])
@@ -290,7 +287,7 @@ def resolve(
 
 
 def database_url(conf: Mapping[str, Any]) -> str:
-    """``app.conf.pglock_database_url``, else the environment; ConfigurationError if unset."""
+    """``app.conf.pglock_database_url``, else the environment, else ConfigurationError."""
     url = conf.get(DATABASE_URL_SETTING) or os.environ.get(DATABASE_URL_ENV)
     if not url:
         raise exceptions.ConfigurationError(

@@ -62,9 +62,8 @@ class LockBusy(LockError):  # noqa: N818 - the public name users asked for
 class LockSkipped(LockBusy):
     """The run did not execute its body because another run held its lock.
 
-    How a skip ends by default (docs/guide/skipped-results.md). ``details`` is JSON-safe
-    plain data, never argument values: ``reason``, ``task``, ``lock``, ``key``,
-    ``policy``, and ``holder``, ``holder_pid``, ``holder_task`` when known.
+    How a skip ends by default; ``details`` is the skip as JSON-safe data, never argument
+    values (docs/guide/skipped-results.md).
     """
 
     def __init__(
@@ -83,8 +82,7 @@ class LockSkipped(LockBusy):
 
     @property
     def __traceback__(self) -> TracebackType | None:
-        """One fixed frame of no source; setting it works as usual. Why: docs/design.md
-        ("A skip's traceback is one fixed frame")."""
+        """One fixed frame of no source (why: docs/design.md, Decisions); settable."""
         return _SKIP_TRACEBACK
 
     @__traceback__.setter

@@ -49,9 +49,8 @@ def fenced_update(
 ) -> bool:
     """Update the row ``key`` identifies, unless it was written with a newer token.
 
-    One statement, ``UPDATE table SET values..., token_column = :token WHERE key... AND
-    (token_column IS NULL OR token_column <= :token)``, in ``connection``'s current
-    transaction (the caller commits).
+    One statement (its SQL: docs/guide/fencing.md) in ``connection``'s current
+    transaction; the caller commits.
 
     Args:
         connection: A SQLAlchemy connection to the database holding ``table``.
@@ -92,9 +91,8 @@ def fenced_upsert(
 ) -> bool:
     """Insert the row, or update it unless it was written with a newer token.
 
-    One statement, ``INSERT ... ON CONFLICT (key columns) DO UPDATE SET ... WHERE
-    t.token_column IS NULL OR t.token_column <= excluded.token_column``; the key columns
-    need a unique constraint. Arguments as :func:`fenced_update`.
+    One statement, as :func:`fenced_update`, with the same arguments; the key columns need
+    a unique constraint.
 
     Returns:
         True if a row was written; False if the stored row holds a newer token.

@@ -54,8 +54,7 @@ class LockKey:
 
     @property
     def pg_locks_ids(self) -> tuple[int, int, int]:
-        """``(classid, objid, objsubid)`` as this key appears in ``pg_locks``: a bigint
-        key's high and low 32 bits with objsubid 1, or the two ints with objsubid 2."""
+        """This key in ``pg_locks``: ``(classid, objid, objsubid)`` (docs/reference/keys.md)."""
         if len(self.ids) == 1:
             unsigned = self.ids[0] & 0xFFFFFFFFFFFFFFFF
             return unsigned >> 32, unsigned & 0xFFFFFFFF, 1
@@ -112,8 +111,7 @@ TEXT_MAX = 64 * 1024
 
 
 class ScalarKeys:
-    """Keys of ``{argument name: scalar}`` without the JSON encoder (the hot path):
-    :func:`key_text`'s very text (property-tested)."""
+    """Scalar ``lock_args`` keys without the JSON encoder: key_text's text (property-tested)."""
 
     __slots__ = ("_head", "_names", "_order", "name")
 
@@ -150,8 +148,7 @@ _MEMO_SCALARS = frozenset({int, str, bool, type(None)})
 
 
 class CallKeys:
-    """One task's key per call, bound as Python binds it without ``Signature.bind``'s
-    cost; the memo is keyed by each value's exact type (7, "7" and True differ)."""
+    """One task's keys: binds a call as Python would, memoised by exact type (1 is not True)."""
 
     __slots__ = (
         "_scalars",
@@ -288,8 +285,7 @@ RUN_LOCK_NAME = "celery_pglock.run"
 
 
 def run_key(task_id: str) -> LockKey:
-    """The run lock an ``acks_late`` run holds beside its key (docs/design.md); a 32-bit
-    collision only makes a redelivery store no skip record."""
+    """The run lock of an ``acks_late`` run (docs/reference/keys.md, Collision risk)."""
     digest = hashlib.sha256(f"{KEY_FORMAT}/run\0{task_id}".encode()).digest()
     return LockKey(
         name=RUN_LOCK_NAME,
@@ -304,8 +300,7 @@ def canonical(value: object, where: str = "value") -> Json:
     than :data:`MAX_DEPTH` and ints of more than :data:`MAX_INT_DIGITS` digits.
 
     Raises:
-        LockKeyError: naming ``where``, the path inside it (``[2]``, ``[key #0]``) and the
-            type; never a value or dict key's text (personal data, bound for the logs).
+        LockKeyError: naming ``where``, the path (``[2]``, ``[key #0]``) and type, never a value.
     """
     try:
         return _canonical(value, 0)

@@ -71,7 +71,7 @@ class PrometheusMetrics:
                 if self._collectors is None:
                     self._collectors = _create_collectors(self._registry)
                     if not multiprocess():
-                        # collect() serves the age (multiprocess: the endpoint does).
+                        # One process: collect() serves the age.
                         import prometheus_client as prom
 
                         (self._registry or prom.REGISTRY).register(self)
@@ -86,7 +86,7 @@ class PrometheusMetrics:
         yield oldest_held_family(ages)
 
     def declare(self, tasks: Iterable[tuple[str, str]]) -> None:
-        """Create the info gauge and each ``(task, lock_on_busy action)``'s series at zero."""
+        """Create the info gauge and each ``(task, policy)``'s series at zero, for absent()."""
         import importlib.metadata
 
         try:
@@ -185,7 +185,7 @@ def _create_collectors(registry: Any) -> dict[str, Any]:
     new(histogram, "held_seconds", "Time a lock was held.", buckets=HELD_BUCKETS)
     # Multiprocess: the sum over live processes (a dead child holds nothing).
     new(gauge, "held_locks", "Locks held now.", multiprocess_mode="livesum")
-    # Multiprocess: per-process series the endpoint turns into OLDEST_HELD; else collect().
+    # Registered in multiprocess mode only, where the endpoint turns it into OLDEST_HELD.
     new(
         gauge,
         OLDEST_START.removeprefix("celery_pglock_"),
@@ -237,8 +237,8 @@ def install(metrics: Metrics) -> None:
 
 
 def configure(conf: Mapping[str, Any]) -> None:
-    """Install the sink the settings ask for, at task bind; ConfigurationError if invalid.
-    Without prometheus_client (a web app) none is installed: workers check at start."""
+    """Install the sink the settings ask for, at task bind; none without prometheus_client
+    (a web app sharing the workers' settings): workers check for it at start."""
     wanted = from_conf(conf, require=False)
     if wanted is not None and not isinstance(wanted, str):
         install(wanted)
@@ -248,8 +248,7 @@ def configure(conf: Mapping[str, Any]) -> None:
 
 
 def from_conf(conf: Mapping[str, Any], *, require: bool = True) -> Metrics | str | None:
-    """Validate the metrics settings: ``"prometheus"``, a Metrics object, or None.
-    ``require``: ``"prometheus"`` needs prometheus_client to be installed."""
+    """Validate the metrics settings; ``require``: "prometheus" needs prometheus_client."""
     value = conf.get("pglock_metrics")
     port = conf.get("pglock_metrics_port")
     address = conf.get("pglock_metrics_address")

@@ -1,6 +1,4 @@
-"""The Django app: ``manage.py check`` reports bad lock settings, without connecting.
-
-Why: docs/guide/django.md (The system check)."""
+"""The Django app: ``manage.py check`` reports bad lock settings (docs/guide/django.md)."""
 
 from __future__ import annotations
 
