@@ -1,8 +1,4 @@
-"""celery-pglock: singleton Celery tasks on PostgreSQL advisory locks.
-
-``@app.task(base=SingletonTask)`` runs a task at most once at a time (per task, or per
-``lock_args`` values), however many workers, replicas or beat schedulers send it.
-"""
+"""celery-pglock: singleton Celery tasks on PostgreSQL advisory locks (docs/index.md)."""
 
 from __future__ import annotations
 

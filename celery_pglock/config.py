@@ -1,7 +1,6 @@
 """Task options and app settings: resolved once when a task is bound, frozen, validated.
 
-The options and settings: docs/reference/options.md, docs/reference/settings.md.
-"""
+Each option and setting: docs/reference/options.md, docs/reference/settings.md."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ if TYPE_CHECKING:
     import inspect
     from collections.abc import Callable, Mapping, Sequence
 
-#: Environment variable read when ``app.conf.pglock_database_url`` is not set.
 DATABASE_URL_ENV = "CELERY_PGLOCK_DATABASE_URL"
 DATABASE_URL_SETTING = "pglock_database_url"
 
@@ -41,12 +39,10 @@ class SkipResult(str, enum.Enum):
 
 
 class OnLost(str, enum.Enum):
-    """What a SingletonTask does when its lock is lost while the body runs (the run then
-    ends FAILURE with LockLostError either way: docs/operations/lock-loss.md)."""
+    """What a SingletonTask does on losing its lock mid-body (the run ends FAILURE either way)."""
 
     SIGNAL = "signal"  #: Report it; the body goes on until it checks ensure_held().
-    #: Also end the body with LockLostError where the pool allows it (not gevent/eventlet,
-    #: which act as SIGNAL). The default.
+    #: Also end the body with LockLostError (gevent/eventlet: as SIGNAL). The default.
     TERMINATE = "terminate"
 
 
@@ -124,8 +120,7 @@ _AUTORETRY = (
     "autoretry_for=(celery_pglock.DatabaseError,) with retry_backoff and max_retries "
     "(docs/guide/retries.md)"
 )
-#: Option names (without lock_/pglock_) removed before the first release, refused with
-#: what replaces them (CHANGELOG.md, docs/migration.md).
+#: Removed option names (without lock_/pglock_) -> what replaces them (docs/migration.md).
 REMOVED = {
     "on_error": _AUTORETRY,
     "error_retries": _AUTORETRY,
@@ -139,8 +134,7 @@ REMOVED = {
     "bounds every round trip to the lock database, not only the lock check",
 }
 
-#: The soonest PostgreSQL frees a cut-off client's lock through its keepalives
-#: (docs/operations/lock-loss.md), and the room kept under it to end the body.
+#: Soonest the server's keepalives free a cut-off client's lock; the margin kept under it.
 SERVER_KEEPALIVE_DEADLINE = 10.0 * 3
 LOSS_MARGIN = 5.0
 
@@ -168,26 +162,22 @@ class LockConfig:
 
 
 _DEFAULTS = LockConfig(task_name="", name="")
-#: Task attribute -> app setting for the options that have an app-wide default.
 APP_SETTINGS = {f"lock_{field}": f"pglock_{field}" for field in _CHECKS}
-#: Every task option: those that only make sense per task, then the ones above.
 TASK_OPTIONS = ("lock_args", "lock_id", "lock_name", *APP_SETTINGS)
-#: Settings read by the connection layer (db/), listed here so typos are caught.
+# Settings read by db/ and metrics.py (which validates its own), known to catch typos.
 DATABASE_SETTINGS = (
     DATABASE_URL_SETTING,
     "pglock_engine_options",
     "pglock_application_name",
     "pglock_server_keepalives",
 )
-#: Settings read by the metrics layer (metrics.py), validated by metrics.from_conf().
 METRICS_SETTINGS = ("pglock_metrics", "pglock_metrics_port", "pglock_metrics_address")
 KNOWN_SETTINGS = (*APP_SETTINGS.values(), *DATABASE_SETTINGS, *METRICS_SETTINGS)
 
 
 def check_unknown_settings(conf: Mapping[str, Any]) -> None:
-    """Refuse ``pglock_*`` settings unknown or removed (``CELERY_PGLOCK_*`` as written)."""
-    # A namespace's keys are kept as given (CELERY_PGLOCK_ON_BUSY). list() first: a
-    # PendingConfiguration (celery.current_app) only knows its prefix once read.
+    """Refuse unknown or removed ``pglock_*`` settings, named as written (CELERY_PGLOCK_*)."""
+    # list() first: a PendingConfiguration (celery.current_app) knows its prefix once read.
     settings = list(conf)
     prefix = getattr(conf, "prefix", None) or ""
     for spelled in settings:
@@ -205,7 +195,6 @@ def check_unknown_settings(conf: Mapping[str, Any]) -> None:
 def _unknown(
     where: str, kind: str, spelled: str, known: Sequence[str]
 ) -> exceptions.ConfigurationError:
-    """A removed name, with its replacement, or an unknown one, with a did-you-mean."""
     bare = spelled.lower().split("pglock_" if kind == "setting" else "lock_", 1)[-1]
     if bare in REMOVED:
         message = f"{where}{kind} {spelled!r} was removed: {REMOVED[bare]}."
@@ -226,9 +215,7 @@ def resolve(
     conf: Mapping[str, Any],
     parameters: Sequence[inspect.Parameter],
 ) -> LockConfig:
-    """One task's options (its ``lock_*`` attributes that are not None): task attribute,
-    else ``app.conf.pglock_*``, else the default. ConfigurationError for a bad value, an
-    unknown or removed name, or a peer library's option, naming the task and the fix."""
+    """One task's options: attribute, else app setting, else default (or ConfigurationError)."""
     for attribute in attributes:
         if attribute in PEER_OPTIONS:
             raise peer_refusal(task_name, attribute, attributes[attribute])
@@ -300,8 +287,7 @@ def resolve(
 
 
 def database_url(conf: Mapping[str, Any]) -> str:
-    """The lock database URL: ``app.conf.pglock_database_url``, else the environment
-    (ConfigurationError if neither is set)."""
+    """``app.conf.pglock_database_url``, else the environment, else ConfigurationError."""
     url = conf.get(DATABASE_URL_SETTING) or os.environ.get(DATABASE_URL_ENV)
     if not url:
         raise exceptions.ConfigurationError(
@@ -341,9 +327,8 @@ def _valid_lock_args(
     return tuple(names)
 
 
-#: Per-task options of the Redis-based peers -> (their library, what to write instead),
-#: refused on a SingletonTask, where they would silently do nothing. Their app-wide
-#: settings are not: a peer may still run other tasks of the app (docs/migration.md).
+#: Peers' per-task options -> (library, what instead): refused, as they would do nothing.
+#: Their app-wide settings are not: a peer may still run other tasks (docs/migration.md).
 PEER_OPTIONS = {
     "once": (
         "celery-once",
@@ -367,7 +352,6 @@ PEER_OPTIONS = {
 def peer_refusal(
     task_name: str, option: str, value: object
 ) -> exceptions.ConfigurationError:
-    """The error for a peer library's option, naming what to write instead."""
     names = value  # unique_on, or celery-once's 'keys' (without them: every argument)
     if option != "unique_on":
         names = value.get("keys", ...) if isinstance(value, dict) else ...

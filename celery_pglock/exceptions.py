@@ -1,9 +1,6 @@
-"""The whole celery-pglock error tree; a leaf that imports nothing of the package.
+"""The celery-pglock error tree; a leaf that imports nothing of the package.
 
-Each docstring is its class's default message. Every exception pickles with its message,
-key and name, for the result backend. The tree and when each is raised:
-docs/reference/exceptions.md.
-"""
+Each docstring is its class's default message. The tree: docs/reference/exceptions.md."""
 
 from __future__ import annotations
 
@@ -65,10 +62,8 @@ class LockBusy(LockError):  # noqa: N818 - the public name users asked for
 class LockSkipped(LockBusy):
     """The run did not execute its body because another run held its lock.
 
-    How a skipped run ends by default (``lock_skip_result='failure'``): listed in the
-    task's ``throws``. ``details`` is plain data that survives JSON result backends
-    (``reason``, ``task``, ``lock``, ``key``, ``policy``, and ``holder``, ``holder_pid``,
-    ``holder_task`` when known); never argument values. See docs/guide/skipped-results.md.
+    How a skip ends by default; ``details`` is the skip as JSON-safe data, never argument
+    values (docs/guide/skipped-results.md).
     """
 
     def __init__(
@@ -87,9 +82,7 @@ class LockSkipped(LockBusy):
 
     @property
     def __traceback__(self) -> TracebackType | None:
-        """One fixed frame of no source, whatever the skip unwound: Celery copies every
-        frame into a picklable traceback, which cost a skip several runs' CPU
-        (docs/design.md). Setting it works as usual."""
+        """One fixed frame of no source (why: docs/design.md, Decisions); settable."""
         return _SKIP_TRACEBACK
 
     @__traceback__.setter

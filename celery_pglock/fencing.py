@@ -1,9 +1,6 @@
 """Fencing tokens: refuse the writes of a holder whose lock has already ended.
 
-Each acquisition under ``lock_fencing=True`` gets a token above all earlier ones for its
-key; :func:`fenced_update` and :func:`fenced_upsert` refuse a write with an older token
-than the row holds, in one statement. When and why: docs/guide/fencing.md.
-"""
+How, when and why: docs/guide/fencing.md."""
 
 from __future__ import annotations
 
@@ -31,8 +28,7 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_$]{0,62}")
 def issue_token(lock: AdvisoryLock) -> int:
     """Issue the next fencing token to ``lock`` (held), set ``lock.fencing_token``, return it.
 
-    SingletonTask does this itself under ``lock_fencing=True``; call it after
-    ``AdvisoryLock.acquire()`` when using the lock directly (its cost: docs/guide/fencing.md).
+    SingletonTask does this under ``lock_fencing=True``; else call it after ``acquire()``.
 
     Raises:
         PgLockError: ``lock`` is not held.
@@ -53,8 +49,7 @@ def fenced_update(
 ) -> bool:
     """Update the row ``key`` identifies, unless it was written with a newer token.
 
-    One statement: ``UPDATE table SET values..., token_column = :token WHERE key... AND
-    (token_column IS NULL OR token_column <= :token)``. Runs in ``connection``'s current
+    One statement (its SQL: docs/guide/fencing.md) in ``connection``'s current
     transaction; the caller commits.
 
     Args:
@@ -62,14 +57,12 @@ def fenced_update(
         table: ``name`` or ``schema.name`` (plain identifiers).
         key: Column -> value equalities that pick the row(s).
         values: Column -> new value.
-        token: ``current_lock().fencing_token``. None only in a shadow-mode run that
-            did not get the lock: the write is then applied unfenced, as without the
-            library, and the stored token is left alone (docs/guide/fencing.md).
+        token: ``current_lock().fencing_token``. None only in a shadowed run without the
+            lock: the write is applied unfenced and the stored token left alone.
         token_column: The bigint column holding the highest token seen.
 
     Returns:
-        True if the write was applied; False if the row holds a newer token (this holder
-        is stale) or no row matched ``key``.
+        True if applied; False if the row holds a newer token or none matched ``key``.
     """
     target, token_col, keys, cols, params = _prepare(
         connection, table, key, values, token, token_column
@@ -79,8 +72,7 @@ def fenced_update(
     if token_col:
         sets.append(f"{token_col} = :fencing_token")
         where.append(f"({token_col} IS NULL OR {token_col} <= :fencing_token)")
-    # An unfenced write of no values sets a key column to itself: still one statement
-    # whose row count says whether the row exists.
+    # No values, unfenced: set a key column to itself, so the row count still tells.
     sets = sets or [f"{keys[0]} = :k0"]
     statement = sa.text(
         f"UPDATE {target} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
@@ -99,13 +91,11 @@ def fenced_upsert(
 ) -> bool:
     """Insert the row, or update it unless it was written with a newer token.
 
-    One statement: ``INSERT ... ON CONFLICT (key columns) DO UPDATE SET ... WHERE
-    t.token_column IS NULL OR t.token_column <= excluded.token_column``. The key columns
-    need a unique constraint (or be the primary key). Arguments as :func:`fenced_update`.
+    One statement, as :func:`fenced_update`, with the same arguments; the key columns need
+    a unique constraint.
 
     Returns:
-        True if a row was inserted or updated; False if the stored row holds a newer
-        token (this holder is stale: nothing was written).
+        True if a row was written; False if the stored row holds a newer token.
     """
     target, token_col, keys, cols, params = _prepare(
         connection, table, key, values, token, token_column
@@ -163,11 +153,9 @@ def _prepare(
     token: int | None,
     token_column: str,
 ) -> tuple[str, str | None, list[str], list[str], dict[str, object]]:
-    """Check a write: its table, token column (None: unfenced, a shadowed run), key and
-    value columns, quoted, and the parameters (k0..., v0..., fencing_token)."""
+    """Check and quote a write's names; token column None: unfenced (a shadowed run)."""
     if token is None:
         execution = singleton_task.current_execution()
-        # A shadowed run writes as without the library: applied, stored token left alone.
         if execution is None or execution.lock is None or not execution.lock.shadowed:
             raise exceptions.ConfigurationError(
                 "token=None: this run has no fencing token; set lock_fencing=True on the "

@@ -1,8 +1,6 @@
 """Lock keys: task name + arguments -> a PostgreSQL advisory key. Pure functions, no I/O.
 
-The algorithm is a contract with every process that takes these locks, psql included:
-docs/reference/keys.md. Never Python's ``hash()``: it is salted per process.
-"""
+Why: docs/reference/keys.md (a contract with every process that locks, psql included)."""
 
 from __future__ import annotations
 
@@ -25,8 +23,7 @@ from celery_pglock import exceptions
 #: JSON's string form as ``key_text`` writes it (``ensure_ascii`` off; C when available).
 _encode_string = json.encoder.encode_basestring
 
-#: Bumped only with a migration note: a format change is a rolling-deploy hazard, since old
-#: and new workers would compute different keys for the same work and run it together.
+#: Changed only with a migration note: old and new workers would not exclude each other.
 KEY_FORMAT = "celery_pglock/1"
 
 #: The SQL twin of :func:`key_from_text`, with the key text as its only parameter.
@@ -37,7 +34,6 @@ KEY_SQL = (
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
-#: What :func:`canonical` returns: plain JSON data.
 Json: TypeAlias = "bool | int | float | str | list[Json] | dict[str, Json] | None"
 
 
@@ -49,8 +45,8 @@ class LockKey:
     name: str
     #: The advisory key: ``(bigint,)`` or the two-int form ``(namespace, resource)``.
     ids: tuple[int] | tuple[int, int]
-    #: The hashed key text, or None for an explicit ``lock_id``. It holds the argument
-    #: values, so it is left out of ``repr()``: a logged LockKey shows no personal data.
+    #: The hashed key text; None for ``lock_id`` or a text over :data:`TEXT_MAX`.
+    #: It holds argument values, so ``repr()`` leaves it out.
     text: str | None = dataclasses.field(default=None, repr=False)
 
     def __str__(self) -> str:
@@ -58,8 +54,7 @@ class LockKey:
 
     @property
     def pg_locks_ids(self) -> tuple[int, int, int]:
-        """``(classid, objid, objsubid)`` as this key appears in ``pg_locks``: a bigint
-        key's high and low 32 bits with objsubid 1, or the two ints with objsubid 2."""
+        """This key in ``pg_locks``: ``(classid, objid, objsubid)`` (docs/reference/keys.md)."""
         if len(self.ids) == 1:
             unsigned = self.ids[0] & 0xFFFFFFFFFFFFFFFF
             return unsigned >> 32, unsigned & 0xFFFFFFFF, 1
@@ -72,8 +67,7 @@ def key_text(namespace: str, name: str, material: Json) -> str:
     return _ENCODER.encode([KEY_FORMAT, namespace, name, material])
 
 
-#: ``json.dumps`` with these arguments builds an encoder per call; this one is reused
-#: (encode() keeps no state between calls, so threads may share it).
+#: Reused: ``json.dumps`` builds one per call; encode() is stateless, so threads share it.
 _ENCODER = json.JSONEncoder(
     ensure_ascii=False, sort_keys=True, separators=(",", ":"), allow_nan=False
 )
@@ -89,10 +83,6 @@ def make_key(
 ) -> LockKey:
     """Build the ``LockKey`` for ``material`` under ``namespace`` and lock ``name``.
 
-    A key text longer than :data:`TEXT_MAX` characters is hashed as a stream and never
-    built, so its ``text`` is None (``key_text(namespace, name, canonical(material))``
-    rebuilds it): a 5 MB argument costs no multi-megabyte copies.
-
     Args:
         namespace: Separates applications that share one database.
         name: The lock name (normally the task name).
@@ -106,8 +96,7 @@ def make_key(
 
 
 def key_for_canonical(namespace: str, name: str, canonical_material: Json) -> LockKey:
-    """:func:`make_key` for material that :func:`canonical` already returned (a task's
-    per-argument path canonicalises each argument itself, to name it in errors)."""
+    """:func:`make_key` for material :func:`canonical` already returned."""
     if _longer_than(canonical_material, TEXT_MAX):
         hasher = hashlib.sha256()
         for chunk in json_chunks([KEY_FORMAT, namespace, name, canonical_material]):
@@ -122,9 +111,7 @@ TEXT_MAX = 64 * 1024
 
 
 class ScalarKeys:
-    """Keys of one lock for material ``{argument name: scalar}`` without the JSON
-    encoder (the per-task hot path): :func:`key_text`'s very text (property-tested),
-    from a head and sorted, encoded argument names computed once."""
+    """Scalar ``lock_args`` keys without the JSON encoder: key_text's text (property-tested)."""
 
     __slots__ = ("_head", "_names", "_order", "name")
 
@@ -135,9 +122,7 @@ class ScalarKeys:
         self._names = [_encode_string(argument_names[i]) for i in self._order]
 
     def key(self, values: tuple[Any, ...]) -> LockKey | None:
-        """The key of ``values`` (in argument order; each exactly a str, int, bool or
-        None, the ints of at most :data:`MAX_INT_DIGITS` digits and the texts short),
-        or None for a text :func:`canonical` refuses (the caller lets it say why)."""
+        """For short, exact str/int/bool/None ``values``; None where canonical() refuses."""
         parts = []
         for encoded_name, index in zip(self._names, self._order, strict=True):
             value = values[index]
@@ -156,17 +141,14 @@ class ScalarKeys:
         return LockKey(name=self.name, ids=(key_from_text(text),), text=text)
 
 
-#: Memo bounds per task: only calls whose strs total at most MEMO_MAX_CHARS characters
-#: and whose ints fit in 64 bits are memoised, so a memo stays under about 10 MiB.
+#: Per-task memo bounds (only small scalars are memoised): a memo stays under ~10 MiB.
 MEMO_ENTRIES = 4096
 MEMO_MAX_CHARS = 256
 _MEMO_SCALARS = frozenset({int, str, bool, type(None)})
 
 
 class CallKeys:
-    """One task's key per call: where each ``lock_args`` value sits in a call (bound as
-    Python binds the call, without ``inspect.Signature.bind``'s cost), and a bounded memo
-    for scalar values, keyed with each value's exact type (7, "7" and True differ)."""
+    """One task's keys: binds a call as Python would, memoised by exact type (1 is not True)."""
 
     __slots__ = (
         "_scalars",
@@ -211,7 +193,6 @@ class CallKeys:
         self.memo = functools.lru_cache(maxsize=MEMO_ENTRIES)(self._scalar_key)
 
     def key(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> LockKey:
-        """The key of one call's arguments."""
         if self.fixed is not None:
             return self.fixed
         # One plain loop (no generator or comprehension frames): this runs once per task.
@@ -249,7 +230,6 @@ class CallKeys:
 
 
 def _memoisable(values: list[Any]) -> bool:
-    """Small scalars only (a 5 MB argument must not be pinned in the memo)."""
     chars = 0
     for value in values:
         kind = type(value)
@@ -268,11 +248,7 @@ def _key_from_digest(digest: bytes) -> int:
 
 
 def explicit_key(name: str, lock_id: object, *, where: str = "lock_id") -> LockKey:
-    """Validate an explicit numeric key: one signed 64-bit int or two signed 32-bit ints.
-
-    Raises:
-        ConfigurationError: the value has the wrong shape or is out of range.
-    """
+    """Validate a ``lock_id`` (one int64 or two int32s); ConfigurationError if it is not."""
     if isinstance(lock_id, int) and not isinstance(lock_id, bool):
         if not INT64_MIN <= lock_id <= INT64_MAX:
             raise exceptions.ConfigurationError(
@@ -305,15 +281,11 @@ def explicit_key(name: str, lock_id: object, *, where: str = "lock_id") -> LockK
 
 #: The first int of every run lock (b"pglr"): reserved, refused in an explicit lock_id.
 RUN_NAMESPACE = 0x70676C72
-#: The lock name run locks carry (for tools that list locks).
 RUN_LOCK_NAME = "celery_pglock.run"
 
 
 def run_key(task_id: str) -> LockKey:
-    """The run lock of a task id: held by an ``acks_late`` run beside its key, so that a
-    redelivery can tell whether its first delivery still runs. A collision of its 32
-    hash bits (two running tasks among 2**32) only makes a redelivery store no skip
-    record."""
+    """The run lock of an ``acks_late`` run (docs/reference/keys.md, Collision risk)."""
     digest = hashlib.sha256(f"{KEY_FORMAT}/run\0{task_id}".encode()).digest()
     return LockKey(
         name=RUN_LOCK_NAME,
@@ -324,16 +296,11 @@ def run_key(task_id: str) -> LockKey:
 def canonical(value: object, where: str = "value") -> Json:
     """Return ``value`` as plain JSON data whose text form is stable across processes.
 
-    The rules, each tested, are listed in docs/reference/keys.md ("Canonical forms"):
-    ``7``, ``"7"`` and ``True`` differ; tuples and lists match; UUID, Decimal and
-    date/time values key as their text; strings are not normalised. Refused: other
-    enums, bytes, sets, NaN, infinities, arbitrary objects, lone surrogates, nesting
-    deeper than :data:`MAX_DEPTH` and ints of more than :data:`MAX_INT_DIGITS` digits.
+    The rules: docs/reference/keys.md ("Canonical forms"). Also refused: nesting deeper
+    than :data:`MAX_DEPTH` and ints of more than :data:`MAX_INT_DIGITS` digits.
 
     Raises:
-        LockKeyError: naming ``where``, the path inside it (``[2]``, ``[key #0]``) and
-            the offending type; never a value or a dict key's text, which may be
-            personal data and would reach the ERROR log and the result backend.
+        LockKeyError: naming ``where``, the path (``[2]``, ``[key #0]``) and type, never a value.
     """
     try:
         return _canonical(value, 0)
@@ -346,22 +313,18 @@ def canonical(value: object, where: str = "value") -> Json:
         ) from None
 
 
-#: Deepest nesting of lists/dicts accepted in key material. Real keys are a few levels
-#: deep; the bound keeps canonical() far from Python's recursion limit, in any thread.
+#: Deepest list/dict nesting accepted: far from the recursion limit, in any thread.
 MAX_DEPTH = 64
-#: Largest integer accepted, in decimal digits: below Python's default limit for
-#: int <-> str conversion (4300), which json.dumps would otherwise hit with a ValueError.
+#: Largest int accepted, in digits: under Python's int/str conversion limit (4300).
 MAX_INT_DIGITS = 4000
 _INT_LIMIT = 10**MAX_INT_DIGITS
-#: How a refused value is described: its kind, never its text.
 _DICT_KEY_NOTE = (
     "dict keys are numbered in the dict's own order, from 0; their text is never shown"
 )
 
 
 class _Refusal(Exception):  # noqa: N818 - internal, never escapes canonical()
-    """Raised deep inside _canonical; each level adds its path segment on the way out,
-    so the success path never pays for building paths."""
+    """Each _canonical level adds its path segment on the way out: success builds none."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -454,17 +417,12 @@ def _canonical(value: object, depth: int) -> Json:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-# -- streamed key texts: a huge key text hashed without being built, byte-for-byte
-# key_text's JSON (tested in test_key_properties.py and, in SQL, test_keys_sql.py) --
-
-
 #: Characters encoded per piece (at most 256 KiB of UTF-8).
 CHUNK = 64 * 1024
 
 
 def _longer_than(value: Json, limit: int) -> bool:
-    """Could ``value``'s JSON text exceed ``limit`` characters? (Cheap, early exit; a
-    slight over-estimate is harmless: the stream gives the same key.)"""
+    """Could ``value``'s JSON exceed ``limit`` characters? (Over-estimates are harmless.)"""
     budget = limit
     stack: list[Json] = [value]
     while stack:
@@ -489,8 +447,7 @@ def _longer_than(value: Json, limit: int) -> bool:
 
 
 def json_chunks(value: Json) -> Iterator[str]:
-    """json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":")) in
-    chunks, for canonical values (exact JSON types)."""
+    """:func:`key_text`'s JSON of a canonical value, in chunks."""
     if value is None:
         yield "null"
     elif value is True:
@@ -522,8 +479,7 @@ def json_chunks(value: Json) -> Iterator[str]:
 
 
 def string_chunks(text: str) -> Iterator[str]:
-    # JSON escapes character by character, so escaping slices separately gives the same
-    # text as escaping the whole string.
+    # JSON escapes per character: escaped slices join to the whole string's escape.
     yield '"'
     for start in range(0, len(text), CHUNK):
         yield _encode_string(text[start : start + CHUNK])[1:-1]

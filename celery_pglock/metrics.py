@@ -1,8 +1,6 @@
 """Lock metrics: a Metrics protocol, a no-op default and a Prometheus adapter (extra).
 
-Labels are task names, policies and states, never argument values. What each series
-means, and serving /metrics: docs/operations/metrics.md.
-"""
+Each series, and serving /metrics: docs/operations/metrics.md."""
 
 from __future__ import annotations
 
@@ -19,9 +17,7 @@ if TYPE_CHECKING:
 
 #: Seconds buckets for the time a run spent asking for its lock (a try is ~0.1-1 ms).
 WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30)
-#: Seconds buckets for how long a lock was held (a task body's run time).
 HELD_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600)
-#: The collectors labelled by task alone.
 _TASK_ONLY = ("acquired", "release_failed", "lost", "wait_seconds", "held_seconds")
 DEFAULT_ADDRESS = "0.0.0.0"  # noqa: S104 - an exporter is scraped from other hosts
 
@@ -42,7 +38,7 @@ class Metrics(Protocol):
         """Releasing a lock went wrong (PostgreSQL no longer holds it)."""
 
     def lost(self, task: str) -> None:
-        """A held lock was found lost while its body ran (the lock watcher, ``watch/loss_watcher.py``)."""
+        """The lock watcher found a held lock lost while its body ran."""
 
 
 class NullMetrics:
@@ -55,9 +51,8 @@ class NullMetrics:
 
 
 class PrometheusMetrics:
-    """Prometheus counters and histograms (``celery_pglock_*``) in ``registry``
-    (default: prometheus_client's ``REGISTRY``; unused in multiprocess mode), created on
-    first use, in the process that counts (a pool child, after the fork)."""
+    """``celery_pglock_*`` collectors in ``registry`` (default ``REGISTRY``; unused in
+    multiprocess mode), created on first use, in the process that counts (after fork)."""
 
     def __init__(self, registry: Any = None) -> None:
         _require_prometheus()
@@ -70,15 +65,13 @@ class PrometheusMetrics:
         self._held_guard = threading.Lock()
 
     def collectors(self) -> dict[str, Any]:
-        """The collectors by short name, created on first call."""
         collectors = self._collectors
         if collectors is None:
             with self._guard:
                 if self._collectors is None:
                     self._collectors = _create_collectors(self._registry)
                     if not multiprocess():
-                        # collect() serves the age (multiprocess: the /metrics
-                        # endpoint computes it from every process's start times).
+                        # One process: collect() serves the age.
                         import prometheus_client as prom
 
                         (self._registry or prom.REGISTRY).register(self)
@@ -93,9 +86,7 @@ class PrometheusMetrics:
         yield oldest_held_family(ages)
 
     def declare(self, tasks: Iterable[tuple[str, str]]) -> None:
-        """Create the series of ``tasks`` (``(name, lock_on_busy action)`` pairs) at zero,
-        and ``celery_pglock_info``, so that ``rate()`` and ``absent()`` work from a
-        worker's start."""
+        """Create the info gauge and each ``(task, policy)``'s series at zero, for absent()."""
         import importlib.metadata
 
         try:
@@ -113,8 +104,7 @@ class PrometheusMetrics:
                 self._publish_held(task, self._held.setdefault(task, []))
 
     def _child(self, name: str, *labels: str) -> Any:
-        # labels() costs a few microseconds per call: keep each labelled child (the
-        # label sets are task names x policies/states, so this stays small).
+        # labels() costs microseconds a call; children (tasks x policies/states) are few.
         key = (name, *labels)
         child = self._children.get(key)
         if child is None:
@@ -136,9 +126,7 @@ class PrometheusMetrics:
     def released(self, task: str, state: str, held_seconds: float) -> None:
         self._child("released", task, state).inc()
         self._child("held_seconds", task).observe(held_seconds)
-        # Every acquired run ends with one released() (lost or failed releases too).
-        # Which of a task's held locks ended is not passed: the one whose start is
-        # nearest to now - held_seconds is (they differ by far more than the error).
+        # Which lock ended is not passed: the one started nearest now - held_seconds.
         with self._held_guard:
             starts = self._held.get(task)
             if starts:
@@ -161,7 +149,6 @@ class PrometheusMetrics:
 
 
 def _create_collectors(registry: Any) -> dict[str, Any]:
-    """The collectors by their name less ``celery_pglock_``."""
     import prometheus_client as prom
 
     made: dict[str, Any] = {}
@@ -198,9 +185,7 @@ def _create_collectors(registry: Any) -> dict[str, Any]:
     new(histogram, "held_seconds", "Time a lock was held.", buckets=HELD_BUCKETS)
     # Multiprocess: the sum over live processes (a dead child holds nothing).
     new(gauge, "held_locks", "Locks held now.", multiprocess_mode="livesum")
-    # One series per live process (multiprocess), 0 where it holds none: the /metrics
-    # endpoint turns them into OLDEST_HELD (task/metrics_endpoint.py). In one process it
-    # is not registered: PrometheusMetrics.collect() serves the age instead.
+    # Registered in multiprocess mode only, where the endpoint turns it into OLDEST_HELD.
     new(
         gauge,
         OLDEST_START.removeprefix("celery_pglock_"),
@@ -220,7 +205,6 @@ OLDEST_HELD_HELP = "Seconds the oldest lock held now has been held; 0 if none."
 
 
 def oldest_held_family(ages: Mapping[str, float]) -> Any:
-    """The ``celery_pglock_oldest_held_seconds`` gauge family of ``{task: age}``."""
     from prometheus_client.core import GaugeMetricFamily
 
     family = GaugeMetricFamily(OLDEST_HELD, OLDEST_HELD_HELP, labels=["task"])
@@ -235,8 +219,6 @@ def multiprocess() -> bool:
 
     return bool(getattr(values.ValueClass, "_multiprocess", False))
 
-
-# -- the process's sink -----------------------------------------------------------------
 
 #: The installed sink, or None: outcomes then make no call at all (the default).
 sink: Metrics | None = None
@@ -255,9 +237,8 @@ def install(metrics: Metrics) -> None:
 
 
 def configure(conf: Mapping[str, Any]) -> None:
-    """Install the sink the app settings ask for (called when a SingletonTask is bound);
-    ConfigurationError for a bad value. Without prometheus_client (a web app sharing the
-    workers' settings) none is installed: only workers need it (they check at start)."""
+    """Install the sink the settings ask for, at task bind; none without prometheus_client
+    (a web app sharing the workers' settings): workers check for it at start."""
     wanted = from_conf(conf, require=False)
     if wanted is not None and not isinstance(wanted, str):
         install(wanted)
@@ -267,8 +248,7 @@ def configure(conf: Mapping[str, Any]) -> None:
 
 
 def from_conf(conf: Mapping[str, Any], *, require: bool = True) -> Metrics | str | None:
-    """Validate the metrics settings: ``"prometheus"``, a Metrics object, or None.
-    ``require``: ``"prometheus"`` needs prometheus_client to be installed."""
+    """Validate the metrics settings; ``require``: "prometheus" needs prometheus_client."""
     value = conf.get("pglock_metrics")
     port = conf.get("pglock_metrics_port")
     address = conf.get("pglock_metrics_address")

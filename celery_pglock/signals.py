@@ -1,7 +1,6 @@
 """Celery-style signals, one per lock outcome, all sent from ``task/outcomes.py``.
 
-Their arguments, and why receivers must stay cheap: docs/reference/signals.md.
-"""
+Their arguments, and why receivers must stay cheap: docs/reference/signals.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The Django app of celery-pglock: ``manage.py check`` reports bad lock settings.
-
-It never connects to the lock database (``celery -A proj pglock check`` does).
-"""
+"""The Django app: ``manage.py check`` reports bad lock settings (docs/guide/django.md)."""
 
 from __future__ import annotations
 
@@ -34,8 +31,7 @@ class PgLockConfig(AppConfig):
 def check_settings(
     app_configs: Sequence[AppConfig] | None = None, **_: Any
 ) -> list[checks.CheckMessage]:
-    """Check the ``pglock_*`` settings of the current Celery app (the project's, which
-    Celery makes the default app once ``DJANGO_SETTINGS_MODULE`` is set), each on its own."""
+    """Check the ``pglock_*`` settings of the current (the project's) Celery app, each alone."""
     conf = celery.current_app.conf
     messages: list[checks.CheckMessage] = []
 
@@ -49,7 +45,6 @@ def check_settings(
         return True
 
     if run(lambda: config.check_unknown_settings(conf), "celery_pglock.E001"):
-        # Resolve the app's settings as a task with no options of its own would.
         run(lambda: _resolve_defaults(conf), "celery_pglock.E002")
     run(lambda: metrics.from_conf(conf), "celery_pglock.E002")
     try:
@@ -74,7 +69,6 @@ def _resolve_defaults(conf: Mapping[str, Any]) -> None:
 
 
 def _spelling_hint(conf: Any) -> str:
-    """How app.conf.pglock_* names are spelled in settings.py, for the hints."""
     prefix = getattr(conf, "prefix", None) or ""
     if not prefix:
         return "Fix the setting the message names (app.conf.pglock_*)."
