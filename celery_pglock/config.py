@@ -49,7 +49,7 @@ class OnLost(str, enum.Enum):
 class LockScope(str, enum.Enum):
     """How long a SingletonTask's lock lives."""
 
-    #: pg_try_advisory_lock on a pinned connection, released when the task ends.
+    #: A session-level advisory lock (pg_advisory_lock family), released when the run ends.
     SESSION = "session"
     #: pg_try_advisory_xact_lock in one transaction that the body can use; commit releases.
     TRANSACTION = "transaction"

@@ -1,6 +1,8 @@
 """Fencing tokens: refuse the writes of a holder whose lock has already ended.
 
-How, when and why: docs/guide/fencing.md."""
+Each locked run gets a token that only grows per key (:func:`issue_token`); a fenced
+write stores it beside the row and is refused where the row holds a newer one. How, when
+and why: docs/guide/fencing.md."""
 
 from __future__ import annotations
 
