@@ -1,5 +1,4 @@
-"""The lock layer: ``AdvisoryLock`` and its sessions, knowing nothing of Celery.
-What it may import: docs/design.md (Layers)."""
+"""AdvisoryLock and its sessions; no Celery. Imports allowed: docs/design.md (Layers)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ class AdvisoryLock:
     """One advisory lock of ``engine``'s database, for one thread at a time.
 
     Args:
-        engine: A lock engine (``celery_pglock.db.create_engine``), for lock use only.
+        engine: A lock engine (``celery_pglock.db.create_engine``), its pool for locks only.
         key: The advisory key.
         scope: ``LockScope.SESSION`` (default) or ``LockScope.TRANSACTION``.
         label: Shown in the session's ``application_name``; defaults to the lock name.
@@ -51,7 +51,7 @@ class AdvisoryLock:
         self.acquired_at: float | None = None  #: time.monotonic() of the grant.
         self.released_at: float | None = None  #: time.monotonic() of the release.
         self.wait_seconds: float | None = None  #: What acquire() took, waits included.
-        self.backend_pid: int | None = None  #: The holding session's, while held.
+        self.backend_pid: int | None = None  #: The holding session's pid, while held.
         self.owner_pid: int | None = None  #: The taker's pid: only it may release.
         self.lost_cause: str | None = None  #: Why the lock was lost while held.
         #: Max seconds per round trip, past any acquire timeout, before the socket is shut.
@@ -226,7 +226,7 @@ class AdvisoryLock:
         return self._session
 
     def run_alive(self, run_key: LockKey) -> bool | None:
-        """Is ``run_key`` (keys.run_key) held by some session? None when unknown."""
+        """Is ``run_key`` (keys.run_key) held? None when unknown; never raises."""
         return self._session.run_alive(run_key, bound=self.round_trip_timeout)
 
     @property

@@ -72,8 +72,7 @@ _HELD_BY = f"""SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
   AND pg_postmaster_start_time() = %(postmaster)s
   AND (%(vxid)s::text IS NULL OR l.virtualtransaction = %(vxid)s::text)"""
 
-# One row (held, token); token NULL if not held, or if the sequence fell behind the row.
-# Why each step: docs/guide/fencing.md ("Why a stale run never gets a token").
+# (held, token); NULL token: not held, or the sequence fell behind (docs/guide/fencing.md).
 _ISSUE = f"""
 SELECT set_config('synchronous_commit', 'on', true);
 INSERT INTO celery_pglock_fencing (classid, objid, objsubid, token)
@@ -95,8 +94,7 @@ FIX = (
     "celery_pglock_fencing_token_seq (docs/operations/security.md)"
 )
 
-#: Engines whose fencing table this process has seen (weak: engines come and go in tests).
-_ready: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
+_ready: weakref.WeakSet[sa.Engine] = weakref.WeakSet()  #: Engines whose table exists.
 _ready_guard = threading.Lock()
 
 

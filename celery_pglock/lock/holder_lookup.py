@@ -41,8 +41,7 @@ class Holder:
 def parse_application_name(
     application_name: str | None,
 ) -> tuple[str | None, str | None]:
-    """``(host:pid, task name)`` from a lock session's application_name: the task is None
-    when idle, both are None if it is not ours."""
+    """``(host:pid, task)`` from application_name: task None if idle, both if not ours."""
     if not application_name:
         return None, None
     words = application_name.split(" ")

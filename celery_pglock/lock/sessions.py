@@ -53,8 +53,7 @@ class Hold:
 
 
 class Claims:
-    """The keys this process's runs hold until their release; thread-safe.
-    Why (and why weak refs): docs/design.md ("A key stays claimed")."""
+    """The keys this process's runs hold until their release; thread-safe."""
 
     __slots__ = ("_cond", "_held", "_mutex", "_waiting")
 
@@ -119,7 +118,6 @@ class LockSessions:
         return None if row is None else row[0]
 
     def run_alive(self, run: LockKey, *, bound: float) -> bool | None:
-        """Does some session hold the run lock ``run``? None when unknown (never raises)."""
         params = (*run.ids, *run.ids)
         row = self._one_row(
             f"checking run lock {run}", sql_text.RUN_ALIVE, params, bound
@@ -356,9 +354,8 @@ class ProcessSession(LockSessions):
     def run_check(
         self, statement: str, params: tuple[Any, ...], deadline: float, least: float
     ) -> list[tuple[Any, ...]] | None:
-        """The watcher's read-only statement's rows by monotonic ``deadline``; None if the
-        session is closed. :class:`SessionBusyError` if busy until ``least`` seconds are
-        left. Errors are raised; a dead session or a late answer also ends the session."""
+        """The watcher's statement's rows by monotonic ``deadline``; None if closed. Raises
+        SessionBusyError if busy past ``deadline - least``; a dead or late session ends."""
         if not self._mutex.acquire(
             timeout=max(0.0, deadline - least - time.monotonic())
         ):
@@ -415,21 +412,20 @@ class ProcessSession(LockSessions):
         self._shown = None
 
     def _ended(self, cause: str, exc: BaseException) -> bool:
-        """After a failed statement: end the session if it is dead."""
+        """Under the mutex, after a failed statement: end the session if it is dead."""
         if self._connection.closed or driver_errors.is_disconnect(exc):
             self._fail(cause, exc)
             return True
         return False
 
     def _fail(self, cause: str, exc: BaseException) -> None:
-        """End the session; a dead one retires the pool's connections (restarts end all)."""
+        """Under the mutex: end the session; a dead one retires the pool's connections."""
         self._close(cause)
         if driver_errors.is_disconnect(exc):
             engines.mark_pool_stale(self.engine, None, exc)
 
     def _close(self, cause: str) -> list[Hold]:
-        """End the session; its holds are lost but stay claimed (bodies may run on).
-        Called under the mutex, as are _ended and _fail."""
+        """Under the mutex: end the session; its holds are lost but stay claimed."""
         connection, self._connection = self._connection, None
         if self._bound is not None:
             deadlines.unwatch(self._bound)
@@ -723,7 +719,6 @@ _per_lock_only = False
 def for_lock(
     engine: sa.Engine, *, transaction: bool = False
 ) -> ProcessSession | PerLockSessions:
-    """The sessions a lock of ``engine`` takes its key on (picked once per lock)."""
     session = _process.get(engine) or process_session(engine)
     return session.waits if transaction or _per_lock_only else session
 
@@ -738,7 +733,6 @@ def process_session(engine: sa.Engine) -> ProcessSession:
 
 
 def open_process_session(engine: sa.Engine) -> ProcessSession | None:
-    """This process's session for ``engine`` if it has one (never creates it)."""
     return _process.get(engine)
 
 
