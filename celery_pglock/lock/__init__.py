@@ -1,8 +1,4 @@
-"""The lock and its sessions: ``AdvisoryLock`` over the session :mod:`.sessions` picks.
-
-Layer 3 of docs/design.md. May import the bottom (``exceptions``, ``config``, ``keys``)
-and ``db``; never ``watch``, ``task`` or the operator surfaces. Knows nothing of Celery.
-"""
+"""AdvisoryLock and its sessions; no Celery. Imports allowed: docs/design.md (Layers)."""
 
 from __future__ import annotations
 

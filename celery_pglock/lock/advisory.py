@@ -1,6 +1,5 @@
 """AdvisoryLock: one PostgreSQL advisory lock, on the session :mod:`.sessions` picks.
-Why: docs/design.md and docs/guide/how-it-works.md.
-"""
+Why: docs/guide/how-it-works.md and docs/design.md (Decisions)."""
 
 from __future__ import annotations
 
@@ -24,19 +23,13 @@ logger = logging.getLogger(__name__)
 
 
 class AdvisoryLock:
-    """One advisory lock of ``engine``'s database.
-
-    Not thread-safe: one AdvisoryLock belongs to one thread (or greenlet) at a time;
-    separate AdvisoryLock objects are safe in any number of threads.
+    """One advisory lock of ``engine``'s database, for one thread at a time.
 
     Args:
-        engine: A lock engine (see ``celery_pglock.db.engines.create_engine``); its pool
-            must be used for lock connections only.
+        engine: A lock engine (``celery_pglock.db.create_engine``), its pool for locks only.
         key: The advisory key.
         scope: ``LockScope.SESSION`` (default) or ``LockScope.TRANSACTION``.
-        label: Shown in ``pg_stat_activity.application_name`` of the lock's session,
-            after the application_name prefix and ``host:pid`` (per-lock connections
-            also show the key); defaults to the lock name.
+        label: Shown in the session's ``application_name``; defaults to the lock name.
     """
 
     def __init__(
@@ -58,34 +51,25 @@ class AdvisoryLock:
         self.acquired_at: float | None = None  #: time.monotonic() of the grant.
         self.released_at: float | None = None  #: time.monotonic() of the release.
         self.wait_seconds: float | None = None  #: What acquire() took, waits included.
-        #: Backend pid of the session holding the lock, while held (lock-loss watching).
-        self.backend_pid: int | None = None
-        #: os.getpid() of the process that took the lock: the only one that may release it.
-        self.owner_pid: int | None = None
+        self.backend_pid: int | None = None  #: The holding session's pid, while held.
+        self.owner_pid: int | None = None  #: The taker's pid: only it may release.
         self.lost_cause: str | None = None  #: Why the lock was lost while held.
-        #: Longest one round trip (acquire beyond its ``timeout``, or release) may wait
-        #: on the database before its socket is shut down.
+        #: Max seconds per round trip, past any acquire timeout, before the socket is shut.
         self.round_trip_timeout: float = sessions.DEFAULT_ROUND_TRIP_TIMEOUT
-        #: A shadow-mode run without this lock: ensure_held() passes, fencing is off.
-        self.shadowed = False
+        self.shadowed = False  #: Shadow run, not held: ensure_held() passes; no fencing
         self.fencing_token: int | None = None  #: This hold's token (fencing on).
-        #: A run lock held beside the key (keys.run_key; acks_late runs), or None.
-        self.run_key: LockKey | None = None
+        self.run_key: LockKey | None = None  #: acks_late: the run lock (keys.run_key).
 
     def acquire(self, *, timeout: float | None = None) -> bool:
         """Take the lock; True if granted, False if another session holds it.
 
         Args:
-            timeout: None to try once and return at once; a positive number of seconds
-                to wait at most that long, enforced by PostgreSQL's ``lock_timeout``
-                (never an unbounded wait).
+            timeout: None to try once; else wait at most this many seconds (lock_timeout).
 
         Raises:
             PgLockError: this object already holds the lock.
-            ConfigurationError: ``timeout`` is not a positive finite number; or the
-                lock database is a standby, or a pooler between us and it breaks this
-                scope (checked at the first acquire on an engine).
-            DatabaseError: the database failed (the lock is then not held).
+            ConfigurationError: bad ``timeout``; a standby or a pooler breaking the scope.
+            DatabaseError: the database failed; the lock is not held.
         """
         if self.owned():
             raise exceptions.PgLockError(
@@ -113,9 +97,7 @@ class AdvisoryLock:
         try:
             granted = self._do_acquire(timeout_ms)
         except exceptions.DatabaseError as error:
-            # A failed connect had no session to lose: not retried (lock_on_error is).
-            # A session found dead (restart, failover, cut network) held nothing, and
-            # its sessions object closed it: try once more on a fresh connection.
+            # A dead session held nothing and is closed: retry once (not a failed connect).
             if not driver_errors.is_dead_session(error):
                 raise
             logger.warning(
@@ -130,8 +112,7 @@ class AdvisoryLock:
         if granted and hold is not None:
             self.acquired_at = asked_at + self.wait_seconds
             self.released_at = None
-            # No round trip (libpq knows it). None if another thread's failure closed
-            # the shared session meanwhile: the lock is lost (hold.lost) then.
+            # No round trip; fails if another thread's failure closed the session (lost).
             try:
                 self.backend_pid = hold.connection.info.backend_pid
             except Exception:
@@ -142,21 +123,16 @@ class AdvisoryLock:
         return granted
 
     def release(self, *, commit: bool = True) -> None:
-        """Release the lock (and give back the connection it pinned, if any).
+        """Release the lock and give back any connection it pinned.
 
         Args:
-            commit: transaction scope only: commit (default) or roll back the lock's
-                transaction, which is what releases a transaction lock.
+            commit: transaction scope: commit (default) or roll back its transaction.
 
         Raises:
-            LockNotOwnedError: this object does not hold the lock, PostgreSQL says the
-                session no longer held it (a pinned connection is then closed, not
-                pooled), its session ended while it was held, or it belongs to another
-                process (a fork; that session is left untouched).
-            LockLostError: transaction scope: the transaction was already ended by someone
-                else (e.g. the task body committed), so the lock ended early.
-            DatabaseError: the database failed; the lock's session is closed, which
-                frees its locks (the process's session: every lock on it).
+            LockNotOwnedError: not held by this object, or by this process (a fork: its
+                session is left untouched), or its session ended or lost the key.
+            LockLostError: transaction scope: its transaction ended early (by the body?).
+            DatabaseError: the database failed; closing the session freed every lock on it.
         """
         hold, self._hold = self._hold, None
         if hold is None:
@@ -166,7 +142,6 @@ class AdvisoryLock:
                 name=self.key.name,
             )
         if hold.pid != os.getpid():
-            # A forked child's copy: forgotten without a word on the parent's session.
             raise exceptions.LockNotOwnedError(
                 f"Lock {self.key.name!r} (key {self.key}) belongs to process {hold.pid}, "
                 f"not to this one ({os.getpid()}, a fork?); its session was left untouched.",
@@ -179,16 +154,7 @@ class AdvisoryLock:
             self.released_at = time.monotonic()
 
     def issue_fencing_token(self) -> int:
-        """Issue this held lock its next fencing token (``fencing.issue_token`` calls this).
-
-        The token is issued only while the lock's own session holds the key, so a run
-        that lost its lock since the grant never gets one (docs/guide/fencing.md).
-
-        Raises:
-            PgLockError: the lock is not held by this object.
-            LockLostError: its session no longer held the key; the lock is released.
-            DatabaseError: the token could not be issued; the lock is released.
-        """
+        """``celery_pglock.fencing.issue_token(lock)``, which documents it, calls this."""
         hold = self._hold
         if hold is None:
             raise exceptions.PgLockError(
@@ -237,15 +203,12 @@ class AdvisoryLock:
     def ensure_held(self) -> None:
         """Raise unless the lock is still held, as far as this process knows.
 
-        Call it before each side effect of a long body. No round trip: it reads what the
-        lock watcher last found (checks run every ``lock_watch_interval`` seconds), so it
-        narrows the window, it does not close it (fencing tokens do; see
-        docs/operations/lock-loss.md).
+        Call it before each side effect of a long body; it reads what the watcher last
+        found (no round trip), narrowing the window (docs/operations/lock-loss.md).
 
         Raises:
             LockLostError: the lock was lost (the message says why).
-            LockNotOwnedError: the lock is not held, or not by this process (a forked
-                child).
+            LockNotOwnedError: not held, or not by this process (a forked child).
         """
         if self.lost_cause is not None:
             raise self.lost_error()
@@ -260,17 +223,15 @@ class AdvisoryLock:
 
     @property
     def session(self) -> sessions.ProcessSession | sessions.PerLockSessions:
-        """The sessions object this lock takes its key on."""
         return self._session
 
     def run_alive(self, run_key: LockKey) -> bool | None:
-        """Is ``run_key`` (keys.run_key) held by some session? None when unknown."""
+        """Is ``run_key`` (keys.run_key) held? None when unknown; never raises."""
         return self._session.run_alive(run_key, bound=self.round_trip_timeout)
 
     @property
     def holding_name(self) -> str | None:
-        """The application_name the lock's session showed when it was granted (the
-        watcher uses it once to learn the real backend pid behind PgBouncer)."""
+        """application_name shown at the grant (the watcher's pid lookup via PgBouncer)."""
         hold = self._hold
         return hold.holding_name if hold is not None else None
 
@@ -302,14 +263,12 @@ class AdvisoryLock:
 
     @property
     def connection(self) -> sa.Connection:
-        """The lock's connection, inside the lock's open transaction (transaction scope).
+        """The lock's connection, in its open transaction (transaction scope).
 
-        Use it for the protected database work: it is committed with the lock. Do not
-        commit or roll it back yourself: that would end the lock early.
+        Do the protected work on it; ending its transaction yourself ends the lock early.
 
         Raises:
-            PgLockError: session scope (the pinned connection is not for application
-                work), or the lock is not held.
+            PgLockError: session scope, or the lock is not held.
         """
         if self.scope is not LockScope.TRANSACTION:
             raise exceptions.PgLockError(
@@ -356,5 +315,4 @@ class AdvisoryLock:
         return hold is not None
 
     def _granted(self, hold: sessions.Hold) -> None:
-        # Owned from the moment the session recorded the grant (ProcessSession.acquire).
         self._hold = hold

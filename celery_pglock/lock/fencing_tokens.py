@@ -1,6 +1,5 @@
-"""Fencing tokens: the table, its SQL, and issuing a token only to the session that
-holds the key at that very moment. Why: docs/guide/fencing.md.
-"""
+"""Fencing tokens: the table, its SQL, and issuing a token only to the key's holder.
+Why: docs/guide/fencing.md ("Why a stale run never gets a token")."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ if TYPE_CHECKING:
 
 UNDEFINED_TABLE, INSUFFICIENT_PRIVILEGE = "42P01", "42501"  # SQLSTATEs
 
-#: ``{schema}``: a quoted schema name and a dot, or empty (the search_path's first).
-#: Creators are serialised by an advisory lock: ``IF NOT EXISTS`` still races itself.
+#: ``{schema}``: a quoted name and a dot, or "". Locked: IF NOT EXISTS races itself.
 CREATE = """
 BEGIN;
 SELECT pg_advisory_xact_lock(hashtext('celery_pglock.fencing'));
@@ -54,19 +52,16 @@ GRANT USAGE ON SEQUENCE {schema}celery_pglock_fencing_token_seq TO {role};
 _EXISTS = """SELECT to_regclass('celery_pglock_fencing') IS NOT NULL,
   to_regclass('celery_pglock_fencing_token_seq') IS NOT NULL"""
 
-# (pid, backend_start, postmaster start): unique for the life of a session. Asked on the
-# session itself, because the pid libpq knows is a pooler's.
+# Asked on the session itself: the pid libpq knows may be a pooler's.
 _SESSION_IDENTITY = """SELECT pg_backend_pid(),
   (SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()),
   pg_postmaster_start_time()"""
 
 _KEY = "classid = %(classid)s::oid AND objid = %(objid)s::oid AND objsubid = %(objsubid)s::smallint"
-#: The last token issued for a key (params: key_params()), if any.
-LAST = f"SELECT token FROM celery_pglock_fencing WHERE {_KEY}"
+LAST = f"SELECT token FROM celery_pglock_fencing WHERE {_KEY}"  #: params: key_params()
 _GRANTED = f"""l.locktype = 'advisory' AND l.granted AND {_KEY}
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"""
 
-# In transaction scope, inside the lock's transaction: which transaction holds the key.
 _TRANSACTION_IDENTITY = f"""
 SELECT l.pid, a.backend_start, pg_postmaster_start_time(), l.virtualtransaction
 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
@@ -77,10 +72,7 @@ _HELD_BY = f"""SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
   AND pg_postmaster_start_time() = %(postmaster)s
   AND (%(vxid)s::text IS NULL OR l.virtualtransaction = %(vxid)s::text)"""
 
-# In autocommit: lock the key's row (made if missing) before checking the holder, so
-# issues for one key are serialised; synchronous_commit on, so the token is durable
-# before the client reads it. One row (held, token); token NULL if not held, or if the
-# sequence fell behind the row (reset: refuse, never go back).
+# (held, token); NULL token: not held, or the sequence fell behind (docs/guide/fencing.md).
 _ISSUE = f"""
 SELECT set_config('synchronous_commit', 'on', true);
 INSERT INTO celery_pglock_fencing (classid, objid, objsubid, token)
@@ -102,8 +94,7 @@ FIX = (
     "celery_pglock_fencing_token_seq (docs/operations/security.md)"
 )
 
-#: Engines whose fencing table this process has seen (weak: engines come and go in tests).
-_ready: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
+_ready: weakref.WeakSet[sa.Engine] = weakref.WeakSet()  #: Engines whose table exists.
 _ready_guard = threading.Lock()
 
 
@@ -114,8 +105,7 @@ class Holder:
     pid: int
     started: datetime.datetime
     postmaster: datetime.datetime
-    #: Transaction scope: the virtual transaction id holding the key; else None.
-    vxid: str | None = None
+    vxid: str | None = None  #: Transaction scope: the virtual transaction id.
 
 
 def session_holder(cursor: Any) -> Holder:
@@ -160,8 +150,7 @@ def ensure_table(engine: sa.Engine) -> None:
 
 
 def issue(engine: sa.Engine, key: LockKey, holder: Holder, bound: float) -> int | None:
-    """Issue ``key``'s next token if ``holder`` holds it now, on a pooled connection of
-    ``engine`` within ``bound`` seconds; None if it does not hold it."""
+    """``key``'s next token if ``holder`` holds it now, else None."""
     action = f"issue a fencing token for lock {key.name!r}"
     with (
         driver_errors.wrap_db_errors(action, engine),
@@ -203,9 +192,7 @@ def issue(engine: sa.Engine, key: LockKey, holder: Holder, bound: float) -> int 
 
 @contextlib.contextmanager
 def autocommit(engine: sa.Engine) -> Iterator[Any]:
-    """A pooled DBAPI connection of ``engine`` in autocommit; invalidated after an error
-    (its state is unknown; a dead session also retires its older siblings), else
-    returned to the pool."""
+    """A pooled DBAPI connection in autocommit; after an error invalidated, not pooled."""
     pooled: Any = engine.raw_connection()
     try:
         pooled.dbapi_connection.autocommit = True
@@ -220,5 +207,4 @@ def autocommit(engine: sa.Engine) -> Iterator[Any]:
 
 
 def key_params(key: LockKey) -> dict[str, Any]:
-    """The parameters of ``key`` for the statements here (its pg_locks ids)."""
     return dict(zip(("classid", "objid", "objsubid"), key.pg_locks_ids, strict=True))

@@ -1,7 +1,5 @@
-"""Who holds a lock (backend pid, worker ``host:pid``, task name), for the skip path;
-never raises: not knowing the holder must never change how a skip ends. The
-application_name formats: docs/operations/monitoring.md.
-"""
+"""Who holds a lock, for the skip path: never raises (it must not change how a skip
+ends). The application_name formats: docs/operations/monitoring.md (application_name)."""
 
 from __future__ import annotations
 
@@ -14,32 +12,22 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from celery_pglock.lock import AdvisoryLock
 
-#: How long a holder found for a key is reused for further skips of that key.
-RECENT_SECONDS = 1.0
+RECENT_SECONDS = 1.0  #: How long a key's holder, once found, answers its next skips.
 _RECENT_MAX = 1024  # keys remembered per sessions object; cleared when full
-#: Sessions object -> {key ids: (time.monotonic() of the lookup, its answer)} (not the
-#: engine's URL: hashing a URL renders it, which costs more than a skip).
+#: Keyed by sessions object, not by URL: hashing a URL renders it, dearer than a skip.
 _recent: weakref.WeakKeyDictionary[
     object, dict[tuple[int, ...], tuple[float, Holder | None]]
 ] = weakref.WeakKeyDictionary()
 
-#: "host:pid" as db.process_tag() writes it.
-_PROCESS_TAG = re.compile(r"^[^\s:]+:\d+$")
-#: The key as LockKey.__str__ writes it: "-123" or "42,1001".
-_KEY = re.compile(r"^-?\d+(,-?\d+)?$")
+_PROCESS_TAG = re.compile(r"^[^\s:]+:\d+$")  # "host:pid" (engines.process_tag)
+_KEY = re.compile(r"^-?\d+(,-?\d+)?$")  # str(LockKey): "-123" or "42,1001"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Holder:
-    """The session holding a lock, as far as PostgreSQL can say."""
-
-    #: The holding session's backend pid (``pg_stat_activity.pid``).
-    backend_pid: int
-    #: ``host:pid`` of the worker process, or None for a session not opened by
-    #: celery-pglock (or whose application_name was changed).
-    process: str | None = None
-    #: The holder's task (lock label) name, if its application_name carries one.
-    task: str | None = None
+    backend_pid: int  #: ``pg_stat_activity.pid``
+    process: str | None = None  #: The worker's ``host:pid``; None if not our session.
+    task: str | None = None  #: Its task (lock label), if application_name shows one.
 
     def as_details(self) -> dict[str, Any]:
         """The holder fields of a skip record (see ``LockSkipped.details``)."""
@@ -53,13 +41,7 @@ class Holder:
 def parse_application_name(
     application_name: str | None,
 ) -> tuple[str | None, str | None]:
-    """``(host:pid, task name)`` from a lock session's application_name, where present.
-
-    ``"pglock web-1:4242 -4311986427365126397 billing.settle"`` (a per-lock connection)
-    and ``"pglock web-1:4242 billing.settle"`` (a process's lock session, showing its
-    latest task) both give ``("web-1:4242", "billing.settle")``; an idle session gives
-    ``("web-1:4242", None)``; anything else ``(None, None)``.
-    """
+    """``(host:pid, task)`` from application_name: task None if idle, both if not ours."""
     if not application_name:
         return None, None
     words = application_name.split(" ")
@@ -75,11 +57,8 @@ def parse_application_name(
 
 
 def find(lock: AdvisoryLock) -> Holder | None:
-    """The session holding ``lock``'s key, or None (released since, or unknown).
-
-    Asked at most once per key and sessions object in RECENT_SECONDS: under full
-    contention the lookup costs the server several times what the refused try did.
-    """
+    """``lock``'s holder, or None (released since, or unknown). Asked once per key in
+    RECENT_SECONDS: under contention it costs the server more than the refused try."""
     key, session = lock.key, lock.session
     remembered = _recent.setdefault(session, {})
     now = time.monotonic()

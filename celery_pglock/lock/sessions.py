@@ -1,7 +1,5 @@
-"""The PostgreSQL sessions that carry a key from acquire to release: :func:`for_lock`
-picks a :class:`ProcessSession` or its :class:`PerLockSessions`, per engine and process.
-Why: docs/design.md ("One lock session per process", "A key stays claimed").
-"""
+"""The sessions that carry a key from acquire to release, picked by :func:`for_lock`.
+Why: docs/design.md ("One lock session per process", "A key stays claimed")."""
 
 from __future__ import annotations
 
@@ -34,16 +32,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: The default of AdvisoryLock.round_trip_timeout, in seconds (db/deadlines.py).
-DEFAULT_ROUND_TRIP_TIMEOUT = 5.0
-#: Key of a pooled connection's ``info``: the fencing Holder its session is.
-_HOLDER = "celery_pglock_fencing_holder"
+DEFAULT_ROUND_TRIP_TIMEOUT = 5.0  #: AdvisoryLock.round_trip_timeout's, in seconds.
+_HOLDER = "celery_pglock_fencing_holder"  #: pooled.info key: its fencing Holder.
 
 
 @dataclasses.dataclass(eq=False)  # no slots: Claims refers to holds weakly (3.10)
 class Hold:
-    """One granted lock: the session it lives on, for its release."""
-
     session: ProcessSession | PerLockSessions
     ids: tuple[int, ...]
     idle_name: str = ""  # per lock: what its connection shows once released
@@ -51,8 +45,7 @@ class Hold:
     pid: int = dataclasses.field(default_factory=os.getpid)
     connection: Any = None  # the DBAPI connection it lives on
     pooled: Any = None  # per lock: the pool's proxy, pinned until release
-    # Transaction scope: the SQLAlchemy connection and transaction lent to the body.
-    sa_connection: sa.Connection | None = None
+    sa_connection: sa.Connection | None = None  # transaction scope: lent to the body
     transaction: sa.RootTransaction | None = None
     lent: bool = False
     lost: str | None = None  # why its session ended before its release
@@ -60,10 +53,7 @@ class Hold:
 
 
 class Claims:
-    """The keys held by runs of this process (per engine), from acquire until release,
-    whatever became of their sessions. A claim refers to its hold weakly: a hold dropped
-    without a release frees its key, as the pool's check-in frees its lock. Thread-safe.
-    """
+    """The keys this process's runs hold until their release; thread-safe."""
 
     __slots__ = ("_cond", "_held", "_mutex", "_waiting")
 
@@ -71,7 +61,6 @@ class Claims:
     POLL = 0.25
 
     def __init__(self) -> None:
-        #: key ids -> the claiming hold (identity: a late release never frees another's).
         self._held: dict[tuple[int, ...], weakref.ref[Hold]] = {}
         # Taken bare on the hot path (C code, unlike Condition.__enter__).
         self._mutex = threading.Lock()
@@ -79,9 +68,8 @@ class Claims:
         self._waiting = 0
 
     def claim(self, hold: Hold, deadline: float | None = None) -> bool:
-        """Claim ``hold.ids``, waiting until ``deadline`` (``time.monotonic()``; None:
-        try once); False if another run of the process holds it. Given back by
-        :meth:`release`, granted or not."""
+        """False if another run still holds ``hold.ids`` at monotonic ``deadline``
+        (None: at once). Blocks; pair with :meth:`release`, granted or not."""
         ids = hold.ids
         with self._mutex:
             if self._holder(ids) is not None:
@@ -116,8 +104,6 @@ class Claims:
 
 
 class LockSessions:
-    """What both strategies share: the holder and run lookups, names, error tail."""
-
     def __init__(self, engine: sa.Engine, claims: Claims) -> None:
         self.engine = engine
         self.claims = claims  #: Shared by both strategies of ``engine``.
@@ -132,7 +118,6 @@ class LockSessions:
         return None if row is None else row[0]
 
     def run_alive(self, run: LockKey, *, bound: float) -> bool | None:
-        """Does some session hold the run lock ``run``? None when unknown (never raises)."""
         params = (*run.ids, *run.ids)
         row = self._one_row(
             f"checking run lock {run}", sql_text.RUN_ALIVE, params, bound
@@ -142,8 +127,7 @@ class LockSessions:
     def _one_row(
         self, what: str, statement: str, params: tuple[Any, ...], bound: float
     ) -> tuple[Any, ...] | None:
-        """The statement's row, or None if it failed (logged at DEBUG: these questions
-        add detail to an outcome, never decide one)."""
+        """The row; None on failure (DEBUG log: a lookup adds detail, never decides)."""
         try:
             with (
                 fencing_tokens.autocommit(self.engine) as dbapi,
@@ -162,7 +146,6 @@ class LockSessions:
             engines.mark_pool_stale(self.engine, pooled, exc)
 
     def _name(self, *parts: str) -> str:
-        """The application_name showing ``parts`` (cached: the same names recur)."""
         name = self._names.get(parts)
         if name is None:
             if len(self._names) >= 4096:
@@ -189,8 +172,6 @@ class SessionBusyError(Exception):
 
 
 class _Bound(deadlines.Bound):
-    """The process session's bound, armed per round trip (kept here: the locked path)."""
-
     __slots__ = ()
 
     def __call__(self, seconds: float) -> _Bound:
@@ -210,8 +191,7 @@ class _Bound(deadlines.Bound):
 
 
 class ProcessSession(LockSessions):
-    """One connection per process and engine carrying every session-scope try-lock.
-    One mutex serialises the holds table and every statement on the connection."""
+    """One connection for all session-scope try-locks; a mutex guards it and its holds."""
 
     def __init__(self, engine: sa.Engine, claims: Claims) -> None:
         super().__init__(engine, claims)
@@ -223,8 +203,7 @@ class ProcessSession(LockSessions):
         self._bound: Any = None  # a _Bound while connected
         self._holder: fencing_tokens.Holder | None = None  # asked once per connection
         self._shown: str | None = None  # the application_name the session shows
-        #: key ids -> the hold on the current connection (a lost one leaves; its key
-        #: stays in ``claims`` until its release).
+        #: key ids -> hold on the current connection (a lost hold leaves; its claim stays).
         self._owners: dict[tuple[int, ...], Hold] = {}
         self._runs: dict[tuple[int, ...], Hold] = {}  #: run lock ids -> its hold.
 
@@ -238,11 +217,8 @@ class ProcessSession(LockSessions):
         run: LockKey | None,
         on_granted: Callable[[Hold], None] | None,
     ) -> Hold | None:
-        """Take ``key`` (and the run lock ``run`` with it); the hold, or None if busy.
-
-        ``bound`` limits the round trip beyond any ``timeout_ms`` wait. ``on_granted``
-        gets the hold once recorded: a soft time limit landing before the return cannot
-        leave a granted key its owner does not know."""
+        """The hold of ``key`` (and of the run lock ``run``), or None if busy.
+        ``on_granted`` gets it once recorded: a soft time limit then cannot orphan it."""
         if transaction or timeout_ms is not None:
             return self.waits.acquire(
                 key, label, timeout_ms, transaction, bound, run, on_granted
@@ -251,19 +227,17 @@ class ProcessSession(LockSessions):
         ids = hold.ids
         with self._mutex:
             try:
-                # Inside the try: an exception just after the claim (a soft time limit)
-                # must not leave the key claimed by nobody.
+                # In the try: a soft time limit after the claim must not orphan the key.
                 if not self.claims.claim(hold):
                     return None
-                # A run lock held in this process already (the same task id twice) would
-                # re-enter on this session: not taken, so its release ends no other run's.
+                # A run lock already held here (one task id twice) is not re-entered, so
+                # this run's release ends no other run's.
                 run_ids = None if run is None or run.ids in self._runs else run.ids
                 if self._cursor is None:
                     self._connect(key)
                 name = self._name(label)
                 try:
-                    # Bounded: a frozen link would otherwise hold the mutex, and with it
-                    # every lock statement of the process, for as long as TCP waits.
+                    # Bounded: a frozen link would stall every lock statement here.
                     with self._bound(bound):
                         granted, run_granted = self._try(ids, name, run_ids)
                     if granted:
@@ -299,8 +273,7 @@ class ProcessSession(LockSessions):
         return row is not None and row[0] is not None, bool(row and row[0])
 
     def release(self, hold: Hold, key: LockKey, commit: bool, timeout: float) -> None:
-        """Give ``hold`` back, and its claim whatever the outcome (AdvisoryLock.release
-        lists what it raises)."""
+        """Unlock; the claim is returned in any case (raises as AdvisoryLock.release)."""
         ids, run_ids = hold.ids, hold.run_ids
         with self._mutex:
             # Under the mutex: no try-lock of the process runs before the unlock below.
@@ -329,8 +302,7 @@ class ProcessSession(LockSessions):
                 why = deadlines.explain(bound)
                 self._raise(exc, f"release lock {key.name!r}{why}")
         if not (row and row[0]):
-            # Someone unlocked our key behind our back. The session is kept: closing it
-            # would free every other run's lock mid-body.
+            # Unlocked behind our back; closing the session would free every other lock.
             raise exceptions.LockNotOwnedError(
                 f"PostgreSQL says the process's lock session no longer held lock {key.name!r} "
                 f"(key {key}) at release; the session is kept for its other locks.",
@@ -382,11 +354,8 @@ class ProcessSession(LockSessions):
     def run_check(
         self, statement: str, params: tuple[Any, ...], deadline: float, least: float
     ) -> list[tuple[Any, ...]] | None:
-        """For the lock watcher: one read-only statement's rows by ``deadline``
-        (``time.monotonic()``), or None if the session is not open. Raises
-        :class:`SessionBusyError` if other statements keep the session until less than
-        ``least`` seconds remain; a statement that finds the session gone, or gets no
-        answer in time, ends it (its holds are lost). Any error is raised."""
+        """The watcher's statement's rows by monotonic ``deadline``; None if closed. Raises
+        SessionBusyError if busy past ``deadline - least``; a dead or late session ends."""
         if not self._mutex.acquire(
             timeout=max(0.0, deadline - least - time.monotonic())
         ):
@@ -418,7 +387,6 @@ class ProcessSession(LockSessions):
             return self._close(cause)
 
     def close(self) -> None:
-        """Close the connection; any lock still held is freed by PostgreSQL and lost."""
         lost = self.lose("the process's lock session was closed")
         if lost:
             logger.warning(
@@ -428,11 +396,9 @@ class ProcessSession(LockSessions):
             )
 
     def _connect(self, key: LockKey) -> None:
-        # A standby or a pooler that breaks session locks is refused (probed once).
         server_probe.check(self.engine, config.LockScope.SESSION, key.name)
         try:
-            # Detached: the connection belongs to this session, not to the pool (no
-            # reset or check-in touches it, and the pool's size does not count it).
+            # Detached: no pool reset or check-in touches it, nor counts it in the size.
             pooled = self.engine.raw_connection()
             pooled.detach()
             dbapi: Any = pooled.dbapi_connection
@@ -446,22 +412,20 @@ class ProcessSession(LockSessions):
         self._shown = None
 
     def _ended(self, cause: str, exc: BaseException) -> bool:
-        """After a failed statement: end the session if it is dead."""
+        """Under the mutex, after a failed statement: end the session if it is dead."""
         if self._connection.closed or driver_errors.is_disconnect(exc):
             self._fail(cause, exc)
             return True
         return False
 
     def _fail(self, cause: str, exc: BaseException) -> None:
-        """End the session. If it died (a server restart ends every session), retire
-        every pooled connection opened until now (detached, it cannot say when it was)."""
+        """Under the mutex: end the session; a dead one retires the pool's connections."""
         self._close(cause)
         if driver_errors.is_disconnect(exc):
             engines.mark_pool_stale(self.engine, None, exc)
 
     def _close(self, cause: str) -> list[Hold]:
-        """End the session; its holds are lost (their keys stay claimed until their
-        release: their bodies may still run). This and the two above: under the mutex."""
+        """Under the mutex: end the session; its holds are lost but stay claimed."""
         connection, self._connection = self._connection, None
         if self._bound is not None:
             deadlines.unwatch(self._bound)
@@ -552,8 +516,7 @@ class PerLockSessions(LockSessions):
         run_ids: tuple[int, ...] | None,
         transaction: bool,
     ) -> bool:
-        """Take ``key`` on a pooled connection pinned to ``hold``: an autocommit one in
-        session scope, an SQLAlchemy one in an open transaction in transaction scope."""
+        """Take ``key`` on a pooled connection pinned to ``hold``; False if busy."""
         action = f"acquire lock {key.name!r}"
         with driver_errors.wrap_db_errors(action, self.engine, connecting=True):
             owner: Any = (
@@ -595,9 +558,7 @@ class PerLockSessions(LockSessions):
         return True
 
     def release(self, hold: Hold, key: LockKey, commit: bool, timeout: float) -> None:
-        """Unlock (session scope) or end the transaction (transaction scope) and give the
-        connection back, closed after any failure; the claim is given back whatever the
-        outcome."""
+        """Unlock or end the transaction; the connection is closed after any failure."""
         transaction = hold.transaction
         owner: Any = hold.pooled if transaction is None else transaction.connection
         bound: deadlines.Bound | None = None
@@ -632,8 +593,7 @@ class PerLockSessions(LockSessions):
                         key=str(key),
                         name=key.name,
                     )
-                # A late answer still counts: the transaction did end, which is what
-                # released the lock.
+                # A late answer still counts: the transaction ended, releasing the lock.
                 with deadlines.bounded(
                     hold.connection, timeout, late_answer_fails=False
                 ) as bound:
@@ -663,8 +623,7 @@ class PerLockSessions(LockSessions):
     def _discard_all(
         self, hold: Hold, connection: sa.Connection, timeout: float
     ) -> None:
-        """After a transaction-scope body had the connection: wipe what it may have left
-        on the session before pooling it. A failure only costs the connection."""
+        """DISCARD ALL (docs/guide/scopes.md); a failure only costs the connection."""
         try:
             with deadlines.bounded(hold.connection, timeout):
                 hold.connection.autocommit = True
@@ -672,8 +631,7 @@ class PerLockSessions(LockSessions):
                     cursor.execute(sql_text.DISCARD_ALL)
                 fallback = startup_options.fallback_of(self.engine)
                 if fallback is None or not fallback.carries_settings():
-                    # DISCARD ALL resets settings to their startup values: ours were set
-                    # by a statement, not at startup (see startup_options.py).
+                    # DISCARD ALL restores startup values; ours were SET (startup_options).
                     startup_options.apply_session_settings(hold.connection)
         except Exception as exc:
             logger.debug("DISCARD ALL after lock %s failed", hold.ids, exc_info=True)
@@ -712,8 +670,7 @@ def _lock(
     bound: float,
     run_ids: tuple[int, ...] | None,
 ) -> tuple[bool, bool, bool]:
-    """Try (``timeout_ms`` None) or wait for ``key`` on a pinned connection, with the
-    run lock: (granted, run lock granted, the session must be discarded)."""
+    """Try (``timeout_ms`` None) or wait: (granted, run lock granted, discard session)."""
     connection, arity, name = cursor.connection, len(key.ids), hold.holding_name
     if timeout_ms is None:
         with deadlines.bounded(connection, bound):
@@ -733,11 +690,9 @@ def _lock(
             connection.rollback()  # ends the transaction and the wait
             return False, False, False
         if code == sql_text.QUERY_CANCELED:
-            # A cancel may land after the session lock was granted, and a session lock
-            # outlives the aborted transaction: the session cannot be trusted.
+            # A cancel may land after the grant, and a session lock outlives the BEGIN.
             return False, False, True
-        # lock_timeout: nothing was granted. psycopg2's rollback() is a no-op in
-        # autocommit mode, so end the aborted BEGIN by hand.
+        # lock_timeout: nothing granted; psycopg2's rollback() is a no-op in autocommit.
         with deadlines.bounded(connection, bound):
             cursor.execute(sql_text.ROLLBACK)
         return False, False, False
@@ -753,12 +708,10 @@ def _lock(
 
 
 _process: dict[sa.Engine, ProcessSession] = {}
-#: The claims per engine, shared by both strategies; they outlive close_for() and a new
-#: session (a run that lost its session keeps its key until its release).
+#: Claims per engine; they outlive close_for() (a run keeps its key until its release).
 _claims: weakref.WeakKeyDictionary[sa.Engine, Claims] = weakref.WeakKeyDictionary()
 _registry_guard = threading.Lock()
-#: A forked child's copies of its parent's sessions: kept referenced, never used or
-#: closed, so no finaliser of the child ever writes to the parent's socket.
+#: A forked child's copies of its parent's sessions, kept so no finaliser writes to them.
 _inherited: list[ProcessSession] = []
 _per_lock_only = False
 
@@ -766,13 +719,11 @@ _per_lock_only = False
 def for_lock(
     engine: sa.Engine, *, transaction: bool = False
 ) -> ProcessSession | PerLockSessions:
-    """The sessions a lock of ``engine`` takes its key on (picked once per lock)."""
     session = _process.get(engine) or process_session(engine)
     return session.waits if transaction or _per_lock_only else session
 
 
 def process_session(engine: sa.Engine) -> ProcessSession:
-    """This process's session for ``engine`` (created on first use, not at import)."""
     with _registry_guard:
         session = _process.get(engine)
         if session is None:
@@ -782,26 +733,22 @@ def process_session(engine: sa.Engine) -> ProcessSession:
 
 
 def open_process_session(engine: sa.Engine) -> ProcessSession | None:
-    """This process's session for ``engine`` if it has one (never creates it)."""
     return _process.get(engine)
 
 
 def use_per_lock_sessions(enabled: bool = True) -> None:
-    """For tests: put every new lock of this process on a pooled connection of its own
-    (as bounded waits and transaction scope do), never on the process's session."""
+    """For tests: put each new lock of this process on a pinned connection of its own."""
     global _per_lock_only
     _per_lock_only = enabled
 
 
 def close_all() -> None:
-    """Close this process's lock sessions (worker shutdown, tests)."""
     for engine in list(_process):
         close_for(engine)
 
 
 def close_for(engine: sa.Engine) -> None:
-    """Close this process's session of ``engine``, if any (before disposing of it; not
-    tied to ``engine.dispose()``, which must not end every other task's locks)."""
+    """Close the session of ``engine``, which dispose() leaves alone (every lock is on it)."""
     with _registry_guard:
         session = _process.pop(engine, None)
     if session is not None:
