@@ -47,7 +47,7 @@ UNLOCK_SESSION = _keyed(
 #: The process session keeps its label (docs/design.md: labelled per task name).
 UNLOCK_SESSION_KEEP_NAME = _keyed("SELECT pg_advisory_unlock(KEY)")
 
-# The body's transaction may idle or run long (17+ has transaction_timeout); yields "".
+# No role timeout may end the body's transaction (transaction_timeout: 17+); yields "".
 _KEEP_TRANSACTION = (
     "left(set_config('idle_in_transaction_session_timeout', '0', true), 0) "
     "|| COALESCE(left(CASE WHEN current_setting('transaction_timeout', true) IS NOT NULL "
