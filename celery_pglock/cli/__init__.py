@@ -31,8 +31,6 @@ CLI_APPLICATION_NAME = "celery-pglock cli"
 
 @dataclasses.dataclass
 class Target:
-    """What a verb works on."""
-
     app: Any
     url: str | None
 
@@ -136,7 +134,6 @@ standalone_command = _build(standalone=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Returns the exit status."""
     try:
         standalone_command.main(
             args=argv, prog_name="celery-pglock", standalone_mode=True

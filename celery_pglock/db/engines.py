@@ -1,5 +1,5 @@
 """Lock engines, one per URL per process, and their pool hooks: never share one with the app.
-Why: docs/operations/failure-modes.md ("Fork and pool recycling", "Forgotten release")."""
+Why: docs/guide/pools.md ("The lock engine is the library's alone")."""
 
 from __future__ import annotations
 
@@ -126,7 +126,6 @@ def check_url(url: str) -> sa.URL:
 def engine_for(conf: Mapping[str, Any]) -> sa.Engine:
     """The lock engine of this process for ``conf``, created on first use (never at import,
     never in the parent before a fork); ConfigurationError for a missing or invalid URL."""
-
     url = config.database_url(conf)
     engine = _engines.get(url)
     if engine is not None and _engines_pid == os.getpid():
@@ -150,6 +149,7 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
         "masked_url": mask_url(engine.url),
     }
     if engine.url.get_driver_name() == "psycopg":
+        # First: before any other listener runs a statement on the new connection.
         event.listen(engine, "connect", _bind_on_client, insert=True)
     given = options["connect_args"].get("options")
     _install_hooks(engine, given if given == startup_options.SERVER_OPTIONS else None)
@@ -180,6 +180,7 @@ def _install_hooks(engine: sa.Engine, ours: str | None) -> None:
                 "opened before the lock database was last found dead"
             )
 
+    # First: before any other checkout listener sees a stale connection.
     event.listen(engine, "checkout", retire, insert=True)
     startup_options.install_fallback(engine, mask_url(engine.url), ours)
 
@@ -248,8 +249,8 @@ def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
     extra = dict(extra)
     connect_args.update(extra.pop("connect_args", {}))
     options: dict[str, Any] = {"pool_pre_ping": False, "connect_args": connect_args}
-    if "poolclass" not in extra:  # (NullPool refuses these)
-        # A pooled connection per held transaction lock or wait: docs/guide/pools.md.
+    if "poolclass" not in extra:
+        # Sized for transaction locks and waits (docs/guide/pools.md); NullPool refuses these.
         options.update(pool_size=10, max_overflow=20)
     options.update(extra)
     return options
