@@ -1,7 +1,5 @@
-"""The ``pglock`` command: ``celery -A proj pglock <verb>`` (a Celery sub-command) and
-``celery-pglock [--app proj] [--database-url URL] <verb>`` (or ``python -m celery_pglock``).
-An operator surface: it may import every layer. Manual: docs/operations/cli.md.
-"""
+"""The ``pglock`` command, as ``celery -A proj pglock`` and ``celery-pglock``; may import
+every layer. Manual: docs/operations/cli.md."""
 
 from __future__ import annotations
 
@@ -33,8 +31,6 @@ CLI_APPLICATION_NAME = "celery-pglock cli"
 
 @dataclasses.dataclass
 class Target:
-    """What a verb works on: the app (if any) and the lock database URL."""
-
     app: Any
     url: str | None
 
@@ -47,13 +43,12 @@ class Target:
         )
 
     def conf(self) -> dict[str, Any]:
-        """The app's pglock_* settings (a copy)."""
         items = self.app.conf.items() if self.app is not None else ()
         return {k: v for k, v in items if k.startswith("pglock_")}
 
     @contextlib.contextmanager
     def database(self, action: str) -> Iterator[sa.Engine]:
-        """A new engine for one verb; a database error ends the verb (exit status 1)."""
+        """A database error ends the verb (exit status 1)."""
         engine = self.engine()
         try:
             with driver_errors.wrap_db_errors(action, engine):
@@ -64,7 +59,7 @@ class Target:
             engine.dispose()
 
     def engine(self) -> sa.Engine:
-        """A lock engine without a pool (each connect is a new session), labelled as us."""
+        """Without a pool: each connect is a new session."""
         conf = self.conf()
         options = dict(conf.get("pglock_engine_options") or {})
         connect_args = dict(options.pop("connect_args", {}))
@@ -75,10 +70,10 @@ class Target:
 
     @functools.cached_property
     def singleton_tasks(self) -> list[Any]:
-        """The app's SingletonTasks once its task modules are imported as a worker would."""
+        """After importing the task modules as a worker would."""
         if self.app is None:
             return []
-        try:  # `-A proj` imports the app's module; a worker's loader imports the rest
+        try:
             self.app.loader.import_default_modules()
         except Exception as exc:
             raise click.UsageError(
@@ -133,14 +128,12 @@ def _build(*, standalone: bool) -> click.Group:
     return group
 
 
-#: ``celery -A proj pglock ...`` (registered under the ``celery.commands`` entry point).
+#: Registered under the ``celery.commands`` entry point.
 celery_command = _build(standalone=False)
-#: ``celery-pglock ...`` and ``python -m celery_pglock``.
 standalone_command = _build(standalone=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the standalone command; returns its exit status."""
     try:
         standalone_command.main(
             args=argv, prog_name="celery-pglock", standalone_mode=True

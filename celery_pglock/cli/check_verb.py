@@ -1,5 +1,5 @@
-"""``pglock check``: what must hold for locks to mean anything, each with its fix (the
-list: docs/operations/cli.md); any FAIL exits 1."""
+"""``pglock check``: what must hold for locks to mean anything, each with its fix; a FAIL
+exits 1. Manual (the list): docs/operations/cli.md."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ if TYPE_CHECKING:
 
     from celery_pglock.cli import Target
 
-#: Facts ``pglock check`` needs in one round trip.
 SERVER_FACTS = """
 SELECT current_setting('server_version_num')::int AS version_num,
   current_setting('server_version') AS version, pg_is_in_recovery() AS standby,
@@ -74,7 +73,7 @@ def check(
 def run_checks(
     target: Target, *, processes: int | None = None, scope: str | None = None
 ) -> list[Finding]:
-    """Every check, in order; stops after the first one the rest depend on."""
+    """In order; stops after the first one the rest depend on."""
     setting = f"app.conf.{config.DATABASE_URL_SETTING} (or ${config.DATABASE_URL_ENV})"
     app, scopes = target.app, {scope} if scope else set()
     try:
@@ -115,7 +114,7 @@ def run_checks(
             )
             fix = f"check host, port, database and credentials in {setting}, and that the server accepts this host"
             if "startup parameter" in text and "options" in text:
-                # The library drops its own keepalive options where they are refused.
+                # Our own options are dropped where refused: these are the user's.
                 fix = "a pooler (PgBouncer) refuses the options startup parameter set in pglock_engine_options['connect_args']: remove it, or connect to PostgreSQL directly"
             elif (
                 isinstance(probed := _probe(engine), server_probe.ServerFacts)
@@ -185,8 +184,7 @@ def _pooler(
 def _capacity(
     target: Target, processes: int | None, scopes: set[str], facts: Any
 ) -> Finding:
-    """The lock connections the workers may hold against the free ones (how many per
-    process: docs/operations/cli.md, measured by tests/acceptance/test_sessions.py)."""
+    """Lock connections needed against free ones; per process: docs/operations/cli.md."""
     app = target.app
     if processes is None:
         configured = app.conf.get("worker_concurrency") if app is not None else None

@@ -1,5 +1,5 @@
-"""``pglock key``: the advisory key a call of a task would lock, in every form, computed
-as the worker computes it; and the parsing of a lock named by a call or by ``--key``."""
+"""``pglock key``: a call's advisory key in every form, as the worker computes it; and how
+a verb names a lock (a call, or ``--key``). Manual: docs/operations/cli.md."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from celery_pglock import exceptions, keys
 if TYPE_CHECKING:
     from celery_pglock.cli import Target
 
-#: --args and --kwargs: a call of a task, as JSON (``key`` and ``release``).
+#: A call of a task, as JSON (``key`` and ``release``).
 ARGS = click.option(
     "--args",
     "args_json",
@@ -85,7 +85,6 @@ def key(
 def key_of_call(
     target: Target, task_name: str, args_json: str, kwargs_json: str, *, verb: str
 ) -> tuple[Any, keys.LockKey]:
-    """The SingletonTask ``task_name`` and the key a call with these JSON arguments locks."""
     if target.app is None:
         raise click.UsageError(
             f"`{verb}` TASK needs the app: celery -A proj pglock {verb} ..., or --app."
@@ -113,13 +112,12 @@ def key_of_call(
 
 
 def parse_key(text: str) -> keys.LockKey:
-    """``--key`` as `pglock locks` prints it: a bigint, or 'int,int'."""
     try:
         parts = tuple(int(part) for part in text.split(","))
         return keys.explicit_key(
             "--key", parts[0] if len(parts) == 1 else parts, where="--key"
         )
-    except exceptions.ConfigurationError as error:  # also a ValueError: first
+    except exceptions.ConfigurationError as error:  # a ValueError too: first
         raise click.UsageError(str(error)) from None
     except ValueError:
         raise click.UsageError(

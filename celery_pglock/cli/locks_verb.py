@@ -1,5 +1,5 @@
-"""``pglock locks``: every advisory lock held or awaited, with human names for holders
-and waiters (docs/operations/cli.md says what each column means)."""
+"""``pglock locks``: every advisory lock held or awaited, holders and waiters named.
+Manual (the columns): docs/operations/cli.md."""
 
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ if TYPE_CHECKING:
 
     from celery_pglock.cli import Target
 
-#: Every advisory lock here, held or awaited, with its session: the key as LockKey.__str__
-#: writes it, "since" as cli.md defines it; not the run locks (keys.run_key).
+#: The key as LockKey.__str__ writes it, "since" as cli.md defines it; no run locks.
 LOCKS = f"""
 SELECT CASE WHEN l.objsubid = 1 THEN ((l.classid::bigint << 32) | l.objid::bigint)::text
        ELSE l.classid::bigint::bit(32)::int || ',' || l.objid::bigint::bit(32)::int
@@ -75,7 +74,7 @@ def locks(target: Target, as_json: bool) -> None:
 
 
 def read(target: Target, engine: sa.Engine) -> list[dict[str, Any]]:
-    """The advisory locks by key: the holder with human names, and who waits."""
+    """By key: the holder with human names, and who waits."""
     with engine.connect() as connection:
         rows = connection.exec_driver_sql(LOCKS).mappings().all()
     prefix = (
@@ -89,7 +88,7 @@ def read(target: Target, engine: sa.Engine) -> list[dict[str, Any]]:
     }
 
     def full_name(task: str | None) -> str | None:
-        # application_name keeps only the tail of a long task name ("~app.tasks.x").
+        # application_name keeps only the tail of a long name ("~app.tasks.x").
         if task and task.startswith("~"):
             matches = [t.name for t in singletons if t.name.endswith(task[1:])]
             if len(matches) == 1:
@@ -129,13 +128,12 @@ def read(target: Target, engine: sa.Engine) -> list[dict[str, Any]]:
             entry["waiters"].append({**session, "waiting_seconds": seconds})
             continue
         entry.update(session, held_seconds=seconds)
-        if row["key"] in fixed:  # a key that does not depend on arguments: known
+        if row["key"] in fixed:  # a key independent of arguments names its task
             entry["task"], entry["lock_name"] = fixed[row["key"]]
     return list(by_key.values())
 
 
 def holder_name(session: Mapping[str, Any], unknown: str = "?") -> str:
-    """A session's holder (host:pid), else its application_name."""
     return str(session["holder"] or session["application_name"] or unknown)
 
 

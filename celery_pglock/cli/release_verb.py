@@ -1,6 +1,5 @@
-"""``pglock release``: end the session holding a stuck lock, so PostgreSQL frees it (the
-lock belongs to that session; docs/operations/cli.md says what the holder's run then does).
-"""
+"""``pglock release``: end the session holding a stuck lock, so PostgreSQL frees it.
+Manual (what the holder's run then does): docs/operations/cli.md."""
 
 from __future__ import annotations
 
@@ -20,10 +19,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Seconds ``release`` waits for the ended session to exit (its locks go with it).
-EXIT_WAIT = 10
-#: Ends the session ``pid`` if it still holds the key (classid, objid, objsubid) here, and
-#: waits (PostgreSQL >= 14) for it to exit: False if it had not within the wait.
+EXIT_WAIT = 10  #: Seconds to wait for the ended session to exit (its locks go with it).
+#: Only if ``pid`` still holds the key; waits (PostgreSQL 14+): False if it had not exited.
 TERMINATE = f"""
 SELECT pg_terminate_backend(l.pid, {EXIT_WAIT * 1000})
 FROM pg_locks l

@@ -1,6 +1,5 @@
-"""``pglock sql``: print or apply the SQL twin of ``keys.make_key`` and a view of advisory
-locks, for people in psql (docs/operations/cli.md), or the fencing table (``--fencing``).
-The only text spliced in is a quoted schema name."""
+"""``pglock sql``: the SQL twin of ``keys.make_key``, a locks view, or the fencing table.
+Only a quoted schema name is spliced in. Manual: docs/operations/cli.md."""
 
 from __future__ import annotations
 
@@ -15,8 +14,8 @@ from celery_pglock.lock import fencing_tokens
 if TYPE_CHECKING:
     from celery_pglock.cli import Target
 
-# celery_pglock_canonical() writes jsonb as json.dumps(sort_keys=True, separators=(",",
-# ":"), ensure_ascii=False) does (docs/operations/cli.md says where floats differ).
+# celery_pglock_canonical() is json.dumps(sort_keys=True, separators=(",", ":"),
+# ensure_ascii=False) (floats: docs/operations/cli.md).
 INSTALL = (
     """
 CREATE OR REPLACE FUNCTION {schema}.celery_pglock_canonical(value jsonb)
@@ -101,8 +100,7 @@ def sql(
             click.echo("-- A lock role without CREATE needs:")
             click.echo("\n".join(f"-- {line}" for line in grants))
         return
-    # Autocommit: the text goes as one simple query, which PostgreSQL runs as one
-    # transaction unless it has its own BEGIN/COMMIT (the fencing SQL does).
+    # Autocommit: one simple query is one transaction unless it has BEGIN/COMMIT (fencing's).
     with (
         target.database(action) as engine,
         fencing_tokens.autocommit(engine) as dbapi,

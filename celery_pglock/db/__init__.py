@@ -1,8 +1,5 @@
-"""The database boundary: lock engines, driver errors, URL redaction, the server probe.
-
-Layer 2 of docs/design.md. May import ``exceptions``, ``config`` and ``keys`` only; never
-the lock, watch, task or operator layers. The public helpers are re-exported here.
-"""
+"""The database boundary: engines, driver errors, redaction, the server probe.
+Imports only ``exceptions``, ``config`` and ``keys``. Why: docs/design.md ("Layers")."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""A client-side bound on the blocking round trips of lock connections (either driver).
-
-A per-process reaper thread shuts an expired :class:`Bound`'s socket down, waking the
-blocked ``recv`` at once; the caller handles a dead session. Why (a cut link outwaits
-``statement_timeout``) and the numbers: docs/operations/lock-loss.md.
-"""
+"""A client-side bound on lock connections' round trips: a reaper thread shuts the socket down.
+Why (a cut link outwaits statement_timeout): docs/operations/lock-loss.md ("Bounded release")."""
 
 from __future__ import annotations
 
@@ -16,22 +12,18 @@ from typing import Any
 
 from celery_pglock.db import driver_errors
 
-#: How often the reaper looks for expired bounds (seconds): a bound fires within TICK.
-TICK = 0.25
+TICK = 0.25  #: Seconds between the reaper's looks: a bound fires within TICK.
 NO_ANSWER = "no answer in time: the socket was shut down and the session closed"
 
-#: The reaper's lock: a bound is disarmed (``deadline = math.inf``) under it, so the
-#: reaper never shuts a socket (or a reused fd number) down after its round trip returned.
+#: Disarm (``deadline = math.inf``) under it: never shut a reused fd down after the answer.
 guard = threading.Lock()
 _watched: set[Bound] = set()
 _reaper: threading.Thread | None = None
 
 
 class Bound:
-    """A deadline on the round trips of one connection: ``deadline`` (time.monotonic(),
-    ``math.inf`` when disarmed), and ``fired`` once the reaper shut its socket down.
-    One-shot as :func:`bounded` makes it, or long-lived: :func:`watch` it once, then arm
-    it by setting ``deadline``."""
+    """``deadline`` (monotonic; ``math.inf``: disarmed); ``fired`` once the socket is shut.
+    One-shot from :func:`bounded`, or :func:`watch` once and arm by setting ``deadline``."""
 
     __slots__ = ("connection", "deadline", "fd", "fired", "late_answer_fails")
 
@@ -55,23 +47,19 @@ class Bound:
         with guard:
             _watched.discard(self)
         if self.fired and exc_type is None and self.late_answer_fails:
-            # The answer came after the socket was shut down: the session is ending.
+            # The answer came after the shutdown: the session is ending anyway.
             raise driver_errors.operational_error(self.connection)(NO_ANSWER)
 
 
 def bounded(
     dbapi_connection: Any, seconds: float, *, late_answer_fails: bool = True
 ) -> Bound:
-    """Shut the connection's socket down if the ``with`` block has not ended after
-    ``seconds`` (a connection this process owns, one thread at a time; the caller closes
-    it after a fired bound). A block ending without an error after its bound fired raises
-    OperationalError on exit, unless ``late_answer_fails`` is False (check ``fired``)."""
-
+    """Shut the socket down unless the ``with`` block ends within ``seconds`` (one thread;
+    the caller closes it). A late answer raises OperationalError unless late_answer_fails."""
     return Bound(dbapi_connection, time.monotonic() + seconds, late_answer_fails)
 
 
 def watch(bound: Bound) -> None:
-    """Have the reaper watch ``bound`` (started on first use in each process)."""
     global _reaper
     with guard:
         _watched.add(bound)
@@ -88,7 +76,7 @@ def unwatch(bound: Bound) -> None:
 
 
 def explain(bound: Bound | None) -> str:
-    """A clause for an error message: why the connection died, if the bound cut it."""
+    """An error message's clause, or "" unless the bound cut the connection."""
     return f" ({NO_ANSWER})" if bound is not None and bound.fired else ""
 
 
@@ -101,9 +89,7 @@ def _reap() -> None:
                 if bound.deadline <= now:
                     bound.deadline = math.inf
                     bound.fired = True
-                    try:
-                        # fromfd() duplicates the descriptor; shutdown acts on the
-                        # socket itself, so the blocked recv returns at once.
+                    try:  # on a dup of the fd: shutdown wakes the blocked recv at once
                         with socket.fromfd(
                             bound.fd, socket.AF_INET, socket.SOCK_STREAM
                         ) as sock:
@@ -116,7 +102,7 @@ def _forget_after_fork() -> None:
     global _reaper, guard
     _reaper = None
     guard = threading.Lock()  # the parent's may have been held at the fork
-    _watched.clear()  # the parent's round trips
+    _watched.clear()
 
 
 if hasattr(os, "register_at_fork"):

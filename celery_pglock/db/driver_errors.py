@@ -1,7 +1,5 @@
-"""Driver errors at the lock database boundary: translated once into a scrubbed
-DatabaseError (:func:`wrap_db_errors`), then classified from its ``__cause__``. What each
-class means for a run: docs/operations/failure-modes.md ("Lock database unavailable").
-"""
+"""Driver errors translated once into a scrubbed DatabaseError, then classified by cause.
+Why: docs/operations/failure-modes.md ("Lock database unavailable")."""
 
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ if TYPE_CHECKING:
 def wrap_db_errors(
     action: str, engine: sa.Engine | None = None, *, connecting: bool = False
 ) -> Iterator[None]:
-    """Translate SQLAlchemy/driver errors into :class:`DatabaseError`; with
-    ``connecting=True`` (opening a lock connection) never a dead session."""
+    """Into DatabaseError; with ``connecting=True`` never taken for a dead session."""
     try:
         yield
     except exceptions.PgLockError:
@@ -38,8 +35,7 @@ def wrap_db_errors(
         ):
             raise
         where = f" on {redact.mask_url(engine.url)}" if engine is not None else ""
-        # libpq echoes connection options (a host name holding half a password, a DSN
-        # fragment) in its messages; scrub the whole chain, which tracebacks print.
+        # libpq echoes connection options (half a password as a host name): scrub the chain.
         redact.scrub_exception(
             exc, redact.secrets_of(engine.url) if engine is not None else ()
         )
@@ -53,9 +49,8 @@ def wrap_db_errors(
 
 
 def is_dead_session(error: exceptions.DatabaseError) -> bool:
-    """True if an established lock session died under a statement (it holds nothing now).
-    Decided by where the error arose (``wrap_db_errors(connecting=)``), not by its shape:
-    that is a failed connect's too on psycopg 3 and at psycopg2's BEGIN."""
+    """An established session died (holds nothing now). By where, not shape: a failed
+    connect looks the same on psycopg 3 and at psycopg2's BEGIN."""
     connect_failed = getattr(error, "pglock_connect_failed", False)
     return not connect_failed and is_disconnect(error.__cause__)
 
@@ -64,8 +59,7 @@ DRIVER_MODULES = ("psycopg2", "psycopg")  #: The supported drivers, by import na
 
 
 def errors_named(*names: str) -> tuple[type[Exception], ...]:
-    """The DBAPI error classes ``names`` of every supported driver imported so far (neither
-    is imported here: import stays cheap, and psycopg 3 need not be installed)."""
+    """Of every driver imported so far (none imported here: psycopg 3 is optional)."""
     return tuple(
         getattr(module, name)
         for module in map(sys.modules.get, DRIVER_MODULES)
@@ -75,8 +69,7 @@ def errors_named(*names: str) -> tuple[type[Exception], ...]:
 
 
 def operational_error(dbapi_connection: Any) -> type[Exception]:
-    """The OperationalError of ``dbapi_connection``'s driver (through its MRO: a
-    ``connection_factory`` subclass lives in the user's module)."""
+    # Through the MRO: a ``connection_factory`` subclass lives in the user's module.
     for cls in type(dbapi_connection).__mro__:
         package = cls.__module__.partition(".")[0]
         if package in DRIVER_MODULES:
@@ -87,7 +80,6 @@ def operational_error(dbapi_connection: Any) -> type[Exception]:
 
 def _from_statement(original: BaseException) -> bool:
     # psycopg2 attaches the statement's cursor, psycopg 3 the server's result.
-
     return (
         getattr(original, "cursor", None) is not None
         or getattr(original, "pgresult", None) is not None
@@ -95,23 +87,20 @@ def _from_statement(original: BaseException) -> bool:
 
 
 def is_disconnect(exc: BaseException | None) -> bool:
-    """True if ``exc`` means the session is gone (so it holds no lock any more)."""
     original = getattr(exc, "orig", exc)
-    # psycopg2: "connection already closed" (psycopg 3 says it as an OperationalError).
+    # psycopg2's "connection already closed" (an OperationalError on psycopg 3).
     if isinstance(original, errors_named("InterfaceError")):
         return True
     if not isinstance(original, errors_named("OperationalError")):
         return False
     code = sqlstate(original)
-    # No SQLSTATE: the socket died. 08xxx: connection exceptions. 57P0x: the server is
-    # shutting down or terminated this backend (admin shutdown, crash, restart).
+    # None: the socket died; 08: connection exception; 57P0x: shutdown, terminated backend.
     return code is None or code.startswith(("08", "57P0"))
 
 
 def is_transient(exc: BaseException | None) -> bool:
-    """True if ``exc`` says the database is unavailable for now: a failed connect (an
-    OperationalError no statement raised), a dead session, or SQLSTATE class 53
-    (``too_many_connections``); never a :func:`misconfiguration`."""
+    """Unavailable for now: a failed connect, a dead session, SQLSTATE class 53 (too many
+    connections); never a misconfiguration."""
     if exc is None or misconfiguration(exc) is not None:
         return False
     original = getattr(exc, "orig", exc)
@@ -126,7 +115,6 @@ def is_transient(exc: BaseException | None) -> bool:
 
 
 def sqlstate(exc: BaseException) -> str | None:
-    """The SQLSTATE of a driver error (or one SQLAlchemy wrapped), if any."""
     original = getattr(exc, "orig", exc)
     code = getattr(original, "pgcode", None) or getattr(original, "sqlstate", None)
     return code if isinstance(code, str) else None
@@ -136,9 +124,9 @@ def sqlstate(exc: BaseException) -> str | None:
 class Misconfiguration:
     """A connection refused for a reason that waiting does not fix."""
 
-    sqlstate: str | None  #: The SQLSTATE the server sends (None: found by the client).
-    cause: str  #: What is wrong, in a few words.
-    advice: str  #: What to change.
+    sqlstate: str | None  #: None: found by the client.
+    cause: str
+    advice: str
 
     def __str__(self) -> str:
         code = f" (SQLSTATE {self.sqlstate})" if self.sqlstate else ""
@@ -150,8 +138,7 @@ class Misconfiguration:
 
 _URL = "the lock database URL (app.conf.pglock_database_url or $CELERY_PGLOCK_DATABASE_URL)"
 _CONNECT_ARGS = "pglock_engine_options['connect_args']"
-#: A refused connect's English text (libpq gives no SQLSTATE for it): a server whose
-#: lc_messages is not English is unmatched, so taken for an outage.
+#: A refused connect's English text (no SQLSTATE): other lc_messages read as an outage.
 _RULES: tuple[tuple[re.Pattern[str], Misconfiguration], ...] = tuple(
     (re.compile(pattern), Misconfiguration(*problem))
     for pattern, *problem in (
@@ -200,8 +187,7 @@ _RULES: tuple[tuple[re.Pattern[str], Misconfiguration], ...] = tuple(
             f"Check the credentials in {_URL} and the method pg_hba.conf asks for.",
         ),
         (
-            # Not "SSL SYSCALL error", "SSL connection has been closed unexpectedly" or
-            # a bad record MAC: those are a cut or garbled link, an outage.
+            # Not "SSL SYSCALL error", "closed unexpectedly", bad record MAC: outages.
             r"SSL was required|does not support SSL|sslmode|certificate|private key|"
             r"unknown ca|unsupported protocol|wrong version number|"
             r"no protocols available|GSSAPI encryption required",
@@ -222,12 +208,9 @@ _RULES: tuple[tuple[re.Pattern[str], Misconfiguration], ...] = tuple(
 
 
 def misconfiguration(exc: BaseException | None) -> Misconfiguration | None:
-    """What is misconfigured if the server (or libpq) refused the connection of ``exc`` for
-    a reason waiting does not fix (a login, database, pg_hba.conf, TLS or option problem);
-    None for anything else."""
+    """A refused connect's login, database, pg_hba.conf, TLS or option problem, else None."""
     original = getattr(exc, "orig", exc)
-    # Neither driver gives a refused connect a SQLSTATE (psycopg2 2.9, psycopg 3.3): the
-    # rules' codes are for the message. An error with one is a statement's.
+    # A refused connect has no SQLSTATE (the rules' codes are for the message).
     if (
         not isinstance(original, errors_named("OperationalError", "ProgrammingError"))
         or sqlstate(original) is not None

@@ -1,8 +1,5 @@
-"""The lock database: one SQLAlchemy engine per URL per process, and its pool hooks.
-
-Never share a lock engine with the application: its ``checkin`` hook takes every pooled
-connection for a lock connection. Forks: docs/operations/lock-loss.md, "Forks inside a body".
-"""
+"""Lock engines, one per URL per process, and their pool hooks: never share one with the app.
+Why: docs/guide/pools.md ("The lock engine is the library's alone")."""
 
 from __future__ import annotations
 
@@ -30,22 +27,19 @@ from celery_pglock.db import driver_errors, redact, sql_text, startup_options
 
 logger = logging.getLogger(__name__)
 
-#: Keys in a pooled connection's ``info``: the Counter of advisory keys it holds, its idle
-#: application_name, when (monotonic) it was opened.
+#: Keys of a pooled connection's ``info``: held keys (Counter), idle name, opened (monotonic).
 HELD = "celery_pglock.held"
 IDLE_NAME = "celery_pglock.idle_name"
 OPENED = "celery_pglock.opened"
 
 APPLICATION_NAME_MAX = 63  #: PostgreSQL truncates application_name to 63 bytes.
 DEFAULT_APPLICATION_NAME = "pglock"
-#: Client-side libpq keepalives: the worker notices a vanished server in bounded time.
 CLIENT_KEEPALIVES: dict[str, Any] = {
     "keepalives": 1,
     "keepalives_idle": 30,
     "keepalives_interval": 10,
     "keepalives_count": 3,
 }
-#: Seconds a new lock connection may take, unless ``connect_args`` says otherwise.
 CONNECT_TIMEOUT = 10
 SUPPORTED_DRIVERS = driver_errors.DRIVER_MODULES  #: ``postgresql+<driver>://``
 PSYCOPG_MIN = (3, 1, 8)  #: The oldest psycopg 3 that works (the extra's floor).
@@ -58,19 +52,17 @@ _engines_lock = threading.Lock()
 _labels: weakref.WeakKeyDictionary[sa.Engine, dict[str, str]] = (
     weakref.WeakKeyDictionary()
 )
-#: The connect_args each lock engine was made with.
 _connect_args: weakref.WeakKeyDictionary[sa.Engine, dict[str, Any]] = (
     weakref.WeakKeyDictionary()
 )
 _process_tag: tuple[int, str] = (0, "")
-_connections: weakref.WeakSet[Any] = weakref.WeakSet()  #: Lock-database connections.
+_connections: weakref.WeakSet[Any] = weakref.WeakSet()
 _foreign: weakref.WeakSet[Any] = weakref.WeakSet()  #: The parent's, in a forked child.
-#: Per engine: its connections opened (monotonic) before this are retired at checkout.
+#: Per engine: connections opened (monotonic) before this are retired at checkout.
 _stale_before: weakref.WeakKeyDictionary[sa.Engine, float] = weakref.WeakKeyDictionary()
 
 
 def process_tag() -> str:
-    """``host:pid`` of this process, for application_name (cached per pid: hot path)."""
     global _process_tag
     pid = os.getpid()
     if _process_tag[0] != pid:
@@ -79,8 +71,7 @@ def process_tag() -> str:
 
 
 def application_name(prefix: str, *parts: object) -> str:
-    """An application_name within 63 bytes, the last part cut from the left (names and
-    numbers only, never argument values: personal data)."""
+    """Cut to 63 bytes from the left of the last part; names and numbers only (no arguments)."""
     text = " ".join(str(part) for part in (prefix, *parts))
     encoded = text.encode("ascii", "replace")
     if len(encoded) <= APPLICATION_NAME_MAX:
@@ -92,8 +83,7 @@ def application_name(prefix: str, *parts: object) -> str:
 
 
 def check_url(url: str) -> sa.URL:
-    """Parse and check a lock database URL (ConfigurationError: not a PostgreSQL URL with
-    a supported driver)."""
+    """ConfigurationError unless a PostgreSQL URL with a supported driver."""
     setting = config.DATABASE_URL_SETTING
     try:
         parsed = make_url(url)
@@ -159,9 +149,8 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
         "masked_url": mask_url(engine.url),
     }
     if engine.url.get_driver_name() == "psycopg":
-        # First, before any listener runs a statement on the new connection.
+        # First: before any other listener runs a statement on the new connection.
         event.listen(engine, "connect", _bind_on_client, insert=True)
-    # Only the library's own ``options`` may be dropped by the fallback, never the user's.
     given = options["connect_args"].get("options")
     _install_hooks(engine, given if given == startup_options.SERVER_OPTIONS else None)
     _connect_args[engine] = dict(options["connect_args"])
@@ -169,10 +158,9 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
 
 
 def engine_info(engine: sa.Engine) -> dict[str, str]:
-    """The labels create_engine attached: application_name prefix, masked URL."""
+    """Labels (application_name prefix, masked URL); a caller's engine gets our hooks."""
     labels = _labels.get(engine)
     if labels is None:
-        # An engine the caller made: add the hooks and label it on first sight.
         if not event.contains(engine, "checkin", _unlock_leftovers):
             _install_hooks(engine, None)
         labels = _labels[engine] = {
@@ -202,24 +190,21 @@ def _prefix(conf: Mapping[str, Any]) -> str:
 
 
 def adopt(dbapi_connection: Any, record: Any = None) -> None:
-    """Remember a lock connection, to neuter it after a fork (as a pool hook: when it was
-    opened)."""
+    """Remember a lock connection, to neuter it after a fork."""
     _connections.add(dbapi_connection)
     if record is not None:
         record.info[OPENED] = time.monotonic()
 
 
 def _bind_on_client(dbapi_connection: Any, record: Any) -> None:
-    # psycopg 3 binds on the server, one statement per execute; the lock statements are
-    # several in one round trip, which a ClientCursor binds as psycopg2 does.
-    import psycopg  # only a psycopg engine gets here
+    # psycopg 3 binds server-side, one statement per execute; ours send several at once.
+    import psycopg
 
     dbapi_connection.cursor_factory = psycopg.ClientCursor
 
 
 def connect(engine: sa.Engine) -> Any:
-    """A DBAPI connection of ``engine`` made outside its pool, as the pool makes them (no
-    pool listener runs)."""
+    """A DBAPI connection made as the pool makes them, outside it (no pool listener runs)."""
     cargs, params = engine.dialect.create_connect_args(engine.url)
     cparams = {**params, **_connect_args.get(engine, {})}
     fallback = startup_options.fallback_of(engine)
@@ -229,16 +214,14 @@ def connect(engine: sa.Engine) -> Any:
 
 
 def connect_params(engine: sa.Engine) -> dict[str, Any]:
-    """The libpq keywords of ``engine``'s connections, for psycopg2.connect(), with what
-    its server accepts of our options (secrets included: never log)."""
+    """libpq keywords for psycopg2.connect(), as the server accepts them (secrets: never log)."""
     from psycopg2 import ProgrammingError
     from psycopg2.extensions import make_dsn
 
     _, params = engine.dialect.create_connect_args(engine.url)
     kept: dict[str, Any] = {}
     for key, value in {**params, **_connect_args.get(engine, {})}.items():
-        # Only libpq's keywords: a driver's own (psycopg 3's ``context``,
-        # ``prepare_threshold``, psycopg2's ``cursor_factory``) would be an invalid DSN.
+        # A driver's own keyword (``cursor_factory``, ``context``) is an invalid DSN.
         if isinstance(value, str | int | float):
             with contextlib.suppress(ProgrammingError):
                 make_dsn(None, **{key: value})  # libpq's own parser
@@ -252,7 +235,6 @@ def connect_params(engine: sa.Engine) -> dict[str, Any]:
 def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
     connect_args: dict[str, Any] = {
         **CLIENT_KEEPALIVES,
-        # libpq waits for a silent host as long as the kernel lets it: bound it.
         "connect_timeout": CONNECT_TIMEOUT,
         "application_name": application_name(_prefix(conf), process_tag(), "idle"),
     }
@@ -268,20 +250,15 @@ def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
     connect_args.update(extra.pop("connect_args", {}))
     options: dict[str, Any] = {"pool_pre_ping": False, "connect_args": connect_args}
     if "poolclass" not in extra:
-        # Transaction-scope locks and bounded waits pin a pooled connection per held
-        # lock, several at once under threads/gevent: kept idle, never made per task.
-        # (A custom poolclass, e.g. NullPool, may not take these arguments.)
+        # Sized for transaction locks and waits (docs/guide/pools.md); NullPool refuses these.
         options.update(pool_size=10, max_overflow=20)
     options.update(extra)
     return options
 
 
 def probe(conf: Mapping[str, Any]) -> str:
-    """Connect once to the lock database of ``conf`` and return its ``server_version``.
-
-    Outside any pool: a worker's main process runs this before forking, and leaves no
-    socket to its children. ConfigurationError: a bad URL; DatabaseError: it failed.
-    """
+    """``server_version``, outside any pool: safe in a parent before it forks (no socket left).
+    ConfigurationError: a bad URL; DatabaseError: it failed."""
     engine = create_engine(config.database_url(conf), conf)
     try:
         with (
@@ -293,22 +270,20 @@ def probe(conf: Mapping[str, Any]) -> str:
             (version,) = cursor.fetchone()
     finally:
         engine.dispose()
-    # Distribution builds append their own text: "15.14 (Ubuntu 15.14-1.pgdg22.04+1)".
+    # Distribution builds append text: "15.14 (Ubuntu 15.14-1.pgdg22.04+1)".
     return str(version).split()[0]
 
 
 def held_keys(connection_info: dict[Any, Any]) -> Counter[tuple[int, ...]]:
-    """The Counter of advisory keys a pooled connection holds (created on first use)."""
     held: Counter[tuple[int, ...]] = connection_info.setdefault(HELD, Counter())
     return held
 
 
 def _unlock_leftovers(dbapi_connection: Any, record: Any) -> None:
-    """Pool check-in net: a connection never goes back to the pool holding a lock (if the
-    unlock fails, it is invalidated: closing the session releases)."""
+    """Check-in net: unlock all, or invalidate the connection (closing releases)."""
     held = record.info.get(HELD)
     if not held or dbapi_connection is None or dbapi_connection in _foreign:
-        return  # (a forked child's copy of its parent's lock session: not ours to unlock)
+        return  # a forked child's copy of its parent's session: not ours to unlock
     logger.warning(
         "A lock connection came back to the pool still holding advisory keys %s; unlocking them all",
         sorted(held),
@@ -333,13 +308,8 @@ def _unlock_leftovers(dbapi_connection: Any, record: Any) -> None:
 def mark_pool_stale(
     engine: sa.Engine, pooled: Any, exc: BaseException | None = None
 ) -> None:
-    """``pooled`` (of ``engine``'s pool, or None) was found dead: retire its siblings.
-
-    Each connection opened before now is replaced at its next checkout; checked-out ones
-    keep their sessions (and locks) until given back, unlike ``engine.dispose()``. One
-    opened before the last mark does not move it. The caller invalidates ``pooled``.
-    """
-
+    """``pooled`` (or None) was found dead: replace its older siblings at next checkout.
+    Checked-out ones keep their locks (unlike dispose()); the caller invalidates ``pooled``."""
     before = _stale_before.get(engine)
     if pooled is None or before is None or before < pooled.info.get(OPENED, -math.inf):
         _stale_before[engine] = time.monotonic()
@@ -350,14 +320,12 @@ def _forget_engines_after_fork() -> None:
     if _engines_pid == os.getpid():
         return
     for engine in _engines.values():
-        # close=False: the parent is still using these sockets.
-        engine.dispose(close=False)
+        engine.dispose(close=False)  # the parent still uses these sockets
     _engines.clear()
     _engines_pid = os.getpid()
 
 
 def dispose_all() -> None:
-    """Close every lock engine of this process (worker shutdown, tests)."""
     with _engines_lock:
         _forget_engines_after_fork()
         for engine in _engines.values():
@@ -367,13 +335,12 @@ def dispose_all() -> None:
 
 def _after_fork_in_child() -> None:
     global _engines_lock
-    # The sockets first: the disposal below must finalise nothing on the parent's.
+    # Sockets first, so that the disposal below finalises nothing on the parent's.
     connections = list(_connections)
     _connections.clear()
     null = os.open(os.devnull, os.O_RDWR) if connections else -1
     for connection in connections:
-        # A closed connection raises: it has no descriptor left to protect.
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # a closed one: no descriptor to protect
             fd = connection.fileno()
             if fd >= 0:
                 os.dup2(null, fd)

@@ -1,9 +1,5 @@
-"""Redaction: database URLs and driver error texts made safe to log. Pure functions.
-
-Readers parse a malformed URL differently (an unescaped ``@`` in the password), so
-:func:`mask_url` may hide too much, never too little. Why: docs/operations/security.md
-("Passwords: what is masked, and where").
-"""
+"""Database URLs and driver error texts made safe to log; may hide too much, never too little.
+Why: docs/operations/security.md ("Passwords: what is masked, and where")."""
 
 from __future__ import annotations
 
@@ -22,8 +18,7 @@ if TYPE_CHECKING:
 MASK = "***"
 UNPARSEABLE = "<unparseable database URL>"
 
-#: URL query / conninfo options whose values are shown: libpq options that never carry
-#: a secret. Any other value is masked.
+#: libpq options whose values are shown (never a secret); any other value is masked.
 SAFE_OPTIONS = frozenset(
     "application_name channel_binding client_encoding connect_timeout dbname "  # noqa: SIM905 - a list is 30 lines
     "fallback_application_name gssencmode host hostaddr keepalives keepalives_count "
@@ -33,41 +28,34 @@ SAFE_OPTIONS = frozenset(
     "tcp_user_timeout user".split()
 )
 
-#: Options whose names are shown, values masked. Other names are masked too: an unknown
-#: name may be a piece of a password split at an unescaped "&".
+#: Names shown, values masked. Unknown names are masked: maybe a password split at "&".
 SECRET_OPTIONS = frozenset(
     {"dsn", "options", "passfile", "password", "sslkey", "sslpassword"}
 )
-#: Characters of a component that is shown; anything else is masked.
 _SAFE_SCHEME = re.compile(r"[A-Za-z][\w+.\-]*")
 _SAFE_USER = re.compile(r"[\w.\-+@]+")  # '@' only from %40: see ambiguous_userinfo()
 _SAFE_HOST = re.compile(r"[\w.\-]+|[0-9A-Fa-f:.%]+")  # a name, an IPv4 or IPv6 address
 _SAFE_DATABASE = re.compile(r"[\w.\-$/]*")
 _SAFE_NAME = re.compile(r"[A-Za-z_]\w*")
 _SAFE_VALUE = re.compile(r"[\w.\-/:,@+ ]*")
-#: One ``key=value`` of a libpq conninfo string (value bare or single-quoted).
 _CONNINFO_ITEM = re.compile(r"\s*(\w+)\s*=\s*('(?:[^'\\]|\\.)*'|[^\s']*)")
-#: Anything URL-shaped inside free text (a driver error, a traceback).
 _URL_IN_TEXT = re.compile(r"[A-Za-z][\w+.\-]*://[^\s\"'<>]*")
 _TRAILING_PUNCTUATION = ".,:;)]"
-#: ``password=...``-like pairs inside free text, quoted or not.
 _SECRET_PAIR_IN_TEXT = re.compile(
     r"(?i)\b(\w*(?:pass|pwd|secret|token|dsn|credential)\w*)([\"']?\s*[=:]\s*)"
     r"('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|[^\s,;&)]+)"
 )
-#: Secrets shorter than this are scrubbed from free text only as whole words, so that a
-#: one-letter password does not turn every "p" of an error message into "***".
+#: Shorter secrets are scrubbed as whole words only (a password "p" spares every other "p").
 _SHORT_SECRET = 4
 
 
 def mask_url(url: str | sa.URL | None) -> str:
     """Render a database (or broker) URL with every secret replaced by ``***``: safe to log.
 
-    Shows the scheme, user name, host, port, database and allow-listed query options
-    when each is unambiguous; masks the password, every other query value, and any
-    component that a malformed URL makes ambiguous (an unescaped ``@`` in the password).
-    A libpq ``key=value`` string is masked the same way; anything else becomes
-    ``<unparseable database URL>``.
+    Shows the scheme, user, host, port, database and allow-listed query options when
+    unambiguous; masks the password, other query values, and any component a malformed
+    URL makes ambiguous (an unescaped ``@``). A libpq ``key=value`` string is masked the
+    same way; anything else becomes ``<unparseable database URL>``.
     """
     if url is None:
         return UNPARSEABLE
@@ -77,23 +65,19 @@ def mask_url(url: str | sa.URL | None) -> str:
         if separator:
             return _mask_url(scheme, rest)
         return _mask_conninfo(text)
-    except Exception:  # any surprise: show nothing rather than something raw
+    except Exception:  # show nothing rather than something raw
         return UNPARSEABLE
 
 
 def ambiguous_userinfo(url: str) -> bool:
-    """True if ``url`` has more than one literal ``@`` anywhere (a password may hold ``?``
-    and ``/``): its user/password split is a guess (SQLAlchemy and libpq split at the
-    first one, and a second ``@`` then parses into the host)."""
+    """More than one ``@`` anywhere (a password may hold ``?`` and ``/``): a guessed split."""
     return url.partition("://")[2].count("@") > 1
 
 
 def secrets_of(url: sa.URL) -> list[str]:
-    """The strings of a parsed URL that must never appear in text we log or raise."""
+    """Strings of ``url`` never to appear in text we log or raise."""
     found = [url.password] if isinstance(url.password, str) else []
-    # An ambiguous split: what the parser took for the host, user or database holds
-    # the rest of a password (host "ss@db" from "app:p@ss@db": "ss" is secret, "db"
-    # is the real host and stays readable in "could not translate host name").
+    # An ambiguous split: host "ss@db" from "app:p@ss@db" hides "ss"; "db" stays readable.
     if url.host and "@" in url.host:
         found.append(url.host.rpartition("@")[0])
     for part in (url.username, url.database):
@@ -104,7 +88,6 @@ def secrets_of(url: sa.URL) -> list[str]:
 
 
 def scrub_text(text: str, secrets: Iterable[str] = ()) -> str:
-    """``text`` with every URL masked, ``password=...`` pairs masked and ``secrets`` removed."""
     for secret in sorted(set(secrets), key=len, reverse=True):
         if len(secret) >= _SHORT_SECRET:
             text = text.replace(secret, MASK)
@@ -117,8 +100,7 @@ def scrub_text(text: str, secrets: Iterable[str] = ()) -> str:
 
 
 def scrub_exception(exc: BaseException, secrets: Iterable[str] = ()) -> None:
-    """Scrub the string ``args`` of ``exc`` and of every exception chained to it, in place
-    (tracebacks print the whole chain); types and attributes stay."""
+    """In place, the string ``args`` of the whole chain (tracebacks print it all)."""
     secrets = list(secrets)
     pending: list[BaseException | None] = [exc]
     seen: set[int] = set()
@@ -127,8 +109,7 @@ def scrub_exception(exc: BaseException, secrets: Iterable[str] = ()) -> None:
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        # An exception type with read-only args keeps them.
-        with contextlib.suppress(AttributeError, TypeError):
+        with contextlib.suppress(AttributeError, TypeError):  # read-only args: kept
             current.args = tuple(
                 scrub_text(arg, secrets) if isinstance(arg, str) else arg
                 for arg in current.args
@@ -140,7 +121,7 @@ def scrub_exception(exc: BaseException, secrets: Iterable[str] = ()) -> None:
 
 
 def _mask_url_in_text(match: re.Match[str]) -> str:
-    # Keep the punctuation after its path, not after a query (part of a secret value?).
+    # Punctuation after a path is kept; after a query it may be part of a secret.
     url = match.group(0)
     core = url.rstrip(_TRAILING_PUNCTUATION)
     if "?" in core or core == url:
@@ -149,7 +130,6 @@ def _mask_url_in_text(match: re.Match[str]) -> str:
 
 
 def _query(url: sa.URL) -> list[tuple[str, str]]:
-    # A repeated name has a tuple of values.
     return [
         (name, value)
         for name, values in url.query.items()
@@ -162,7 +142,7 @@ def _mask_url(scheme: str, rest: str) -> str:
         return UNPARSEABLE
     try:
         parsed = make_url(f"{scheme}://{rest}")
-    except Exception:  # a bad port or an unparseable shape: show only the scheme
+    except Exception:  # a bad port or shape: show only the scheme
         return f"{scheme}://{MASK}"
     ambiguous = ambiguous_userinfo(f"{scheme}://{rest}")
     userinfo = ""
@@ -198,7 +178,7 @@ def _mask_conninfo(text: str) -> str:
         if match is None or match.end() == position:
             return UNPARSEABLE
         items.append((match.group(1), match.group(2)))
-        position = match.end()  # the next item's \s* skips the blanks in between
+        position = match.end()
     if not items:
         return UNPARSEABLE
     return " ".join(_mask_options(items))

@@ -1,7 +1,5 @@
-"""What sits at the other end of the lock database URL: its version, a standby, or a
-pooling proxy that breaks advisory locks (refused). Why: docs/operations/pgbouncer.md.
-A probe costs two connections and about eight round trips: once per engine, never per task.
-"""
+"""The server probe: version, standby, or a pooling proxy that breaks advisory locks (refused).
+Why: docs/operations/pgbouncer.md ("How a pooler is detected"). Once per engine, never per task."""
 
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a probe may take in all (connections, queries) before it gives up.
-PROBE_TIMEOUT = 10.0
+PROBE_TIMEOUT = 10.0  #: Seconds for the whole probe (connections, queries).
 #: Alternating queries on two connections before concluding "no multiplexing".
 PROBE_ROUNDS = 3
 
@@ -39,8 +36,6 @@ _FIRST_QUERY = (
 
 
 class Pooling(str, enum.Enum):
-    """How the server sessions behind one client connection behave."""
-
     NONE = "none"  #: One server session per client connection: both scopes work.
     TRANSACTION = "transaction"  #: Sessions change between transactions.
     STATEMENT = "statement"  #: Sessions change between statements: no scope works.
@@ -48,15 +43,11 @@ class Pooling(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ServerFacts:
-    """What one probe of the lock database found."""
-
-    #: ``server_version``, e.g. ``"15.10 (Debian 15.10-0+deb12u1)"``.
-    server_version: str
-    server_version_num: int  #: ``server_version_num``, e.g. ``150010``.
-    is_standby: bool  #: ``pg_is_in_recovery()``: a hot standby, not a primary.
-    pooling: Pooling  #: Multiplexing seen between the client and the server.
-    #: The server saw another client port than our socket's (a proxy or NAT); None when
-    #: unknown (a Unix socket).
+    server_version: str  #: e.g. ``"15.10 (Debian 15.10-0+deb12u1)"``.
+    server_version_num: int
+    is_standby: bool  #: ``pg_is_in_recovery()``
+    pooling: Pooling
+    #: The server saw another client port than our socket's (proxy, NAT); None: unknown.
     proxied: bool | None
     evidence: str  #: What the pooling verdict rests on, in words (for messages).
     masked_url: str  #: The probed URL, password masked.
@@ -104,13 +95,8 @@ def probe(
     timeout: float = PROBE_TIMEOUT,
     action: str = "probe the lock database",
 ) -> ServerFacts:
-    """Probe the lock database: version, standby or not, pooling mode in between.
-
-    ``target`` is a lock engine (probed on two connections of its own, outside the pool)
-    or a URL (through a temporary engine made with ``conf``). ``action`` names what
-    failed in a DatabaseError ("Could not <action> ..."): unreachable, or no answer
-    within ``timeout`` seconds. ConfigurationError: an invalid URL.
-    """
+    """Probe ``target`` (an engine, on two connections outside its pool, or a URL).
+    DatabaseError "Could not <action> ...": unreachable or silent for ``timeout`` s."""
     engine = (
         target if isinstance(target, sa.Engine) else engines.create_engine(target, conf)
     )
@@ -124,7 +110,6 @@ def probe(
         except BaseException as exc:  # handed to the caller's thread
             outcome.append(exc)
 
-    # In a thread, so that a stuck connect cannot hold the caller.
     thread = threading.Thread(target=run, name="celery-pglock-probe", daemon=True)
     thread.start()
     thread.join(timeout)
@@ -134,8 +119,7 @@ def probe(
         for connection in list(opened):
             with contextlib.suppress(Exception):
                 connection.cancel()  # the thread then fails and closes them
-        # An outage, as an expired connect_timeout is (a driver OperationalError), and a
-        # failed connect, never a dead lock session: the probe's connections are its own.
+        # An outage and a failed connect (never a dead session), as connect_timeout is.
         error = exceptions.DatabaseError(
             f"Could not {action} on {masked}: the server probe had no answer within "
             f"{timeout:g} s."
@@ -154,13 +138,11 @@ def probe(
 
 
 def _probe(engine: sa.Engine, opened: list[Any], masked: str) -> ServerFacts:
-    # Outside the pool, whose size could make the second connection wait for the first
-    # (or a StaticPool hand out the first again).
+    # Outside the pool: it could make the second wait for the first (or repeat it).
     try:
         opened.append(engines.connect(engine))
         opened.append(engines.connect(engine))
         first, second = opened
-        # Else the driver would open transactions.
         first.autocommit = second.autocommit = True
         pid, version, version_num, in_recovery, client_port = _fetch(
             first, _FIRST_QUERY
@@ -201,7 +183,6 @@ def _pooling(first: Any, second: Any, first_pid: int) -> tuple[Pooling, str]:
 
 
 def _statement_or_transaction(connection: Any) -> Pooling:
-    """A multiplexing proxy: does it let a transaction span statements?"""
     try:
         with connection.cursor() as cursor:
             cursor.execute("BEGIN")
@@ -220,7 +201,6 @@ def _fetch(connection: Any, query: str) -> Any:
 
 
 def _proxied(connection: Any, server_seen_port: int | None) -> bool | None:
-    """Does the server see our socket's port? (None: not TCP, or unknown.)"""
     if server_seen_port is None:
         return None
     try:
@@ -240,8 +220,7 @@ _probing = threading.Lock()
 def facts_for(
     engine: sa.Engine, action: str = "probe the lock database"
 ) -> ServerFacts:
-    """The facts of ``engine``'s server, probed at the first call and cached (a failed
-    probe is not)."""
+    """Probed at the first call and cached (a failed probe is not)."""
     facts = _facts.get(engine)
     if facts is not None:
         return facts
@@ -261,18 +240,13 @@ def facts_for(
 
 
 def known_facts(engine: sa.Engine) -> ServerFacts | None:
-    """The facts of ``engine``'s server if a probe found them already (no I/O)."""
+    """No I/O: None unless a probe already ran."""
     return _facts.get(engine)
 
 
 def check(engine: sa.Engine, scope: LockScope, lock_name: str = "") -> None:
-    """Refuse locks of ``scope`` on ``engine`` if its server cannot honour them (a standby,
-    a pooling mode that breaks this scope: ConfigurationError naming the fix).
-
-    The first call per engine probes (DatabaseError naming ``lock_name`` if it fails);
-    later ones are a dict lookup.
-    """
-
+    """ConfigurationError naming the fix if the server cannot honour ``scope``; the first
+    call per engine probes (DatabaseError naming ``lock_name``), later ones do no I/O."""
     facts = _facts.get(engine) or facts_for(engine, f"acquire lock {lock_name!r}")
     message = facts.refusal(scope)
     if message is not None:

@@ -1,7 +1,5 @@
-"""The lock sessions' own settings: the ``options`` startup parameter, or a statement at
-connect where a pooler or an older server refuses it. Why: docs/operations/pgbouncer.md
-("Connection options through PgBouncer"), docs/operations/lock-loss.md ("Server settings").
-"""
+"""Lock session settings: the ``options`` startup parameter, else a statement at connect.
+Why: docs/operations/pgbouncer.md ("Connection options through PgBouncer")."""
 
 from __future__ import annotations
 
@@ -13,22 +11,19 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import event
 
-#: Server-side TCP settings: PostgreSQL frees a vanished worker's locks within 30 to 60 s
-#: (docs/operations/lock-loss.md has the arithmetic).
+#: The server frees a vanished worker's locks in 30-60 s: docs/operations/lock-loss.md.
 SERVER_KEEPALIVES: tuple[tuple[str, str], ...] = (
     ("tcp_keepalives_idle", "30"),
     ("tcp_keepalives_interval", "10"),
     ("tcp_keepalives_count", "3"),
     ("tcp_user_timeout", "60000"),
 )
-#: Settings every lock session needs whatever the role says: it idles while a body runs.
+#: Whatever the role says: a lock session idles while a body runs.
 SESSION_SETTINGS: tuple[tuple[str, str], ...] = (("idle_session_timeout", "0"),)
-#: The ``options`` startup parameter of a lock connection (no round trip).
 SERVER_OPTIONS = " ".join(
     f"-c {name}={value}" for name, value in (*SERVER_KEEPALIVES, *SESSION_SETTINGS)
 )
-#: Sets SESSION_SETTINGS in one statement; pg_settings drops what the server does not
-#: know. Params: SESSION_SETTINGS_PARAMS.
+#: The join on pg_settings drops what the server does not know.
 APPLY_SESSION_SETTINGS = (
     "SELECT count(set_config(s.name, w.value, false)) "
     "FROM unnest(%s::text[], %s::text[]) AS w(name, value) "
@@ -51,7 +46,6 @@ _SETTING = re.compile(r"-c ([a-z_]+)=(\S+)")
 
 
 def apply_session_settings(dbapi_connection: Any) -> None:
-    """Set SESSION_SETTINGS on a connection opened without them (one round trip)."""
     previous = dbapi_connection.autocommit
     # Autocommit: a statement pooler refuses the BEGIN the driver would send first.
     dbapi_connection.autocommit = True
@@ -63,9 +57,8 @@ def apply_session_settings(dbapi_connection: Any) -> None:
 
 
 class OptionsFallback:
-    """``do_connect`` hook: our ``options`` (``ours``: SERVER_OPTIONS or None) where
-    accepted, else without the refused part; every lock session gets SESSION_SETTINGS.
-    Only our own options are ever dropped: the user's are sent as asked."""
+    """``do_connect`` hook: our ``options`` (SERVER_OPTIONS or None) less what the server
+    refuses; the user's own are sent as asked. Every session gets SESSION_SETTINGS."""
 
     def __init__(self, masked_url: str, ours: str | None) -> None:
         self.masked_url = masked_url
@@ -74,7 +67,6 @@ class OptionsFallback:
         self.unknown: set[str] = set()  #: Settings the server does not know.
 
     def current(self) -> str | None:
-        """Our options as this server accepts them (None: send none)."""
         if self.dropped or self.ours is None:
             return None
         kept = [
@@ -85,7 +77,6 @@ class OptionsFallback:
         return " ".join(kept) or None
 
     def apply(self, params: dict[str, Any]) -> None:
-        """Put :meth:`current` in place of our options in connect ``params``."""
         options = self.current()
         if options is None:
             params.pop("options", None)
@@ -93,13 +84,11 @@ class OptionsFallback:
             params["options"] = options
 
     def carries_settings(self) -> bool:
-        """Does a connection made with :meth:`current` carry every known session setting?
-        (``ours`` holds them all, and :meth:`current` drops only the unknown ones.)"""
+        # ``ours`` holds them all; current() drops only the unknown ones.
         return self.current() is not None
 
     def learn(self, error: BaseException) -> bool:
-        """A connect with :meth:`current` failed with ``error``: remember what was refused
-        and return True if a retry without it may succeed."""
+        """Remember what ``error`` refused; True if a retry without it may succeed."""
         if self.current() is None:
             return False
         text = str(error)
@@ -159,5 +148,4 @@ def install_fallback(engine: sa.Engine, masked_url: str, ours: str | None) -> No
 
 
 def fallback_of(engine: sa.Engine) -> OptionsFallback | None:
-    """The engine's OptionsFallback (what its server accepts), if it has one."""
     return _fallbacks.get(engine)
