@@ -342,7 +342,6 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     ) -> NoReturn:
         """Retry as Celery's autoretry_for would (docs/guide/retries.md), else raise."""
         request = self.request
-        # Celery's autoretry wraps run(), after this acquire: its rule applies here.
         if (
             direct
             or request.is_eager  # eager retries run inline, without the countdown
