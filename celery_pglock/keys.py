@@ -20,9 +20,6 @@ from typing import Any, TypeAlias
 
 from celery_pglock import exceptions
 
-#: JSON's string form as ``key_text`` writes it (``ensure_ascii`` off; C when available).
-_encode_string = json.encoder.encode_basestring
-
 #: Changed only with a migration note: old and new workers would not exclude each other.
 KEY_FORMAT = "celery_pglock/1"
 
@@ -33,6 +30,35 @@ KEY_SQL = (
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+#: Longest key text kept in :attr:`LockKey.text` (characters); longer ones are streamed.
+TEXT_MAX = 64 * 1024
+#: Characters encoded per piece (at most 256 KiB of UTF-8).
+CHUNK = 64 * 1024
+#: Per-task memo bounds (only small scalars are memoised): a memo stays under ~10 MiB.
+MEMO_ENTRIES = 4096
+MEMO_MAX_CHARS = 256
+_MEMO_SCALARS = frozenset({int, str, bool, type(None)})
+#: Deepest list/dict nesting accepted: far from the recursion limit, in any thread.
+MAX_DEPTH = 64
+#: Largest int accepted, in digits: under Python's int/str conversion limit (4300).
+MAX_INT_DIGITS = 4000
+_INT_LIMIT = 10**MAX_INT_DIGITS
+_DICT_KEY_NOTE = (
+    "dict keys are numbered in the dict's own order, from 0; their text is never shown"
+)
+
+#: The first int of every run lock (b"pglr"): reserved, refused in an explicit lock_id.
+RUN_NAMESPACE = 0x70676C72
+RUN_LOCK_NAME = "celery_pglock.run"
+
+#: JSON's string form as ``key_text`` writes it (``ensure_ascii`` off; C when available).
+_encode_string = json.encoder.encode_basestring
+#: Reused: ``json.dumps`` builds one per call; encode() is stateless, so threads share it.
+_ENCODER = json.JSONEncoder(
+    ensure_ascii=False, sort_keys=True, separators=(",", ":"), allow_nan=False
+)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 Json: TypeAlias = "bool | int | float | str | list[Json] | dict[str, Json] | None"
 
@@ -65,12 +91,6 @@ class LockKey:
 def key_text(namespace: str, name: str, material: Json) -> str:
     """Return the canonical key text for already-canonical material."""
     return _ENCODER.encode([KEY_FORMAT, namespace, name, material])
-
-
-#: Reused: ``json.dumps`` builds one per call; encode() is stateless, so threads share it.
-_ENCODER = json.JSONEncoder(
-    ensure_ascii=False, sort_keys=True, separators=(",", ":"), allow_nan=False
-)
 
 
 def key_from_text(text: str) -> int:
@@ -106,10 +126,6 @@ def key_for_canonical(namespace: str, name: str, canonical_material: Json) -> Lo
     return LockKey(name=name, ids=(key_from_text(text),), text=text)
 
 
-#: Longest key text kept in :attr:`LockKey.text` (characters); longer ones are streamed.
-TEXT_MAX = 64 * 1024
-
-
 class ScalarKeys:
     """Scalar ``lock_args`` keys without the JSON encoder: key_text's text (property-tested)."""
 
@@ -139,12 +155,6 @@ class ScalarKeys:
             parts.append(f"{encoded_name}:{text}")
         text = f"{self._head}{{{','.join(parts)}}}]"
         return LockKey(name=self.name, ids=(key_from_text(text),), text=text)
-
-
-#: Per-task memo bounds (only small scalars are memoised): a memo stays under ~10 MiB.
-MEMO_ENTRIES = 4096
-MEMO_MAX_CHARS = 256
-_MEMO_SCALARS = frozenset({int, str, bool, type(None)})
 
 
 class CallKeys:
@@ -279,11 +289,6 @@ def explicit_key(name: str, lock_id: object, *, where: str = "lock_id") -> LockK
     )
 
 
-#: The first int of every run lock (b"pglr"): reserved, refused in an explicit lock_id.
-RUN_NAMESPACE = 0x70676C72
-RUN_LOCK_NAME = "celery_pglock.run"
-
-
 def run_key(task_id: str) -> LockKey:
     """The run lock of an ``acks_late`` run (docs/reference/keys.md, Collision risk)."""
     digest = hashlib.sha256(f"{KEY_FORMAT}/run\0{task_id}".encode()).digest()
@@ -311,16 +316,6 @@ def canonical(value: object, where: str = "value") -> Json:
             f"{where} is nested too deeply for this thread's stack; it cannot be part "
             "of a lock key."
         ) from None
-
-
-#: Deepest list/dict nesting accepted: far from the recursion limit, in any thread.
-MAX_DEPTH = 64
-#: Largest int accepted, in digits: under Python's int/str conversion limit (4300).
-MAX_INT_DIGITS = 4000
-_INT_LIMIT = 10**MAX_INT_DIGITS
-_DICT_KEY_NOTE = (
-    "dict keys are numbered in the dict's own order, from 0; their text is never shown"
-)
 
 
 class _Refusal(Exception):  # noqa: N818 - internal, never escapes canonical()
@@ -412,13 +407,6 @@ def _canonical(value: object, depth: int) -> Json:
         "data (str, int, float, bool, None, lists, dicts with str keys, UUID, Decimal, "
         "date/time), or override lock_key_for in a SingletonTask subclass to return such data."
     )
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-#: Characters encoded per piece (at most 256 KiB of UTF-8).
-CHUNK = 64 * 1024
 
 
 def _longer_than(value: Json, limit: int) -> bool:

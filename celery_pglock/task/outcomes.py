@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from celery_pglock.lock import AdvisoryLock
 
 logger = logging.getLogger(__name__)
+_metrics_warned = False
 
 
 def acquired(task: Any, task_id: str | None, lock: AdvisoryLock) -> None:
@@ -185,9 +186,6 @@ def _count(event: str, *args: Any) -> None:
                 "celery-pglock: the metrics sink failed; tasks go on, counts may be lost",
                 exc_info=exc,
             )
-
-
-_metrics_warned = False
 
 
 def _payload(
