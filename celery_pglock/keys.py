@@ -84,8 +84,7 @@ class LockKey:
         if len(self.ids) == 1:
             unsigned = self.ids[0] & 0xFFFFFFFFFFFFFFFF
             return unsigned >> 32, unsigned & 0xFFFFFFFF, 1
-        first, second = self.ids[0], self.ids[-1]
-        return first & 0xFFFFFFFF, second & 0xFFFFFFFF, 2
+        return self.ids[0] & 0xFFFFFFFF, self.ids[-1] & 0xFFFFFFFF, 2
 
 
 def key_text(namespace: str, name: str, material: Json) -> str:

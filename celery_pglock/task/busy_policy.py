@@ -53,8 +53,6 @@ def apply_policy(
         celery_logs=not direct and not first_delivery_runs,
     )
     busy = exceptions.LockBusy(message, key=str(lock.key), name=lock.key.name)
-    if direct:
-        raise busy
     if first_delivery_runs:
         raise Ignore(message)
     if action is OnBusy.SKIP and options.skip_result is SkipResult.SUCCESS:

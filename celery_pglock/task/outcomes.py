@@ -89,12 +89,11 @@ def released(
     held = (lock.released_at or 0.0) - (lock.acquired_at or 0.0)
     if metrics.sink is not None:
         _count("released", task.name, state, held)
-    if not failed:
-        if signals.lock_completed.receivers:
-            signals.lock_completed.send(
-                **_payload(task, task_id, lock, held_seconds=held, state=state)
-            )
-    elif signals.lock_failed.receivers:
+    if not failed and signals.lock_completed.receivers:
+        signals.lock_completed.send(
+            **_payload(task, task_id, lock, held_seconds=held, state=state)
+        )
+    elif failed and signals.lock_failed.receivers:
         signals.lock_failed.send(
             **_payload(task, task_id, lock, held_seconds=held, state=state),
             exception=exception,

@@ -304,7 +304,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         self,
         args: Any = None,
         kwargs: Any = None,
-        exc: BaseException | None = None,
+        exc: Exception | None = None,
         throw: bool = True,
         eta: Any = None,
         countdown: Any = None,
@@ -316,15 +316,6 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         Published at once; its run waits (bounded) for this lock, freed at task_postrun
         (a direct, eager or last attempt releases as usual). See docs/guide/retries.md.
         """
-        retry_options = {
-            "args": args,
-            "kwargs": kwargs,
-            "exc": exc,
-            "eta": eta,
-            "countdown": countdown,
-            "max_retries": max_retries,
-            **options,
-        }
         execution = _current.get()
         if (
             execution is not None
@@ -335,7 +326,9 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             and self._retry_publishes(max_retries)
         ):
             execution.release_at_postrun = True
-        return super().retry(throw=throw, **retry_options)
+        return super().retry(
+            args, kwargs, exc, throw, eta, countdown, max_retries, **options
+        )
 
     def _on_database_error(
         self, error: exceptions.DatabaseError, *, direct: bool
@@ -387,13 +380,12 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        action = options.on_busy
-        message, details = busy_policy.report(self, lock, task_id, action)
+        message, details = busy_policy.report(self, lock, task_id, options.on_busy)
         outcomes.skipped(
             self,
             task_id,
             lock,
-            action=action.value,
+            action=options.on_busy.value,
             message=message,
             details=details,
             celery_logs=False,
@@ -475,8 +467,7 @@ def after_task(task: Any = None, retval: Any = None, **_: Any) -> None:
         # Reported as lock_release_failed; a signal receiver cannot fail the task.
         with contextlib.suppress(exceptions.PgLockError):
             task._finish_run(execution, lock, execution.ended_with)
-        return
-    if lock is not None and lock.owned():
+    elif lock is not None and lock.owned():
         release_leftover(lock, f"task_postrun of {execution.task_id}")
 
 

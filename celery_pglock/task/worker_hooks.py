@@ -58,9 +58,8 @@ def check_lock_server(app: Any) -> None:
         scopes.setdefault(task.lock_config.scope, []).append(task.name)
     if not scopes:
         return
-    url = config.database_url(app.conf)
     try:
-        facts = server_probe.probe(url, app.conf)
+        facts = server_probe.probe(config.database_url(app.conf), app.conf)
     except exceptions.DatabaseError:
         return  # reported at worker_ready; each process probes again at its first lock
     for scope, names in scopes.items():
