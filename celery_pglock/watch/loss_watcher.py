@@ -1,5 +1,4 @@
 """The lock watcher: one daemon thread per process finds running bodies' locks lost.
-
 Hazard: it interrupts bodies from another thread. Why: docs/operations/lock-loss.md."""
 
 from __future__ import annotations
