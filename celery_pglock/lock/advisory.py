@@ -301,12 +301,11 @@ class AdvisoryLock:
         return f"<AdvisoryLock {self.key.name!r} key={self.key} scope={self.scope.value} {state}>"
 
     def _do_acquire(self, timeout_ms: int | None) -> bool:
-        transaction = self.scope is LockScope.TRANSACTION
         hold = self._session.acquire(
             self.key,
             self._label,
             timeout_ms,
-            transaction,
+            self.scope is LockScope.TRANSACTION,
             self.round_trip_timeout,
             self.run_key,
             self._granted,

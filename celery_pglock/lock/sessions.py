@@ -12,7 +12,8 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from celery_pglock import config, exceptions
+from celery_pglock import exceptions
+from celery_pglock.config import LockScope
 from celery_pglock.db import (
     deadlines,
     driver_errors,
@@ -118,10 +119,8 @@ class LockSessions:
         return None if row is None else row[0]
 
     def run_alive(self, run: LockKey, *, bound: float) -> bool | None:
-        params = (*run.ids, *run.ids)
-        row = self._one_row(
-            f"checking run lock {run}", sql_text.RUN_ALIVE, params, bound
-        )
+        what = f"checking run lock {run}"
+        row = self._one_row(what, sql_text.RUN_ALIVE, (*run.ids, *run.ids), bound)
         return None if row is None else bool(row[0])
 
     def _one_row(
@@ -387,8 +386,7 @@ class ProcessSession(LockSessions):
             return self._close(cause)
 
     def close(self) -> None:
-        lost = self.lose("the process's lock session was closed")
-        if lost:
+        if lost := self.lose("the process's lock session was closed"):
             logger.warning(
                 "The lock session was closed still holding %d lock(s); PostgreSQL freed them",
                 len(lost),
@@ -396,7 +394,7 @@ class ProcessSession(LockSessions):
             )
 
     def _connect(self, key: LockKey) -> None:
-        server_probe.check(self.engine, config.LockScope.SESSION, key.name)
+        server_probe.check(self.engine, LockScope.SESSION, key.name)
         try:
             # Detached: no pool reset or check-in touches it, nor counts it in the size.
             pooled = self.engine.raw_connection()
@@ -460,9 +458,7 @@ class PerLockSessions(LockSessions):
         run: LockKey | None,
         on_granted: Callable[[Hold], None] | None,
     ) -> Hold | None:
-        scope = (
-            config.LockScope.TRANSACTION if transaction else config.LockScope.SESSION
-        )
+        scope = LockScope.TRANSACTION if transaction else LockScope.SESSION
         server_probe.check(self.engine, scope, key.name)  # probed once per engine
         hold = Hold(self, key.ids, self._name("idle"))
         # str(key): the ids only (the key text may be megabytes, kept by the cache).

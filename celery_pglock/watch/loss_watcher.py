@@ -1,5 +1,4 @@
 """The lock watcher: one daemon thread per process finds running bodies' locks lost.
-
 Hazard: it interrupts bodies from another thread. Why: docs/operations/lock-loss.md."""
 
 from __future__ import annotations
@@ -160,8 +159,7 @@ def _check(due: list[Entry]) -> None:
         groups.setdefault(id(entry.lock.engine), []).append(entry)
     for engine_id, entries in groups.items():
         engine = entries[0].lock.engine
-        if (observer := _observers.get(engine_id)) is None:
-            observer = _observers[engine_id] = Observer(engine)
+        observer = _observers.setdefault(engine_id, Observer(engine))
         started = time.monotonic()
         timeout = min(entry.timeout for entry in entries)
         losses = observer.check(
@@ -430,8 +428,7 @@ def _forget_in_child() -> None:
     global _thread, _target, _idle, _cond, _mutex
     _entries.clear()
     _observers.clear()
-    _thread = None
-    _target = None
+    _thread = _target = None
     _idle = False
     _mutex = threading.Lock()  # the parent's may be held
     _cond = threading.Condition(_mutex)
