@@ -159,7 +159,8 @@ def _check(due: list[Entry]) -> None:
         groups.setdefault(id(entry.lock.engine), []).append(entry)
     for engine_id, entries in groups.items():
         engine = entries[0].lock.engine
-        observer = _observers.setdefault(engine_id, Observer(engine))
+        if (observer := _observers.get(engine_id)) is None:
+            observer = _observers[engine_id] = Observer(engine)
         started = time.monotonic()
         timeout = min(entry.timeout for entry in entries)
         losses = observer.check(
