@@ -1,5 +1,4 @@
 """Lock metrics: a Metrics protocol, a no-op default and a Prometheus adapter (extra).
-
 Each series, and serving /metrics: docs/operations/metrics.md."""
 
 from __future__ import annotations
