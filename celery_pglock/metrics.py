@@ -64,8 +64,7 @@ class PrometheusMetrics:
         self._held_guard = threading.Lock()
 
     def collectors(self) -> dict[str, Any]:
-        collectors = self._collectors
-        if collectors is None:
+        if self._collectors is None:
             with self._guard:
                 if self._collectors is None:
                     self._collectors = _create_collectors(self._registry)
@@ -74,8 +73,7 @@ class PrometheusMetrics:
                         import prometheus_client as prom
 
                         (self._registry or prom.REGISTRY).register(self)
-                collectors = self._collectors
-        return collectors
+        return self._collectors
 
     def collect(self) -> Iterator[Any]:
         """One process: the age of the oldest lock of each task held now (0: none)."""
@@ -88,10 +86,9 @@ class PrometheusMetrics:
         """Create the info gauge and each ``(task, policy)``'s series at zero, for absent()."""
         import importlib.metadata
 
-        try:
+        version = "unknown"  # run from a source tree
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             version = importlib.metadata.version("celery-pglock")
-        except importlib.metadata.PackageNotFoundError:  # run from a source tree
-            version = "unknown"
         self.collectors()["info"].labels(version).set(1)
         for task, policy in tasks:
             for name in _TASK_ONLY:

@@ -130,8 +130,6 @@ def probe(
         )
     result = outcome[0]
     if isinstance(result, BaseException):
-        if isinstance(result, exceptions.PgLockError):
-            raise result
         with driver_errors.wrap_db_errors(action, engine, connecting=True):
             raise result
     return result
@@ -248,6 +246,5 @@ def check(engine: sa.Engine, scope: LockScope, lock_name: str = "") -> None:
     """ConfigurationError naming the fix if the server cannot honour ``scope``; the first
     call per engine probes (DatabaseError naming ``lock_name``), later ones do no I/O."""
     facts = _facts.get(engine) or facts_for(engine, f"acquire lock {lock_name!r}")
-    message = facts.refusal(scope)
-    if message is not None:
+    if (message := facts.refusal(scope)) is not None:
         raise exceptions.ConfigurationError(message)
