@@ -124,8 +124,7 @@ class PrometheusMetrics:
         self._child("held_seconds", task).observe(held_seconds)
         # Which lock ended is not passed: the one started nearest now - held_seconds.
         with self._held_guard:
-            starts = self._held.get(task)
-            if starts:
+            if starts := self._held.get(task):
                 began = time.time() - held_seconds
                 starts.remove(min(starts, key=lambda start: abs(start - began)))
                 self._publish_held(task, starts)

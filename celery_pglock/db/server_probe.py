@@ -206,9 +206,7 @@ def _proxied(connection: Any, server_seen_port: int | None) -> bool | None:
             local = sock.getsockname()
     except OSError:
         return None
-    if not isinstance(local, tuple):
-        return None
-    return bool(local[1] != server_seen_port)
+    return bool(local[1] != server_seen_port) if isinstance(local, tuple) else None
 
 
 _facts: weakref.WeakKeyDictionary[sa.Engine, ServerFacts] = weakref.WeakKeyDictionary()
