@@ -217,12 +217,10 @@ def facts_for(
     engine: sa.Engine, action: str = "probe the lock database"
 ) -> ServerFacts:
     """Probed at the first call and cached (a failed probe is not)."""
-    facts = _facts.get(engine)
-    if facts is not None:
+    if (facts := _facts.get(engine)) is not None:
         return facts
     with _probing:
-        facts = _facts.get(engine)
-        if facts is None:
+        if (facts := _facts.get(engine)) is None:
             facts = _facts[engine] = probe(engine, action=action)
             logger.debug(
                 "celery-pglock: lock database %s: PostgreSQL %s, standby=%s, pooling=%s",
