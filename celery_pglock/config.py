@@ -1,5 +1,4 @@
 """Task options and app settings: resolved once when a task is bound, frozen, validated.
-
 Each option and setting: docs/reference/options.md, docs/reference/settings.md."""
 
 from __future__ import annotations

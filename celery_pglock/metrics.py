@@ -1,5 +1,4 @@
 """Lock metrics: a Metrics protocol, a no-op default and a Prometheus adapter (extra).
-
 Each series, and serving /metrics: docs/operations/metrics.md."""
 
 from __future__ import annotations
@@ -65,8 +64,7 @@ class PrometheusMetrics:
         self._held_guard = threading.Lock()
 
     def collectors(self) -> dict[str, Any]:
-        collectors = self._collectors
-        if collectors is None:
+        if self._collectors is None:
             with self._guard:
                 if self._collectors is None:
                     self._collectors = _create_collectors(self._registry)
@@ -75,8 +73,7 @@ class PrometheusMetrics:
                         import prometheus_client as prom
 
                         (self._registry or prom.REGISTRY).register(self)
-                collectors = self._collectors
-        return collectors
+        return self._collectors
 
     def collect(self) -> Iterator[Any]:
         """One process: the age of the oldest lock of each task held now (0: none)."""
@@ -89,10 +86,9 @@ class PrometheusMetrics:
         """Create the info gauge and each ``(task, policy)``'s series at zero, for absent()."""
         import importlib.metadata
 
-        try:
+        version = "unknown"  # run from a source tree
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             version = importlib.metadata.version("celery-pglock")
-        except importlib.metadata.PackageNotFoundError:  # run from a source tree
-            version = "unknown"
         self.collectors()["info"].labels(version).set(1)
         for task, policy in tasks:
             for name in _TASK_ONLY:
@@ -128,8 +124,7 @@ class PrometheusMetrics:
         self._child("held_seconds", task).observe(held_seconds)
         # Which lock ended is not passed: the one started nearest now - held_seconds.
         with self._held_guard:
-            starts = self._held.get(task)
-            if starts:
+            if starts := self._held.get(task):
                 began = time.time() - held_seconds
                 starts.remove(min(starts, key=lambda start: abs(start - began)))
                 self._publish_held(task, starts)

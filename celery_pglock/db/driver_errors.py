@@ -40,8 +40,7 @@ def wrap_db_errors(
             exc, redact.secrets_of(engine.url) if engine is not None else ()
         )
         message = f"Could not {action}{where}: {str(exc).strip()}"
-        problem = misconfiguration(exc)
-        if problem is not None:
+        if (problem := misconfiguration(exc)) is not None:
             message += f" -- {problem}"
         error = exceptions.DatabaseError(message)
         error.pglock_connect_failed = connecting  # type: ignore[attr-defined]

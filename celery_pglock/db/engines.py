@@ -108,10 +108,9 @@ def check_url(url: str) -> sa.URL:
             f"postgresql+psycopg://user:password@host/db; got {mask_url(parsed)!r}."
         )
     if driver == "psycopg":
-        try:
+        installed = ""
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             installed = importlib.metadata.version("psycopg")
-        except importlib.metadata.PackageNotFoundError:
-            installed = ""
         release = re.findall(r"\d+", re.sub(r"[^\d.].*", "", installed))
         if tuple(map(int, release)) < PSYCOPG_MIN:
             found = f"psycopg {installed} is" if installed else "it is not"

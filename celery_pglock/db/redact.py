@@ -62,9 +62,7 @@ def mask_url(url: str | sa.URL | None) -> str:
     text = url if isinstance(url, str) else url.render_as_string(hide_password=False)
     try:
         scheme, separator, rest = text.partition("://")
-        if separator:
-            return _mask_url(scheme, rest)
-        return _mask_conninfo(text)
+        return _mask_url(scheme, rest) if separator else _mask_conninfo(text)
     except Exception:  # show nothing rather than something raw
         return UNPARSEABLE
 
@@ -179,9 +177,7 @@ def _mask_conninfo(text: str) -> str:
             return UNPARSEABLE
         items.append((match.group(1), match.group(2)))
         position = match.end()
-    if not items:
-        return UNPARSEABLE
-    return " ".join(_mask_options(items))
+    return " ".join(_mask_options(items)) if items else UNPARSEABLE
 
 
 def _mask_options(items: Iterable[tuple[str, str]]) -> list[str]:

@@ -130,8 +130,6 @@ def probe(
         )
     result = outcome[0]
     if isinstance(result, BaseException):
-        if isinstance(result, exceptions.PgLockError):
-            raise result
         with driver_errors.wrap_db_errors(action, engine, connecting=True):
             raise result
     return result
@@ -208,9 +206,7 @@ def _proxied(connection: Any, server_seen_port: int | None) -> bool | None:
             local = sock.getsockname()
     except OSError:
         return None
-    if not isinstance(local, tuple):
-        return None
-    return bool(local[1] != server_seen_port)
+    return bool(local[1] != server_seen_port) if isinstance(local, tuple) else None
 
 
 _facts: weakref.WeakKeyDictionary[sa.Engine, ServerFacts] = weakref.WeakKeyDictionary()
@@ -221,12 +217,10 @@ def facts_for(
     engine: sa.Engine, action: str = "probe the lock database"
 ) -> ServerFacts:
     """Probed at the first call and cached (a failed probe is not)."""
-    facts = _facts.get(engine)
-    if facts is not None:
+    if (facts := _facts.get(engine)) is not None:
         return facts
     with _probing:
-        facts = _facts.get(engine)
-        if facts is None:
+        if (facts := _facts.get(engine)) is None:
             facts = _facts[engine] = probe(engine, action=action)
             logger.debug(
                 "celery-pglock: lock database %s: PostgreSQL %s, standby=%s, pooling=%s",
@@ -248,6 +242,5 @@ def check(engine: sa.Engine, scope: LockScope, lock_name: str = "") -> None:
     """ConfigurationError naming the fix if the server cannot honour ``scope``; the first
     call per engine probes (DatabaseError naming ``lock_name``), later ones do no I/O."""
     facts = _facts.get(engine) or facts_for(engine, f"acquire lock {lock_name!r}")
-    message = facts.refusal(scope)
-    if message is not None:
+    if (message := facts.refusal(scope)) is not None:
         raise exceptions.ConfigurationError(message)

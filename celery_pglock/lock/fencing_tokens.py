@@ -174,14 +174,13 @@ def issue(engine: sa.Engine, key: LockKey, holder: Holder, bound: float) -> int 
                 else "is not writable by this role"
             )
             raise exceptions.DatabaseError(
-                f"Could not issue a fencing token for lock {key.name!r}: "
-                f"celery_pglock_fencing {problem}; {FIX}."
+                f"Could not {action}: celery_pglock_fencing {problem}; {FIX}."
             ) from exc
         if not held:
             return None
         if token is None:
             raise exceptions.DatabaseError(
-                f"Could not issue a fencing token for lock {key.name!r} (key {key}): "
+                f"Could not {action} (key {key}): "
                 "celery_pglock_fencing_token_seq gave a token below the last one "
                 "issued for this key (was it reset with setval, or given a CACHE "
                 "above 1?). Tokens never go back: set CACHE 1 and the sequence past "
