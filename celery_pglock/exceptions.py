@@ -74,6 +74,10 @@ class LockSkipped(LockBusy):
         self.details = info  #: The skip as plain data.
         self.args = (self.message, info)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Celery pickles every failure it stores: two fields, not the instance dict too.
+        return (type(self), (self.message, self.details))
+
     @property
     def holder(self) -> str | None:
         """``host:pid`` of the worker process that held the lock, if known."""
