@@ -166,6 +166,50 @@ def test_bounded_wait_times_out_server_side_without_leaking_lock_timeout(
         )
 
 
+def test_a_cancelled_wait_closes_its_connection(
+    single_engine, lock_engine, database_url, namespace
+):
+    """A cancel may land after the session lock was granted, and a session lock outlives
+    the aborted statement: the waiting connection is closed, never pooled with a lock."""
+    key = make_key(namespace)
+    classid, objid, _ = key.pg_locks_ids
+    with single_engine.connect() as connection:
+        waiting_pid = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+    admin = sa.create_engine(database_url, isolation_level="AUTOCOMMIT")
+    cancelled = threading.Event()
+
+    def cancel_the_wait() -> None:
+        deadline = time.monotonic() + 5
+        with admin.connect() as connection:
+            while not cancelled.is_set() and time.monotonic() < deadline:
+                waits = connection.exec_driver_sql(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                    "AND NOT granted AND pid = %s AND classid = %s AND objid = %s",
+                    (waiting_pid, classid, objid),
+                ).scalar()
+                if waits:
+                    connection.exec_driver_sql(
+                        "SELECT pg_cancel_backend(%s)", (waiting_pid,)
+                    )
+                    cancelled.set()
+                time.sleep(0.02)
+
+    canceller = threading.Thread(target=cancel_the_wait)
+    try:
+        with AdvisoryLock(engine=lock_engine, key=key):
+            canceller.start()
+            waiter = AdvisoryLock(engine=single_engine, key=key)
+            assert not waiter.acquire(timeout=5)
+            canceller.join()
+        assert cancelled.is_set()
+        with single_engine.connect() as connection:  # the pool's only connection
+            pid = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        assert pid != waiting_pid
+    finally:
+        cancelled.set()
+        admin.dispose()
+
+
 def test_bounded_wait_gets_the_lock_when_the_holder_releases(lock_engine, namespace):
     """A waiter is granted the lock as soon as the holder lets go."""
     key = make_key(namespace)
