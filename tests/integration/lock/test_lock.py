@@ -22,7 +22,7 @@ from celery_pglock import (
     keys,
 )
 from celery_pglock.db import engines as db_module
-from celery_pglock.lock import sessions
+from celery_pglock.lock import fencing_tokens, sessions
 
 from ...unit.test_keys import VECTORS
 
@@ -208,6 +208,24 @@ def test_a_cancelled_wait_closes_its_connection(
     finally:
         cancelled.set()
         admin.dispose()
+
+
+def test_an_interrupted_autocommit_connection_is_closed_not_pooled(single_engine):
+    """Holder lookups, run checks and fencing share one pooled autocommit helper: a
+    statement interrupted there (a soft time limit) leaves the session in an unknown
+    state, so its connection is closed instead of going back to the pool."""
+
+    class Interrupt(BaseException):
+        pass
+
+    with single_engine.connect() as connection:
+        first_pid = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+    with pytest.raises(Interrupt), fencing_tokens.autocommit(single_engine):
+        raise Interrupt
+    with single_engine.connect() as connection:  # the pool's only connection
+        assert (
+            first_pid != connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        )
 
 
 def test_bounded_wait_gets_the_lock_when_the_holder_releases(lock_engine, namespace):

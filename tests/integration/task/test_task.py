@@ -278,6 +278,18 @@ def test_direct_call_is_locked_and_busy_raises(app):
     ).locked()
 
 
+def test_a_direct_call_runs_with_its_own_request(app):
+    """task(...) outside a worker pushes the call's request as Celery's Task.__call__
+    does: the body sees its own arguments and itself as the current task."""
+    from celery import current_task
+
+    def introspect(tenant_id):
+        return list(current_task.request.args), current_task.name
+
+    task = define(app, introspect, lock_args=("tenant_id",))
+    assert ([7], "it.introspect") == task(7)
+
+
 def test_unstable_argument_fails_before_the_body(app):
     """An argument without a stable text form is an error at call time; the body never runs."""
     ran = []
