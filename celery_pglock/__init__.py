@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 from celery_pglock import fencing, metrics, signals
-from celery_pglock.config import LockConfig, LockScope, OnBusy, OnLost, SkipResult
+from celery_pglock.config import (
+    Enqueue,
+    LockConfig,
+    LockScope,
+    OnBusy,
+    OnLost,
+    SkipResult,
+)
 from celery_pglock.exceptions import (
+    AlreadyQueued,
     ConfigurationError,
     DatabaseError,
+    EnqueueUnavailable,
     LockBusy,
     LockError,
     LockKeyError,
@@ -25,8 +34,11 @@ __all__ = [
     "KEY_FORMAT",
     "SKIPPED",
     "AdvisoryLock",
+    "AlreadyQueued",
     "ConfigurationError",
     "DatabaseError",
+    "Enqueue",
+    "EnqueueUnavailable",
     "LockBusy",
     "LockConfig",
     "LockError",

@@ -45,6 +45,31 @@ class OnLost(str, enum.Enum):
     TERMINATE = "terminate"
 
 
+class Enqueue(str, enum.Enum):
+    """How long a message keeps a key's other sends from being published (lock_enqueue)."""
+
+    #: From publish until its run ends: a duplicate send returns the queued one's result.
+    UNTIL_FINISHED = "until_finished"
+    #: From publish until its run starts: one running and at most one queued per key.
+    UNTIL_STARTED = "until_started"
+
+
+class OnDuplicate(str, enum.Enum):
+    """What a send of a key already queued returns (lock_enqueue_on_duplicate)."""
+
+    RETURN = "return"  #: The queued message's AsyncResult (its task id). The default.
+    RAISE = "raise"  #: AlreadyQueued, carrying the queued message's task id.
+
+
+class OnEnqueueError(str, enum.Enum):
+    """What a send does when the lock database cannot be asked (lock_enqueue_on_error)."""
+
+    RAISE = "raise"  #: EnqueueUnavailable; nothing is published. The default.
+    PUBLISH = (
+        "publish"  #: Publish unchecked (WARNING, metric); the run lock still guards.
+    )
+
+
 class LockScope(str, enum.Enum):
     """How long a SingletonTask's lock lives."""
 
@@ -96,6 +121,10 @@ def _skip_result(value: object) -> SkipResult:
     return _choice(SkipResult)(value)  # type: ignore[no-any-return]
 
 
+def _optional(check: Callable[[object], Any]) -> Callable[[object], Any]:
+    return lambda value: None if value is None else check(value)
+
+
 def _interval(value: object) -> float:
     return 0.0 if type(value) in (int, float) and value == 0 else _seconds(value)
 
@@ -113,6 +142,10 @@ _CHECKS: dict[str, Callable[[object], Any]] = {
     "watch_interval": _interval,
     "db_timeout": _seconds,
     "fencing": _flag,
+    "enqueue": _optional(_choice(Enqueue)),
+    "enqueue_on_duplicate": _choice(OnDuplicate),
+    "enqueue_on_error": _choice(OnEnqueueError),
+    "enqueue_lost_after": _seconds,
 }
 _AUTORETRY = (
     "a DatabaseError at acquire is retried by Celery's own options, as for the body: "
@@ -156,6 +189,17 @@ class LockConfig:
     watch_interval: float = 1.0
     db_timeout: float = 5.0  #: Longest one round trip to the lock database may take.
     fencing: bool = False  #: Issue a fencing token to each acquisition.
+    enqueue: Enqueue | None = (
+        None  #: Keep duplicates from the queue (None: run lock only).
+    )
+    enqueue_on_duplicate: OnDuplicate = (
+        OnDuplicate.RETURN
+    )  #: A duplicate send's answer.
+    enqueue_on_error: OnEnqueueError = (
+        OnEnqueueError.RAISE
+    )  #: Lock database unreachable.
+    #: Seconds past its due time before a never-started message stops holding its key.
+    enqueue_lost_after: float = 3600.0
     lock_args: tuple[str, ...] = ()  #: Parameter names whose values form the key.
     fixed_key: keys.LockKey | None = None  #: The key when it never varies per call.
 
@@ -248,6 +292,8 @@ def resolve(
             "transaction to lend its body): set lock_shadow=False on this task, or "
             "shadow it with lock_scope='session' first",
         )
+    if values["enqueue"] is not None:
+        _check_enqueue(task_name, values, source, attributes, conf)
     interval, timeout = values["watch_interval"], values["db_timeout"]
     if (
         interval
@@ -283,6 +329,39 @@ def resolve(
         fixed_key=fixed_key,
         **values,
     )
+
+
+def _check_enqueue(
+    task_name: str,
+    values: dict[str, Any],
+    source: dict[str, str],
+    attributes: Mapping[str, Any],
+    conf: Mapping[str, Any],
+) -> None:
+    where = source["enqueue"]
+    if values["scope"] is LockScope.TRANSACTION:
+        raise _fail(
+            task_name,
+            where,
+            values["enqueue"].value,
+            "None with lock_scope='transaction' (the queued row would change with the "
+            "body's transaction, and every send of the key would wait for it): use "
+            "lock_scope='session' for a task with lock_enqueue",
+        )
+    if values["shadow"]:
+        raise _fail(
+            task_name,
+            where,
+            values["enqueue"].value,
+            "None with lock_shadow=True (a shadowed task must publish every send to "
+            "report what the lock would do): shadow the run lock first, then add "
+            "lock_enqueue",
+        )
+    user_set = "lock_on_busy" in attributes or conf.get("pglock_on_busy") is not None
+    if values["enqueue"] is Enqueue.UNTIL_STARTED and not user_set:
+        # The queued follow-up is delivered while the run holds the key: skipping it
+        # would lose the change it carries (docs/guide/enqueue.md).
+        values["on_busy"] = OnBusy.WAIT
 
 
 def database_url(conf: Mapping[str, Any]) -> str:

@@ -98,6 +98,26 @@ class LockSkipped(LockBusy):
         return f"{type(self).__name__}({self.message!r})"
 
 
+class AlreadyQueued(LockError):  # noqa: N818 - celery-once's name, for migrations
+    """A send of a ``lock_enqueue`` task found its key's message already queued or running
+    (``lock_enqueue_on_duplicate='raise'``); ``task_id`` is that message's id."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        key: str | None = None,
+        name: str | None = None,
+        task_id: str | None = None,
+    ) -> None:
+        super().__init__(message, key=key, name=name)
+        self.task_id = task_id  #: The queued (or running) message of the key.
+
+
+class EnqueueUnavailable(DatabaseError):  # noqa: N818
+    """A ``lock_enqueue`` send could not ask the lock database; nothing was published."""
+
+
 class LockNotOwnedError(LockError):
     """Cannot release a lock that is not owned by this holder."""
 

@@ -39,6 +39,9 @@ class Metrics(Protocol):
     def lost(self, task: str) -> None:
         """The lock watcher found a held lock lost while its body ran."""
 
+    def enqueued(self, task: str, outcome: str) -> None:
+        """A lock_enqueue send: published, duplicate, took_over or unchecked_<reason>."""
+
 
 class NullMetrics:
     """The default sink: counts nothing."""
@@ -46,7 +49,7 @@ class NullMetrics:
     def _nothing(self, *args: object, **kwargs: object) -> None:
         pass
 
-    acquired = skipped = released = release_failed = lost = _nothing
+    acquired = skipped = released = release_failed = lost = enqueued = _nothing
 
 
 class PrometheusMetrics:
@@ -142,6 +145,9 @@ class PrometheusMetrics:
     def lost(self, task: str) -> None:
         self._child("lost", task).inc()
 
+    def enqueued(self, task: str, outcome: str) -> None:
+        self._child("enqueued", task, outcome).inc()
+
 
 def _create_collectors(registry: Any) -> dict[str, Any]:
     import prometheus_client as prom
@@ -171,6 +177,13 @@ def _create_collectors(registry: Any) -> dict[str, Any]:
         "Releases that failed; PostgreSQL no longer held the lock.",
     )
     new(counter, "lost", "Locks lost while their body ran.")
+    new(
+        counter,
+        "enqueued",
+        "lock_enqueue sends, by outcome (published, duplicate, took_over, unchecked_*).",
+        "task",
+        "outcome",
+    )
     new(
         histogram,
         "wait_seconds",

@@ -15,7 +15,14 @@ from celery.bin.base import CLIContext
 from sqlalchemy.pool import NullPool
 
 from celery_pglock import config, exceptions
-from celery_pglock.cli import check_verb, key_verb, locks_verb, release_verb, sql_verb
+from celery_pglock.cli import (
+    check_verb,
+    key_verb,
+    locks_verb,
+    queued_verb,
+    release_verb,
+    sql_verb,
+)
 from celery_pglock.db import driver_errors, engines
 from celery_pglock.task import worker_hooks
 
@@ -87,9 +94,10 @@ class Target:
 def _build(*, standalone: bool) -> click.Group:
     @click.group(
         name="celery-pglock" if standalone else "pglock",
-        help="Inspect celery-pglock advisory locks: locks, key, release, check, sql.",
+        help="Inspect celery-pglock advisory locks: locks, queued, key, release, check, sql.",
         commands=[
             locks_verb.locks,
+            queued_verb.queued,
             key_verb.key,
             release_verb.release,
             check_verb.check,

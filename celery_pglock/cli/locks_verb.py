@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from celery_pglock import keys
+from celery_pglock.cli import queued_verb
 from celery_pglock.db import engines
 from celery_pglock.lock import holder_lookup
 
@@ -43,11 +44,15 @@ ORDER BY key, l.granted DESC, since
 def locks(target: Target, as_json: bool) -> None:
     with target.database("read pg_locks") as engine:
         entries = read(target, engine)
+        queued = queued_verb.read(engine)
     if as_json:
         click.echo(json.dumps(entries, indent=2, default=str))
         return
+    footer = f"{len(queued)} queued key(s): see `pglock queued`." if queued else ""
     if not entries:
         click.echo("No advisory locks are held or awaited in this database.")
+        if footer:
+            click.echo(footer)
         return
     header = ("KEY", "LOCK", "TASK", "HOLDER", "BACKEND", "SINCE", "HELD", "WAITING")
     table = [
@@ -59,9 +64,9 @@ def locks(target: Target, as_json: bool) -> None:
             holder_name(entry, "-"),
             str(entry["backend_pid"] or "-"),
             entry["since"] or "-",
-            _duration(entry["held_seconds"]),
+            queued_verb.duration(entry["held_seconds"]),
             ", ".join(
-                f"{holder_name(w)} (backend {w['backend_pid']}, {_duration(w['waiting_seconds'])})"
+                f"{holder_name(w)} (backend {w['backend_pid']}, {queued_verb.duration(w['waiting_seconds'])})"
                 for w in entry["waiters"]
             )
             or "-",
@@ -71,6 +76,8 @@ def locks(target: Target, as_json: bool) -> None:
     widths = [max(map(len, column)) for column in zip(header, *table, strict=True)]
     for row in [header, *table]:
         click.echo("  ".join(map(str.ljust, row, widths)).rstrip())
+    if footer:
+        click.echo(footer)
 
 
 def read(target: Target, engine: sa.Engine) -> list[dict[str, Any]]:
@@ -135,13 +142,3 @@ def read(target: Target, engine: sa.Engine) -> list[dict[str, Any]]:
 
 def holder_name(session: Mapping[str, Any], unknown: str = "?") -> str:
     return str(session["holder"] or session["application_name"] or unknown)
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    if seconds < 3600:
-        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
-    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"

@@ -9,7 +9,7 @@ import click
 
 from celery_pglock import fencing
 from celery_pglock.cli import locks_verb
-from celery_pglock.lock import fencing_tokens
+from celery_pglock.lock import fencing_tokens, queued
 
 if TYPE_CHECKING:
     from celery_pglock.cli import Target
@@ -78,11 +78,30 @@ DROP FUNCTION IF EXISTS {schema}.celery_pglock_canonical(jsonb);
     is_flag=True,
     help="The table and sequence of lock_fencing (run as their owner; see the GRANTs printed).",
 )
+@click.option(
+    "--enqueue",
+    "enqueue_",
+    is_flag=True,
+    help="The queued-keys table of lock_enqueue (run as its owner; see the GRANTs printed).",
+)
 @click.pass_obj
 def sql(
-    target: Target, apply_: bool, uninstall: bool, schema: str, fencing_: bool
+    target: Target,
+    apply_: bool,
+    uninstall: bool,
+    schema: str,
+    fencing_: bool,
+    enqueue_: bool,
 ) -> None:
-    if fencing_:
+    grants = ""
+    if enqueue_:
+        prefix = fencing.quote_identifier(schema) + "."
+        text = (queued.DROP if uninstall else queued.CREATE).format(schema=prefix)
+        grants = queued.GRANT.format(schema=prefix, role="<lock role>")
+        action = "set up the queued-keys table"
+        done = "Dropped" if uninstall else "Created (if missing)"
+        made = f"{schema}.celery_pglock_queued"
+    elif fencing_:
         text = fencing.drop_sql(schema) if uninstall else fencing.create_sql(schema)
         action = "set up the fencing table"
         done = "Dropped" if uninstall else "Created (if missing)"
@@ -96,9 +115,10 @@ def sql(
     if not apply_:
         click.echo(text)
         if fencing_ and not uninstall:
-            grants = fencing.grant_sql("<lock role>", schema).strip().splitlines()
+            grants = fencing.grant_sql("<lock role>", schema)
+        if grants and not uninstall:
             click.echo("-- A lock role without CREATE needs:")
-            click.echo("\n".join(f"-- {line}" for line in grants))
+            click.echo("\n".join(f"-- {line}" for line in grants.strip().splitlines()))
         return
     # Autocommit: one simple query is one transaction unless it has BEGIN/COMMIT (fencing's).
     with (

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from celery_pglock import exceptions
 from celery_pglock.config import LockScope
 from celery_pglock.db import driver_errors, engines, sql_text
-from celery_pglock.lock import fencing_tokens, sessions
+from celery_pglock.lock import fencing_tokens, queued, sessions
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -59,6 +59,8 @@ class AdvisoryLock:
         self.shadowed = False  #: Shadow run, not held: ensure_held() passes; no fencing
         self.fencing_token: int | None = None  #: This hold's token (fencing on).
         self.run_key: LockKey | None = None  #: acks_late: the run lock (keys.run_key).
+        #: lock_enqueue: the message's queued row, changed with the lock and the unlock.
+        self.queued_row: queued.Queued | None = None
 
     def acquire(self, *, timeout: float | None = None) -> bool:
         """Take the lock; True if granted, False if another session holds it.
@@ -191,6 +193,12 @@ class AdvisoryLock:
         self.fencing_token = token
         return token
 
+    def keep_queued_row(self) -> None:
+        """Leave the queued row at release: a retry of this message now owns it."""
+        self.queued_row = None
+        if self._hold is not None:
+            self._hold.row = None
+
     def owned(self) -> bool:
         """True while this object holds the lock (no database round trip)."""
         return self._hold is not None
@@ -309,6 +317,7 @@ class AdvisoryLock:
             self.round_trip_timeout,
             self.run_key,
             self._granted,
+            self.queued_row,
         )
         self._hold = hold
         return hold is not None

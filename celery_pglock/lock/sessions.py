@@ -22,7 +22,7 @@ from celery_pglock.db import (
     sql_text,
     startup_options,
 )
-from celery_pglock.lock import fencing_tokens
+from celery_pglock.lock import fencing_tokens, queued
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -51,6 +51,9 @@ class Hold:
     lent: bool = False
     lost: str | None = None  # why its session ended before its release
     run_ids: tuple[int, ...] | None = None  # the run lock held beside the key
+    row: queued.Queued | None = (
+        None  # lock_enqueue: its queued row, changed with the lock
+    )
 
 
 class Claims:
@@ -215,14 +218,16 @@ class ProcessSession(LockSessions):
         bound: float,
         run: LockKey | None,
         on_granted: Callable[[Hold], None] | None,
+        row: queued.Queued | None = None,
     ) -> Hold | None:
         """The hold of ``key`` (and of the run lock ``run``), or None if busy.
-        ``on_granted`` gets it once recorded: a soft time limit then cannot orphan it."""
+        ``on_granted`` gets it once recorded: a soft time limit then cannot orphan it.
+        ``row``: the queued row to change in the same statement, if granted."""
         if transaction or timeout_ms is not None:
             return self.waits.acquire(
-                key, label, timeout_ms, transaction, bound, run, on_granted
+                key, label, timeout_ms, transaction, bound, run, on_granted, row
             )
-        hold = Hold(self, key.ids)
+        hold = Hold(self, key.ids, row=row)
         ids = hold.ids
         with self._mutex:
             try:
@@ -238,7 +243,7 @@ class ProcessSession(LockSessions):
                 try:
                     # Bounded: a frozen link would stall every lock statement here.
                     with self._bound(bound):
-                        granted, run_granted = self._try(ids, name, run_ids)
+                        granted, run_granted = self._try(ids, name, run_ids, row)
                     if granted:
                         # Inside the try, for the same reason.
                         self._shown = hold.holding_name = name
@@ -258,16 +263,22 @@ class ProcessSession(LockSessions):
             return hold if self._owners.get(ids) is hold else None
 
     def _try(
-        self, ids: tuple[int, ...], name: str, run_ids: tuple[int, ...] | None
+        self,
+        ids: tuple[int, ...],
+        name: str,
+        run_ids: tuple[int, ...] | None,
+        queued_row: queued.Queued | None,
     ) -> tuple[bool, bool]:
         cursor = self._cursor
         if name != self._shown:  # a relabel costs about what the lock does
-            return _try_named(cursor, ids, name, run_ids)
+            return _try_named(cursor, ids, name, run_ids, False, queued_row)
         if run_ids is None:
-            cursor.execute(sql_text.TRY_LOCK_SESSION_BARE[len(ids)], ids)
+            statement = sql_text.TRY_LOCK_SESSION_BARE[len(ids)]
+            _execute(cursor, statement, ids, queued_row, "l.g")
             row = cursor.fetchone()
             return row is not None and row[0] is True, False
-        cursor.execute(sql_text.TRY_LOCK_SESSION_BARE_RUN[len(ids)], (*ids, *run_ids))
+        statement = sql_text.TRY_LOCK_SESSION_BARE_RUN[len(ids)]
+        _execute(cursor, statement, (*ids, *run_ids), queued_row)
         row = cursor.fetchone()
         return row is not None and row[0] is not None, bool(row and row[0])
 
@@ -294,7 +305,7 @@ class ProcessSession(LockSessions):
             bound = self._bound
             try:
                 with bound(timeout):
-                    self._cursor.execute(statement, params)
+                    _execute_end(self._cursor, statement, params, hold.row)
                     row = self._cursor.fetchone()
             except BaseException as exc:
                 self._fail(f"releasing lock {key.name!r} failed: {exc!r}", exc)
@@ -457,10 +468,11 @@ class PerLockSessions(LockSessions):
         bound: float,
         run: LockKey | None,
         on_granted: Callable[[Hold], None] | None,
+        row: queued.Queued | None = None,
     ) -> Hold | None:
         scope = LockScope.TRANSACTION if transaction else LockScope.SESSION
         server_probe.check(self.engine, scope, key.name)  # probed once per engine
-        hold = Hold(self, key.ids, self._name("idle"))
+        hold = Hold(self, key.ids, self._name("idle"), row=row)
         # str(key): the ids only (the key text may be megabytes, kept by the cache).
         hold.holding_name = self._name(str(key), label)
         deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
@@ -568,7 +580,7 @@ class PerLockSessions(LockSessions):
                     deadlines.bounded(hold.connection, timeout) as bound,
                     hold.connection.cursor() as cursor,
                 ):
-                    cursor.execute(statement[len(key.ids)], params)
+                    _execute_end(cursor, statement[len(key.ids)], params, hold.row)
                     row = cursor.fetchone()
                 held = engines.held_keys(hold.pooled.info)
                 held[key.ids] -= 1
@@ -635,12 +647,39 @@ class PerLockSessions(LockSessions):
             connection.invalidate()
 
 
+def _execute(
+    cursor: Any,
+    statement: str,
+    params: tuple[Any, ...],
+    row: queued.Queued | None,
+    granted: str = "l.g IS NOT NULL",
+) -> None:
+    """Send a lock statement, with ``row``'s start change applied where ``granted``."""
+    if row is not None:
+        change, extra = row.on_start()
+        statement = queued.with_row_change(statement, change, granted)
+        params = (*params, *extra)
+    cursor.execute(statement, params)
+
+
+def _execute_end(
+    cursor: Any, statement: str, params: tuple[Any, ...], row: queued.Queued | None
+) -> None:
+    """Send an unlock statement, with ``row``'s end change if it has one."""
+    end = None if row is None else row.on_end()
+    if end is not None:
+        statement = queued.with_row_change(statement, end[0])
+        params = (*params, *end[1])
+    cursor.execute(statement, params)
+
+
 def _try_named(
     cursor: Any,
     ids: tuple[int, ...],
     name: str | None,
     run_ids: tuple[int, ...] | None,
     transaction: bool = False,
+    row: queued.Queued | None = None,
 ) -> tuple[bool, bool]:
     """A try-lock that labels the session ``name``: (granted, run lock granted)."""
     if transaction:
@@ -651,10 +690,10 @@ def _try_named(
         )
     else:
         tries = sql_text.TRY_LOCK_SESSION_RUN if run_ids else sql_text.TRY_LOCK_SESSION
-    cursor.execute(tries[len(ids)], (*ids, name, *(run_ids or ())))
-    row = cursor.fetchone()
-    granted = row is not None and row[0] is not None
-    return granted, granted and run_ids is not None and row[0][1] == "true"
+    _execute(cursor, tries[len(ids)], (*ids, name, *(run_ids or ())), row)
+    answer = cursor.fetchone()
+    granted = answer is not None and answer[0] is not None
+    return granted, granted and run_ids is not None and answer[0][1] == "true"
 
 
 def _lock(
@@ -670,7 +709,8 @@ def _lock(
     connection, arity, name = cursor.connection, len(key.ids), hold.holding_name
     if timeout_ms is None:
         with deadlines.bounded(connection, bound):
-            return (*_try_named(cursor, key.ids, name, run_ids, transaction), False)
+            granted = _try_named(cursor, key.ids, name, run_ids, transaction, hold.row)
+            return (*granted, False)
     waits = (
         sql_text.WAIT_LOCK_TRANSACTION if transaction else sql_text.WAIT_LOCK_SESSION
     )
@@ -692,13 +732,16 @@ def _lock(
         with deadlines.bounded(connection, bound):
             cursor.execute(sql_text.ROLLBACK)
         return False, False, False
-    if run_ids is None:
+    if run_ids is None and hold.row is None:
         return True, False, False
+    # Granted: the row changes with the run lock (or alone, if there is none).
+    statement = (
+        sql_text.RUN_LOCK_TRANSACTION if transaction else sql_text.RUN_LOCK_SESSION
+    )
     with deadlines.bounded(connection, bound):
-        cursor.execute(
-            sql_text.RUN_LOCK_TRANSACTION if transaction else sql_text.RUN_LOCK_SESSION,
-            run_ids,
-        )
+        if run_ids is None:
+            statement, run_ids = "SELECT false", ()
+        _execute(cursor, statement, run_ids, hold.row, "true")
         row = cursor.fetchone()
     return True, bool(row and row[0]), False
 

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import Ignore
 
 from celery_pglock import exceptions, keys
-from celery_pglock.config import OnBusy, SkipResult
+from celery_pglock.config import Enqueue, OnBusy, SkipResult
 from celery_pglock.lock import holder_lookup
-from celery_pglock.task import outcomes
+from celery_pglock.task import enqueue, outcomes
 
 if TYPE_CHECKING:
     from celery_pglock.lock import AdvisoryLock
@@ -55,6 +55,15 @@ def apply_policy(
     busy = exceptions.LockBusy(message, key=str(lock.key), name=lock.key.name)
     if first_delivery_runs:
         raise Ignore(message)
+    if (
+        action is OnBusy.WAIT
+        and options.enqueue is Enqueue.UNTIL_STARTED
+        and not direct
+    ):
+        # The queued follow-up of a run that outlasted the wait: never lost, re-queued.
+        action = OnBusy.RETRY
+    elif lock.queued_row is not None and action is not OnBusy.RETRY:
+        enqueue.give_back(task, lock.key, lock.queued_row.task_id)  # ends unrun
     if action is OnBusy.SKIP and options.skip_result is SkipResult.SUCCESS:
         # No chain link or callback gets a skip record: docs/guide/skipped-results.md.
         request.callbacks = None

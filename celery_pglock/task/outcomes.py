@@ -173,6 +173,11 @@ def database_error(
     )
 
 
+def enqueued(task: Any, outcome: str) -> None:
+    if metrics.sink is not None:
+        _count("enqueued", task.name, outcome)
+
+
 def _count(event: str, *args: Any) -> None:
     # A metrics sink must never fail a task: log (once per process) and go on.
     global _metrics_warned

@@ -20,10 +20,10 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.time import get_exponential_backoff_interval
 
 from celery_pglock import config, exceptions, keys, metrics
-from celery_pglock.config import LockScope, OnBusy, OnLost, SkipResult
+from celery_pglock.config import Enqueue, LockScope, OnBusy, OnLost, SkipResult
 from celery_pglock.db import driver_errors, engines
-from celery_pglock.lock import AdvisoryLock
-from celery_pglock.task import busy_policy, outcomes
+from celery_pglock.lock import AdvisoryLock, queued
+from celery_pglock.task import busy_policy, enqueue, outcomes
 from celery_pglock.watch import loss_watcher
 
 if TYPE_CHECKING:
@@ -146,6 +146,15 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     lock_watch_interval: ClassVar[float | None] = None
     #: Longest one round trip to the lock database (5). App-wide: yes.
     lock_db_timeout: ClassVar[float | None] = None
+    #: Keep a key's duplicates out of the queue: until_finished or until_started
+    #: (docs/guide/enqueue.md). App-wide: yes.
+    lock_enqueue: ClassVar[Enqueue | str | None] = None
+    #: A duplicate send returns the queued AsyncResult (return) or raises. App-wide: yes.
+    lock_enqueue_on_duplicate: ClassVar[str | None] = None
+    #: Lock database down at a send: raise (default) or publish unchecked. App-wide: yes.
+    lock_enqueue_on_error: ClassVar[str | None] = None
+    #: Seconds past its due time a never-started message holds its key (3600). App-wide: yes.
+    lock_enqueue_lost_after: ClassVar[float | None] = None
 
     _pglock: ClassVar[Binding | None] = None
 
@@ -198,6 +207,27 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         """
         return self._binding().keys.key(args, kwargs)
 
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's apply_async; with lock_enqueue, a duplicate of a queued key returns
+        the queued message's AsyncResult instead of publishing (docs/guide/enqueue.md)."""
+        options.update(
+            producer=producer, link=link, link_error=link_error, shadow=shadow
+        )
+        if self._binding().config.enqueue is None or self.app.conf.task_always_eager:
+            return super().apply_async(args, kwargs, task_id, **options)
+        send = super().apply_async
+        return enqueue.publish(self, send, args, kwargs, task_id, options)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         binding = self._binding()
         request = self.request
@@ -247,6 +277,21 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         if execution.task_id is not None and self.acks_late:
             # Tells a redelivery of its message that this run goes on (busy_policy.py).
             lock.run_key = keys.run_key(execution.task_id)
+        if (
+            options.enqueue is not None
+            and execution.task_id is not None
+            and not self.request.is_eager
+        ):
+            # The queued row's liveness is this run lock (docs/guide/enqueue.md).
+            lock.run_key = keys.run_key(execution.task_id)
+            until_started = options.enqueue is Enqueue.UNTIL_STARTED
+            lock.queued_row = queued.Queued(
+                queued.UNTIL_STARTED if until_started else queued.UNTIL_FINISHED,
+                key.pg_locks_ids,
+                execution.task_id,
+                # A dead acks_late run's message comes back: its key waits for it.
+                options.enqueue_lost_after if self.acks_late else 0.0,
+            )
         return lock
 
     def _acquire(
@@ -326,6 +371,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             and self._retry_publishes(max_retries)
         ):
             execution.release_at_postrun = True
+            execution.lock.keep_queued_row()  # the retry is the key's message now
         return super().retry(
             args, kwargs, exc, throw, eta, countdown, max_retries, **options
         )

@@ -10,7 +10,7 @@ from celery import signals as celery_signals
 from celery_pglock import config, exceptions, metrics
 from celery_pglock.db import driver_errors, engines, server_probe
 from celery_pglock.lock import sessions
-from celery_pglock.task import metrics_endpoint, singleton_task
+from celery_pglock.task import enqueue, metrics_endpoint, singleton_task
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +25,9 @@ def _receivers() -> dict[str, Any]:
         "task_postrun": singleton_task.after_task,
         "worker_process_shutdown": _release_everything,
         "worker_shutdown": _release_everything,
+        "task_revoked": enqueue.on_revoked,
+        "task_rejected": enqueue.on_rejected,
+        "task_unknown": enqueue.on_rejected,
     }
 
 

@@ -1,0 +1,254 @@
+"""The queued-keys table of ``lock_enqueue``: one row per key from publish to start or end.
+Why each statement is shaped as it is: docs/guide/enqueue.md ("How it works")."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from celery_pglock import exceptions, keys
+from celery_pglock.db import deadlines, driver_errors, engines
+from celery_pglock.lock import fencing_tokens
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+
+logger = logging.getLogger(__name__)
+
+UNTIL_FINISHED, UNTIL_STARTED = "f", "s"  #: The ``mode`` column.
+HEADER = "pglock_q"  #: Message header: ``"<classid>:<objid>:<objsubid>"`` of the row.
+
+#: ``{schema}``: a quoted name and a dot, or "". Locked: IF NOT EXISTS races itself.
+CREATE = """
+BEGIN;
+SELECT pg_advisory_xact_lock(hashtext('celery_pglock.queued'));
+CREATE TABLE IF NOT EXISTS {schema}celery_pglock_queued (
+  classid oid NOT NULL, objid oid NOT NULL, objsubid smallint NOT NULL,
+  task_id text NOT NULL, task_name text NOT NULL,
+  run_objid integer NOT NULL, mode "char" NOT NULL,
+  published_at timestamptz NOT NULL DEFAULT now(), started_at timestamptz,
+  stale_at timestamptz NOT NULL,
+  PRIMARY KEY (classid, objid, objsubid)
+) WITH (fillfactor = 80);
+COMMENT ON TABLE {schema}celery_pglock_queued IS
+  'celery-pglock lock_enqueue: the one message queued or running per advisory key';
+COMMIT;
+"""
+DROP = "DROP TABLE IF EXISTS {schema}celery_pglock_queued;\n"
+GRANT = (
+    "GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}celery_pglock_queued TO {role};\n"
+)
+
+_ROW = "(q.classid, q.objid, q.objsubid) = (%(c)s::oid, %(o)s::oid, %(s)s::smallint)"
+_STALE_AT = "now() + make_interval(secs => %(stale)s)"
+
+#: Take the key's row or name its owner, in one statement. A row past ``stale_at`` whose
+#: run lock nobody holds is taken over; the probe is an xact lock, gone at commit.
+#: An empty result (or 'retry') is READ COMMITTED's race with a row committed after this
+#: statement's snapshot: the caller sends it again.
+CLAIM = f"""
+WITH ins AS (
+  INSERT INTO celery_pglock_queued AS q
+    (classid, objid, objsubid, task_id, task_name, run_objid, mode, stale_at)
+  VALUES (%(c)s::oid, %(o)s::oid, %(s)s::smallint, %(id)s, %(name)s, %(run)s, %(mode)s,
+          {_STALE_AT})
+  ON CONFLICT (classid, objid, objsubid) DO NOTHING RETURNING q.task_id),
+old AS MATERIALIZED (
+  SELECT q.task_id, q.task_id = %(id)s OR CASE WHEN q.stale_at < now()
+    THEN pg_try_advisory_xact_lock({keys.RUN_NAMESPACE}, q.run_objid) END AS free
+  FROM celery_pglock_queued q WHERE {_ROW} AND NOT EXISTS (SELECT 1 FROM ins)),
+upd AS (
+  UPDATE celery_pglock_queued q SET task_id = %(id)s, task_name = %(name)s,
+    run_objid = %(run)s, mode = %(mode)s, published_at = now(), started_at = NULL,
+    stale_at = {_STALE_AT}
+  FROM old WHERE old.free AND {_ROW} AND q.task_id = old.task_id RETURNING q.task_id),
+sync AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true))
+SELECT r.* FROM (
+  SELECT 'new' AS outcome, task_id FROM ins
+  UNION ALL SELECT 'took_over', task_id FROM upd
+  UNION ALL SELECT CASE WHEN old.free THEN 'retry' ELSE 'queued' END, old.task_id FROM old
+  WHERE NOT EXISTS (SELECT 1 FROM upd)) r, sync
+"""
+
+#: Give back a key this message took, if it still has it (a failed publish, a skip).
+DELETE_ONE = f"DELETE FROM celery_pglock_queued q WHERE {_ROW} AND q.task_id = %(id)s"
+#: The same for many (revoked, expired or rejected messages). Params: oid[], oid[], int2[], text[].
+DELETE_MANY = (
+    "DELETE FROM celery_pglock_queued q USING unnest(%s::oid[], %s::oid[], %s::int2[], "
+    "%s::text[]) AS d(c, o, s, id) "
+    "WHERE (q.classid, q.objid, q.objsubid, q.task_id) = (d.c, d.o, d.s, d.id)"
+)
+
+# Row changes sent in the same statement as the lock (sessions.py); ``{granted}`` reads the
+# lock's own value ``l.g``. Params after the lock's: [redeliver,] classid, objid, objsubid, id.
+_MINE = (
+    "(q.classid, q.objid, q.objsubid) = (%s::oid, %s::oid, %s::smallint) "
+    "AND q.task_id = %s"
+)
+#: until_started: the run starts, so the next message of the key may be queued.
+ON_START_STARTED = (
+    f"DELETE FROM celery_pglock_queued q USING l WHERE {{granted}} AND {_MINE}"
+)
+#: until_finished: stale once ``redeliver`` seconds pass with its run lock free.
+ON_START_FINISHED = (
+    "UPDATE celery_pglock_queued q SET started_at = now(), "
+    "stale_at = now() + make_interval(secs => %s) "
+    f"FROM l WHERE {{granted}} AND {_MINE}"
+)
+#: until_finished: the run ended (sent with the unlock).
+ON_END = f"DELETE FROM celery_pglock_queued q WHERE {_MINE}"
+
+
+@functools.lru_cache(maxsize=64)
+def with_row_change(statement: str, change: str, granted: str = "true") -> str:
+    """``statement`` (one SELECT) and ``change`` as one statement, the change applied where
+    ``granted`` (SQL over ``l.g``, the statement's first column) is true. MATERIALIZED: the
+    lock functions run once; a data-modifying CTE always runs to completion."""
+    change = change.format(granted=granted)
+    return f"WITH l(g) AS MATERIALIZED ({statement}), c AS ({change}) SELECT * FROM l"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Queued:
+    """What a run of a ``lock_enqueue`` message changes in its key's row."""
+
+    mode: str  #: UNTIL_FINISHED or UNTIL_STARTED
+    row: tuple[int, int, int]  #: The key's pg_locks ids.
+    task_id: str
+    redeliver: float = (
+        0.0  #: until_finished: seconds a dead run's message may come back
+    )
+
+    def on_start(self) -> tuple[str, tuple[Any, ...]]:
+        if self.mode == UNTIL_STARTED:
+            return ON_START_STARTED, (*self.row, self.task_id)
+        return ON_START_FINISHED, (self.redeliver, *self.row, self.task_id)
+
+    def on_end(self) -> tuple[str, tuple[Any, ...]] | None:
+        if self.mode == UNTIL_STARTED:
+            return None
+        return ON_END, (*self.row, self.task_id)
+
+
+_ready: set[sa.Engine] = set()
+_ready_guard = threading.Lock()
+FIX = (
+    "create it with `celery -A <app> pglock sql --enqueue --apply` as a role that may, "
+    "or GRANT this role what `pglock sql --enqueue` prints"
+)
+
+
+def ensure_table(engine: sa.Engine, bound: float) -> None:
+    """Create the table if this process has not seen it yet (once per engine)."""
+    if engine in _ready:
+        return
+    with _ready_guard:
+        if engine in _ready:
+            return
+        with (
+            driver_errors.wrap_db_errors("set up the queued-keys table", engine),
+            fencing_tokens.autocommit(engine) as dbapi,
+            deadlines.bounded(dbapi, bound),
+            dbapi.cursor() as cursor,
+        ):
+            cursor.execute("SELECT to_regclass('celery_pglock_queued') IS NOT NULL")
+            if not cursor.fetchone()[0]:
+                try:
+                    cursor.execute(CREATE.format(schema=""))
+                except Exception as exc:
+                    if (
+                        driver_errors.sqlstate(exc)
+                        != fencing_tokens.INSUFFICIENT_PRIVILEGE
+                    ):
+                        raise
+                    cursor.execute("ROLLBACK")
+                    raise exceptions.DatabaseError(
+                        "The table celery_pglock_queued does not exist on "
+                        f"{engines.engine_info(engine)['masked_url']} and this role may "
+                        f"not create it; {FIX}."
+                    ) from exc
+        _ready.add(engine)
+
+
+#: Sends of CLAIM before giving up on READ COMMITTED's snapshot race (measured: 2 at most).
+CLAIM_TRIES = 5
+
+
+def claim(
+    engine: sa.Engine,
+    *,
+    key: keys.LockKey,
+    task_id: str,
+    task_name: str,
+    mode: str,
+    stale: float,
+    bound: float,
+) -> tuple[str, str]:
+    """Take ``key``'s row for ``task_id``: ("new" | "took_over" | "queued", owner's id)."""
+    ensure_table(engine, bound)
+    classid, objid, objsubid = key.pg_locks_ids
+    params = {
+        "c": classid,
+        "o": objid,
+        "s": objsubid,
+        "id": task_id,
+        "name": task_name,
+        "run": keys.run_key(task_id).ids[-1],
+        "mode": mode,
+        "stale": max(0.0, stale),
+    }
+    with (
+        driver_errors.wrap_db_errors(f"check the queue of lock {key.name!r}", engine),
+        fencing_tokens.autocommit(engine) as dbapi,
+        deadlines.bounded(dbapi, bound),
+        dbapi.cursor() as cursor,
+    ):
+        for _ in range(CLAIM_TRIES):
+            cursor.execute(CLAIM, params)
+            row = cursor.fetchone()
+            if row is not None and row[0] != "retry":
+                return str(row[0]), str(row[1])
+    raise exceptions.DatabaseError(
+        f"Could not check the queue of lock {key.name!r} (key {key}): its row kept "
+        f"changing under {CLAIM_TRIES} tries."
+    )
+
+
+def give_back(engine: sa.Engine, key: keys.LockKey, task_id: str, bound: float) -> None:
+    """Delete ``task_id``'s row of ``key``, if it still has it; logs, never raises."""
+    classid, objid, objsubid = key.pg_locks_ids
+    try:
+        with (
+            fencing_tokens.autocommit(engine) as dbapi,
+            deadlines.bounded(dbapi, bound),
+            dbapi.cursor() as cursor,
+        ):
+            cursor.execute(
+                DELETE_ONE, {"c": classid, "o": objid, "s": objsubid, "id": task_id}
+            )
+    except Exception:
+        logger.warning(
+            "Could not free the queued key %s of %s; `celery pglock queued clear %s` "
+            "frees it, or it frees itself once stale",
+            key,
+            task_id,
+            task_id,
+            exc_info=True,
+        )
+
+
+def parse_header(value: object) -> tuple[int, int, int] | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        classid, objid, objsubid = (int(part) for part in value.split(":"))
+    except ValueError:
+        return None
+    return classid, objid, objsubid
+
+
+def header_of(key: keys.LockKey) -> str:
+    return ":".join(str(part) for part in key.pg_locks_ids)

@@ -1,0 +1,396 @@
+"""lock_enqueue in-process against real PostgreSQL and Redis: what a send publishes or
+returns, how a run changes its key's row, and what frees a key whose message never ran.
+Real workers, revokes and kills: tests/acceptance/test_enqueue.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+import uuid
+
+import pytest
+from celery import signals as celery_signals
+from celery.app.trace import build_tracer
+
+from celery_pglock import (
+    AlreadyQueued,
+    ConfigurationError,
+    EnqueueUnavailable,
+    LockSkipped,
+    current_lock,
+)
+from celery_pglock.lock import fencing_tokens, queued
+from celery_pglock.task import enqueue
+from tests.integration.task_support import current_engine, define, hold
+
+
+@pytest.fixture
+def published():
+    """Task ids published during the test (after_task_publish, this process)."""
+    ids: list[str] = []
+
+    def count(sender=None, headers=None, **_):
+        ids.append(headers["id"])
+
+    celery_signals.after_task_publish.connect(count, weak=False)
+    yield ids
+    celery_signals.after_task_publish.disconnect(count)
+
+
+def rows(task, *args):
+    """(task_id, mode, started) of the key's row, or None."""
+    key = task.lock_key_for(*args)
+    with (
+        fencing_tokens.autocommit(current_engine(task.app)) as dbapi,
+        dbapi.cursor() as cursor,
+    ):
+        cursor.execute(
+            "SELECT task_id, mode, started_at IS NOT NULL FROM celery_pglock_queued "
+            "WHERE (classid, objid, objsubid) = (%s, %s, %s)",
+            key.pg_locks_ids,
+        )
+        return cursor.fetchone()
+
+
+def make(app, name, fun, **options):
+    """A SingletonTask named ``it.<name>`` (define() names tasks by function)."""
+    fun.__name__ = f"enqueue_{name}"
+    return define(app, fun, **options)
+
+
+def deliver(task, task_id, *args):
+    """Run a published message's body as a worker's pool would (Celery's tracer)."""
+    tracer = build_tracer(task.name, task, app=task.app)
+    request = {
+        "id": task_id,
+        "root_id": task_id,
+        "hostname": "it@localhost",
+        "delivery_info": {"exchange": "", "routing_key": "q", "redelivered": False},
+    }
+    return tracer(task_id, list(args), {}, request)
+
+
+def test_until_finished_publishes_once_until_the_run_ends(app, published):
+    """A second send of a queued key publishes nothing and returns the queued id; the
+    row is kept (started) through the run and deleted by the release; then a send
+    publishes again."""
+    seen = []
+
+    def report(tenant):
+        seen.append(rows(task, tenant))
+        # While it runs, a send is still a duplicate of the running message.
+        seen.append(task.delay(tenant).id)
+
+    task = define(app, report, lock_args=("tenant",), lock_enqueue="until_finished")
+    first = task.delay(7)
+    second = task.delay(7)
+    other = task.delay(8)  # another key: its own message
+    assert second.id == first.id
+    assert [first.id, other.id] == published
+    assert (first.id, "f", False) == rows(task, 7)
+    deliver(task, first.id, 7)
+    assert [(first.id, "f", True), first.id] == seen
+    assert rows(task, 7) is None
+    third = task.delay(7)
+    assert third.id not in (first.id, other.id)
+    assert [first.id, other.id, third.id] == published
+
+
+def test_until_started_frees_the_key_when_the_run_starts(app, published):
+    """until_started: the run's lock statement deletes its row, so a send during the
+    run is queued as the one follow-up, and its duplicates return the follow-up."""
+    during = []
+
+    def report(tenant):
+        during.append(rows(task, tenant))
+        follow_up = task.delay(tenant)
+        during.append((follow_up.id, task.delay(tenant).id))
+
+    task = define(app, report, lock_args=("tenant",), lock_enqueue="until_started")
+    first = task.delay(1)
+    assert task.delay(1).id == first.id
+    deliver(task, first.id, 1)
+    follow_up, duplicate = during[1]
+    assert during[0] is None
+    assert follow_up == duplicate != first.id
+    assert [first.id, follow_up] == published
+    assert (follow_up, "s", False) == rows(task, 1)
+
+
+def test_until_started_follow_up_waits_for_the_run_then_retries(app):
+    """until_started defaults lock_on_busy to 'wait': a follow-up delivered while the
+    run holds the key is not skipped; past lock_wait_timeout it is re-queued."""
+    task = make(
+        app,
+        "follow",
+        lambda tenant: None,
+        lock_args=("tenant",),
+        lock_enqueue="until_started",
+        lock_wait_timeout=0.2,
+        lock_retry_delay=60,
+    )
+    assert "wait" == task.lock_config.on_busy.value
+    follow_up = task.delay(4)
+    holder = hold(task, 4)
+    try:
+        outcome = deliver(task, follow_up.id, 4)
+    finally:
+        holder.release()
+    assert "RETRY" == task.AsyncResult(follow_up.id).state, outcome
+    assert follow_up.id == rows(task, 4)[0]  # the retry is the key's message still
+
+
+def test_a_skipped_message_gives_its_key_back(app):
+    task = make(
+        app,
+        "skip",
+        lambda tenant: None,
+        lock_args=("tenant",),
+        lock_enqueue="until_finished",
+        lock_on_busy="skip",
+    )
+    message = task.delay(5)
+    holder = hold(task, 5)
+    try:
+        deliver(task, message.id, 5)
+    finally:
+        holder.release()
+    assert isinstance(task.AsyncResult(message.id).result, LockSkipped)
+    assert rows(task, 5) is None
+
+
+def test_on_duplicate_raise_names_the_queued_message(app, published):
+    task = make(
+        app,
+        "raise",
+        lambda tenant: None,
+        lock_args=("tenant",),
+        lock_enqueue="until_finished",
+        lock_enqueue_on_duplicate="raise",
+    )
+    first = task.delay(2)
+    with pytest.raises(AlreadyQueued) as raised:
+        task.apply_async(args=(2,))
+    assert first.id == raised.value.task_id
+    assert str(task.lock_key_for(2)) == raised.value.key
+    assert [first.id] == published
+
+
+def test_racing_sends_publish_one_message(app, published):
+    """40 threads send one key at once: one message, every caller holds its id."""
+    task = make(
+        app,
+        "race",
+        lambda tenant: None,
+        lock_args=("tenant",),
+        lock_enqueue="until_finished",
+    )
+    barrier = threading.Barrier(40)
+    ids: list[str] = []
+
+    def send():
+        barrier.wait(timeout=30)
+        ids.append(task.delay(9).id)
+
+    threads = [threading.Thread(target=send) for _ in range(40)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert 40 == len(ids)
+    assert 1 == len(set(ids))
+    assert ids[:1] == published
+
+
+def test_an_expired_message_frees_its_key_at_its_expiry(app, published):
+    """expires bounds the row: after it, the next send takes the key over."""
+    task = make(
+        app,
+        "expires",
+        lambda tenant: None,
+        lock_args=("tenant",),
+        lock_enqueue="until_finished",
+    )
+    first = task.apply_async(args=(3,), expires=0.5)
+    assert task.delay(3).id == first.id
+    time.sleep(0.8)
+    assert task.delay(3).id != first.id
+    assert 2 == len(published)
+
+
+def test_a_lost_message_frees_its_key_after_lost_after(app):
+    """A message that never runs (purged, lost) holds its key lock_enqueue_lost_after
+    past its due time, and not longer; a countdown adds to it."""
+    task = make(
+        app,
+        "lost",
+        lambda tenant: None,
+        lock_args=("tenant",),
+        lock_enqueue="until_finished",
+        lock_enqueue_lost_after=0.5,
+    )
+    first = task.delay(6)
+    time.sleep(0.8)
+    second = task.delay(6)
+    assert second.id != first.id
+    later = task.apply_async(args=(7,), countdown=1.0)
+    time.sleep(0.8)
+    assert task.delay(7).id == later.id  # due in 1 s, plus 0.5 s
+
+
+def test_a_stale_row_whose_run_lock_is_held_is_not_taken_over(app):
+    """Past stale_at, a row is free only if its run lock is free: a long run keeps its
+    key however long it runs."""
+    task = make(
+        app,
+        "long",
+        lambda tenant: None,
+        lock_args=("tenant",),
+        lock_enqueue="until_finished",
+        lock_enqueue_lost_after=0.2,
+    )
+    first = task.delay(8)
+    from celery_pglock import AdvisoryLock, keys
+
+    run_lock = AdvisoryLock(engine=current_engine(app), key=keys.run_key(first.id))
+    assert run_lock.acquire()
+    try:
+        time.sleep(0.4)
+        assert task.delay(8).id == first.id
+    finally:
+        run_lock.release()
+    assert task.delay(8).id != first.id
+
+
+def test_a_retry_keeps_the_key_for_itself(app, published):
+    """A run that retries publishes its retry (same id) and leaves the row to it."""
+
+    def flaky(self, tenant):
+        if self.request.retries == 0:
+            raise self.retry(countdown=60)
+
+    task = app.task(
+        base=__import__("celery_pglock").SingletonTask,
+        bind=True,
+        name=f"it.flaky.{uuid.uuid4().hex[:6]}",
+        shared=False,
+        lock_args=("tenant",),
+        lock_enqueue="until_finished",
+        max_retries=2,
+    )(flaky)
+    app.finalize(auto=True)
+    task = app.tasks[task.name]
+    first = task.delay(1)
+    deliver(task, first.id, 1)
+    assert [first.id, first.id] == published  # the retry was published
+    assert first.id == rows(task, 1)[0]
+    assert task.delay(1).id == first.id
+
+
+def test_a_send_with_a_callback_is_published_even_when_queued(app, published):
+    """Deduplicated, a link or chain would never run: published (unchecked) instead."""
+    task = make(
+        app,
+        "canvas",
+        lambda tenant: None,
+        lock_args=("tenant",),
+        lock_enqueue="until_finished",
+    )
+    first = task.delay(2)
+    linked = task.apply_async(args=(2,), link=task.si(3))
+    assert linked.id != first.id
+    assert [first.id, linked.id] == published
+
+
+def test_unreachable_database_publishes_nothing(app, published, database_url):
+    app.conf.pglock_database_url = "postgresql+psycopg2://u:secret@127.0.0.1:9/x"
+    app.conf.pglock_db_timeout = 1.0
+    task = make(
+        app,
+        "down",
+        lambda tenant: None,
+        lock_args=("tenant",),
+        lock_enqueue="until_finished",
+    )
+    started = time.monotonic()
+    with pytest.raises(EnqueueUnavailable) as raised:
+        task.delay(1)
+    assert time.monotonic() - started < 5
+    assert "secret" not in str(raised.value)
+    assert "lock_enqueue_on_error" in str(raised.value)
+    assert [] == published
+    task2 = make(
+        app,
+        "down2",
+        lambda tenant: None,
+        lock_args=("tenant",),
+        lock_enqueue="until_finished",
+        lock_enqueue_on_error="publish",
+    )
+    result = task2.delay(1)
+    assert [result.id] == published
+
+
+def test_revoked_and_rejected_messages_free_their_keys(app):
+    """The worker's main-process hooks: task_revoked (revoke, expiry) and task_rejected
+    delete the row of that message only, off the consumer thread."""
+    task = make(
+        app,
+        "revoke",
+        lambda tenant: None,
+        lock_args=("tenant",),
+        lock_enqueue="until_finished",
+    )
+    first = task.delay(1)
+    header = queued.header_of(task.lock_key_for(1))
+
+    request = types.SimpleNamespace(id=first.id, headers={queued.HEADER: header})
+    enqueue.on_revoked(sender=task, request=request)
+    deadline = time.monotonic() + 5
+    while rows(task, 1) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rows(task, 1) is None
+    second = task.delay(1)
+
+    message = types.SimpleNamespace(
+        headers={queued.HEADER: header, "task": task.name, "id": "another id"}
+    )
+    consumer = types.SimpleNamespace(app=app)
+    enqueue.on_rejected(sender=consumer, message=message)
+    time.sleep(0.5)
+    assert second.id == rows(task, 1)[0]  # not its message: kept
+    message.headers["id"] = second.id
+    enqueue.on_rejected(sender=consumer, message=message)
+    deadline = time.monotonic() + 5
+    while rows(task, 1) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rows(task, 1) is None
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"lock_enqueue": "always"}, "'until_finished', 'until_started'"),
+        (
+            {"lock_enqueue": "until_finished", "lock_scope": "transaction"},
+            "lock_scope='session'",
+        ),
+        ({"lock_enqueue": "until_finished", "lock_shadow": True}, "lock_shadow"),
+        ({"lock_enqueue_on_duplicate": "ignore"}, "'return', 'raise'"),
+        ({"lock_enqueue_lost_after": 0}, "positive number of seconds"),
+    ],
+)
+def test_bad_enqueue_options_are_refused_at_bind(app, options, expected):
+    with pytest.raises(ConfigurationError) as raised:
+        make(app, "bad", lambda tenant: None, lock_args=("tenant",), **options)
+    assert expected in str(raised.value)
+
+
+def test_current_lock_in_an_enqueued_run(app):
+    task = make(
+        app, "cur", lambda: str(current_lock().key), lock_enqueue="until_started"
+    )
+    message = task.delay()
+    deliver(task, message.id)
+    assert rows(task) is None
