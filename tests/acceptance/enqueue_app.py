@@ -1,0 +1,44 @@
+"""The acceptance app's lock_enqueue tasks (tests/acceptance/test_enqueue.py): run by
+``celery -A tests.acceptance.enqueue_app worker``, bodies recorded as in app.py."""
+
+from __future__ import annotations
+
+from celery_pglock import SingletonTask
+from tests.acceptance.app import _body, app, open_gate, protected, recorder
+
+__all__ = ["app", "open_gate", "protected", "recorder"]
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    lock_args=("run", "key"),
+    lock_enqueue="until_finished",
+)
+def until_finished(
+    self, run: str, key: str, hold: float = 0.0, gate: str | None = None
+) -> str:
+    return _body(self, run, key, hold, gate)
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    lock_args=("run", "key"),
+    lock_enqueue="until_started",
+)
+def until_started(
+    self, run: str, key: str, hold: float = 0.0, gate: str | None = None
+) -> str:
+    return _body(self, run, key, hold, gate)
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    lock_args=("run", "key"),
+    lock_enqueue="until_finished",
+    lock_enqueue_lost_after=2,
+)
+def soon_lost(self, run: str, key: str) -> str:
+    return _body(self, run, key, 0.0, None)
