@@ -410,13 +410,15 @@ def _valid_lock_args(
 PEER_OPTIONS = {
     "once": (
         "celery-once",
-        "use {keys} for its 'keys', lock_on_busy for 'graceful' ('skip', the default, "
-        "or 'raise'), and for 'timeout', {no_expiry}",
+        "use lock_enqueue='until_finished' with {keys} for its 'keys', "
+        "lock_enqueue_on_duplicate for 'graceful' ('return', the default, or 'raise'), "
+        "lock_enqueue='until_started' for 'unlock_before_run', and for 'timeout', "
+        "{no_expiry}",
     ),
-    "unique_on": ("celery-singleton", "use {keys}"),
+    "unique_on": ("celery-singleton", "use lock_enqueue='until_finished' with {keys}"),
     "raise_on_duplicate": (
         "celery-singleton",
-        "use lock_on_busy='raise', or leave the default lock_on_busy='skip'",
+        "use lock_enqueue_on_duplicate='raise' with lock_enqueue='until_finished'",
     ),
     "lock_expiry": ("celery-singleton", "{no_expiry}"),
     "heimdall": (
@@ -442,7 +444,8 @@ def peer_refusal(
         if isinstance(names, (list, tuple))
         else "lock_args naming every parameter",
         no_expiry="remove it: the lock ends with the run, or with its database "
-        "session when a worker dies, so there is no expiry to choose",
+        "session when a worker dies, so there is no expiry to choose "
+        "(lock_enqueue_lost_after bounds only a message that never starts)",
     )
     return exceptions.ConfigurationError(
         f"Task {task_name!r}: {option!r} is a {library} option, which SingletonTask "

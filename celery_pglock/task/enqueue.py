@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Options that carry a continuation: deduplicated, the caller's callback would never run.
-_CONTINUATIONS = ("link", "link_error", "chain", "chord")
+#: Options of canvas sends: a callback, or a result id frozen by the caller (a group's
+#: GroupResult, a chain's links). Deduplicated, those would never complete.
+_CONTINUATIONS = ("link", "link_error", "chain", "chord", "group_id", "parent_id")
 #: Seconds between WARNINGs per task for sends published unchecked.
 _WARN_EVERY = 60.0
 _warned: dict[tuple[str, str], float] = {}
@@ -76,7 +77,7 @@ def publish(
             # A retry is the same message going on: always published (docs/guide/enqueue.md).
             return send(args, kwargs, task_id, headers=headers, **options)
         if any(options.get(name) for name in _CONTINUATIONS):
-            _unchecked(task, "canvas", f"its send carries a callback or chain ({key})")
+            _unchecked(task, "canvas", f"it is part of a canvas ({key})")
             return send(args, kwargs, task_id, headers=headers, **options)
         outcomes.enqueued(task, "duplicate")
         if config.enqueue_on_duplicate is OnDuplicate.RAISE:

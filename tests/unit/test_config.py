@@ -305,8 +305,8 @@ def test_memoised_scalar_keys_keep_types_apart(app):
             {"once": {"keys": ["tenant_id"], "graceful": True, "timeout": 60}},
             [
                 "'once' is a celery-once option",
-                "lock_args=('tenant_id',)",
-                "lock_on_busy",
+                "lock_enqueue='until_finished' with lock_args=('tenant_id',)",
+                "lock_enqueue_on_duplicate",
                 "no expiry to choose",
             ],
         ),
@@ -314,7 +314,7 @@ def test_memoised_scalar_keys_keep_types_apart(app):
         ({"once": {"graceful": True}}, ["lock_args naming every parameter"]),
         (
             {"raise_on_duplicate": True},
-            ["celery-singleton", "lock_on_busy='raise'"],
+            ["celery-singleton", "lock_enqueue_on_duplicate='raise'"],
         ),
         (
             {"lock_expiry": 3600},
@@ -351,7 +351,7 @@ def test_peer_option_on_a_subclass_is_refused(app):
         return tenant_id
 
     app.task(base=Migrated, name="unit.export", shared=False)(export)
-    with pytest.raises(ConfigurationError, match="use lock_args=\\('tenant_id',\\)"):
+    with pytest.raises(ConfigurationError, match="with lock_args=\\('tenant_id',\\)"):
         app.finalize(auto=True)
 
 

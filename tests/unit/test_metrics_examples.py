@@ -163,6 +163,7 @@ SQL_OBJECTS = {
     "celery_pglock_locks",
     "celery_pglock_fencing",
     "celery_pglock_fencing_token_seq",
+    "celery_pglock_queued",
 }
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

@@ -9,6 +9,7 @@ import time
 import types
 import uuid
 
+import celery
 import pytest
 from celery import signals as celery_signals
 from celery.app.trace import build_tracer
@@ -289,7 +290,8 @@ def test_a_retry_keeps_the_key_for_itself(app, published):
 
 
 def test_a_send_with_a_callback_is_published_even_when_queued(app, published):
-    """Deduplicated, a link or chain would never run: published (unchecked) instead."""
+    """Deduplicated, a callback, group member or chain link would never complete:
+    published (unchecked) instead."""
     task = make(
         app,
         "canvas",
@@ -300,7 +302,11 @@ def test_a_send_with_a_callback_is_published_even_when_queued(app, published):
     first = task.delay(2)
     linked = task.apply_async(args=(2,), link=task.si(3))
     assert linked.id != first.id
-    assert [first.id, linked.id] == published
+    # A group's result and a chain's links are ids frozen before the send.
+    grouped = celery.group(task.si(2), task.si(2)).apply_async()
+    chained = celery.chain(task.si(2), task.si(2)).apply_async()
+    members = [result.id for result in grouped.results]
+    assert [first.id, linked.id, *members, chained.parent.id] == published
 
 
 def test_unreachable_database_publishes_nothing(app, published, database_url):
