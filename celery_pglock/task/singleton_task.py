@@ -289,8 +289,10 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 queued.UNTIL_STARTED if until_started else queued.UNTIL_FINISHED,
                 key.pg_locks_ids,
                 execution.task_id,
-                # A dead acks_late run's message comes back: its key waits for it.
-                options.enqueue_lost_after if self.acks_late else 0.0,
+                # A killed run's message is requeued: its key waits for it.
+                options.enqueue_lost_after
+                if self.acks_late and self.reject_on_worker_lost
+                else 0.0,
             )
         return lock
 
