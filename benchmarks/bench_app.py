@@ -239,9 +239,12 @@ def _unawaited_release() -> None:
         bound: float,
         run: Any,
         on_granted: Any,
+        row: Any = None,
     ) -> Any:
-        if run is not None:
-            raise NotImplementedError("no run locks (acks_late) in this measurement")
+        if run is not None or row is not None:
+            raise NotImplementedError(
+                "no run locks or lock_enqueue in this measurement"
+            )
         if transaction or timeout_ms is not None:
             return waits_first(
                 self, key, label, timeout_ms, transaction, bound, run, on_granted

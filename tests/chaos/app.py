@@ -83,3 +83,41 @@ def work(self: Any, run: str, key: str, seconds: float) -> str:
             recorder.heartbeat(row_id)
             time.sleep(min(left, HEARTBEAT))
     return "ran"
+
+
+#: lock_enqueue_lost_after of the enqueue phase's tasks: the bound it waits out at the end.
+ENQUEUE_LOST_AFTER = 6.0
+
+
+def _enqueued(self: Any, run: str, key: str, seconds: float) -> str:
+    # Keyed by task too: the two tasks' locks of one key name are different locks.
+    with recorder.record(run, f"{self.name}/{key}", self.request.id) as row_id:
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            recorder.heartbeat(row_id)
+            time.sleep(min(left, HEARTBEAT))
+    return "ran"
+
+
+until_finished = app.task(
+    base=SingletonTask,
+    bind=True,
+    name="chaos.until_finished",
+    lock_args=("run", "key"),
+    lock_enqueue="until_finished",
+    lock_enqueue_lost_after=ENQUEUE_LOST_AFTER,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    autoretry_for=(DatabaseError,),
+    max_retries=5,
+)(_enqueued)
+until_started = app.task(
+    base=SingletonTask,
+    bind=True,
+    name="chaos.until_started",
+    lock_args=("run", "key"),
+    lock_enqueue="until_started",
+    lock_enqueue_lost_after=ENQUEUE_LOST_AFTER,
+    lock_retry_delay=0.5,
+    max_retries=50,
+)(_enqueued)

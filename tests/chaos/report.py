@@ -84,6 +84,7 @@ def collect(chaos: Chaos, started: float) -> dict[str, Any]:
         lost_by_broker_ids=broker_lost[:20],
         advisory_locks_left=left,
         wall_seconds=round(time.time() - started, 1),
+        enqueue=chaos.enqueue_figures,
         **_from_logs(chaos),
     )
     return figures
@@ -213,6 +214,7 @@ def checks(figures: dict[str, Any], plan: Plan) -> list[tuple[str, bool]]:
         and loss["detected_after_s"] > DETECTION_BOUND[loss["fault"].split(" (")[0]]
     ]
     kinds = [f["fault"] for f in figures["faults"]]
+    enqueue = figures["enqueue"]
     return [
         ("0 unaccounted", figures["unaccounted"] == 0),
         ("0 unexplained overlaps", not figures["overlaps_unexplained"]),
@@ -236,6 +238,15 @@ def checks(figures: dict[str, Any], plan: Plan) -> list[tuple[str, bool]]:
         ("hard time-limit kills", figures["time_limit_kills"] > 0),
         ("broker redeliveries", figures["redelivered"] > 0),
         ("link frozen and cut", "link frozen, then cut" in kinds),
+        ("enqueue: 0 keys blocked at the end", enqueue["blocked_keys"] == 0),
+        (
+            "enqueue: a fresh send of every key published",
+            enqueue["fresh_send_failures"] == 0,
+        ),
+        ("enqueue: 0 unaccounted", enqueue["unaccounted"] == 0),
+        ("enqueue: 0 revoked messages ran", enqueue["revoked_that_ran"] == 0),
+        ("enqueue: 0 overlaps", enqueue["overlaps"] == 0),
+        ("enqueue: producers and children killed", enqueue["children_killed"] > 0),
     ]
 
 
@@ -301,6 +312,22 @@ def render(figures: dict[str, Any], results: list[tuple[str, bool]]) -> str:
             f"| {fault['fault']} | {fault['at_s']}s | "
             f"{'-' if recovered is None else f'{recovered:.2f}s'} | {fault['detail']} |"
         )
+    enqueue = figures["enqueue"]
+    lines += [
+        "",
+        "| enqueue phase | count |",
+        "|---|---|",
+        *(
+            f"| {name} | {value} |"
+            for name, value in enqueue.items()
+            if not name.endswith(("_ids", "_rows"))
+        ),
+    ]
+    if enqueue["unaccounted_ids"] or enqueue["blocked_rows"]:
+        lines += [
+            "",
+            f"enqueue: unaccounted {enqueue['unaccounted_ids']}, blocked {enqueue['blocked_rows']}",
+        ]
     lines += ["", "| check | result |", "|---|---|"]
     lines += [f"| {what} | {'ok' if ok else 'FAILED'} |" for what, ok in results]
     if figures["overlaps_unexplained"]:

@@ -2,7 +2,7 @@
 
 ``python -m tests.chaos [--short] [--seed N] [--json PATH]`` (docs/operations/chaos.md).
 
-Two phases, one after the other, so that each overlap has one possible cause:
+Three phases, one after the other, so that each overlap has one possible cause:
 
 1. *Main*: two prefork workers and a threads-pool worker run a stream of ``chaos.work``
    tasks on many keys (lock_on_lost='signal'), while the run SIGKILLs pool children and
@@ -13,6 +13,8 @@ Two phases, one after the other, so that each overlap has one possible cause:
    locks; the link freezes; the main workers keep sending duplicates of those keys; after
    ``CUT_AFTER`` seconds the proxy closes the frozen connections, which frees the locks on
    the server as its keepalives would, and the duplicates run.
+3. *Enqueue*: lock_enqueue under producer and pool-child kills, revokes, a purge and rows
+   never published (tests/chaos/enqueue_phase.py).
 
 The overlap recorder and the loss events live on the shared test database, which the chaos
 never touches. Every wait has a deadline; every process is stopped in ``finally``.
@@ -35,7 +37,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tests.chaos import faults
+from tests.chaos import enqueue_phase, faults
 from tests.chaos import report as reporting
 from tests.chaos.plan import (
     CHECK_TIMEOUT,
@@ -74,6 +76,7 @@ class Chaos:
         self.partition_holders: set[str] = set()
         self.sent_at: dict[str, float] = {}
         self.t0 = time.time()  #: Fault times are printed from the main phase's start.
+        self.enqueue_figures: dict[str, Any] = {}
 
     # -- processes --------------------------------------------------------------------
 
@@ -160,6 +163,7 @@ class Chaos:
             print(f"workers ready after {time.time() - started:.1f}s", flush=True)
             self._main_phase()
             self._partition_phase(proxy)
+            self.enqueue_figures = enqueue_phase.run(self)
             report = reporting.collect(self, started)
         finally:
             for worker in reversed(self.workers):
