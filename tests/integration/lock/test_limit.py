@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from celery_pglock import AdvisoryLock, keys
+from celery_pglock import AdvisoryLock, LockLostError, keys
 from celery_pglock.db import engines, sql_text
 from celery_pglock.lock import holder_lookup, sessions
 from celery_pglock.testing import _support
@@ -153,16 +153,25 @@ def test_runs_of_one_process_never_reenter_a_slot(
         lock.release()
 
 
-def test_a_wait_polls_the_slots_and_times_out_bounded(engine_factory, slots):
-    """lock_on_busy='wait' cannot block on 'any of N': it polls until its timeout, then
-    gives up (bounded); a slot freed during the wait is taken."""
+def test_a_wait_polls_the_slots_and_times_out_bounded(
+    engine_factory, slots, monkeypatch
+):
+    """lock_on_busy='wait' cannot block on 'any of N': it polls, pausing 50 ms, then
+    twice as long each time, until its timeout, then gives up (bounded); a slot freed
+    during the wait is taken."""
     holders = [slotted(engine_factory(), slots) for _ in range(3)]
     assert all(lock.acquire() for lock in holders)
     waiter = slotted(engine_factory(), slots)
+    tries = []
+    real = sessions._try_slots
+    monkeypatch.setattr(
+        sessions, "_try_slots", lambda *a, **k: tries.append(a) or real(*a, **k)
+    )
     started = time.monotonic()
     assert not waiter.acquire(timeout=0.6)
     waited = time.monotonic() - started
     assert 0.6 <= waited < 1.2
+    assert 4 <= len(tries) <= 6  # at 0, 0.05, 0.15, 0.35 and 0.6 s
     releaser = threading.Timer(0.3, holders[1].release)
     releaser.start()
     started = time.monotonic()
@@ -177,15 +186,22 @@ def test_a_wait_polls_the_slots_and_times_out_bounded(engine_factory, slots):
 
 
 def test_transaction_scope_takes_a_slot_in_its_transaction(engine_factory, slots):
-    """Transaction scope: the xact form of the statement; commit frees the slot."""
+    """Transaction scope: the slot is a transaction lock (it ends with the transaction,
+    here committed by the body), and release commits and frees it."""
     engine = engine_factory()
     locks = [slotted(engine, slots, scope="transaction") for _ in range(4)]
     assert [True, True, True, False] == [lock.acquire() for lock in locks]
     assert list(slots) == [lock.key for lock in locks[:3]]
+    locks[1].connection.commit()  # ends the transaction: slot 1 is free at once
+    other = slotted(engine_factory(), slots)
+    assert other.acquire()
+    assert slots[1] == other.key
+    with pytest.raises(LockLostError, match="ended early"):
+        locks[1].release()
     locks[0].release()
     assert locks[3].acquire()
     assert slots[0] == locks[3].key
-    for lock in locks[1:]:
+    for lock in (locks[2], locks[3], other):
         lock.release()
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from celery_pglock import AdvisoryLock, LockSkipped, current_lock, keys
 from celery_pglock.db import engines
-from tests.integration.task_support import current_engine, define, trace_delivery
+from celery_pglock.lock import sessions
+from tests.integration.task_support import current_engine, define, ran, trace_delivery
 
 
 def hold_slots(task, count):
@@ -72,3 +73,15 @@ def test_an_acks_late_run_takes_its_run_lock_in_the_slot_statement(app):
         locks[0].release()
     assert [True] == during
     assert not AdvisoryLock(engine=current_engine(app), key=run).locked()
+
+
+def test_the_default_limit_sends_no_slot_statement(app, monkeypatch):
+    """lock_limit=1 (the default) locks the key with the statements it always used."""
+    sent = []
+    real = sessions._try_slots
+    monkeypatch.setattr(
+        sessions, "_try_slots", lambda *a, **k: sent.append(a) or real(*a, **k)
+    )
+    task = define(app, ran, lock_limit=1)
+    assert "SUCCESS" == task.apply().state
+    assert [] == sent
