@@ -3,6 +3,7 @@ how a run finding every slot taken is skipped, naming a holder."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -85,3 +86,30 @@ def test_the_default_limit_sends_no_slot_statement(app, monkeypatch):
     task = define(app, ran, lock_limit=1)
     assert "SUCCESS" == task.apply().state
     assert [] == sent
+
+
+def test_the_watcher_checks_the_granted_slot(app, lost_events):
+    """A body holding slot 1 while slot 0 is held elsewhere is not taken for lost: the
+    watcher checks the slot the run holds."""
+
+    def slow():
+        time.sleep(1.0)
+
+    task = define(app, slow, lock_limit=2, lock_watch_interval=0.2)
+    _, locks = hold_slots(task, 1)
+    try:
+        assert "SUCCESS" == task.apply().state
+    finally:
+        locks[0].release()
+    assert [] == lost_events
+
+
+def test_shadow_mode_runs_the_body_when_every_slot_is_taken(app, events):
+    task = define(app, ran, lock_limit=2, lock_shadow=True)
+    _, locks = hold_slots(task, 2)
+    try:
+        assert "ran" == task.apply().get(timeout=5)
+    finally:
+        for lock in locks:
+            lock.release()
+    assert ["lock_skipped"] == [name for name, _ in events if name != "lock_completed"]
