@@ -316,19 +316,9 @@ def slot_keys(key: LockKey, limit: int) -> tuple[LockKey, ...]:
 
 @functools.lru_cache(maxsize=MEMO_ENTRIES)  # by ids only: never keeps a long key text
 def _more_slots(name: str, key: str, limit: int) -> tuple[LockKey, ...]:
-    return tuple(
-        LockKey(
-            name=name,
-            ids=(
-                _key_from_digest(
-                    hashlib.sha256(
-                        f"{KEY_FORMAT}/slot\0{key}\0{slot}".encode()
-                    ).digest()
-                ),
-            ),
-        )
-        for slot in range(1, limit)
-    )
+    texts = (f"{KEY_FORMAT}/slot\0{key}\0{slot}" for slot in range(1, limit))
+    digests = (hashlib.sha256(text.encode()).digest() for text in texts)
+    return tuple(LockKey(name=name, ids=(_key_from_digest(d),)) for d in digests)
 
 
 def canonical(value: object, where: str = "value") -> Json:

@@ -130,9 +130,8 @@ class LockSessions:
     ) -> Hold | None:
         """As ``acquire``, without waiting, of the first free of ``slots`` (lock_limit),
         tried only where no run of the process claims it (session locks re-enter)."""
-        session = cast(
-            "ProcessSession | PerLockSessions", self
-        )  # both define _take_slot
+        # Only the two strategies are ever made, and each has its _take_slot.
+        session = cast("ProcessSession | PerLockSessions", self)
         holds = [Hold(session, key.ids, slot=slot) for slot, key in enumerate(slots)]
         granted = None
         try:
@@ -303,7 +302,7 @@ class ProcessSession(LockSessions):
                 if granted is not None:
                     self._record(granted, name, run_ids, run_granted, on_granted)
             except BaseException as exc:
-                self._fail(f"acquiring lock {label!r} failed: {exc!r}", exc)
+                self._fail(f"acquiring lock {slots[0].name!r} failed: {exc!r}", exc)
                 self._raise(exc, f"acquire lock {slots[0].name!r}")
             owned = granted is not None and self._owners.get(granted.ids) is granted
             return granted if owned else None
@@ -563,7 +562,7 @@ class PerLockSessions(LockSessions):
         on_granted: Callable[[Hold], None] | None,
     ) -> Hold | None:
         scope = LockScope.TRANSACTION if transaction else LockScope.SESSION
-        server_probe.check(self.engine, scope, label)
+        server_probe.check(self.engine, scope, slots[0].name)
         for hold in free:
             hold.idle_name = self._name("idle")
             hold.holding_name = self._name(str(slots[hold.slot]), label)
