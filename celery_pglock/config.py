@@ -190,7 +190,7 @@ class LockConfig:
     db_timeout: float = 5.0  #: Longest one round trip to the lock database may take.
     fencing: bool = False  #: Issue a fencing token to each acquisition.
     enqueue: Enqueue | None = (
-        None  #: Keep duplicates from the queue (None: run lock only).
+        None  #: Keep duplicates out of the queue (None: run lock only).
     )
     enqueue_on_duplicate: OnDuplicate = (
         OnDuplicate.RETURN
@@ -200,13 +200,14 @@ class LockConfig:
     )  #: Lock database unreachable.
     #: Seconds past its due time before a never-started message stops holding its key.
     enqueue_lost_after: float = 3600.0
+    limit: int = 1  #: Runs of one key at once (lock_limit): its slots.
     lock_args: tuple[str, ...] = ()  #: Parameter names whose values form the key.
     fixed_key: keys.LockKey | None = None  #: The key when it never varies per call.
 
 
 _DEFAULTS = LockConfig(task_name="", name="")
 APP_SETTINGS = {f"lock_{field}": f"pglock_{field}" for field in _CHECKS}
-TASK_OPTIONS = ("lock_args", "lock_id", "lock_name", *APP_SETTINGS)
+TASK_OPTIONS = ("lock_args", "lock_id", "lock_limit", "lock_name", *APP_SETTINGS)
 # Settings read by db/ and metrics.py (which validates its own), known to catch typos.
 DATABASE_SETTINGS = (
     DATABASE_URL_SETTING,
@@ -292,7 +293,27 @@ def resolve(
             "transaction to lend its body): set lock_shadow=False on this task, or "
             "shadow it with lock_scope='session' first",
         )
+    limit = attributes.get("lock_limit", 1)
+    if type(limit) is not int or not 1 <= limit <= keys.SLOT_MAX:
+        expected = f"an int from 1 to {keys.SLOT_MAX} (runs of one key at once)"
+        raise _fail(task_name, "lock_limit", limit, expected)
+    if limit > 1 and values["fencing"]:
+        raise _fail(
+            task_name,
+            source["fencing"],
+            True,
+            f"False with lock_limit={limit} (a fencing token orders the holders of one "
+            "key, and lock_limit lets several hold it at once): drop one of them",
+        )
     if values["enqueue"] is not None:
+        if limit > 1:
+            raise _fail(
+                task_name,
+                "lock_limit",
+                limit,
+                "1 with lock_enqueue (a queued row belongs to one running message; "
+                "several slots of one key would share it)",
+            )
         _check_enqueue(task_name, values, source, attributes, conf)
     interval, timeout = values["watch_interval"], values["db_timeout"]
     if (
@@ -327,6 +348,7 @@ def resolve(
         name=lock_name,
         lock_args=lock_args,
         fixed_key=fixed_key,
+        limit=limit,
         **values,
     )
 

@@ -297,6 +297,30 @@ def run_key(task_id: str) -> LockKey:
     )
 
 
+#: Most slots a ``lock_limit`` may ask for: the slot statement lists them all.
+SLOT_MAX = 64
+
+
+#: The SQL twin of slot ``i`` >= 1 of a key; params: ``str(key)`` ("1001", "42,1001"), ``i``.
+SLOT_KEY_SQL = (
+    "('x' || left(encode(sha256(convert_to('celery_pglock/1/slot', 'UTF8') || "
+    "decode('00', 'hex') || convert_to(%s, 'UTF8') || decode('00', 'hex') || "
+    "convert_to(%s::text, 'UTF8')), 'hex'), 16))::bit(64)::bigint"
+)
+
+
+def slot_keys(key: LockKey, limit: int) -> tuple[LockKey, ...]:
+    """``key``'s ``limit`` slots, ``key`` first (docs/reference/keys.md, Slots)."""
+    return (key, *_more_slots(key.name, str(key), limit))
+
+
+@functools.lru_cache(maxsize=MEMO_ENTRIES)  # by ids only: never keeps a long key text
+def _more_slots(name: str, key: str, limit: int) -> tuple[LockKey, ...]:
+    texts = (f"{KEY_FORMAT}/slot\0{key}\0{slot}" for slot in range(1, limit))
+    digests = (hashlib.sha256(text.encode()).digest() for text in texts)
+    return tuple(LockKey(name=name, ids=(_key_from_digest(d),)) for d in digests)
+
+
 def canonical(value: object, where: str = "value") -> Json:
     """Return ``value`` as plain JSON data whose text form is stable across processes.
 

@@ -56,6 +56,10 @@ def key(
             f"AND l.classid = {classid} AND l.objid = {objid} AND l.objsubid = {objsubid};"
         ),
         "key_sql": None,
+        # lock_limit: slot i's key (0: the key itself), docs/reference/keys.md (Slots).
+        "slots": [
+            str(slot) for slot in keys.slot_keys(lock_key, task.lock_config.limit)
+        ],
     }
     if lock_key.text is not None:
         material = json.dumps(json.loads(lock_key.text)[3], ensure_ascii=False)
@@ -76,6 +80,9 @@ def key(
     ]
     if lock_key.text is not None:
         lines.append(f"key text:   {lock_key.text}")
+    if len(forms["slots"]) > 1:
+        slots = "  ".join(f"{i}={slot}" for i, slot in enumerate(forms["slots"]))
+        lines.append(f"slots:      {slots}  (lock_limit, bigint)")
     lines.append(f"find it:    {forms['find_sql']}")
     if forms["key_sql"]:
         lines.append(f"in SQL:     {forms['key_sql']}  -- after `pglock sql --apply`")

@@ -54,12 +54,14 @@ def locks(target: Target, as_json: bool) -> None:
         if footer:
             click.echo(footer)
         return
-    header = ("KEY", "LOCK", "TASK", "HOLDER", "BACKEND", "SINCE", "HELD", "WAITING")
+    header = ["KEY", "LOCK", "SLOT", "TASK", "HOLDER", "BACKEND", "SINCE", "HELD"]
+    header.append("WAITING")
     table = [
-        (
+        [
             entry["key"],
             entry["lock_name"]
             or ("-" if entry["celery_pglock"] else "(not celery-pglock)"),
+            entry["slot"] or "-",
             entry["task"] or "-",
             holder_name(entry, "-"),
             str(entry["backend_pid"] or "-"),
@@ -70,9 +72,12 @@ def locks(target: Target, as_json: bool) -> None:
                 for w in entry["waiters"]
             )
             or "-",
-        )
+        ]
         for entry in entries
     ]
+    if not any(entry["slot"] for entry in entries):  # only lock_limit tasks have slots
+        for row in [header, *table]:
+            del row[2]
     widths = [max(map(len, column)) for column in zip(header, *table, strict=True)]
     for row in [header, *table]:
         click.echo("  ".join(map(str.ljust, row, widths)).rstrip())
@@ -88,11 +93,14 @@ def read(target: Target, engine: sa.Engine) -> list[dict[str, Any]]:
         target.conf().get("pglock_application_name") or engines.DEFAULT_APPLICATION_NAME
     ) + " "
     singletons = target.singleton_tasks
-    fixed = {
-        str(task.lock_config.fixed_key): (task.name, task.lock_config.name)
-        for task in singletons
-        if task.lock_config.fixed_key is not None
-    }
+    fixed: dict[str, tuple[str, str, str | None]] = {}  # key -> task, lock, slot i/N
+    for task in singletons:
+        options = task.lock_config
+        if options.fixed_key is not None:
+            slots = keys.slot_keys(options.fixed_key, options.limit)
+            for slot, key in enumerate(slots):
+                of = f"{slot}/{options.limit}" if options.limit > 1 else None
+                fixed[str(key)] = (task.name, options.name, of)
 
     def full_name(task: str | None) -> str | None:
         # application_name keeps only the tail of a long name ("~app.tasks.x").
@@ -125,6 +133,7 @@ def read(target: Target, engine: sa.Engine) -> list[dict[str, Any]]:
             {
                 "key": row["key"],
                 "lock_name": None,
+                "slot": None,
                 "waiters": [],
                 "held_seconds": None,
                 **dict.fromkeys(session),
@@ -136,7 +145,7 @@ def read(target: Target, engine: sa.Engine) -> list[dict[str, Any]]:
             continue
         entry.update(session, held_seconds=seconds)
         if row["key"] in fixed:  # a key independent of arguments names its task
-            entry["task"], entry["lock_name"] = fixed[row["key"]]
+            entry["task"], entry["lock_name"], entry["slot"] = fixed[row["key"]]
     return list(by_key.values())
 
 

@@ -3,6 +3,7 @@ forms, key ids first. Why: docs/design.md ("Each lock function is a scalar ...")
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 _KEY = {1: "%s::bigint", 2: "%s::integer, %s::integer"}
@@ -90,6 +91,28 @@ IS_LOCKED = (
 )
 
 HOLDER = f"SELECT ({_HOLDER_TEXT})"
+
+
+@functools.lru_cache(maxsize=1024)
+def try_slots(
+    slots: tuple[tuple[int, int], ...], *, transaction: bool, named: bool, run: bool
+) -> str:
+    """One try-lock of the first free of ``slots`` ((slot, key arity) each), as a CASE:
+    it stops at the first granted WHEN, so at most one slot is taken (docs/guide/limits.md).
+    Params per slot: key ids, [application_name], [run ids]. NULL when all are busy, else
+    ARRAY[slot, application_name?, run lock granted?]."""
+    lock = "pg_try_advisory_xact_lock" if transaction else "pg_try_advisory_lock"
+    label = ""
+    if named:
+        label = f", set_config('application_name', %s, {str(transaction).lower()})"
+        label += f" || {_KEEP_TRANSACTION}" if transaction else ""
+    run_lock = f", {lock}({_RUN})::text" if run else ""
+    branches = " ".join(
+        f"WHEN {lock}({_KEY[arity]}) THEN ARRAY['{slot}'{label}{run_lock}]"
+        for slot, arity in slots
+    )
+    return f"SELECT CASE {branches} END"
+
 
 #: "Not granted in time", not "the database failed".
 LOCK_NOT_AVAILABLE = "55P03"

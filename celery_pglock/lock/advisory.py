@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: lock_limit's bounded wait polls (PostgreSQL cannot wait for any one of N keys): the
+#: first pause and the longest, doubling in between (docs/guide/limits.md).
+SLOT_POLL_FIRST, SLOT_POLL_MAX = 0.05, 1.0
+
 
 class AdvisoryLock:
     """One advisory lock of ``engine``'s database, for one thread at a time.
@@ -61,6 +65,9 @@ class AdvisoryLock:
         self.run_key: LockKey | None = None  #: acks_late: the run lock (keys.run_key).
         #: lock_enqueue: the message's queued row, changed with the lock and the unlock.
         self.queued_row: queued.Queued | None = None
+        #: lock_limit: ``keys.slot_keys(key, N)``; the first free one is taken and, while
+        #: held, is ``key``.
+        self.slots: tuple[LockKey, ...] = (key,)
 
     def acquire(self, *, timeout: float | None = None) -> bool:
         """Take the lock; True if granted, False if another session holds it.
@@ -309,6 +316,8 @@ class AdvisoryLock:
         return f"<AdvisoryLock {self.key.name!r} key={self.key} scope={self.scope.value} {state}>"
 
     def _do_acquire(self, timeout_ms: int | None) -> bool:
+        if len(self.slots) > 1:
+            return self._do_acquire_slot(timeout_ms)
         hold = self._session.acquire(
             self.key,
             self._label,
@@ -324,3 +333,28 @@ class AdvisoryLock:
 
     def _granted(self, hold: sessions.Hold) -> None:
         self._hold = hold
+
+    def _do_acquire_slot(self, timeout_ms: int | None) -> bool:
+        """Try the slots, and poll them until ``timeout_ms`` with a doubling pause."""
+        self.key = self.slots[0]
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+        pause = SLOT_POLL_FIRST
+        while True:
+            hold = self._session.acquire_slot(
+                self.slots,
+                self._label,
+                self.scope is LockScope.TRANSACTION,
+                self.round_trip_timeout,
+                self.run_key,
+                self._granted_slot,
+            )
+            if hold is not None:
+                return True
+            remaining = 0.0 if deadline is None else deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(pause, remaining))
+            pause = min(pause * 2, SLOT_POLL_MAX)
+
+    def _granted_slot(self, hold: sessions.Hold) -> None:
+        self._hold, self.key = hold, self.slots[hold.slot]

@@ -10,7 +10,7 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from celery_pglock import exceptions
 from celery_pglock.config import LockScope
@@ -51,9 +51,8 @@ class Hold:
     lent: bool = False
     lost: str | None = None  # why its session ended before its release
     run_ids: tuple[int, ...] | None = None  # the run lock held beside the key
-    row: queued.Queued | None = (
-        None  # lock_enqueue: its queued row, changed with the lock
-    )
+    row: queued.Queued | None = None  # lock_enqueue: its queued row
+    slot: int = 0  # lock_limit: which of the key's slots (keys.slot_keys) ids is
 
 
 class Claims:
@@ -120,6 +119,33 @@ class LockSessions:
         what = f"looking up the holder of {key.name!r}"
         row = self._one_row(what, sql_text.HOLDER, key.pg_locks_ids, bound)
         return None if row is None else row[0]
+
+    def acquire_slot(
+        self,
+        slots: tuple[LockKey, ...],
+        label: str,
+        transaction: bool,
+        bound: float,
+        run: LockKey | None,
+        on_granted: Callable[[Hold], None] | None,
+    ) -> Hold | None:
+        """As ``acquire``, without waiting, of the first free of ``slots`` (lock_limit),
+        tried only where no run of the process claims it (session locks re-enter)."""
+        # Only the two strategies are ever made, and each has its _take_slot.
+        session = cast("ProcessSession | PerLockSessions", self)
+        holds = [Hold(session, key.ids, slot=slot) for slot, key in enumerate(slots)]
+        granted = None
+        try:
+            free = [hold for hold in holds if self.claims.claim(hold)]
+            if free:  # else all are claimed here: busy without a round trip
+                granted = session._take_slot(
+                    free, slots, label, transaction, bound, run, on_granted
+                )
+        finally:
+            for hold in holds:
+                if hold is not granted:
+                    self.claims.release(hold)  # a no-op if its claim was refused
+        return granted
 
     def run_alive(self, run: LockKey, *, bound: float) -> bool | None:
         what = f"checking run lock {run}"
@@ -244,16 +270,8 @@ class ProcessSession(LockSessions):
                     # Bounded: a frozen link would stall every lock statement here.
                     with self._bound(bound):
                         granted, run_granted = self._try(ids, name, run_ids, row)
-                    if granted:
-                        # Inside the try, for the same reason.
-                        self._shown = hold.holding_name = name
-                        hold.connection = self._connection
-                        self._owners[ids] = hold
-                        if run_granted and run_ids is not None:
-                            hold.run_ids = run_ids
-                            self._runs[run_ids] = hold
-                        if on_granted is not None:
-                            on_granted(hold)
+                    if granted:  # inside the try, for the same reason
+                        self._record(hold, name, run_ids, run_granted, on_granted)
                 except BaseException as exc:
                     self._fail(f"acquiring lock {key.name!r} failed: {exc!r}", exc)
                     self._raise(exc, f"acquire lock {key.name!r}")
@@ -261,6 +279,54 @@ class ProcessSession(LockSessions):
                 if self._owners.get(ids) is not hold:
                     self.claims.release(hold)  # a no-op if the claim was refused
             return hold if self._owners.get(ids) is hold else None
+
+    def _take_slot(
+        self,
+        free: list[Hold],
+        slots: tuple[LockKey, ...],
+        label: str,
+        transaction: bool,  # never: transaction scope has its per-lock sessions
+        bound: float,
+        run: LockKey | None,
+        on_granted: Callable[[Hold], None] | None,
+    ) -> Hold | None:
+        with self._mutex:
+            run_ids = None if run is None or run.ids in self._runs else run.ids
+            if self._cursor is None:
+                self._connect(slots[0])
+            name = self._name(label)
+            for hold in free:
+                hold.holding_name = name
+            try:
+                with self._bound(bound):  # bounded, as in acquire
+                    granted, run_granted = _try_slots(
+                        self._cursor, free, name != self._shown, run_ids
+                    )
+                if granted is not None:
+                    self._record(granted, name, run_ids, run_granted, on_granted)
+            except BaseException as exc:
+                self._fail(f"acquiring lock {slots[0].name!r} failed: {exc!r}", exc)
+                self._raise(exc, f"acquire lock {slots[0].name!r}")
+            owned = granted is not None and self._owners.get(granted.ids) is granted
+            return granted if owned else None
+
+    def _record(
+        self,
+        hold: Hold,
+        name: str,
+        run_ids: tuple[int, ...] | None,
+        run_granted: bool,
+        on_granted: Callable[[Hold], None] | None,
+    ) -> None:
+        """Under the mutex: ``hold`` was granted on this session."""
+        self._shown = hold.holding_name = name
+        hold.connection = self._connection
+        self._owners[hold.ids] = hold
+        if run_granted and run_ids is not None:
+            hold.run_ids = run_ids
+            self._runs[run_ids] = hold
+        if on_granted is not None:
+            on_granted(hold)
 
     def _try(
         self,
@@ -495,6 +561,27 @@ class PerLockSessions(LockSessions):
                 self.claims.release(hold)  # a no-op if the claim was refused
         return hold if handed else None
 
+    def _take_slot(
+        self,
+        free: list[Hold],
+        slots: tuple[LockKey, ...],
+        label: str,
+        transaction: bool,
+        bound: float,
+        run: LockKey | None,
+        on_granted: Callable[[Hold], None] | None,
+    ) -> Hold | None:
+        scope = LockScope.TRANSACTION if transaction else LockScope.SESSION
+        server_probe.check(self.engine, scope, slots[0].name)
+        for hold in free:
+            hold.idle_name = self._name("idle")
+            hold.holding_name = self._name(str(slots[hold.slot]), label)
+        run_ids = None if run is None else run.ids
+        pinned = self._pin(free[0], slots[0], None, bound, run_ids, transaction, free)
+        if pinned is not None and on_granted is not None:
+            on_granted(pinned)
+        return pinned
+
     def fencing_holder(
         self, hold: Hold, key: LockKey, *, bound: float
     ) -> fencing_tokens.Holder | None:
@@ -523,8 +610,10 @@ class PerLockSessions(LockSessions):
         bound: float,
         run_ids: tuple[int, ...] | None,
         transaction: bool,
-    ) -> bool:
-        """Take ``key`` on a pooled connection pinned to ``hold``; False if busy."""
+        slots: list[Hold] | None = None,
+    ) -> Hold | None:
+        """Take ``key`` (or the first free of ``slots``) on a pooled connection pinned to
+        its hold; None if busy."""
         action = f"acquire lock {key.name!r}"
         with driver_errors.wrap_db_errors(action, self.engine, connecting=True):
             owner: Any = (
@@ -539,16 +628,23 @@ class PerLockSessions(LockSessions):
             if transaction:
                 lock_transaction = owner.begin()
             with dbapi.cursor() as cursor:
-                granted, run_granted, discard = _lock(
-                    cursor, key, hold, transaction, timeout_ms, bound, run_ids
-                )
+                if slots is None:
+                    granted, run_granted, discard = _lock(
+                        cursor, key, hold, transaction, timeout_ms, bound, run_ids
+                    )
+                else:
+                    with deadlines.bounded(dbapi, bound):
+                        chosen, run_granted = _try_slots(
+                            cursor, slots, True, run_ids, transaction
+                        )
+                    granted, discard, hold = chosen is not None, False, chosen or hold
             if not granted:
                 if transaction:
                     lock_transaction.rollback()
                 elif discard:
                     owner.invalidate()
                 owner.close()
-                return False
+                return None
         except BaseException as exc:
             # Unknown state (interrupted mid-statement): closing is the only safe release.
             self._retire_if_dead(pooled, exc)
@@ -558,12 +654,12 @@ class PerLockSessions(LockSessions):
         if transaction:
             hold.sa_connection, hold.transaction = owner, lock_transaction
         else:
-            engines.held_keys(pooled.info)[key.ids] += 1
+            engines.held_keys(pooled.info)[hold.ids] += 1
             pooled.info[engines.IDLE_NAME] = hold.idle_name
         hold.pooled, hold.connection = pooled, dbapi
         # A transaction-level run lock ends with the transaction: nothing to release.
         hold.run_ids = run_ids if run_granted else None
-        return True
+        return hold
 
     def release(self, hold: Hold, key: LockKey, commit: bool, timeout: float) -> None:
         """Unlock or end the transaction; the connection is closed after any failure."""
@@ -694,6 +790,36 @@ def _try_named(
     answer = cursor.fetchone()
     granted = answer is not None and answer[0] is not None
     return granted, granted and run_ids is not None and answer[0][1] == "true"
+
+
+def _try_slots(
+    cursor: Any,
+    holds: list[Hold],
+    named: bool,
+    run_ids: tuple[int, ...] | None,
+    transaction: bool = False,
+) -> tuple[Hold | None, bool]:
+    """The one of ``holds`` its slot statement (sql_text.try_slots) granted, labelled with
+    its ``holding_name`` if ``named``; and whether the run lock was granted."""
+    statement = sql_text.try_slots(
+        tuple((hold.slot, len(hold.ids)) for hold in holds),
+        transaction=transaction,
+        named=named,
+        run=run_ids is not None,
+    )
+    params: list[Any] = []
+    for hold in holds:
+        params.extend(hold.ids)
+        if named:
+            params.append(hold.holding_name)
+        params.extend(run_ids or ())
+    cursor.execute(statement, params)
+    row = cursor.fetchone()
+    if row is None or row[0] is None:
+        return None, False
+    slot = int(row[0][0])
+    granted = next(hold for hold in holds if hold.slot == slot)
+    return granted, run_ids is not None and row[0][-1] == "true"
 
 
 def _lock(

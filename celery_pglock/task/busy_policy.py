@@ -108,8 +108,11 @@ def report(
         if action is OnBusy.WAIT and not options.shadow
         else ""
     )
+    held = f"is held by {by}"
+    if options.limit > 1:
+        held = f"has all {options.limit} slots (lock_limit) held, one by {by}"
     message = (
-        f"Lock {key.name!r} (key {key}) is held by {by}{waited}; "
+        f"Lock {key.name!r} (key {key}) {held}{waited}; "
         f"{task.name}[{task_id}] did not run."
     )
     return message, details

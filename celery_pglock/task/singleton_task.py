@@ -124,6 +124,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     lock_id: ClassVar[int | tuple[int, int] | None] = None
     #: The name hashed into the key (default: the task name); shared, it shares a lock.
     lock_name: ClassVar[str | None] = None
+    #: Runs of one key at once, 1 (default) to 64 (docs/guide/limits.md).
+    lock_limit: ClassVar[int | None] = None
     #: Mixed into every key: separates apps sharing a database. App-wide: yes.
     lock_namespace: ClassVar[str | None] = None
     #: skip (default), raise, retry or wait. App-wide: yes.
@@ -272,6 +274,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             label=options.task_name,
         )
         lock.round_trip_timeout = options.db_timeout
+        if options.limit > 1:
+            lock.slots = keys.slot_keys(key, options.limit)
         # Before the grant: if a time limit lands before the body, task_postrun frees it.
         execution.lock = lock
         if execution.task_id is not None and self.acks_late:

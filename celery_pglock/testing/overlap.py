@@ -180,6 +180,22 @@ class OverlapRecorder:
             for row in rows
         ]
 
+    def peak(self, run: str, key: str) -> int:
+        """Most bodies of ``key`` in ``run`` running at one instant (0: none recorded).
+
+        A semaphore's check (``lock_limit=N``: at most N): the largest number of intervals
+        holding any interval's start, an unfinished one counted as still running.
+        """
+        rows = self._execute(
+            f"SELECT coalesce(max((SELECT count(*) FROM {self.table} b "
+            "WHERE b.run = a.run AND b.key = a.key AND b.started_at <= a.started_at "
+            "AND (b.ended_at IS NULL OR a.started_at < b.ended_at))), 0) "
+            f"FROM {self.table} a WHERE a.run = %s AND a.key = %s",
+            (run, key),
+            fetch=True,
+        )
+        return int(rows[0][0])
+
     def intervals(self, run: str) -> list[Interval]:
         """Every interval of ``run``, in insertion order."""
         rows = self._execute(

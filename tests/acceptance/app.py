@@ -152,6 +152,22 @@ def raiser(self, run: str, key: str, hold: float = 0.0, gate: str | None = None)
     return _body(self, run, key, hold, gate)
 
 
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    lock_args=("run", "key"),
+    lock_limit=3,
+    lock_on_busy="retry",
+    lock_retry_delay=0.2,
+    max_retries=200,
+)
+def limited(
+    self, run: str, key: str, hold: float = 0.0, gate: str | None = None
+) -> str:
+    """At most three runs of a key at once; re-queued while all three slots are taken."""
+    return _body(self, run, key, hold, gate)
+
+
 @app.task(base=SingletonTask, bind=True, lock_args=("run",), max_retries=3)
 def retries_once(self, run: str) -> int:
     """Call self.retry() on the first attempt; the retry must run and take the lock again."""

@@ -26,3 +26,8 @@ def settle():
 @app.task(base=SingletonTask, lock_id=(42, 1001))
 def pinned():
     return "pinned"
+
+
+@app.task(base=SingletonTask, lock_limit=3)
+def batch():
+    return "batched"

@@ -27,6 +27,7 @@ from celery_pglock import (
     SingletonTask,
     cli,
     current_lock,
+    keys,
 )
 from celery_pglock.db import engines
 from celery_pglock.lock import sessions
@@ -167,6 +168,37 @@ def test_locks_names_holders_waiters_and_foreign_locks(cli_app, database_url):
         foreign.close()
         waiter.close()
     assert None is _entry(cli_app, str(key))
+
+
+def test_locks_and_key_show_the_slots_of_a_lock_limit_task(cli_app, database_url):
+    """A lock_limit=3 task with a fixed key: `pglock key` prints its three slot keys, and
+    `pglock locks` names each held slot of it as SLOT i/3."""
+    forms = json.loads(run("--app", APP, "key", cli_app.batch.name, "--json"))
+    slots = keys.slot_keys(cli_app.batch.lock_key_for(), 3)
+    assert [str(slot) for slot in slots] == forms["slots"]
+    assert f"slots:      0={slots[0]}  1={slots[1]}  2={slots[2]}" in run(
+        "--app", APP, "key", cli_app.batch.name
+    )
+    engine = engines.create_engine(database_url)
+    locks = [AdvisoryLock(engine=engine, key=slots[0]) for _ in range(2)]
+    try:
+        for lock in locks:
+            lock.slots = slots
+            assert lock.acquire()
+        for slot in (0, 1):
+            entry = _entry(cli_app, str(slots[slot]))
+            assert f"{slot}/3" == entry["slot"]
+            assert cli_app.batch.name == entry["lock_name"]
+        assert None is _entry(cli_app, str(slots[2]))
+        table = run("--app", APP, "locks").splitlines()
+        assert ["KEY", "LOCK", "SLOT", "TASK"] == table[0].split()[:4]
+        assert any(str(slots[1]) in line and " 1/3 " in line for line in table)
+    finally:
+        for lock in locks:
+            if lock.owned():
+                lock.release()
+        sessions.close_for(engine)
+        engine.dispose()
 
 
 def _wait_for(connection, key_id):

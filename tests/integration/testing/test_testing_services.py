@@ -346,6 +346,26 @@ def test_overlap_recorder_works_in_a_forked_child_without_breaking_the_parent(
         recorder.close()
 
 
+def test_overlap_recorder_peak_counts_the_bodies_running_at_once(overlap, namespace):
+    """peak(): the most intervals of one key at one instant; an unfinished one counts as
+    running, back-to-back ones do not add up, other keys do not count."""
+    assert 0 == overlap.peak(namespace, "k")
+    first = overlap.begin(namespace, "k")
+    second = overlap.begin(namespace, "k")
+    overlap.end(first)
+    third = overlap.begin(namespace, "k")  # with the second: 2 at once, never 3
+    overlap.end(second)
+    overlap.end(third)
+    with overlap.record(namespace, "other"), overlap.record(namespace, "other"):
+        pass
+    assert 2 == overlap.peak(namespace, "k")
+    assert 2 == overlap.peak(namespace, "other")
+    overlap.begin(namespace, "killed")  # never ended: still running for peak()
+    with overlap.record(namespace, "killed"):
+        pass
+    assert 2 == overlap.peak(namespace, "killed")
+
+
 def test_overlap_recorder_reports_unfinished_intervals(overlap, namespace):
     """A body that never ended (a killed worker) is listed by unfinished(), not overlaps()."""
     overlap.begin(namespace, "k", "killed")

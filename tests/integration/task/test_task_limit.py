@@ -1,0 +1,115 @@
+"""A lock_limit task in-process against real PostgreSQL and Redis: what a run holds, and
+how a run finding every slot taken is skipped, naming a holder."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from celery_pglock import AdvisoryLock, LockSkipped, current_lock, keys
+from celery_pglock.db import engines
+from celery_pglock.lock import sessions
+from tests.integration.task_support import current_engine, define, ran, trace_delivery
+
+
+def hold_slots(task, count):
+    """Hold the first ``count`` slots of the task's key, as running duplicates would."""
+    slots = keys.slot_keys(task.lock_key_for(), task.lock_config.limit)
+    locks = []
+    for _ in range(count):
+        lock = AdvisoryLock(engine=current_engine(task.app), key=slots[0])
+        lock.slots = slots
+        assert lock.acquire()
+        locks.append(lock)
+    return slots, locks
+
+
+def test_a_run_takes_a_free_slot_and_a_full_key_is_skipped_naming_a_holder(app):
+    """With 2 of 2 slots held the run is skipped, its message naming the slots and a
+    holder; with one freed, the run holds that slot (current_lock().key) for its body."""
+    seen = []
+
+    def report():
+        seen.append(current_lock().key)
+
+    task = define(app, report, lock_limit=2)
+    slots, locks = hold_slots(task, 2)
+    try:
+        result = task.apply()
+        assert "FAILURE" == result.state
+        with pytest.raises(LockSkipped) as raised:
+            result.get(timeout=5)
+        message = str(raised.value)
+        assert "has all 2 slots (lock_limit) held, one by " in message
+        assert engines.process_tag() in message
+        locks[0].release()
+        assert "SUCCESS" == task.apply().state
+        assert [slots[0]] == seen
+    finally:
+        for lock in locks:
+            if lock.owned():
+                lock.release()
+    assert not any(
+        AdvisoryLock(engine=current_engine(app), key=k).locked() for k in slots
+    )
+
+
+def test_an_acks_late_run_takes_its_run_lock_in_the_slot_statement(app):
+    """acks_late: the run lock is taken beside the granted slot, in the same statement,
+    and released with it."""
+    task_id = uuid.uuid4().hex
+    run = keys.run_key(task_id)
+    during = []
+
+    def report():
+        during.append(AdvisoryLock(engine=current_engine(app), key=run).locked())
+
+    task = define(app, report, lock_limit=3, acks_late=True)
+    _, locks = hold_slots(task, 1)
+    try:
+        trace_delivery(task, task_id, redelivered=False)
+    finally:
+        locks[0].release()
+    assert [True] == during
+    assert not AdvisoryLock(engine=current_engine(app), key=run).locked()
+
+
+def test_the_default_limit_sends_no_slot_statement(app, monkeypatch):
+    """lock_limit=1 (the default) locks the key with the statements it always used."""
+    sent = []
+    real = sessions._try_slots
+    monkeypatch.setattr(
+        sessions, "_try_slots", lambda *a, **k: sent.append(a) or real(*a, **k)
+    )
+    task = define(app, ran, lock_limit=1)
+    assert "SUCCESS" == task.apply().state
+    assert [] == sent
+
+
+def test_the_watcher_checks_the_granted_slot(app, lost_events):
+    """A body holding slot 1 while slot 0 is held elsewhere is not taken for lost: the
+    watcher checks the slot the run holds."""
+
+    def slow():
+        time.sleep(1.0)
+
+    task = define(app, slow, lock_limit=2, lock_watch_interval=0.2)
+    _, locks = hold_slots(task, 1)
+    try:
+        assert "SUCCESS" == task.apply().state
+    finally:
+        locks[0].release()
+    assert [] == lost_events
+
+
+def test_shadow_mode_runs_the_body_when_every_slot_is_taken(app, events):
+    task = define(app, ran, lock_limit=2, lock_shadow=True)
+    _, locks = hold_slots(task, 2)
+    try:
+        assert "ran" == task.apply().get(timeout=5)
+    finally:
+        for lock in locks:
+            lock.release()
+    assert ["lock_skipped"] == [name for name, _ in events if name != "lock_completed"]
