@@ -1,4 +1,4 @@
-"""``pglock sql``: the SQL twin of ``keys.make_key``, a locks view, or the fencing table.
+"""``pglock sql``: the SQL twin of ``keys.make_key``, a locks view, or a feature's table.
 Only a quoted schema name is spliced in. Manual: docs/operations/cli.md."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import click
 
 from celery_pglock import fencing
 from celery_pglock.cli import locks_verb
-from celery_pglock.lock import fencing_tokens
+from celery_pglock.lock import fencing_tokens, periods
 
 if TYPE_CHECKING:
     from celery_pglock.cli import Target
@@ -65,7 +65,8 @@ DROP FUNCTION IF EXISTS {schema}.celery_pglock_canonical(jsonb);
 
 @click.command(
     help="Print (or --apply) the SQL key function celery_pglock_key() and the view "
-    "celery_pglock_locks; with --fencing, the fencing-token table instead."
+    "celery_pglock_locks; with --fencing, the fencing-token table instead; with "
+    "--periods, the lock_period table."
 )
 @click.option("--apply", "apply_", is_flag=True, help="Run it on the lock database.")
 @click.option("--uninstall", is_flag=True, help="The DROP statements instead.")
@@ -78,15 +79,39 @@ DROP FUNCTION IF EXISTS {schema}.celery_pglock_canonical(jsonb);
     is_flag=True,
     help="The table and sequence of lock_fencing (run as their owner; see the GRANTs printed).",
 )
+@click.option(
+    "--periods",
+    "periods_",
+    is_flag=True,
+    help="The table of lock_period (run as its owner; see the GRANT printed).",
+)
 @click.pass_obj
 def sql(
-    target: Target, apply_: bool, uninstall: bool, schema: str, fencing_: bool
+    target: Target,
+    apply_: bool,
+    uninstall: bool,
+    schema: str,
+    fencing_: bool,
+    periods_: bool,
 ) -> None:
-    if fencing_:
+    grants = ""
+    if fencing_ and periods_:
+        raise click.UsageError("Give one of --fencing and --periods.")
+    if periods_:
+        prefix = fencing.quote_identifier(schema) + "."
+        text = (periods.DROP if uninstall else periods.CREATE).format(schema=prefix)
+        action = "set up the lock_period table"
+        done = "Dropped" if uninstall else "Created (if missing)"
+        made = f"{schema}.celery_pglock_periods"
+        grants = periods.GRANT.format(
+            schema=prefix, role=fencing.quote_identifier("<lock role>")
+        )
+    elif fencing_:
         text = fencing.drop_sql(schema) if uninstall else fencing.create_sql(schema)
         action = "set up the fencing table"
         done = "Dropped" if uninstall else "Created (if missing)"
         made = f"{schema}.celery_pglock_fencing and {schema}.celery_pglock_fencing_token_seq"
+        grants = fencing.grant_sql("<lock role>", schema)
     else:
         quoted = fencing.quote_identifier(schema)
         text = (UNINSTALL if uninstall else INSTALL).format(schema=quoted)
@@ -95,10 +120,9 @@ def sql(
         made = f"{schema}.celery_pglock_key(), {schema}.celery_pglock_canonical() and the view {schema}.celery_pglock_locks"
     if not apply_:
         click.echo(text)
-        if fencing_ and not uninstall:
-            grants = fencing.grant_sql("<lock role>", schema).strip().splitlines()
+        if grants and not uninstall:
             click.echo("-- A lock role without CREATE needs:")
-            click.echo("\n".join(f"-- {line}" for line in grants))
+            click.echo("\n".join(f"-- {line}" for line in grants.strip().splitlines()))
         return
     # Autocommit: one simple query is one transaction unless it has BEGIN/COMMIT (fencing's).
     with (
