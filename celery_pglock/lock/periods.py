@@ -37,9 +37,10 @@ DROP = "DROP TABLE IF EXISTS {schema}celery_pglock_periods;\n"
 GRANT = "GRANT SELECT, INSERT, UPDATE ON {schema}celery_pglock_periods TO {role};\n"
 
 # (started, seconds left, last start's task id). A retry or redelivery of the message that
-# opened the period starts again and keeps its start. A start in the future means the
-# server's clock went back: taken over rather than blocking the key for that long. The
-# read sees the statement's snapshot: NULLs if the row was committed after it.
+# opened the period starts again and keeps its start. A start later than clock_timestamp()
+# (not now(): a racing start may commit after this transaction began) means the server's
+# clock went back: taken over rather than blocking the key for that long. The read sees
+# the statement's snapshot, which may predate the start that refused this one.
 _START = """
 WITH started AS (
   INSERT INTO celery_pglock_periods AS t (classid, objid, objsubid, started_at, task_id)
@@ -50,10 +51,10 @@ WITH started AS (
       task_id = EXCLUDED.task_id
   WHERE t.task_id = EXCLUDED.task_id
      OR t.started_at <= EXCLUDED.started_at - make_interval(secs => %(period)s)
-     OR t.started_at > EXCLUDED.started_at
+     OR t.started_at > clock_timestamp()
   RETURNING 1)
 SELECT EXISTS (SELECT 1 FROM started),
-  extract(epoch FROM p.started_at - now())::float8 + %(period)s, p.task_id
+  extract(epoch FROM p.started_at - clock_timestamp())::float8 + %(period)s, p.task_id
 FROM (SELECT set_config('synchronous_commit', 'on', true)) AS durable
 LEFT JOIN celery_pglock_periods p ON p.classid = %(classid)s::oid
   AND p.objid = %(objid)s::oid AND p.objsubid = %(objsubid)s::smallint"""
@@ -107,8 +108,9 @@ def start(lock: AdvisoryLock, task_id: str | None, period: float) -> Throttle | 
         started, left, last = cursor.fetchone()
     if started:
         return None
-    # Not visible yet (see _START): the whole period is the safe bound.
-    return Throttle(period if left is None else max(0.0, left), last)
+    if left is None or left <= 0:  # the refusing start is not in the snapshot
+        return Throttle(period, None)  # the whole period: the safe bound
+    return Throttle(left, last)
 
 
 def _ensure_table(engine: sa.Engine) -> None:

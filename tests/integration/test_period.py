@@ -114,29 +114,34 @@ def test_one_start_per_period_then_the_next_runs(app, skips, scope):
 
 def test_racing_starts_of_one_key_record_exactly_one(lock_engine, namespace):
     """Eight sessions send the start at once for one key (without the advisory lock
-    that normally serialises them): exactly one start is recorded, and every other one
-    is refused naming it. The row lock decides, not the snapshot."""
+    that normally serialises them), in four rounds: on no row, then three times on an
+    expired one. Each round records exactly one start, and every other start is
+    refused naming it. The row lock decides, not the snapshot."""
     key = keys.make_key(namespace, "race")
     locks = [AdvisoryLock(engine=lock_engine, key=key) for _ in range(8)]
-    barrier = threading.Barrier(len(locks))
-    outcomes: dict[str, periods.Throttle | None] = {}
+    period = 0.3
+    for round_ in range(4):
+        barrier = threading.Barrier(len(locks))
+        outcomes: dict[str, periods.Throttle | None] = {}
 
-    def start(index: int) -> None:
-        barrier.wait(timeout=10)
-        outcomes[f"t{index}"] = periods.start(locks[index], f"t{index}", 60.0)
+        def start(index, round_=round_, barrier=barrier, outcomes=outcomes):
+            task_id = f"r{round_}t{index}"
+            barrier.wait(timeout=10)
+            outcomes[task_id] = periods.start(locks[index], task_id, period)
 
-    threads = [threading.Thread(target=start, args=(i,)) for i in range(len(locks))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    assert len(locks) == len(outcomes)
-    winners = [task_id for task_id, throttle in outcomes.items() if throttle is None]
-    assert 1 == len(winners)
-    refused = [throttle for throttle in outcomes.values() if throttle is not None]
-    # A refusal committed after a loser's snapshot reads no row: the whole period.
-    assert all(0 < throttle.seconds_left <= 60.0 for throttle in refused)
-    assert all(throttle.last_task_id in (winners[0], None) for throttle in refused)
+        threads = [threading.Thread(target=start, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert len(locks) == len(outcomes)
+        winners = [task for task, throttle in outcomes.items() if throttle is None]
+        assert 1 == len(winners), (round_, outcomes)
+        refused = [throttle for throttle in outcomes.values() if throttle is not None]
+        # A start committed after a loser's snapshot reads as none: the whole period.
+        assert all(0 < throttle.seconds_left <= period for throttle in refused), refused
+        assert all(t.last_task_id in (winners[0], None) for t in refused), refused
+        time.sleep(period)  # the period's end: the next round races an expired row
 
 
 def test_raise_and_a_direct_call_fail_with_lock_busy(app):
@@ -216,6 +221,27 @@ def test_a_retry_of_the_message_that_opened_the_period_runs(app, database_url):
     assert ["opener", "opener"] == ran
 
 
+def test_a_start_in_the_future_is_taken_over(app, database_url):
+    """A recorded start later than the server's now() (its clock was set back) does not
+    block the key until the clock catches up: the next start takes the row over."""
+    task, ran = body_counter(app, lock_period=60)
+    task.apply()
+    connection = _support.connect(database_url, application_name="period test")
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "UPDATE celery_pglock_periods SET started_at = now() + interval '1 hour' "
+                "WHERE (classid, objid, objsubid) = (%s, %s, %s)",
+                task.lock_key_for().pg_locks_ids,
+            )
+    finally:
+        connection.close()
+    second = task.apply()
+    assert "ran" == second.get()
+    assert second.id == row(task, database_url)[1]
+    assert 2 == len(ran)
+
+
 def test_shadow_mode_reports_the_throttle_and_runs_under_the_lock(app, skips):
     """lock_shadow=True: a throttled start is reported (shadow) and runs anyway,
     under its lock; the period still counts from the first start."""
@@ -267,11 +293,12 @@ def test_the_period_outlives_a_crashed_holder(app, database_url, namespace):
 
 
 def test_a_database_error_at_the_start_releases_the_lock_and_runs_nothing(
-    app, database_url
+    app, database_url, caplog
 ):
     """The period's statement does not answer within lock_db_timeout (its row is
     locked by another session): the run fails with DatabaseError, its body never runs,
-    and the key's lock is released; as an error at acquire."""
+    and the key's lock is released at once (not left to task_postrun's safety net); as
+    an error at acquire."""
     task, ran = body_counter(app, lock_period=0.001, lock_db_timeout=1)
     task.apply().get()
     blocker = _support.connect(database_url, application_name="period blocker")
@@ -291,6 +318,12 @@ def test_a_database_error_at_the_start_releases_the_lock_and_runs_nothing(
     assert "FAILURE" == result.state
     assert isinstance(result.result, DatabaseError)
     assert 1 == len(ran)
+    leftovers = [
+        r
+        for r in caplog.records
+        if getattr(r, "action", "") == "lock_leftover_released"
+    ]
+    assert [] == leftovers
 
 
 def test_a_role_without_create_is_told_the_fix_then_works_after_pglock_sql(
