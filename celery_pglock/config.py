@@ -201,13 +201,23 @@ class LockConfig:
     #: Seconds past its due time before a never-started message stops holding its key.
     enqueue_lost_after: float = 3600.0
     limit: int = 1  #: Runs of one key at once (lock_limit): its slots.
+    period: float | None = None  #: At most one start per key per this many seconds.
     lock_args: tuple[str, ...] = ()  #: Parameter names whose values form the key.
     fixed_key: keys.LockKey | None = None  #: The key when it never varies per call.
 
 
 _DEFAULTS = LockConfig(task_name="", name="")
 APP_SETTINGS = {f"lock_{field}": f"pglock_{field}" for field in _CHECKS}
-TASK_OPTIONS = ("lock_args", "lock_id", "lock_limit", "lock_name", *APP_SETTINGS)
+#: Options without an app-wide setting -> why (lock_period: per key, not per app).
+PER_TASK = {"period": "a period of its own for each task that needs one"}
+TASK_OPTIONS = (
+    "lock_args",
+    "lock_id",
+    "lock_limit",
+    "lock_name",
+    "lock_period",
+    *APP_SETTINGS,
+)
 # Settings read by db/ and metrics.py (which validates its own), known to catch typos.
 DATABASE_SETTINGS = (
     DATABASE_URL_SETTING,
@@ -242,6 +252,8 @@ def _unknown(
     bare = spelled.lower().split("pglock_" if kind == "setting" else "lock_", 1)[-1]
     if bare in REMOVED:
         message = f"{where}{kind} {spelled!r} was removed: {REMOVED[bare]}."
+    elif kind == "setting" and bare in PER_TASK:
+        message = f"{spelled!r} is not a setting: set lock_{bare} on the task ({PER_TASK[bare]})."
     else:
         hint = difflib.get_close_matches(spelled, known, n=1)
         message = (
@@ -281,6 +293,12 @@ def resolve(
             values[field] = check(value)
         except ValueError as exc:
             raise _fail(task_name, where, value, str(exc)) from None
+    period = attributes.get("lock_period")
+    if period is not None:
+        try:
+            period = _seconds(period)
+        except ValueError as exc:
+            raise _fail(task_name, "lock_period", period, str(exc)) from None
     lock_name = attributes.get("lock_name", task_name)
     if not isinstance(lock_name, str) or not lock_name:
         raise _fail(task_name, "lock_name", lock_name, "a non-empty string")
@@ -349,6 +367,7 @@ def resolve(
         lock_args=lock_args,
         fixed_key=fixed_key,
         limit=limit,
+        period=period,
         **values,
     )
 

@@ -1,4 +1,4 @@
-"""``pglock sql``: the SQL twin of ``keys.make_key``, a locks view, or the fencing table.
+"""``pglock sql``: the SQL twin of ``keys.make_key``, a locks view, or a feature's table.
 Only a quoted schema name is spliced in. Manual: docs/operations/cli.md."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import click
 
 from celery_pglock import fencing
 from celery_pglock.cli import locks_verb
-from celery_pglock.lock import fencing_tokens, queued
+from celery_pglock.lock import fencing_tokens, periods, queued
 
 if TYPE_CHECKING:
     from celery_pglock.cli import Target
@@ -65,7 +65,8 @@ DROP FUNCTION IF EXISTS {schema}.celery_pglock_canonical(jsonb);
 
 @click.command(
     help="Print (or --apply) the SQL key function celery_pglock_key() and the view "
-    "celery_pglock_locks; with --fencing, the fencing-token table instead."
+    "celery_pglock_locks; with --fencing, the fencing-token table instead; with "
+    "--periods, the lock_period table."
 )
 @click.option("--apply", "apply_", is_flag=True, help="Run it on the lock database.")
 @click.option("--uninstall", is_flag=True, help="The DROP statements instead.")
@@ -84,6 +85,12 @@ DROP FUNCTION IF EXISTS {schema}.celery_pglock_canonical(jsonb);
     is_flag=True,
     help="The queued-keys table of lock_enqueue (run as its owner; see the GRANTs printed).",
 )
+@click.option(
+    "--periods",
+    "periods_",
+    is_flag=True,
+    help="The table of lock_period (run as its owner; see the GRANT printed).",
+)
 @click.pass_obj
 def sql(
     target: Target,
@@ -91,10 +98,22 @@ def sql(
     uninstall: bool,
     schema: str,
     fencing_: bool,
+    periods_: bool,
     enqueue_: bool,
 ) -> None:
     grants = ""
-    if enqueue_:
+    if sum((fencing_, periods_, enqueue_)) > 1:
+        raise click.UsageError("Give one of --fencing, --periods and --enqueue.")
+    if periods_:
+        prefix = fencing.quote_identifier(schema) + "."
+        text = (periods.DROP if uninstall else periods.CREATE).format(schema=prefix)
+        action = "set up the lock_period table"
+        done = "Dropped" if uninstall else "Created (if missing)"
+        made = f"{schema}.celery_pglock_periods"
+        grants = periods.GRANT.format(
+            schema=prefix, role=fencing.quote_identifier("<lock role>")
+        )
+    elif enqueue_:
         prefix = fencing.quote_identifier(schema) + "."
         text = (queued.DROP if uninstall else queued.CREATE).format(schema=prefix)
         grants = queued.GRANT.format(schema=prefix, role="<lock role>")
@@ -106,6 +125,7 @@ def sql(
         action = "set up the fencing table"
         done = "Dropped" if uninstall else "Created (if missing)"
         made = f"{schema}.celery_pglock_fencing and {schema}.celery_pglock_fencing_token_seq"
+        grants = fencing.grant_sql("<lock role>", schema)
     else:
         quoted = fencing.quote_identifier(schema)
         text = (UNINSTALL if uninstall else INSTALL).format(schema=quoted)
@@ -114,8 +134,6 @@ def sql(
         made = f"{schema}.celery_pglock_key(), {schema}.celery_pglock_canonical() and the view {schema}.celery_pglock_locks"
     if not apply_:
         click.echo(text)
-        if fencing_ and not uninstall:
-            grants = fencing.grant_sql("<lock role>", schema)
         if grants and not uninstall:
             click.echo("-- A lock role without CREATE needs:")
             click.echo("\n".join(f"-- {line}" for line in grants.strip().splitlines()))

@@ -13,6 +13,7 @@ from celery_pglock.task import enqueue, outcomes
 
 if TYPE_CHECKING:
     from celery_pglock.lock import AdvisoryLock
+    from celery_pglock.lock.periods import Throttle
 
 #: What ``pglock_final_states`` calls a skipped run, whatever ``lock_skip_result`` stored.
 SKIPPED = "SKIPPED"
@@ -21,18 +22,25 @@ SKIP_MARKER = "celery_pglock"
 
 
 def apply_policy(
-    task: Any, lock: AdvisoryLock, task_id: str | None, *, direct: bool
+    task: Any,
+    lock: AdvisoryLock,
+    task_id: str | None,
+    *,
+    direct: bool,
+    throttle: Throttle | None = None,
 ) -> Any:
-    """Raise a busy run's outcome, or return its skip record (lock_skip_result='success')."""
+    """Raise a busy (or throttled) run's outcome, or return its skip record
+    (lock_skip_result='success')."""
     options = task.lock_config
     request = task.request
     action = options.on_busy
     if direct and action is not OnBusy.WAIT:
         action = OnBusy.RAISE  # a direct call has no message to skip or re-queue
-    message, details = report(task, lock, task_id, action)
+    message, details = report(task, lock, task_id, action, throttle)
     # Its first delivery may still run: store nothing (docs/guide/skipped-results.md).
     first_delivery_runs = (
-        task_id is not None
+        throttle is None
+        and task_id is not None
         and not direct
         and task.acks_late
         and bool((request.delivery_info or {}).get("redelivered"))
@@ -74,16 +82,42 @@ def apply_policy(
     if action is OnBusy.RETRY:
         if request.is_eager and task.max_retries is None:
             raise busy  # eager retries run inline without the countdown: never spin
-        raise task.retry(countdown=options.retry_delay, exc=busy)
+        countdown = options.retry_delay if throttle is None else throttle.seconds_left
+        raise task.retry(countdown=countdown, exc=busy)
     raise busy
 
 
 def report(
-    task: Any, lock: AdvisoryLock, task_id: str | None, action: OnBusy
+    task: Any,
+    lock: AdvisoryLock,
+    task_id: str | None,
+    action: OnBusy,
+    throttle: Throttle | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """The sentence and the record (names and numbers, never arguments) of a busy run."""
     options = task.lock_config
     key = lock.key
+    if throttle is not None:
+        left = throttle.seconds_left
+        too_long = (
+            f" (more than lock_wait_timeout {options.wait_timeout:g}s)"
+            if action is OnBusy.WAIT
+            else ""
+        )
+        message = (
+            f"Lock {key.name!r} (key {key}) started a run ({throttle.last_task_id}) "
+            f"less than lock_period {options.period:g}s ago, {left:.1f}s left"
+            f"{too_long}; {task.name}[{task_id}] did not run."
+        )
+        return message, {
+            "reason": "period",
+            "task": task.name,
+            "lock": key.name,
+            "key": str(key),
+            "policy": action.value,
+            "seconds_left": left,
+            "last_task": throttle.last_task_id,
+        }
     holder = holder_lookup.find(lock)
     details: dict[str, Any] = {
         "reason": "lock_busy",

@@ -57,6 +57,7 @@ def skipped(
             action=action,
             holder=holder,
             shadow=shadow,
+            reason=details.get("reason"),
         )
     level = logging.DEBUG if celery_logs else logging.INFO
     if logger.isEnabledFor(level):
@@ -72,6 +73,7 @@ def skipped(
                 "holder": holder,
                 "holder_pid": details.get("holder_pid"),
                 "shadow": shadow,
+                "reason": details.get("reason"),
             },
         )
 

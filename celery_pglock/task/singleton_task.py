@@ -12,6 +12,7 @@ import inspect
 import logging
 import os
 import threading
+import time
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import celery
@@ -22,7 +23,7 @@ from celery.utils.time import get_exponential_backoff_interval
 from celery_pglock import config, exceptions, keys, metrics
 from celery_pglock.config import Enqueue, LockScope, OnBusy, OnLost, SkipResult
 from celery_pglock.db import driver_errors, engines
-from celery_pglock.lock import AdvisoryLock, queued
+from celery_pglock.lock import AdvisoryLock, periods, queued
 from celery_pglock.task import busy_policy, enqueue, outcomes
 from celery_pglock.watch import loss_watcher
 
@@ -142,6 +143,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     lock_shadow: ClassVar[bool | None] = None
     #: A fencing token per run (docs/guide/fencing.md). App-wide: yes.
     lock_fencing: ClassVar[bool | None] = None
+    #: At most one start per key per this many seconds (docs/guide/period.md). App-wide: no.
+    lock_period: ClassVar[float | None] = None
     #: Lock lost under the body: terminate (default) or signal. App-wide: yes.
     lock_on_lost: ClassVar[OnLost | str | None] = None
     #: Seconds between checks that the lock is held (1; 0: none). App-wide: yes.
@@ -246,11 +249,22 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         options = binding.config
         try:
             lock = self._new_lock(binding, execution, args, kwargs)
+            throttle = None
             if self._acquire(options, lock, task_id, direct):
-                return self._run(options, execution, lock, args, kwargs, direct)
+                if options.period is None:
+                    return self._run(options, execution, lock, args, kwargs, direct)
+                throttle = self._start_period(
+                    options, options.period, lock, task_id, direct
+                )
+                if throttle is None:
+                    return self._run(options, execution, lock, args, kwargs, direct)
             if options.shadow:
-                return self._run_shadowed(options, lock, task_id, args, kwargs)
-            return busy_policy.apply_policy(self, lock, task_id, direct=direct)
+                return self._run_shadowed(
+                    options, execution, lock, task_id, args, kwargs, throttle
+                )
+            return busy_policy.apply_policy(
+                self, lock, task_id, direct=direct, throttle=throttle
+            )
         finally:
             _current.reset(token)
 
@@ -326,6 +340,43 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             outcomes.lost(self, task_id, lock, lock.lost_cause or "unknown")
             raise
         return granted
+
+    def _start_period(
+        self,
+        options: config.LockConfig,
+        period: float,
+        lock: AdvisoryLock,
+        task_id: str | None,
+        direct: bool,
+    ) -> periods.Throttle | None:
+        """Record this start (lock held); a refused one releases the lock, unless shadowed.
+        Under 'wait', a period ending within lock_wait_timeout is waited out."""
+        try:
+            throttle = periods.start(lock, task_id, period)
+            if throttle and options.on_busy is OnBusy.WAIT and not options.shadow:
+                began = time.monotonic()
+                # One budget for both waits: the lock's, then the period's.
+                deadline = began + options.wait_timeout - (lock.wait_seconds or 0.0)
+                while throttle and throttle.seconds_left <= deadline - time.monotonic():
+                    time.sleep(throttle.seconds_left)
+                    throttle = periods.start(lock, task_id, period)
+                lock.wait_seconds = (
+                    (lock.wait_seconds or 0.0) + time.monotonic() - began
+                )
+        except BaseException as error:
+            self._release_unrun(lock, task_id)  # nothing runs without the check
+            if isinstance(error, exceptions.DatabaseError):
+                self._on_database_error(error, direct=direct)
+            raise
+        if throttle is not None and not options.shadow:
+            self._release_unrun(lock, task_id)
+        return throttle
+
+    def _release_unrun(self, lock: AdvisoryLock, task_id: str | None) -> None:
+        try:
+            lock.release(commit=False)
+        except exceptions.PgLockError as error:
+            outcomes.release_failed(self, task_id, lock, error)
 
     def _run(
         self,
@@ -427,12 +478,16 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     def _run_shadowed(
         self,
         options: config.LockConfig,
+        execution: Execution,
         lock: AdvisoryLock,
         task_id: str | None,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        throttle: periods.Throttle | None,
     ) -> Any:
-        message, details = busy_policy.report(self, lock, task_id, options.on_busy)
+        message, details = busy_policy.report(
+            self, lock, task_id, options.on_busy, throttle
+        )
         outcomes.skipped(
             self,
             task_id,
@@ -443,6 +498,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             celery_logs=False,
             shadow=True,
         )
+        if throttle is not None:  # the lock is held: only the period is shadowed
+            return self._run(options, execution, lock, args, kwargs, task_id is None)
         lock.shadowed = True  # ensure_held() lets the body go on; fenced writes apply
         return self._body(task_id is None)(*args, **kwargs)
 

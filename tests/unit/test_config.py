@@ -98,6 +98,11 @@ def test_task_option_beats_app_setting_beats_default(app):
             ["'skipped' was removed", "'failure' or 'success'", "skipped-results.md"],
         ),
         ({"lock_db_timeout": 0}, ["lock_db_timeout=0", "positive number"]),
+        ({"lock_period": 0}, ["lock_period=0", "positive number of seconds"]),
+        ({"lock_period": -5}, ["lock_period=-5", "positive number of seconds"]),
+        ({"lock_period": "5"}, ["lock_period='5'", "positive number of seconds"]),
+        ({"lock_period": True}, ["lock_period=True", "positive number of seconds"]),
+        ({"lock_period": float("inf")}, ["lock_period=inf", "finite number"]),
         (
             {"lock_arg": ("tenant_id",)},
             ["unknown option 'lock_arg'", "did you mean 'lock_args'"],
@@ -164,6 +169,28 @@ def test_removed_options_and_settings_are_refused_with_their_replacement(
         register(app, other)
     assert f"'pglock_{option}' was removed" in str(caught.value)
     assert fragment in str(caught.value)
+
+
+def test_lock_period_is_per_task_and_off_by_default(app):
+    """lock_period: None by default, seconds as a float per task; an app-wide
+    pglock_period is refused as a setting that does not exist, saying to set it on the
+    task."""
+    assert None is register(app).lock_config.period
+
+    def ticks():
+        return None
+
+    assert 5.0 == register(app, ticks, lock_period=5).lock_config.period
+    app.conf.pglock_period = 60
+
+    def other():
+        return None
+
+    with pytest.raises(ConfigurationError) as caught:
+        register(app, other)
+    assert "'pglock_period' is not a setting: set lock_period on the task" in str(
+        caught.value
+    )
 
 
 def test_db_timeout_resolves_from_the_task_or_app_wide(app):

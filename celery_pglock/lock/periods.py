@@ -1,0 +1,144 @@
+"""lock_period: one durable row per key, the last start; a start within the period is refused.
+Sent only by the key's holder, so starts of a key are serialised. Why: docs/guide/period.md."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+from celery_pglock import exceptions
+from celery_pglock.db import deadlines, driver_errors, engines
+from celery_pglock.lock import fencing_tokens
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+
+    from celery_pglock.lock import AdvisoryLock
+
+#: ``{schema}``: a quoted name and a dot, or "". Locked: IF NOT EXISTS races itself.
+CREATE = """
+BEGIN;
+SELECT pg_advisory_xact_lock(hashtext('celery_pglock.periods'));
+CREATE TABLE IF NOT EXISTS {schema}celery_pglock_periods (
+  classid oid NOT NULL, objid oid NOT NULL, objsubid smallint NOT NULL,
+  started_at timestamptz NOT NULL, task_id text,
+  PRIMARY KEY (classid, objid, objsubid)
+);
+COMMENT ON TABLE {schema}celery_pglock_periods IS
+  'celery-pglock: the last start per advisory key (pg_locks ids) of lock_period tasks';
+COMMIT;
+"""
+
+DROP = "DROP TABLE IF EXISTS {schema}celery_pglock_periods;\n"
+
+#: What a least-privilege lock role needs; ``{role}`` is a quoted role name.
+GRANT = "GRANT SELECT, INSERT, UPDATE ON {schema}celery_pglock_periods TO {role};\n"
+
+# (started, seconds left, last start's task id). A retry or redelivery of the message that
+# opened the period starts again and keeps its start. A start later than clock_timestamp()
+# (not now(): a racing start may commit after this transaction began) means the server's
+# clock went back: taken over rather than blocking the key for that long. The read sees
+# the statement's snapshot, which may predate the start that refused this one.
+_START = """
+WITH started AS (
+  INSERT INTO celery_pglock_periods AS t (classid, objid, objsubid, started_at, task_id)
+  VALUES (%(classid)s::oid, %(objid)s::oid, %(objsubid)s::smallint, now(), %(task_id)s)
+  ON CONFLICT (classid, objid, objsubid) DO UPDATE
+  SET started_at = CASE WHEN t.task_id = EXCLUDED.task_id
+                        THEN t.started_at ELSE EXCLUDED.started_at END,
+      task_id = EXCLUDED.task_id
+  WHERE t.task_id = EXCLUDED.task_id
+     OR t.started_at <= EXCLUDED.started_at - make_interval(secs => %(period)s)
+     OR t.started_at > clock_timestamp()
+  RETURNING 1)
+SELECT EXISTS (SELECT 1 FROM started),
+  extract(epoch FROM p.started_at - clock_timestamp())::float8 + %(period)s, p.task_id
+FROM (SELECT set_config('synchronous_commit', 'on', true)) AS durable
+LEFT JOIN celery_pglock_periods p ON p.classid = %(classid)s::oid
+  AND p.objid = %(objid)s::oid AND p.objsubid = %(objsubid)s::smallint"""
+
+FIX = (
+    "create it once as its owner with `celery -A proj pglock sql --periods --apply` "
+    "(or the SQL of `pglock sql --periods`), and grant the lock role "
+    "SELECT, INSERT, UPDATE on celery_pglock_periods (docs/operations/security.md)"
+)
+
+_ready: weakref.WeakSet[sa.Engine] = weakref.WeakSet()  #: Engines whose table exists.
+_ready_guard = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Throttle:
+    """A start refused: the key's period has ``seconds_left`` to run."""
+
+    seconds_left: float
+    last_task_id: str | None  #: The task id of the start that opened the period.
+
+
+def start(lock: AdvisoryLock, task_id: str | None, period: float) -> Throttle | None:
+    """Record a start of ``lock``'s key (held) unless one is within ``period``: None if
+    recorded, else the Throttle. One committed statement on a pooled connection."""
+    engine = lock.engine
+    _ensure_table(engine)
+    key = lock.key
+    params = {**fencing_tokens.key_params(key), "task_id": task_id, "period": period}
+    action = f"record the start of lock {key.name!r} (lock_period)"
+    with (
+        driver_errors.wrap_db_errors(action, engine),
+        fencing_tokens.autocommit(engine) as dbapi,
+        deadlines.bounded(dbapi, lock.round_trip_timeout),
+        dbapi.cursor() as cursor,
+    ):
+        try:
+            cursor.execute(_START, params)
+        except Exception as exc:
+            if driver_errors.sqlstate(exc) not in (
+                fencing_tokens.UNDEFINED_TABLE,
+                fencing_tokens.INSUFFICIENT_PRIVILEGE,
+            ):
+                raise
+            with _ready_guard:
+                _ready.discard(engine)  # check the table again at the next start
+            raise exceptions.DatabaseError(
+                f"Could not {action}: celery_pglock_periods is missing or not "
+                f"writable by this role; {FIX}."
+            ) from exc
+        started, left, last = cursor.fetchone()
+    if started:
+        return None
+    if left is None or left <= 0:  # the refusing start is not in the snapshot
+        return Throttle(period, None)  # the whole period: the safe bound
+    return Throttle(left, last)
+
+
+def _ensure_table(engine: sa.Engine) -> None:
+    """Create the table if this process has not seen it yet (once per engine)."""
+    if engine in _ready:
+        return
+    with _ready_guard:
+        if engine in _ready:
+            return
+        with (
+            driver_errors.wrap_db_errors("set up the lock_period table", engine),
+            fencing_tokens.autocommit(engine) as dbapi,
+            dbapi.cursor() as cursor,
+        ):
+            cursor.execute("SELECT to_regclass('celery_pglock_periods') IS NOT NULL")
+            if not cursor.fetchone()[0]:
+                try:
+                    cursor.execute(CREATE.format(schema=""))
+                except Exception as exc:
+                    if (
+                        driver_errors.sqlstate(exc)
+                        != fencing_tokens.INSUFFICIENT_PRIVILEGE
+                    ):
+                        raise
+                    cursor.execute("ROLLBACK")  # autocommit: end the aborted BEGIN
+                    raise exceptions.DatabaseError(
+                        "The lock_period table celery_pglock_periods does not exist on "
+                        f"{engines.engine_info(engine)['masked_url']} and this role may "
+                        f"not create it; {FIX}."
+                    ) from exc
+        _ready.add(engine)

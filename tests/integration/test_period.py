@@ -1,0 +1,388 @@
+"""lock_period against a real PostgreSQL: one start per key per period, the time left,
+every busy policy, both scopes, shadow mode, racing starts, a crashed holder, and a
+database error at the period's statement.
+
+Two real beats and a real worker: tests/acceptance/test_period.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+from celery import Celery, signals
+from click.testing import CliRunner
+
+from celery_pglock import AdvisoryLock, DatabaseError, LockBusy, LockSkipped, keys
+from celery_pglock import cli as cli_module
+from celery_pglock import signals as pglock_signals
+from celery_pglock.lock import periods
+from celery_pglock.testing import _support
+from tests.integration import test_fencing
+from tests.integration.task_support import define, is_held, trace_delivery
+
+
+@pytest.fixture
+def app(database_url, broker_url, result_backend_url, namespace):
+    app = Celery(
+        "period", broker=broker_url, backend=result_backend_url, set_as_current=False
+    )
+    app.conf.pglock_database_url = database_url
+    app.conf.pglock_namespace = namespace
+    yield app
+    app.close()
+
+
+lp_role = test_fencing.lp_role  # a role without CREATE, on a schema of its own
+
+
+@pytest.fixture
+def skips():
+    """The lock_skipped signals sent during the test (their kwargs)."""
+    seen: list[dict] = []
+
+    def receiver(sender=None, signal=None, **kwargs):
+        seen.append(kwargs)
+
+    pglock_signals.lock_skipped.connect(receiver, weak=False)
+    yield seen
+    pglock_signals.lock_skipped.disconnect(receiver)
+
+
+def body_counter(app, name="tick", **options):
+    """A lock_period task ``it.<name>`` whose body appends its task id to the list."""
+    ran: list[str | None] = []
+
+    def tick(self):
+        ran.append(self.request.id)
+        return "ran"
+
+    tick.__name__ = name
+    return define(app, tick, bind=True, **options), ran
+
+
+def row(task, database_url):
+    """The key's period row: (started_at, task_id), or None."""
+    ids = task.lock_key_for().pg_locks_ids
+    connection = _support.connect(database_url, application_name="period test")
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT started_at, task_id FROM celery_pglock_periods "
+                "WHERE (classid, objid, objsubid) = (%s, %s, %s)",
+                ids,
+            )
+            return cursor.fetchone()
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("scope", ["session", "transaction"])
+def test_one_start_per_period_then_the_next_runs(app, skips, scope):
+    """The first start runs; a second within the period is skipped (reason 'period',
+    the seconds left, the start's task id) without its body and with the lock released;
+    once the period has passed the next one runs. Both scopes: the start is recorded on
+    a connection of its own."""
+    task, ran = body_counter(app, lock_period=1.0, lock_scope=scope)
+    first = task.apply()
+    assert "ran" == first.get()
+    second = task.apply()
+    assert "FAILURE" == second.state
+    skip = second.result
+    assert isinstance(skip, LockSkipped)
+    details = skip.details
+    assert "period" == details["reason"]
+    assert "skip" == details["policy"]
+    assert first.id == details["last_task"]
+    assert 0.0 < details["seconds_left"] <= 1.0
+    assert "lock_period 1s" in str(skip)
+    assert [first.id] == ran
+    assert not is_held(task)
+    assert [("skip", "period", False)] == [
+        (s["action"], s["reason"], s["shadow"]) for s in skips
+    ]
+    time.sleep(details["seconds_left"])  # the period's deadline, from the server
+    third = task.apply()
+    assert "ran" == third.get()
+    assert [first.id, third.id] == ran
+
+
+def test_racing_starts_of_one_key_record_exactly_one(lock_engine, namespace):
+    """Eight sessions send the start at once for one key (without the advisory lock
+    that normally serialises them), in four rounds: on no row, then three times on an
+    expired one. Each round records exactly one start, and every other start is
+    refused naming it. The row lock decides, not the snapshot."""
+    key = keys.make_key(namespace, "race")
+    locks = [AdvisoryLock(engine=lock_engine, key=key) for _ in range(8)]
+    period = 0.3
+    for round_ in range(4):
+        barrier = threading.Barrier(len(locks))
+        outcomes: dict[str, periods.Throttle | None] = {}
+
+        def start(index, round_=round_, barrier=barrier, outcomes=outcomes):
+            task_id = f"r{round_}t{index}"
+            barrier.wait(timeout=10)
+            outcomes[task_id] = periods.start(locks[index], task_id, period)
+
+        threads = [threading.Thread(target=start, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert len(locks) == len(outcomes)
+        winners = [task for task, throttle in outcomes.items() if throttle is None]
+        assert 1 == len(winners), (round_, outcomes)
+        refused = [throttle for throttle in outcomes.values() if throttle is not None]
+        # A start committed after a loser's snapshot reads as none: the whole period.
+        assert all(0 < throttle.seconds_left <= period for throttle in refused), refused
+        assert all(t.last_task_id in (winners[0], None) for t in refused), refused
+        time.sleep(period)  # the period's end: the next round races an expired row
+
+
+def test_raise_and_a_direct_call_fail_with_lock_busy(app):
+    """lock_on_busy='raise' raises LockBusy within the period; so does a direct call
+    under the default 'skip' (it has no message to skip), as for a held lock."""
+    task, ran = body_counter(app, lock_period=60, lock_on_busy="raise")
+    assert "ran" == task.apply().get()
+    with pytest.raises(LockBusy, match="lock_period 60s"):
+        task.apply().get()
+    direct, direct_ran = body_counter(app, "direct", lock_period=60)
+    direct()
+    with pytest.raises(LockBusy, match="lock_period 60s") as caught:
+        direct()
+    assert not isinstance(caught.value, LockSkipped)
+    assert 1 == len(ran)
+    assert 1 == len(direct_ran)
+
+
+def test_retry_is_published_with_the_time_left_as_countdown(app):
+    """lock_on_busy='retry': the throttled run is re-queued for when the period ends,
+    not after lock_retry_delay."""
+    task, _ran = body_counter(
+        app, lock_period=30, lock_on_busy="retry", lock_retry_delay=1000
+    )
+    trace_delivery(task, str(uuid.uuid4()), redelivered=False)
+    published: list[dict] = []
+
+    def capture(headers=None, **_):
+        published.append(headers)
+
+    signals.before_task_publish.connect(capture, weak=False)
+    try:
+        retried = str(uuid.uuid4())
+        trace_delivery(task, retried, redelivered=False)
+    finally:
+        signals.before_task_publish.disconnect(capture)
+    assert "RETRY" == task.AsyncResult(retried).state
+    [headers] = published
+    assert retried == headers["id"]
+    eta = datetime.datetime.fromisoformat(headers["eta"])
+    countdown = (eta - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+    assert 25 < countdown <= 30
+
+
+def test_wait_waits_out_a_period_shorter_than_the_wait_timeout(app):
+    """lock_on_busy='wait': a period ending within lock_wait_timeout is waited out and
+    the run starts; one ending later fails at once with LockBusy."""
+    task, ran = body_counter(
+        app, lock_period=1.0, lock_on_busy="wait", lock_wait_timeout=5
+    )
+    first = task.apply()
+    asked = time.monotonic()
+    second = task.apply()
+    assert "ran" == second.get()
+    assert time.monotonic() - asked >= 0.5
+    assert [first.id, second.id] == ran
+    long, long_ran = body_counter(
+        app, "long", lock_period=60, lock_on_busy="wait", lock_wait_timeout=1
+    )
+    long.apply()
+    asked = time.monotonic()
+    with pytest.raises(LockBusy, match="more than lock_wait_timeout 1s"):
+        long.apply().get()
+    assert time.monotonic() - asked < 1.0
+    assert 1 == len(long_ran)
+
+
+def test_a_retry_of_the_message_that_opened_the_period_runs(app, database_url):
+    """A retry or redelivery carries its task id: the run that opened the period starts
+    again, and the period keeps its first start; another message is still throttled."""
+    task, ran = body_counter(app, lock_period=60)
+    task.apply(task_id="opener")
+    opened = row(task, database_url)
+    assert "ran" == task.apply(task_id="opener").get()
+    assert opened == row(task, database_url)
+    assert isinstance(task.apply().result, LockSkipped)
+    assert ["opener", "opener"] == ran
+
+
+def test_a_start_in_the_future_is_taken_over(app, database_url):
+    """A recorded start later than the server's now() (its clock was set back) does not
+    block the key until the clock catches up: the next start takes the row over."""
+    task, ran = body_counter(app, lock_period=60)
+    task.apply()
+    connection = _support.connect(database_url, application_name="period test")
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "UPDATE celery_pglock_periods SET started_at = now() + interval '1 hour' "
+                "WHERE (classid, objid, objsubid) = (%s, %s, %s)",
+                task.lock_key_for().pg_locks_ids,
+            )
+    finally:
+        connection.close()
+    second = task.apply()
+    assert "ran" == second.get()
+    assert second.id == row(task, database_url)[1]
+    assert 2 == len(ran)
+
+
+def test_shadow_mode_reports_the_throttle_and_runs_under_the_lock(app, skips):
+    """lock_shadow=True: a throttled start is reported (shadow) and runs anyway,
+    under its lock; the period still counts from the first start."""
+    held = []
+
+    def shadowed(self):
+        held.append(is_held(self))
+        return "ran"
+
+    task = define(app, shadowed, bind=True, lock_period=60, lock_shadow=True)
+    first = task.apply()
+    assert ["ran", "ran"] == [first.get(), task.apply().get()]
+    assert [True, True] == held
+    assert [("skip", "period", True)] == [
+        (s["action"], s["reason"], s["shadow"]) for s in skips
+    ]
+
+
+CRASH = """
+import os, signal, sys
+from celery import Celery
+from celery_pglock import SingletonTask
+app = Celery("period", broker="memory://", set_as_current=False)
+app.conf.pglock_database_url, app.conf.pglock_namespace = sys.argv[1], sys.argv[2]
+@app.task(base=SingletonTask, name="it.tick", shared=False, lock_period=60)
+def tick():
+    os.kill(os.getpid(), signal.SIGKILL)
+app.finalize(auto=True)
+app.tasks["it.tick"].apply(task_id="crashed")
+"""
+
+
+def test_the_period_outlives_a_crashed_holder(app, database_url, namespace):
+    """A holder SIGKILLed in its body leaves its start behind: the next start within
+    the period is throttled, naming the crashed run; its lock died with it."""
+    crashed = subprocess.run(
+        [sys.executable, "-c", CRASH, database_url, namespace],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert -9 == crashed.returncode, crashed.stderr
+    task, ran = body_counter(app, lock_period=60)
+    assert "it.tick" == task.name
+    skip = task.apply().result
+    assert isinstance(skip, LockSkipped)
+    assert "crashed" == skip.details["last_task"]
+    assert [] == ran
+
+
+def test_a_database_error_at_the_start_releases_the_lock_and_runs_nothing(
+    app, database_url, caplog
+):
+    """The period's statement does not answer within lock_db_timeout (its row is
+    locked by another session): the run fails with DatabaseError, its body never runs,
+    and the key's lock is released at once (not left to task_postrun's safety net); as
+    an error at acquire."""
+    task, ran = body_counter(app, lock_period=0.001, lock_db_timeout=1)
+    task.apply().get()
+    blocker = _support.connect(database_url, application_name="period blocker")
+    blocker.autocommit = False  # hold the row lock until the rollback
+    try:
+        with blocker.cursor() as cursor:
+            cursor.execute(
+                "SELECT 1 FROM celery_pglock_periods "
+                "WHERE (classid, objid, objsubid) = (%s, %s, %s) FOR UPDATE",
+                task.lock_key_for().pg_locks_ids,
+            )
+            result = task.apply()
+            assert not is_held(task)
+    finally:
+        blocker.rollback()
+        blocker.close()
+    assert "FAILURE" == result.state
+    assert isinstance(result.result, DatabaseError)
+    assert 1 == len(ran)
+    leftovers = [
+        r
+        for r in caplog.records
+        if getattr(r, "action", "") == "lock_leftover_released"
+    ]
+    assert [] == leftovers
+
+
+def test_a_role_without_create_is_told_the_fix_then_works_after_pglock_sql(
+    lp_role, database_url, broker_url, result_backend_url, namespace
+):
+    """No table and no CREATE: the run fails (never runs unchecked) naming `pglock sql
+    --periods --apply`; the owner applies it with the CLI, which also prints the GRANT
+    to give; the run still fails (not writable) until that GRANT, then runs."""
+    url, role, schema, admin = lp_role
+    app = Celery(
+        "lp", broker=broker_url, backend=result_backend_url, set_as_current=False
+    )
+    app.conf.pglock_database_url = url
+    app.conf.pglock_namespace = namespace
+    task, ran = body_counter(app, lock_period=60)
+
+    def cli(*args):
+        result = CliRunner().invoke(cli_module.standalone_command, list(args))
+        assert 0 == result.exit_code, result.output + repr(result.exception)
+        return result.output
+
+    try:
+        result = task.apply()
+        assert isinstance(result.result, DatabaseError)
+        assert "pglock sql --periods --apply" in str(result.result)
+        assert [] == ran
+        printed = cli("sql", "--periods", "--schema", schema)
+        assert "CREATE TABLE IF NOT EXISTS" in printed
+        for _ in range(2):  # twice is harmless
+            made = cli(
+                "--database-url",
+                database_url,
+                "sql",
+                "--periods",
+                "--apply",
+                "--schema",
+                schema,
+            )
+            assert f"Created (if missing) {schema}.celery_pglock_periods." in made
+        result = task.apply()
+        assert "not writable by this role" in str(result.result)
+        assert [] == ran
+        grant = next(line for line in printed.splitlines() if "GRANT" in line)
+        with admin.cursor() as cursor:
+            cursor.execute(
+                grant.removeprefix("-- ").replace('"<lock role>"', f'"{role}"')
+            )
+        assert "ran" == task.apply().get()
+        assert 1 == len(ran)
+        dropped = cli(
+            "--database-url",
+            database_url,
+            "sql",
+            "--periods",
+            "--apply",
+            "--uninstall",
+            "--schema",
+            schema,
+        )
+        assert f"Dropped {schema}.celery_pglock_periods." in dropped
+    finally:
+        app.close()
