@@ -164,6 +164,7 @@ SQL_OBJECTS = {
     "celery_pglock_fencing",
     "celery_pglock_fencing_token_seq",
     "celery_pglock_queued",
+    "celery_pglock_periods",
 }
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
