@@ -9,7 +9,9 @@ a celery-once worker never imports celery-singleton):
   the body (psycopg2, no celery_pglock): the floor of any lock that is taken before the
   body and whose release is awaited, as SingletonTask's is.
 - ``pglock``: ``bench.session`` and ``bench.transaction``, SingletonTask with
-  ``lock_args=("key",)`` in session and transaction scope.
+  ``lock_args=("key",)`` in session and transaction scope; ``bench.until_finished`` and
+  ``bench.until_started``, the session task with ``lock_enqueue`` (the producer checks
+  the key's queued row in ``apply_async``, as the peers lock there).
 - ``once``: ``bench.once``, celery-once's ``QueueOnce`` keyed on ``key`` (graceful).
 - ``singleton``: ``bench.singleton``, celery-singleton's ``Singleton`` keyed on ``key``.
 - ``all`` (the benchmark process itself): everything, so it can publish through each
@@ -60,6 +62,8 @@ SESSION = "bench.session"
 #: SingletonTask session with lock_skip_result="success": a skip ends like a run.
 SKIP_SUCCESS = "bench.session_skip_success"
 TRANSACTION = "bench.transaction"
+UNTIL_FINISHED = "bench.until_finished"
+UNTIL_STARTED = "bench.until_started"
 ONCE = "bench.once"
 SINGLETON = "bench.singleton"
 
@@ -161,6 +165,30 @@ if contender in ("pglock", UNAWAITED, BASELINE, "all"):
         _body(body)
 
 
+if contender in (
+    "pglock",
+    "all",
+):  # not the baseline: its code may predate lock_enqueue
+
+    @app.task(
+        name=UNTIL_FINISHED,
+        base=SingletonTask,
+        lock_args=("key",),
+        lock_enqueue="until_finished",
+    )
+    def until_finished(key: str, body: float = 0.0) -> None:
+        _body(body)
+
+    @app.task(
+        name=UNTIL_STARTED,
+        base=SingletonTask,
+        lock_args=("key",),
+        lock_enqueue="until_started",
+    )
+    def until_started(key: str, body: float = 0.0) -> None:
+        _body(body)
+
+
 if contender in ("once", "all"):
     from celery_once import QueueOnce
 
@@ -242,9 +270,7 @@ def _unawaited_release() -> None:
         row: Any = None,
     ) -> Any:
         if run is not None or row is not None:
-            raise NotImplementedError(
-                "no run locks or lock_enqueue in this measurement"
-            )
+            raise NotImplementedError("no run locks (acks_late, lock_enqueue) here")
         if transaction or timeout_ms is not None:
             return waits_first(
                 self, key, label, timeout_ms, transaction, bound, run, on_granted

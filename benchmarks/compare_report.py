@@ -1,7 +1,8 @@
 """compare.py's results.
 
-Medians, ratios paired per repetition, the Markdown table, the verdict on each target of
-issue 7, and the generated section of docs/benchmarks.md.
+Medians, ratios paired per repetition, the Markdown tables (per handled message; end to
+end, per send), the verdicts on the targets of issues 7 and 18, and the generated section
+of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -9,10 +10,19 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
-from contenders import BASELINE_ROW, CONTENDERS, PLAIN, ROUND_TRIPS, SESSION, WORKLOADS
+from contenders import (
+    BASELINE_ROW,
+    CONTENDERS,
+    ENQUEUE_ROWS,
+    PLAIN,
+    ROUND_TRIPS,
+    SESSION,
+    WORKLOADS,
+)
 
 if TYPE_CHECKING:
     import argparse
+    from collections.abc import Callable
     from pathlib import Path
 
     from contenders import Sample
@@ -28,7 +38,12 @@ def describe(sample: Sample) -> str:
         if sample.worker_us
         else "     n/a"
     )
-    return f"{rate} wk {cpu} ran {sample.ran} skip {sample.skipped} dropped {sample.dropped}"
+    return (
+        f"{rate} wk {cpu} ran {sample.ran} skip {sample.skipped} dropped {sample.dropped}"
+        f" | e2e {fmt(sample.e2e_rate, '.0f')}/s, us/send: producer "
+        f"{fmt(sample.producer_us, '.0f')} redis {fmt(sample.redis_us, '.0f')} pg "
+        f"{fmt(sample.pg_send_us, '.0f')} total {fmt(total_us(sample), '.0f')}"
+    )
 
 
 def median(values: list[float | None]) -> float | None:
@@ -51,6 +66,12 @@ def summarise(
             "skipped": sum(s.skipped for s in runs),
             "dropped": sum(s.dropped for s in runs),
             "repetitions": len(runs),
+            "e2e_rate": median([s.e2e_rate for s in runs]),
+            "producer_us": median([s.producer_us for s in runs]),
+            "worker_send_us": median([s.worker_send_us for s in runs]),
+            "redis_us": median([s.redis_us for s in runs]),
+            "pg_send_us": median([s.pg_send_us for s in runs]),
+            "total_us": median([total_us(s) for s in runs]),
         }
     for (name, workload), row in rows.items():
         base_key = (
@@ -79,6 +100,17 @@ def summarise(
     return rows
 
 
+def total_us(sample: Sample) -> float | None:
+    """CPU per send over producer, worker, Redis and PostgreSQL; None if one is n/a."""
+    parts = (
+        sample.producer_us,
+        sample.worker_send_us,
+        sample.redis_us,
+        sample.pg_send_us,
+    )
+    return None if None in parts else sum(p for p in parts if p is not None)
+
+
 def fmt(value: float | None, pattern: str) -> str:
     return "n/a" if value is None else format(value, pattern)
 
@@ -101,6 +133,132 @@ def table(rows: dict[tuple[str, str], dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def e2e_table(rows: dict[tuple[str, str], dict[str, Any]]) -> str:
+    """End to end: sends per second from the first send to the last run's end, and CPU
+    per send in each of the four places that do work."""
+    lines = [
+        "| workload | contender | sends/s end to end | producer CPU µs/send | worker CPU µs/send | Redis CPU µs/send | PostgreSQL CPU µs/send | total CPU µs/send | queued / dropped at publish |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for workload in WORKLOADS:
+        for name in CONTENDERS:
+            row = rows.get((name, workload))
+            if row is None:
+                continue
+            queued = row["ran"] + row["skipped"]
+            lines.append(
+                f"| {workload} | {name} | {fmt(row['e2e_rate'], ',.0f')} "
+                f"| {fmt(row['producer_us'], ',.0f')} | {fmt(row['worker_send_us'], ',.0f')} "
+                f"| {fmt(row['redis_us'], ',.0f')} | {fmt(row['pg_send_us'], ',.0f')} "
+                f"| {fmt(row['total_us'], ',.0f')} | {queued} / {row['dropped']} |"
+            )
+    return "\n".join(lines)
+
+
+def _paired(
+    samples: dict[tuple[str, str], list[Sample]],
+    ours: str,
+    theirs: list[str],
+    workload: str,
+    figure: Callable[[Sample], float | None],
+    best: Callable[[list[float]], float],
+) -> float | None:
+    """Median over repetitions of ours / the best of ``theirs`` in that repetition."""
+    mine = samples.get((ours, workload), [])
+    peers = [samples.get((name, workload), []) for name in theirs]
+    ratios: list[float | None] = []
+    for index, sample in enumerate(mine):
+        values = [runs[index] for runs in peers if index < len(runs)]
+        figures = [figure(s) for s in values]
+        present = [f for f in figures if f is not None]
+        value = figure(sample)
+        if value is None or len(present) < len(theirs) or not present:
+            ratios.append(None)
+            continue
+        ratios.append(value / best(present))
+    return median(ratios)
+
+
+def issue18_verdicts(
+    samples: dict[tuple[str, str], list[Sample]],
+) -> list[tuple[str, str, bool]]:
+    """The targets of issue 18, paired per repetition; rows not measured are left out."""
+    peers = [
+        name
+        for name, c in CONTENDERS.items()
+        if c.locks_at_publish
+        and not c.enqueue
+        and any(key[0] == name for key in samples)
+    ]
+    ours = [name for name in ENQUEUE_ROWS if any(key[0] == name for key in samples)]
+    checks: list[tuple[str, str, bool]] = []
+
+    def rate(sample: Sample) -> float | None:
+        return sample.e2e_rate
+
+    for workload in ("one hot key", "per-tenant mix"):
+        for name in ours:
+            if (name, workload) not in samples or not peers:
+                continue
+            each = [
+                (
+                    peer,
+                    _paired(samples, name, [peer], workload, rate, min),
+                    _paired(samples, name, [peer], workload, total_us, min),
+                )
+                for peer in peers
+            ]
+            checks.append(
+                (
+                    f"{workload}, {name}: sends/s end to end ≥ each peer's, total CPU per send ≤ each peer's",
+                    "; ".join(
+                        f"{peer}: rate {fmt(r, '.2f')}{TIMES}, CPU {fmt(c, '.2f')}{TIMES}"
+                        for peer, r, c in each
+                    ),
+                    all(
+                        r is not None and r >= 1.0 and c is not None and c <= 1.0
+                        for _, r, c in each
+                    ),
+                )
+            )
+    if peers:
+        for name in ours:
+            if (name, "distinct keys") not in samples:
+                continue
+            cpu = _paired(samples, name, peers, "distinct keys", total_us, min)
+            fast = _paired(samples, name, peers, "distinct keys", rate, max)
+            run_cpu = _paired(samples, SESSION, peers, "distinct keys", total_us, min)
+            run_fast = _paired(samples, SESSION, peers, "distinct keys", rate, max)
+            checks.append(
+                (
+                    f"distinct keys end to end, {name}: within 10 % of the better peer "
+                    "(total CPU per task; sends/s)",
+                    f"CPU {fmt(cpu, '.3f')}{TIMES}, rate {fmt(fast, '.3f')}{TIMES} the better "
+                    f"peer's (run lock only: CPU {fmt(run_cpu, '.3f')}{TIMES}, rate "
+                    f"{fmt(run_fast, '.3f')}{TIMES})",
+                    cpu is not None
+                    and cpu <= 1.10
+                    and fast is not None
+                    and fast >= 0.90,
+                )
+            )
+    floor = _paired(
+        samples, SESSION, [ROUND_TRIPS], "distinct keys", lambda s: s.rate, max
+    )
+    if (SESSION, "distinct keys") in samples and (
+        ROUND_TRIPS,
+        "distinct keys",
+    ) in samples:
+        checks.append(
+            (
+                "run lock at its floor: SingletonTask session within 3 % of plain + 2 round trips (distinct keys, msgs/s)",
+                f"{fmt(floor, '.3f')}{TIMES} the floor's",
+                floor is not None and floor >= 0.97,
+            )
+        )
+    return checks
+
+
 def verdicts(
     rows: dict[tuple[str, str], dict[str, Any]],
     connections: int,
@@ -112,7 +270,7 @@ def verdicts(
     peers = [
         rows.get((name, "distinct keys"), {}).get("ratio")
         for name in CONTENDERS
-        if CONTENDERS[name].locks_at_publish
+        if CONTENDERS[name].locks_at_publish and not CONTENDERS[name].enqueue
     ]
     ratio = distinct.get("ratio")
     growth = flat.get("after run", 0.0) - flat.get("warm", 0.0)

@@ -15,6 +15,7 @@ class Contender:
     worker: str  #: BENCH_CONTENDER of its worker
     task: str  #: task name
     locks_at_publish: bool = False  #: the peers lock when a message is published
+    enqueue: bool = False  #: SingletonTask with lock_enqueue: checks at publish too
 
 
 #: A skip that ends SUCCESS (lock_skip_result="success") instead of FAILURE: what Celery's
@@ -25,6 +26,11 @@ UNAWAITED_ROW = "SingletonTask session (release not awaited; measured only)"
 #: SingletonTask session run by another checkout of celery-pglock (compare.py --baseline):
 #: the same harness, the previous code, in the same run.
 BASELINE_ROW = "SingletonTask session, baseline code"
+#: SingletonTask session with lock_enqueue (issue 18): the producer's apply_async takes the
+#: key's queued row, so duplicates are dropped at publish, as the peers drop them.
+UNTIL_FINISHED_ROW = "SingletonTask session + until_finished"
+UNTIL_STARTED_ROW = "SingletonTask session + until_started"
+ENQUEUE_ROWS = (UNTIL_FINISHED_ROW, UNTIL_STARTED_ROW)
 CONTENDERS = {
     "plain": Contender("plain", bench_app.PLAIN),
     "plain + 2 round trips": Contender("plain", bench_app.PLAIN_ROUND_TRIPS),
@@ -33,6 +39,8 @@ CONTENDERS = {
     SKIP_SUCCESS_ROW: Contender("pglock", bench_app.SKIP_SUCCESS),
     UNAWAITED_ROW: Contender(bench_app.UNAWAITED, bench_app.SESSION),
     BASELINE_ROW: Contender(bench_app.BASELINE, bench_app.SESSION),
+    UNTIL_FINISHED_ROW: Contender("pglock", bench_app.UNTIL_FINISHED, True, True),
+    UNTIL_STARTED_ROW: Contender("pglock", bench_app.UNTIL_STARTED, True, True),
     "celery-once 3.0.1": Contender("once", bench_app.ONCE, True),
     "celery-singleton 0.3.1": Contender("singleton", bench_app.SINGLETON, True),
 }
@@ -68,3 +76,10 @@ class Sample:
     pg_us: float | None = None  #: lock-session backends' CPU per handled message
     connections: int = 0
     rss: float | None = None  #: MiB, largest task process, after the worker's drains
+    # End to end (issue 18): publish time plus first start to last end; CPU per *send*
+    # (dropped ones included), each of four places; None where it cannot be read.
+    e2e_rate: float | None = None  #: sends per second
+    producer_us: float | None = None  #: the publishing process, during publish
+    worker_send_us: float | None = None  #: worker processes, during the drain
+    redis_us: float | None = None  #: redis-server, publish through drain
+    pg_send_us: float | None = None  #: the producer's and the worker's backends

@@ -1,16 +1,20 @@
-"""What compare.py reads off a worker.
+"""What compare.py reads off a worker, the producer and the servers.
 
-The CPU of its processes and of its lock sessions' PostgreSQL backends, the RSS of its
-task processes, and the per-task records its hooks write.
+The CPU of a worker's processes and of its lock sessions' PostgreSQL backends, the RSS of
+its task processes, and the per-task records its hooks write; the CPU of the benchmark
+process (the producer), of its own backends, and of redis-server when it runs on this host.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+import os
+import time
+from typing import TYPE_CHECKING, Any
 
 import bench_app
 import psutil
+import redis
 
 from celery_pglock.testing import _support
 
@@ -29,14 +33,18 @@ class BenchError(Exception):
 class Probe:
     """Reads CPU of a worker's processes and of its lock sessions' backends."""
 
-    def __init__(self, services: Services) -> None:
+    def __init__(self, services: Services, redis_client: Any = None) -> None:
         self.connection = _support.connect(
             services.database_url, application_name="pglock-bench probe"
         )
         self.connection.autocommit = True
+        self.redis_server = _local_redis(redis_client)
 
     def lock_backends(self, worker: WorkerProcess) -> list[int]:
-        pids = {worker.pid, *worker.child_pids()}
+        return self.backends({worker.pid, *worker.child_pids()})
+
+    def backends(self, pids: set[int]) -> list[int]:
+        """Backends whose application_name carries the ``host:pid`` of one of ``pids``."""
         with self.connection.cursor() as cursor:
             cursor.execute(
                 "SELECT pid, application_name FROM pg_stat_activity WHERE application_name LIKE %s",
@@ -68,8 +76,52 @@ class Probe:
             server = (server or 0.0) + times.user + times.system
         return total, system, server
 
+    def producer_backends(self) -> dict[int, float] | None:
+        """CPU s by pid of this process's backends (None if unreadable: another host)."""
+        found: dict[int, float] = {}
+        for backend in self.backends({os.getpid()}):
+            try:
+                times = psutil.Process(backend).cpu_times()
+            except psutil.Error:
+                return None
+            found[backend] = times.user + times.system
+        return found
+
+    def redis_seconds(self) -> float | None:
+        """CPU s of redis-server, None when it is not on this host."""
+        if self.redis_server is None:
+            return None
+        try:
+            times = self.redis_server.cpu_times()
+        except psutil.Error:
+            return None
+        return float(times.user + times.system)
+
     def close(self) -> None:
         self.connection.close()
+
+
+def _local_redis(client: Any) -> psutil.Process | None:
+    """The redis-server process answering ``client``, if it runs on this host: the pid
+    from INFO server, checked by name and start time (a remote server's pid may exist here)."""
+    if client is None:
+        return None
+    try:
+        info = client.info("server")
+        process = psutil.Process(int(info["process_id"]))
+        uptime = float(info["uptime_in_seconds"])
+        started_ago = time.time() - process.create_time()
+    except (psutil.Error, redis.RedisError, KeyError, ValueError):
+        return None
+    if "redis" not in process.name() or abs(started_ago - uptime) > 5:
+        return None
+    return process
+
+
+def own_cpu() -> float:
+    """CPU s of this process (the producer), all threads."""
+    times = psutil.Process().cpu_times()
+    return float(times.user + times.system)
 
 
 def rss(worker: WorkerProcess) -> float:
