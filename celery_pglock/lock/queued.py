@@ -108,7 +108,12 @@ def with_row_change(statement: str, change: str, granted: str = "true") -> str:
     ``granted`` (SQL over ``l.g``, the statement's first column) is true. MATERIALIZED: the
     lock functions run once; a data-modifying CTE always runs to completion."""
     change = change.format(granted=granted)
-    return f"WITH l(g) AS MATERIALIZED ({statement}), c AS ({change}) SELECT * FROM l"
+    # A crash may lose the last row changes: that frees keys early, never blocks one.
+    return (
+        f"WITH l(g) AS MATERIALIZED ({statement}), c AS ({change}), "
+        "s AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true)) "
+        "SELECT l.* FROM l, s"
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
