@@ -39,8 +39,6 @@ class Metrics(Protocol):
     def lost(self, task: str) -> None:
         """The lock watcher found a held lock lost while its body ran."""
 
-    def enqueued(self, task: str, outcome: str) -> None:
-        """A lock_enqueue send: published, duplicate, took_over or unchecked_<reason>."""
 
 
 class NullMetrics:

@@ -176,7 +176,8 @@ def database_error(
 
 
 def enqueued(task: Any, outcome: str) -> None:
-    if metrics.sink is not None:
+    # Optional in a custom Metrics (added after the protocol was published).
+    if metrics.sink is not None and hasattr(metrics.sink, "enqueued"):
         _count("enqueued", task.name, outcome)
 
 
