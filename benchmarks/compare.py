@@ -284,7 +284,7 @@ class Bench:
             elif contender.enqueue:
                 from celery_pglock.lock import queued
 
-                queued.ensure_table(task._binding().engine(), 10.0)
+                queued.TABLE.ensure(task._binding().engine(), 10.0)
 
     def forget(self, queue: str) -> None:
         with contextlib.suppress(redis.RedisError):

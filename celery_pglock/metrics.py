@@ -40,7 +40,6 @@ class Metrics(Protocol):
         """The lock watcher found a held lock lost while its body ran."""
 
 
-
 class NullMetrics:
     """The default sink: counts nothing."""
 

@@ -171,7 +171,7 @@ class AdvisoryLock:
                 "only issued to the holder."
             )
         try:
-            fencing_tokens.ensure_table(self.engine)
+            fencing_tokens.TABLE.ensure(self.engine)
             bound = self.round_trip_timeout
             holder = hold.session.fencing_holder(hold, self.key, bound=bound)
             token = None

@@ -94,9 +94,6 @@ FIX = (
     "celery_pglock_fencing_token_seq (docs/operations/security.md)"
 )
 
-_ready: weakref.WeakSet[sa.Engine] = weakref.WeakSet()  #: Engines whose table exists.
-_ready_guard = threading.Lock()
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Holder:
@@ -121,32 +118,51 @@ def transaction_holder(cursor: Any, key: LockKey) -> Holder | None:
     return None if row is None else Holder(*row)
 
 
-def ensure_table(engine: sa.Engine) -> None:
-    """Create the fencing table if this process has not seen it yet (once per engine)."""
-    if engine in _ready:
-        return
-    with _ready_guard:
-        if engine in _ready:
+class OwnTable:
+    """A table the library creates on first use, once per engine (fencing, lock_period,
+    lock_enqueue); ``CREATE`` serialises itself (IF NOT EXISTS races itself)."""
+
+    def __init__(self, what: str, exists: str, create: str, fix: str) -> None:
+        self.what, self.exists, self.create, self.fix = what, exists, create, fix
+        self._ready: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
+        self._guard = threading.Lock()
+
+    def ensure(self, engine: sa.Engine, bound: float | None = None) -> None:
+        if engine in self._ready:
             return
-        with (
-            driver_errors.wrap_db_errors("set up the fencing table", engine),
-            autocommit(engine) as dbapi,
-            dbapi.cursor() as cursor,
-        ):
-            cursor.execute(_EXISTS)
-            if not all(cursor.fetchone()):
-                try:
-                    cursor.execute(CREATE.format(schema=""))
-                except Exception as exc:
-                    if driver_errors.sqlstate(exc) != INSUFFICIENT_PRIVILEGE:
-                        raise
-                    cursor.execute("ROLLBACK")  # autocommit: end the aborted BEGIN
-                    raise exceptions.DatabaseError(
-                        "The fencing table celery_pglock_fencing does not exist on "
-                        f"{engines.engine_info(engine)['masked_url']} and this role may "
-                        f"not create it; {FIX}."
-                    ) from exc
-        _ready.add(engine)
+        with self._guard:
+            if engine in self._ready:
+                return
+            with (
+                driver_errors.wrap_db_errors(f"set up the {self.what}", engine),
+                autocommit(engine) as dbapi,
+                contextlib.nullcontext()
+                if bound is None
+                else deadlines.bounded(dbapi, bound),
+                dbapi.cursor() as cursor,
+            ):
+                cursor.execute(self.exists)
+                if not all(cursor.fetchone()):
+                    try:
+                        cursor.execute(self.create.format(schema=""))
+                    except Exception as exc:
+                        if driver_errors.sqlstate(exc) != INSUFFICIENT_PRIVILEGE:
+                            raise
+                        cursor.execute("ROLLBACK")  # autocommit: end the aborted BEGIN
+                        raise exceptions.DatabaseError(
+                            f"The {self.what} does not exist on "
+                            f"{engines.engine_info(engine)['masked_url']} and this role "
+                            f"may not create it; {self.fix}."
+                        ) from exc
+            self._ready.add(engine)
+
+    def forget(self, engine: sa.Engine) -> None:
+        """Check the table again at its next use (it was dropped, or its grant revoked)."""
+        with self._guard:
+            self._ready.discard(engine)
+
+
+TABLE = OwnTable("fencing table celery_pglock_fencing", _EXISTS, CREATE, FIX)
 
 
 def issue(engine: sa.Engine, key: LockKey, holder: Holder, bound: float) -> int | None:
@@ -166,8 +182,7 @@ def issue(engine: sa.Engine, key: LockKey, holder: Holder, bound: float) -> int 
             code = driver_errors.sqlstate(exc)
             if code not in (UNDEFINED_TABLE, INSUFFICIENT_PRIVILEGE):
                 raise
-            with _ready_guard:
-                _ready.discard(engine)  # check the table again at the next issue
+            TABLE.forget(engine)
             problem = (
                 "does not exist (dropped since this process checked?)"
                 if code == UNDEFINED_TABLE

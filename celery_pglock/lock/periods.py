@@ -4,17 +4,13 @@ Sent only by the key's holder, so starts of a key are serialised. Why: docs/guid
 from __future__ import annotations
 
 import dataclasses
-import threading
-import weakref
 from typing import TYPE_CHECKING
 
 from celery_pglock import exceptions
-from celery_pglock.db import deadlines, driver_errors, engines
+from celery_pglock.db import deadlines, driver_errors
 from celery_pglock.lock import fencing_tokens
 
 if TYPE_CHECKING:
-    import sqlalchemy as sa
-
     from celery_pglock.lock import AdvisoryLock
 
 #: ``{schema}``: a quoted name and a dot, or "". Locked: IF NOT EXISTS races itself.
@@ -65,8 +61,12 @@ FIX = (
     "SELECT, INSERT, UPDATE on celery_pglock_periods (docs/operations/security.md)"
 )
 
-_ready: weakref.WeakSet[sa.Engine] = weakref.WeakSet()  #: Engines whose table exists.
-_ready_guard = threading.Lock()
+TABLE = fencing_tokens.OwnTable(
+    "lock_period table celery_pglock_periods",
+    "SELECT to_regclass('celery_pglock_periods') IS NOT NULL",
+    CREATE,
+    FIX,
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -81,7 +81,7 @@ def start(lock: AdvisoryLock, task_id: str | None, period: float) -> Throttle | 
     """Record a start of ``lock``'s key (held) unless one is within ``period``: None if
     recorded, else the Throttle. One committed statement on a pooled connection."""
     engine = lock.engine
-    _ensure_table(engine)
+    TABLE.ensure(engine)
     key = lock.key
     params = {**fencing_tokens.key_params(key), "task_id": task_id, "period": period}
     action = f"record the start of lock {key.name!r} (lock_period)"
@@ -99,8 +99,7 @@ def start(lock: AdvisoryLock, task_id: str | None, period: float) -> Throttle | 
                 fencing_tokens.INSUFFICIENT_PRIVILEGE,
             ):
                 raise
-            with _ready_guard:
-                _ready.discard(engine)  # check the table again at the next start
+            TABLE.forget(engine)
             raise exceptions.DatabaseError(
                 f"Could not {action}: celery_pglock_periods is missing or not "
                 f"writable by this role; {FIX}."
@@ -111,34 +110,3 @@ def start(lock: AdvisoryLock, task_id: str | None, period: float) -> Throttle | 
     if left is None or left <= 0:  # the refusing start is not in the snapshot
         return Throttle(period, None)  # the whole period: the safe bound
     return Throttle(left, last)
-
-
-def _ensure_table(engine: sa.Engine) -> None:
-    """Create the table if this process has not seen it yet (once per engine)."""
-    if engine in _ready:
-        return
-    with _ready_guard:
-        if engine in _ready:
-            return
-        with (
-            driver_errors.wrap_db_errors("set up the lock_period table", engine),
-            fencing_tokens.autocommit(engine) as dbapi,
-            dbapi.cursor() as cursor,
-        ):
-            cursor.execute("SELECT to_regclass('celery_pglock_periods') IS NOT NULL")
-            if not cursor.fetchone()[0]:
-                try:
-                    cursor.execute(CREATE.format(schema=""))
-                except Exception as exc:
-                    if (
-                        driver_errors.sqlstate(exc)
-                        != fencing_tokens.INSUFFICIENT_PRIVILEGE
-                    ):
-                        raise
-                    cursor.execute("ROLLBACK")  # autocommit: end the aborted BEGIN
-                    raise exceptions.DatabaseError(
-                        "The lock_period table celery_pglock_periods does not exist on "
-                        f"{engines.engine_info(engine)['masked_url']} and this role may "
-                        f"not create it; {FIX}."
-                    ) from exc
-        _ready.add(engine)

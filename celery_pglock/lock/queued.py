@@ -6,11 +6,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import threading
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import exceptions, keys
-from celery_pglock.db import deadlines, driver_errors, engines
+from celery_pglock.db import deadlines, driver_errors
 from celery_pglock.lock import fencing_tokens
 
 if TYPE_CHECKING:
@@ -138,44 +137,16 @@ class Queued:
         return ON_END, (*self.row, self.task_id)
 
 
-_ready: set[sa.Engine] = set()
-_ready_guard = threading.Lock()
 FIX = (
     "create it with `celery -A <app> pglock sql --enqueue --apply` as a role that may, "
     "or GRANT this role what `pglock sql --enqueue` prints"
 )
-
-
-def ensure_table(engine: sa.Engine, bound: float) -> None:
-    """Create the table if this process has not seen it yet (once per engine)."""
-    if engine in _ready:
-        return
-    with _ready_guard:
-        if engine in _ready:
-            return
-        with (
-            driver_errors.wrap_db_errors("set up the queued-keys table", engine),
-            fencing_tokens.autocommit(engine) as dbapi,
-            deadlines.bounded(dbapi, bound),
-            dbapi.cursor() as cursor,
-        ):
-            cursor.execute("SELECT to_regclass('celery_pglock_queued') IS NOT NULL")
-            if not cursor.fetchone()[0]:
-                try:
-                    cursor.execute(CREATE.format(schema=""))
-                except Exception as exc:
-                    if (
-                        driver_errors.sqlstate(exc)
-                        != fencing_tokens.INSUFFICIENT_PRIVILEGE
-                    ):
-                        raise
-                    cursor.execute("ROLLBACK")
-                    raise exceptions.DatabaseError(
-                        "The table celery_pglock_queued does not exist on "
-                        f"{engines.engine_info(engine)['masked_url']} and this role may "
-                        f"not create it; {FIX}."
-                    ) from exc
-        _ready.add(engine)
+TABLE = fencing_tokens.OwnTable(
+    "lock_enqueue table celery_pglock_queued",
+    "SELECT to_regclass('celery_pglock_queued') IS NOT NULL",
+    CREATE,
+    FIX,
+)
 
 
 #: Sends of CLAIM before giving up on READ COMMITTED's snapshot race (measured: 2 at most).
@@ -193,7 +164,7 @@ def claim(
     bound: float,
 ) -> tuple[str, str]:
     """Take ``key``'s row for ``task_id``: ("new" | "took_over" | "queued", owner's id)."""
-    ensure_table(engine, bound)
+    TABLE.ensure(engine, bound)
     classid, objid, objsubid = key.pg_locks_ids
     params = {
         "c": classid,
