@@ -321,7 +321,8 @@ def resolve(
             source["fencing"],
             True,
             f"False with lock_limit={limit} (a fencing token orders the holders of one "
-            "key, and lock_limit lets several hold it at once): drop one of them",
+            "key, and lock_limit lets several hold it at once): set lock_fencing=False on "
+            "this task, or lock_limit=1",
         )
     if values["enqueue"] is not None:
         if limit > 1:
@@ -392,11 +393,11 @@ def _check_enqueue(
     if values["shadow"]:
         raise _fail(
             task_name,
-            where,
-            values["enqueue"].value,
-            "None with lock_shadow=True (a shadowed task must publish every send to "
-            "report what the lock would do): shadow the run lock first, then add "
-            "lock_enqueue",
+            source["shadow"],
+            True,
+            "False with lock_enqueue (a shadowed task must publish every send to "
+            "report what the lock would do): set lock_shadow=False on this task, or "
+            "shadow the run lock first and add lock_enqueue after",
         )
     user_set = "lock_on_busy" in attributes or conf.get("pglock_on_busy") is not None
     if values["enqueue"] is Enqueue.UNTIL_STARTED and not user_set:

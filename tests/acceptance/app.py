@@ -155,6 +155,7 @@ def raiser(self, run: str, key: str, hold: float = 0.0, gate: str | None = None)
 @app.task(
     base=SingletonTask,
     bind=True,
+    shared=False,  # this app only: an app-wide pglock_fencing in another test must not meet it
     lock_args=("run", "key"),
     lock_limit=3,
     lock_on_busy="retry",

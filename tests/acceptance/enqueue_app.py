@@ -11,6 +11,7 @@ __all__ = ["app", "open_gate", "protected", "recorder"]
 
 @app.task(
     base=SingletonTask,
+    shared=False,  # this app only: an app-wide setting in another test must not meet it
     bind=True,
     lock_args=("run", "key"),
     lock_enqueue="until_finished",
@@ -23,6 +24,7 @@ def until_finished(
 
 @app.task(
     base=SingletonTask,
+    shared=False,  # this app only: an app-wide setting in another test must not meet it
     bind=True,
     lock_args=("run", "key"),
     lock_enqueue="until_started",
@@ -35,6 +37,7 @@ def until_started(
 
 @app.task(
     base=SingletonTask,
+    shared=False,  # this app only: an app-wide setting in another test must not meet it
     bind=True,
     lock_args=("run", "key"),
     lock_enqueue="until_finished",

@@ -36,7 +36,9 @@ def setup() -> None:
         )
 
 
-@app.task(base=SingletonTask, bind=True, lock_args=("run",), lock_period=PERIOD)
+@app.task(
+    base=SingletonTask, bind=True, shared=False, lock_args=("run",), lock_period=PERIOD
+)
 def ticked(self, run: str) -> str:
     """Record this body's start and the period row it started under."""
     with _gate_cursor() as cursor:

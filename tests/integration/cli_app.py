@@ -28,6 +28,7 @@ def pinned():
     return "pinned"
 
 
-@app.task(base=SingletonTask, lock_limit=3)
+# shared=False: an app-wide pglock_fencing in another test must not meet it.
+@app.task(base=SingletonTask, shared=False, lock_limit=3)
 def batch():
     return "batched"

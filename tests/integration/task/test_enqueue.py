@@ -26,6 +26,16 @@ from celery_pglock.task import enqueue
 from tests.integration.task_support import current_engine, define, hold
 
 
+@pytest.fixture(autouse=True)
+def _close_result_subscriptions(app):
+    """Each send subscribes the Redis result backend to its task id (on_task_call); close
+    that subscription before the app is, or its socket is left to the garbage collector."""
+    yield
+    consumer = getattr(app.backend, "result_consumer", None)
+    if consumer is not None:
+        consumer.stop()
+
+
 @pytest.fixture
 def published():
     """Task ids published during the test (after_task_publish, this process)."""
