@@ -64,6 +64,8 @@ SKIP_SUCCESS = "bench.session_skip_success"
 TRANSACTION = "bench.transaction"
 UNTIL_FINISHED = "bench.until_finished"
 UNTIL_STARTED = "bench.until_started"
+LIMIT = "bench.limit"
+PERIOD = "bench.period"
 ONCE = "bench.once"
 SINGLETON = "bench.singleton"
 
@@ -186,6 +188,15 @@ if contender in (
         lock_enqueue="until_started",
     )
     def until_started(key: str, body: float = 0.0) -> None:
+        _body(body)
+
+    @app.task(name=LIMIT, base=SingletonTask, lock_args=("key",), lock_limit=3)
+    def limit(key: str, body: float = 0.0) -> None:
+        _body(body)
+
+    # Distinct keys only: each key's first run, so each message runs (and is timed).
+    @app.task(name=PERIOD, base=SingletonTask, lock_args=("key",), lock_period=3600)
+    def period(key: str, body: float = 0.0) -> None:
         _body(body)
 
 

@@ -52,6 +52,7 @@ import measuring  # noqa: E402
 from contenders import (  # noqa: E402
     BASELINE_ROW,
     CONTENDERS,
+    DISTINCT_ONLY,
     PLAIN,
     ROUND_TRIPS,
     SKIP_SUCCESS_ROW,
@@ -323,6 +324,8 @@ class Bench:
                             continue  # no key: the same as distinct keys
                         if name == SKIP_SUCCESS_ROW and workload != "one hot key":
                             continue  # only skips differ from the session row
+                        if name in DISTINCT_ONLY and workload != "distinct keys":
+                            continue
                         worker, record_dir = workers[contender.worker]
                         sample = self.drain(
                             worker,

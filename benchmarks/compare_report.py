@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from contenders import (
     BASELINE_ROW,
     CONTENDERS,
+    DISTINCT_ONLY,
     ENQUEUE_ROWS,
     PLAIN,
     ROUND_TRIPS,
@@ -242,6 +243,7 @@ def issue18_verdicts(
                     and fast >= 0.90,
                 )
             )
+    checks.extend(_one_statement_verdicts(samples))
     floor = _paired(
         samples, SESSION, [ROUND_TRIPS], "distinct keys", lambda s: s.rate, max
     )
@@ -254,6 +256,50 @@ def issue18_verdicts(
                 "run lock at its floor: SingletonTask session within 3 % of plain + 2 round trips (distinct keys, msgs/s)",
                 f"{fmt(floor, '.3f')}{TIMES} the floor's",
                 floor is not None and floor >= 0.97,
+            )
+        )
+    return checks
+
+
+def _one_statement_verdicts(
+    samples: dict[tuple[str, str], list[Sample]],
+) -> list[tuple[str, str, bool]]:
+    """lock_limit and lock_period against the session row plus one statement: worker and
+    PostgreSQL CPU per run, paired per repetition. One statement is half of what "plain +
+    2 round trips" costs over plain in the same repetition."""
+
+    def cpu(sample: Sample) -> float | None:
+        if sample.worker_us is None or sample.pg_us is None:
+            return None
+        return sample.worker_us + sample.pg_us
+
+    def runs(name: str) -> list[Sample]:
+        return samples.get((name, "distinct keys"), [])
+
+    checks: list[tuple[str, str, bool]] = []
+    for name in DISTINCT_ONLY:
+        extras: list[float | None] = []
+        statements: list[float | None] = []
+        for index, sample in enumerate(runs(name)):
+            paired = [runs(other) for other in (SESSION, ROUND_TRIPS, PLAIN)]
+            if any(index >= len(r) for r in paired):
+                continue
+            figures = [cpu(s) for s in (sample, *(r[index] for r in paired))]
+            present = [f for f in figures if f is not None]
+            if len(present) < len(figures):
+                continue
+            mine, session, trips, plain = present
+            extras.append(mine - session)
+            statements.append((trips - plain) / 2)
+        extra, statement = median(extras), median(statements)
+        if extra is None or statement is None:
+            continue
+        checks.append(
+            (
+                f"{name}: CPU per run ≤ SingletonTask session's + one statement "
+                "(worker + PostgreSQL, distinct keys)",
+                f"{extra:+.0f} µs over the session row; one statement {statement:.0f} µs",
+                extra <= statement,
             )
         )
     return checks

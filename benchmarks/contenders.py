@@ -31,6 +31,11 @@ BASELINE_ROW = "SingletonTask session, baseline code"
 UNTIL_FINISHED_ROW = "SingletonTask session + until_finished"
 UNTIL_STARTED_ROW = "SingletonTask session + until_started"
 ENQUEUE_ROWS = (UNTIL_FINISHED_ROW, UNTIL_STARTED_ROW)
+#: lock_limit and lock_period (issue 18), drained with distinct keys only: each message
+#: runs, so the row is the cost of the run's extra statement.
+LIMIT_ROW = "SingletonTask session + lock_limit=3"
+PERIOD_ROW = "SingletonTask session + lock_period"
+DISTINCT_ONLY = (LIMIT_ROW, PERIOD_ROW)
 CONTENDERS = {
     "plain": Contender("plain", bench_app.PLAIN),
     "plain + 2 round trips": Contender("plain", bench_app.PLAIN_ROUND_TRIPS),
@@ -41,6 +46,8 @@ CONTENDERS = {
     BASELINE_ROW: Contender(bench_app.BASELINE, bench_app.SESSION),
     UNTIL_FINISHED_ROW: Contender("pglock", bench_app.UNTIL_FINISHED, True, True),
     UNTIL_STARTED_ROW: Contender("pglock", bench_app.UNTIL_STARTED, True, True),
+    LIMIT_ROW: Contender("pglock", bench_app.LIMIT),
+    PERIOD_ROW: Contender("pglock", bench_app.PERIOD),
     "celery-once 3.0.1": Contender("once", bench_app.ONCE, True),
     "celery-singleton 0.3.1": Contender("singleton", bench_app.SINGLETON, True),
 }

@@ -4,6 +4,8 @@ forms, key ids first. Why: docs/design.md ("Each lock function is a scalar ...")
 from __future__ import annotations
 
 import functools
+import re
+import weakref
 from typing import Any
 
 _KEY = {1: "%s::bigint", 2: "%s::integer, %s::integer"}
@@ -180,3 +182,28 @@ def to_last_result(cursor: Any) -> None:
     if type(cursor).__module__.partition(".")[0] == "psycopg":
         while cursor.nextset():
             pass
+
+
+_NAMED = re.compile(r"%\((\w+)\)s")
+#: The statements prepared on each DBAPI connection's session, by name.
+_prepared: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+
+
+@functools.lru_cache(maxsize=16)
+def _prepare_and_execute(name: str, statement: str) -> tuple[str, str]:
+    names = list(dict.fromkeys(_NAMED.findall(statement)))
+    body = _NAMED.sub(lambda m: f"${names.index(m[1]) + 1}", statement)
+    arguments = ", ".join(f"%({n})s" for n in names)
+    return f"PREPARE {name} AS {body}", f"EXECUTE {name}({arguments})"
+
+
+def prepared(dbapi: Any, cursor: Any, name: str, statement: str) -> str:
+    """``statement`` (named params), to execute with the same params on ``cursor``: an
+    EXECUTE of it prepared once per connection. Both drivers bind on the client here
+    (engines.py), so a statement sent as text would be planned again on every call."""
+    prepare, execute = _prepare_and_execute(name, statement)
+    done = _prepared.setdefault(dbapi, set())
+    if name not in done:
+        cursor.execute(prepare)
+        done.add(name)
+    return execute

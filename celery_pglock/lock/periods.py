@@ -7,7 +7,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from celery_pglock import exceptions
-from celery_pglock.db import deadlines, driver_errors
+from celery_pglock.db import deadlines, driver_errors, sql_text
 from celery_pglock.lock import fencing_tokens
 
 if TYPE_CHECKING:
@@ -92,7 +92,8 @@ def start(lock: AdvisoryLock, task_id: str | None, period: float) -> Throttle | 
         dbapi.cursor() as cursor,
     ):
         try:
-            cursor.execute(_START, params)
+            statement = sql_text.prepared(dbapi, cursor, "celery_pglock_period", _START)
+            cursor.execute(statement, params)
         except Exception as exc:
             if driver_errors.sqlstate(exc) not in (
                 fencing_tokens.UNDEFINED_TABLE,

@@ -9,7 +9,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import exceptions, keys
-from celery_pglock.db import deadlines, driver_errors
+from celery_pglock.db import deadlines, driver_errors, sql_text
 from celery_pglock.lock import fencing_tokens
 
 if TYPE_CHECKING:
@@ -182,8 +182,9 @@ def claim(
         deadlines.bounded(dbapi, bound),
         dbapi.cursor() as cursor,
     ):
+        statement = sql_text.prepared(dbapi, cursor, "celery_pglock_claim", CLAIM)
         for _ in range(CLAIM_TRIES):
-            cursor.execute(CLAIM, params)
+            cursor.execute(statement, params)
             row = cursor.fetchone()
             if row is not None and row[0] != "retry":
                 return str(row[0]), str(row[1])

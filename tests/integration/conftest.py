@@ -11,6 +11,7 @@ import pytest
 from celery import Celery
 
 from celery_pglock import signals
+from tests.integration.task_support import close_app
 
 
 @pytest.fixture
@@ -21,7 +22,7 @@ def app(database_url, broker_url, result_backend_url, namespace, session_mode):
     app.conf.pglock_database_url = database_url
     app.conf.pglock_namespace = namespace
     yield app
-    app.close()
+    close_app(app)
 
 
 @pytest.fixture

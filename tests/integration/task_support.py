@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 from celery.app.trace import build_tracer
 
 from celery_pglock import AdvisoryLock, SingletonTask
@@ -14,6 +16,22 @@ def define(app, fun, **options):
     )(fun)
     app.finalize(auto=True)
     return app.tasks[task.name]
+
+
+def close_app(app):
+    """Close an in-process test app, its Redis result subscription first.
+
+    Each send subscribes the result backend to its task id, and an ``AsyncResult``
+    unsubscribes when it is collected: collect them while the subscription still
+    works, then close it and forget its keys, or a late ``__del__`` reconnects and
+    leaves a socket to the garbage collector (a ResourceWarning in a later test).
+    """
+    gc.collect()
+    consumer = getattr(app.backend, "result_consumer", None)
+    if consumer is not None:
+        consumer.stop()
+        consumer.subscribed_to.clear()
+    app.close()
 
 
 def ran():

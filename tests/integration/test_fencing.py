@@ -30,7 +30,7 @@ from celery_pglock import (
 )
 from celery_pglock.db import engines
 from celery_pglock.lock import sessions
-from tests.integration.task_support import define, hold
+from tests.integration.task_support import close_app, define, hold
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def app(database_url, broker_url, result_backend_url, namespace):
     app.conf.pglock_database_url = database_url
     app.conf.pglock_namespace = namespace
     yield app
-    app.close()
+    close_app(app)
 
 
 def take(engine, key, scope=LockScope.SESSION):

@@ -24,7 +24,12 @@ from celery_pglock import signals as pglock_signals
 from celery_pglock.lock import periods
 from celery_pglock.testing import _support
 from tests.integration import test_fencing
-from tests.integration.task_support import define, is_held, trace_delivery
+from tests.integration.task_support import (
+    close_app,
+    define,
+    is_held,
+    trace_delivery,
+)
 
 
 @pytest.fixture
@@ -35,7 +40,7 @@ def app(database_url, broker_url, result_backend_url, namespace):
     app.conf.pglock_database_url = database_url
     app.conf.pglock_namespace = namespace
     yield app
-    app.close()
+    close_app(app)
 
 
 lp_role = test_fencing.lp_role  # a role without CREATE, on a schema of its own

@@ -22,16 +22,6 @@ def run(database_url, *args, expect=0):
     return result.output
 
 
-@pytest.fixture(autouse=True)
-def _close_result_subscriptions(app):
-    """Each send subscribes the Redis result backend to its task id (on_task_call); close
-    that subscription before the app is, or its socket is left to the garbage collector."""
-    yield
-    consumer = getattr(app.backend, "result_consumer", None)
-    if consumer is not None:
-        consumer.stop()
-
-
 @pytest.fixture
 def task(app):
     def export(tenant):

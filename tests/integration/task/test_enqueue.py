@@ -26,16 +26,6 @@ from celery_pglock.task import enqueue
 from tests.integration.task_support import current_engine, define, hold
 
 
-@pytest.fixture(autouse=True)
-def _close_result_subscriptions(app):
-    """Each send subscribes the Redis result backend to its task id (on_task_call); close
-    that subscription before the app is, or its socket is left to the garbage collector."""
-    yield
-    consumer = getattr(app.backend, "result_consumer", None)
-    if consumer is not None:
-        consumer.stop()
-
-
 @pytest.fixture
 def published():
     """Task ids published during the test (after_task_publish, this process)."""
@@ -106,6 +96,37 @@ def test_until_finished_publishes_once_until_the_run_ends(app, published):
     third = task.delay(7)
     assert third.id not in (first.id, other.id)
     assert [first.id, other.id, third.id] == published
+
+
+def test_the_publish_statement_is_planned_once_per_connection(app, published):
+    """Each send reuses one prepared statement on the pooled connection instead of
+    planning CLAIM anew (both drivers bind on the client)."""
+    task = make(
+        app,
+        "planned",
+        lambda tenant: None,
+        lock_args=("tenant",),
+        lock_enqueue="until_finished",
+    )
+    engine = current_engine(app)
+    engine.dispose()  # a pool of one: sequential sends all use the same connection
+
+    def prepared():
+        assert 1 == engine.pool.checkedin()
+        with fencing_tokens.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
+            cursor.execute(
+                "SELECT name, generic_plans + custom_plans FROM pg_prepared_statements "
+                "WHERE statement LIKE '%celery_pglock_queued%'"
+            )
+            return cursor.fetchall()
+
+    task.delay(-1)  # the table, the connection
+    before = prepared()
+    sends = 8
+    for tenant in range(sends):
+        task.delay(tenant)
+    assert 1 + sends == len(published)
+    assert [("celery_pglock_claim", before[0][1] + sends)] == prepared()
 
 
 def test_until_started_frees_the_key_when_the_run_starts(app, published):
