@@ -4,6 +4,7 @@ forms, key ids first. Why: docs/design.md ("Each lock function is a scalar ...")
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
 import weakref
 from typing import Any
@@ -189,21 +190,39 @@ _NAMED = re.compile(r"%\((\w+)\)s")
 _prepared: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=64)
 def _prepare_and_execute(name: str, statement: str) -> tuple[str, str]:
     names = list(dict.fromkeys(_NAMED.findall(statement)))
-    body = _NAMED.sub(lambda m: f"${names.index(m[1]) + 1}", statement)
-    arguments = ", ".join(f"%({n})s" for n in names)
+    if names:
+        body = _NAMED.sub(lambda m: f"${names.index(m[1]) + 1}", statement)
+        arguments = ", ".join(f"%({n})s" for n in names)
+    else:  # positional: %s in order
+        count = iter(range(1, statement.count("%s") + 1))
+        body = re.sub("%s", lambda _: f"${next(count)}", statement)
+        arguments = ", ".join("%s" for _ in range(statement.count("%s")))
     return f"PREPARE {name} AS {body}", f"EXECUTE {name}({arguments})"
 
 
+@functools.lru_cache(maxsize=64)
+def name_for(statement: str) -> str:
+    """A prepared statement's name derived from its text (``celery_pglock_s`` + a hash)."""
+    digest = hashlib.sha1(statement.encode(), usedforsecurity=False).hexdigest()
+    return "celery_pglock_s" + digest[:12]
+
+
 def prepared(dbapi: Any, cursor: Any, name: str, statement: str) -> str:
-    """``statement`` (named params), to execute with the same params on ``cursor``: an
-    EXECUTE of it prepared once per connection. Both drivers bind on the client here
-    (engines.py), so a statement sent as text would be planned again on every call."""
+    """``statement`` (named or positional params), to execute with the same params on
+    ``cursor``: an EXECUTE of it prepared once per connection. Both drivers bind on the
+    client here (engines.py), so a statement sent as text would be planned again on every
+    call."""
     prepare, execute = _prepare_and_execute(name, statement)
     done = _prepared.setdefault(dbapi, set())
     if name not in done:
         cursor.execute(prepare)
         done.add(name)
     return execute
+
+
+def forget_prepared(dbapi: Any) -> None:
+    """The session was reset (DISCARD ALL): its prepared statements are gone."""
+    _prepared.pop(dbapi, None)

@@ -732,6 +732,7 @@ class PerLockSessions(LockSessions):
             with deadlines.bounded(hold.connection, timeout):
                 hold.connection.autocommit = True
                 with hold.connection.cursor() as cursor:
+                    sql_text.forget_prepared(hold.connection)
                     cursor.execute(sql_text.DISCARD_ALL)
                 fallback = startup_options.fallback_of(self.engine)
                 if fallback is None or not fallback.carries_settings():
@@ -753,7 +754,9 @@ def _execute(
     """Send a lock statement, with ``row``'s start change applied where ``granted``."""
     if row is not None:
         change, extra = row.on_start()
-        statement = queued.with_row_change(statement, change, granted)
+        statement = _prepared(
+            cursor, queued.with_row_change(statement, change, granted)
+        )
         params = (*params, *extra)
     cursor.execute(statement, params)
 
@@ -764,9 +767,15 @@ def _execute_end(
     """Send an unlock statement, with ``row``'s end change if it has one."""
     end = None if row is None else row.on_end()
     if end is not None:
-        statement = queued.with_row_change(statement, end[0])
+        statement = _prepared(cursor, queued.with_row_change(statement, end[0]))
         params = (*params, *end[1])
     cursor.execute(statement, params)
+
+
+def _prepared(cursor: Any, statement: str) -> str:
+    # A row change's CTE costs the server more to plan than to run: plan it once.
+    name = sql_text.name_for(statement)
+    return sql_text.prepared(cursor.connection, cursor, name, statement)
 
 
 def _try_named(

@@ -165,6 +165,8 @@ SQL_OBJECTS = {
     "celery_pglock_fencing_token_seq",
     "celery_pglock_queued",
     "celery_pglock_periods",
+    "celery_pglock_claim",  # prepared statements
+    "celery_pglock_period",
 }
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

@@ -21,6 +21,7 @@ from celery_pglock import (
     LockSkipped,
     current_lock,
 )
+from celery_pglock.db import sql_text
 from celery_pglock.lock import fencing_tokens, queued
 from celery_pglock.task import enqueue
 from tests.integration.task_support import current_engine, define, hold
@@ -127,6 +128,67 @@ def test_the_publish_statement_is_planned_once_per_connection(app, published):
         task.delay(tenant)
     assert 1 + sends == len(published)
     assert [("celery_pglock_claim", before[0][1] + sends)] == prepared()
+
+
+def test_a_connection_reset_by_discard_all_prepares_the_claim_again(app, published):
+    """A transaction-scope body that used its lock's connection gets it reset with
+    DISCARD ALL, which drops the session's prepared statements: the next send on that
+    pooled connection prepares CLAIM again instead of failing."""
+    task = make(
+        app,
+        "after_reset",
+        lambda tenant: None,
+        lock_args=("tenant",),
+        lock_enqueue="until_finished",
+    )
+
+    def use_the_connection():
+        current_lock().connection.exec_driver_sql("SELECT 1")
+
+    resets = make(app, "resets", use_the_connection, lock_scope="transaction")
+    engine = current_engine(app)
+    engine.dispose()  # a pool of one: the send, the run and the send share it
+    task.delay(1)
+    resets.apply().get()
+    assert 1 == engine.pool.checkedin()
+    task.delay(2)
+    assert 2 == len(published)
+
+
+def test_a_run_plans_its_row_changes_once_per_session(app, session_mode):
+    """The lock statements that change a queued row (a CTE: costlier to plan than to
+    run) are prepared once on the lock session and executed after that."""
+    seen = []
+
+    def body(tenant):
+        seen.append(tenant)
+
+    task = make(
+        app, "row_plans", body, lock_args=("tenant",), lock_enqueue="until_finished"
+    )
+    sends = [task.delay(tenant) for tenant in range(3)]
+    for tenant, sent in enumerate(sends):
+        deliver(task, sent.id, tenant)
+    assert [0, 1, 2] == seen
+    assert all(rows(task, tenant) is None for tenant in range(3))
+    # The later runs' start (lock + row UPDATE) and end (unlock + row DELETE).
+    arity = len(task.lock_key_for(0).ids)
+    if session_mode == "per_process":
+        lock, unlock = (
+            sql_text.TRY_LOCK_SESSION_BARE_RUN,
+            sql_text.UNLOCK_SESSION_KEEP_NAME_RUN,
+        )
+    else:  # a pooled connection per lock, labelled and unlabelled each time
+        lock, unlock = sql_text.TRY_LOCK_SESSION_RUN, sql_text.UNLOCK_SESSION_RUN
+    expected = {
+        sql_text.name_for(
+            queued.with_row_change(
+                lock[arity], queued.ON_START_FINISHED, "l.g IS NOT NULL"
+            )
+        ),
+        sql_text.name_for(queued.with_row_change(unlock[arity], queued.ON_END)),
+    }
+    assert expected <= set().union(*sql_text._prepared.values())
 
 
 def test_until_started_frees_the_key_when_the_run_starts(app, published):
