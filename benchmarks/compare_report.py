@@ -380,14 +380,14 @@ def round_trip_note(rows: dict[tuple[str, str], dict[str, Any]]) -> str:
     )
 
 
-def write_docs(path: Path, text: str) -> None:
+def write_docs(path: Path, text: str, begin: str = BEGIN, end: str = END) -> None:
     """Replace only the generated section of the docs page (create the page if missing)."""
-    block = f"{BEGIN}\n{text}\n{END}"
+    block = f"{begin}\n{text}\n{end}"
     if path.exists():
         current = path.read_text(encoding="utf-8")
-        if BEGIN in current and END in current:
-            head, _, rest = current.partition(BEGIN)
-            _, _, tail = rest.partition(END)
+        if begin in current and end in current:
+            head, _, rest = current.partition(begin)
+            _, _, tail = rest.partition(end)
             path.write_text(head + block + tail, encoding="utf-8")
             return
         path.write_text(current.rstrip("\n") + "\n\n" + block + "\n", encoding="utf-8")

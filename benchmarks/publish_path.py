@@ -39,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 os.environ.setdefault("BENCH_CONTENDER", "all")
 sys.path.insert(0, str(HERE))
 import bench_app  # noqa: E402 - configured by the environment set above
+import compare_report  # noqa: E402
 import measuring  # noqa: E402
 
 STATEMENTS = [0]  #: statements sent on the lock engine's connections
@@ -156,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=500, help="calls per repetition")
     parser.add_argument("--reps", type=int, default=7, help="interleaved repetitions")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--docs",
+        type=Path,
+        default=HERE.parent / "docs" / "benchmarks.md",
+        help="the page whose publish-path section is rewritten",
+    )
+    parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args(argv)
     run = uuid.uuid4().hex[:8]
     queue = f"publish-path-{run}"
@@ -215,12 +223,22 @@ def main(argv: list[str] | None = None) -> int:
             probe.close()
             cleanup(app, client, run, queue, cases, engine)
             client.close()
-    print(
+    summary = (
         f"publish path: {args.calls} calls x {args.reps} interleaved repetitions in "
         f"{time.monotonic() - started:.0f} s, load "
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; medians per call"
     )
-    print(render(results))
+    table = render(results)
+    print(summary)
+    print(table)
+    if not args.no_docs:
+        command = " ".join(["benchmarks/publish_path.py", *(argv or sys.argv[1:])])
+        compare_report.write_docs(
+            args.docs,
+            f"{table}\n\n`{command}` — {summary[len('publish path: ') :]}.",
+            begin="<!-- publish-path:begin -->",
+            end="<!-- publish-path:end -->",
+        )
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -195,6 +195,51 @@ def test_a_revoked_message_frees_its_key_when_the_worker_drops_it(
     assert 0 == recorder.count(run, "k")
 
 
+def test_an_expired_message_frees_its_key_when_the_worker_drops_it(
+    enqueue_app, acceptance_env, services, recorder, run, tmp_path
+):
+    """expires=: the message is already reserved by a busy worker when it expires; the
+    worker drops it before the pool runs it (task_revoked, expired) and deletes its row,
+    which `pglock queued` no longer lists (not even as stale); it never ran."""
+    queue = f"expire-{run}"
+    worker = WorkerProcess(
+        APP,
+        env=acceptance_env,
+        concurrency=1,
+        queues=[queue],
+        log_path=tmp_path / "worker.log",
+    )
+    cli = CliRunner()
+    task = enqueue_app.until_finished
+
+    def listed() -> str:
+        answer = cli.invoke(
+            standalone_command,
+            ["--database-url", services.database_url, "queued", "--task", task.name],
+        )
+        assert 0 == answer.exit_code, answer.output
+        return answer.output
+
+    with worker:
+        gate = f"{run}-gate"
+        busy = enqueue_app.protected.apply_async(
+            (run, "busy"), {"gate": gate}, queue=queue
+        )
+        wait_until(lambda: recorder.count(run, "busy") == 1, timeout=30, what="busy")
+        message = task.apply_async((run, "k"), queue=queue, expires=1.5)
+        assert message.id in listed()
+        assert message.id == task.delay(run, "k").id  # queued until it expires
+        time.sleep(2.0)  # expired, still reserved behind the busy child
+        enqueue_app.open_gate(gate)
+        busy.get(timeout=30)
+        wait_until(
+            lambda: message.id not in listed(),
+            timeout=15,
+            what="the worker to delete the expired message's row",
+        )
+    assert 0 == recorder.count(run, "k")
+
+
 def test_a_purged_message_frees_its_key_after_its_bound_and_pglock_lists_it(
     enqueue_app, services, run
 ):

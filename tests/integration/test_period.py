@@ -391,3 +391,57 @@ def test_a_role_without_create_is_told_the_fix_then_works_after_pglock_sql(
         assert f"Dropped {schema}.celery_pglock_periods." in dropped
     finally:
         app.close()
+
+
+def test_until_finished_with_a_period_a_throttled_message_frees_its_key(app):
+    """lock_enqueue='until_finished' + lock_period: a send after the run ended is
+    published (its duplicates return it); throttled at its start, it is skipped and
+    gives its key back, so the next send publishes again."""
+    task, ran = body_counter(
+        app, "enqueued_tick", lock_period=30, lock_enqueue="until_finished"
+    )
+    first = task.delay()
+    trace_delivery(task, first.id, redelivered=False)
+    assert [first.id] == ran
+    second = task.delay()
+    assert second.id != first.id
+    assert second.id == task.delay().id  # queued: a duplicate
+    trace_delivery(task, second.id, redelivered=False)
+    assert isinstance(task.AsyncResult(second.id).result, LockSkipped)
+    assert [first.id] == ran
+    assert not is_held(task)
+    assert task.delay().id not in (first.id, second.id)  # the key was given back
+
+
+def test_until_started_with_a_period_coalesces_into_one_run_at_the_next_period(app):
+    """lock_enqueue='until_started' + lock_period: the follow-up throttled at its start
+    is re-queued at once for the period's end (30 s left: more than lock_wait_timeout,
+    10 s, so waiting would not help), and it keeps the key: later sends return it, so
+    one run carries every change made meanwhile."""
+    task, ran = body_counter(
+        app, "coalesced_tick", lock_period=30, lock_enqueue="until_started"
+    )
+    first = task.delay()
+    trace_delivery(task, first.id, redelivered=False)
+    follow_up = task.delay()
+    assert follow_up.id == task.delay().id
+    published: list[dict] = []
+
+    def capture(headers=None, **_):
+        published.append(headers)
+
+    signals.before_task_publish.connect(capture, weak=False)
+    try:
+        began = time.monotonic()
+        trace_delivery(task, follow_up.id, redelivered=False)
+    finally:
+        signals.before_task_publish.disconnect(capture)
+    assert time.monotonic() - began < 5  # no hopeless wait holds the worker
+    assert "RETRY" == task.AsyncResult(follow_up.id).state
+    [headers] = published
+    assert follow_up.id == headers["id"]
+    eta = datetime.datetime.fromisoformat(headers["eta"])
+    countdown = (eta - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+    assert 5 < countdown <= 30  # the period's end, not lock_retry_delay after
+    assert follow_up.id == task.delay().id  # the re-queued follow-up keeps the key
+    assert [first.id] == ran
