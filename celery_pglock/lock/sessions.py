@@ -249,10 +249,27 @@ class ProcessSession(LockSessions):
         """The hold of ``key`` (and of the run lock ``run``), or None if busy.
         ``on_granted`` gets it once recorded: a soft time limit then cannot orphan it.
         ``row``: the queued row to change in the same statement, if granted."""
-        if transaction or timeout_ms is not None:
+        if transaction:
             return self.waits.acquire(
                 key, label, timeout_ms, transaction, bound, run, on_granted, row
             )
+        hold = self._try_here(key, label, bound, run, on_granted, row)
+        if hold is not None or timeout_ms is None:
+            return hold
+        # Busy: a blocking wait here would stall every lock of the process.
+        return self.waits.acquire(
+            key, label, timeout_ms, transaction, bound, run, on_granted, row
+        )
+
+    def _try_here(
+        self,
+        key: LockKey,
+        label: str,
+        bound: float,
+        run: LockKey | None,
+        on_granted: Callable[[Hold], None] | None,
+        row: queued.Queued | None,
+    ) -> Hold | None:
         hold = Hold(self, key.ids, row=row)
         ids = hold.ids
         with self._mutex:

@@ -1,5 +1,6 @@
-"""lock_period with two real ``celery beat`` processes and a real worker: both beats
-publish the same one-second tick, and one run of the key starts per period.
+"""lock_period and lock_enqueue with two real ``celery beat`` processes and a real
+worker: both beats publish the same one-second ticks; one run of the period task's key
+starts per period, and the lock_enqueue task's ticks publish one message at a time.
 """
 
 from __future__ import annotations
@@ -59,7 +60,12 @@ def test_two_beats_firing_every_second_start_one_run_per_period(
     children consumes all ~24 messages. Each body's period start (PostgreSQL's now(),
     the one clock) is its own and at least 5 s after the previous one; the bodies'
     own clock_timestamp() starts follow them, so they are 5 s apart less the few ms
-    between a start's commit and its body (a run's start is its period row)."""
+    between a start's commit and its body (a run's start is its period row).
+
+    The same beats tick a lock_enqueue='until_finished' task whose body lasts 3 s (beat
+    imports the task, so it sends through apply_async): every message delivered runs
+    (none is skipped by its run lock: the ticks meanwhile published nothing), and the
+    runs follow one another."""
     import tests.acceptance.period_app as period_app
 
     period_app.setup()
@@ -101,7 +107,10 @@ def test_two_beats_firing_every_second_start_one_run_per_period(
         worker.kill()
         queue = redis.Redis.from_url(broker_url)
         queue.delete(QUEUE)
-    published = sum(log.read_text().count("Sending due task") for log in logs)
+    published = sum(log.read_text().count("Sending due task tick ") for log in logs)
+    queued_ticks = sum(
+        log.read_text().count("Sending due task queued-tick ") for log in logs
+    )
     connection = _support.connect(
         acceptance.database_url,
         application_name="period test",
@@ -114,8 +123,29 @@ def test_two_beats_firing_every_second_start_one_run_per_period(
                 (run,),
             )
             starts = cursor.fetchall()
+            cursor.execute(
+                f"SELECT task_id, event, at FROM {period_app.ENQUEUED_TABLE} "
+                "WHERE run = %s ORDER BY at",
+                (run,),
+            )
+            events = cursor.fetchall()
     finally:
         connection.close()
+    delivered = [task for task, event, _ in events if event == "delivered"]
+    runs = {
+        task: (start, end)
+        for task, start, end in (
+            (task, at, next(a for t, e, a in events if t == task and e == "end"))
+            for task, event, at in events
+            if event == "start"
+        )
+    }
+    print(f"{queued_ticks} lock_enqueue ticks, {len(delivered)} delivered, {runs}")
+    assert queued_ticks >= 20, queued_ticks
+    assert len(runs) >= 2, events
+    assert sorted(delivered) == sorted(runs), events  # no delivery was skipped
+    spans = sorted(runs.values())
+    assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(spans))
     assert published >= 20, published  # both beats ticked about every second
     assert len(starts) >= 2, starts
     # Every body ran under a start of its own, recorded before it began.

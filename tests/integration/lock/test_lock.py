@@ -173,24 +173,22 @@ def test_a_cancelled_wait_closes_its_connection(
     the aborted statement: the waiting connection is closed, never pooled with a lock."""
     key = make_key(namespace)
     classid, objid, _ = key.pg_locks_ids
-    with single_engine.connect() as connection:
-        waiting_pid = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
     admin = sa.create_engine(database_url, isolation_level="AUTOCOMMIT")
     cancelled = threading.Event()
+    waiting: list[int] = []  # the waiting backend (a busy key's wait pins its own)
 
     def cancel_the_wait() -> None:
         deadline = time.monotonic() + 5
         with admin.connect() as connection:
             while not cancelled.is_set() and time.monotonic() < deadline:
-                waits = connection.exec_driver_sql(
-                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
-                    "AND NOT granted AND pid = %s AND classid = %s AND objid = %s",
-                    (waiting_pid, classid, objid),
-                ).scalar()
-                if waits:
-                    connection.exec_driver_sql(
-                        "SELECT pg_cancel_backend(%s)", (waiting_pid,)
-                    )
+                pids = connection.exec_driver_sql(
+                    "SELECT pid FROM pg_locks WHERE locktype = 'advisory' "
+                    "AND NOT granted AND classid = %s AND objid = %s",
+                    (classid, objid),
+                ).scalars()
+                for pid in pids:
+                    waiting.append(pid)
+                    connection.exec_driver_sql("SELECT pg_cancel_backend(%s)", (pid,))
                     cancelled.set()
                 time.sleep(0.02)
 
@@ -204,7 +202,8 @@ def test_a_cancelled_wait_closes_its_connection(
         assert cancelled.is_set()
         with single_engine.connect() as connection:  # the pool's only connection
             pid = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
-        assert pid != waiting_pid
+        assert waiting
+        assert pid not in waiting
     finally:
         cancelled.set()
         admin.dispose()
@@ -243,6 +242,37 @@ def test_bounded_wait_gets_the_lock_when_the_holder_releases(lock_engine, namesp
         releaser.join()
         if waiter.owned():
             waiter.release()
+
+
+def test_a_bounded_wait_is_tried_first_on_the_process_session(database_url, namespace):
+    """per_process: a wait whose key is free is granted by the process session's
+    try-lock, pinning no pooled connection; only a busy key's wait pins one, which holds
+    the lock once the holder lets go."""
+    engine = db_module.create_engine(database_url)
+    try:
+        free = AdvisoryLock(engine=engine, key=make_key(namespace, "free"))
+        assert free.acquire(timeout=5)
+        session = sessions.process_session(engine)
+        assert [free._hold] == session.holds()
+        assert 0 == engine.pool.checkedout()
+        busy_key = make_key(namespace, "busy")
+        holder = AdvisoryLock(engine=engine, key=busy_key)
+        assert holder.acquire()
+        waiter = AdvisoryLock(engine=engine, key=busy_key)
+        releaser = threading.Timer(0.2, holder.release)
+        releaser.start()
+        try:
+            assert waiter.acquire(timeout=5)
+            assert 1 == engine.pool.checkedout()  # the wait's own connection
+            assert waiter._hold not in session.holds()
+        finally:
+            releaser.join()
+            waiter.release()
+        free.release()
+        assert 0 == engine.pool.checkedout()
+    finally:
+        sessions.close_for(engine)
+        engine.dispose()
 
 
 def test_release_without_holding_raises(lock_engine, namespace):

@@ -141,12 +141,12 @@ def assert_no_orphans(admin: Any, engine: sa.Engine) -> None:
     assert advisory_locks(admin) == 0
 
 
-# How a held lock pins a pooled connection: per_lock try-locks, transaction scope, and
-# bounded waits (which use a pooled connection in the default per_process mode too).
+# How a held lock pins a pooled connection: per_lock try-locks and transaction scope. (A
+# bounded wait pins one only while its key is busy, through the same PerLockSessions; a
+# free key's wait is granted on the process session.)
 HOLDS = {
     "per_lock": ({}, {}, None),
     "transaction": ({}, {"scope": "transaction"}, None),
-    "per_process_wait": ({}, {}, 5.0),
 }
 
 
@@ -289,19 +289,14 @@ def test_b_full_server_and_a_stopped_one_are_not_dead_sessions(
 def test_c_after_a_restart_the_process_session_is_not_replaced_by_a_dead_pooled_one(
     small_postgres: embedded.EmbeddedPostgres, admin: Any
 ) -> None:
-    """per_process mode: a restart kills the process's lock session and the idle pooled
-    connections of its bounded waits. The next try-lock finds its session dead and
-    reconnects once: the replacement must be a fresh session, not one of the dead
-    pooled ones (the acquire would then fail)."""
+    """per_process mode: a restart kills the process's lock session and the engine's idle
+    pooled connections (those of busy keys' waits, lock_enqueue sends, fencing). The next
+    try-lock finds its session dead and reconnects once: the replacement must be a fresh
+    session, not one of the dead pooled ones (the acquire would then fail)."""
     with lock_engine(small_postgres.url(), {}) as engine:
-        waits = [
-            AdvisoryLock(engine=engine, key=keys.make_key("rc", f"wait-{index}"))
-            for index in range(3)
-        ]
-        for lock in waits:
-            assert lock.acquire(timeout=5.0)  # pooled connections, idle once released
-        for lock in waits:
-            lock.release()
+        pooled = [engine.raw_connection() for _ in range(3)]
+        for connection in pooled:
+            connection.close()  # idle in the pool
         first = AdvisoryLock(engine=engine, key=keys.make_key("rc", "first"))
         assert first.acquire()  # on the process's own session
         first.release()
@@ -311,7 +306,7 @@ def test_c_after_a_restart_the_process_session_is_not_replaced_by_a_dead_pooled_
         after = AdvisoryLock(engine=engine, key=keys.make_key("rc", "after"))
         assert after.acquire()
         after.release()
-        assert after.acquire(timeout=5.0)  # a bounded wait: a fresh pooled one too
+        assert after.acquire(timeout=5.0)  # a bounded wait, its key free: tried first
         after.release()
         checker = _support.connect(small_postgres.url(), application_name="admin")
         try:
