@@ -225,6 +225,8 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
         (FAILURE_CASE, tracer(plain_raising_skipped)),
         (SKIP_SUCCESS_CASE, tracer(skip_success, same_key=HELD)),
         ("trace transaction, distinct keys", tracer(xact)),
+        ("trace lock_limit=3, distinct keys", tracer(app.tasks[bench_app.LIMIT])),
+        ("trace lock_period, distinct keys", tracer(app.tasks[bench_app.PERIOD])),
         ("  key: lock_key_for(i)", lambda: locked.lock_key_for(str(counter.next()))),
         (
             "  AdvisoryLock(...) constructor",
@@ -257,6 +259,7 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
             "  SQL: SELECT 1 twice (floor)",
             statements(("SELECT 1", ()), ("SELECT 1", ())),
         ),
+        ("  SQL: SELECT 1 (one statement)", statements(("SELECT 1", ()))),
         ("  Task.__call__ vs run (celery)", celery_call),
         ("  direct run() (for the above)", lambda: plain.run(str(counter.next()))),
         ("  empty call (timer floor)", lambda: None),

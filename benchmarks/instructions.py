@@ -34,6 +34,9 @@ CASES = {
     "trace session, skip (key held elsewhere)": "SingletonTask, skipped",
     "trace plain, raising LockSkipped": "plain task raising LockSkipped",
     "trace session, skip ending SUCCESS": "SingletonTask, skip ending SUCCESS",
+    "trace lock_limit=3, distinct keys": "SingletonTask lock_limit=3, distinct keys",
+    "trace lock_period, distinct keys": "SingletonTask lock_period, distinct keys",
+    "  SQL: SELECT 1 (one statement)": "one round trip alone (SELECT 1)",
 }
 _COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
 
@@ -91,10 +94,24 @@ def main() -> int:
     counts = {label: count(case, args.calls) for case, label in CASES.items()}
     plain = counts[CASES["trace plain, hooks connected"]]
     print(f"instructions per call, {args.calls} calls per case (callgrind)")
-    print(f"{'case':<36} {'k instr':>9} {'vs plain':>9}")
+    print(f"{'case':<44} {'k instr':>9} {'vs plain':>9}")
     for label, value in counts.items():
         extra = "" if value == plain else f"{(value - plain) / 1000:+9.1f}"
-        print(f"{label:<36} {value / 1000:>9.1f} {extra:>9}")
+        print(f"{label:<44} {value / 1000:>9.1f} {extra:>9}")
+    # Issue 18: a lock_limit or lock_period run costs at most a locked run plus one
+    # statement (this process's half; the server's is compare.py's PostgreSQL column).
+    locked = counts[CASES["trace session, distinct keys"]]
+    one = counts[CASES["  SQL: SELECT 1 (one statement)"]]
+    for case in (
+        "trace lock_limit=3, distinct keys",
+        "trace lock_period, distinct keys",
+    ):
+        over = counts[CASES[case]] - locked
+        verdict = "PASS" if over <= one else "FAIL"
+        print(
+            f"{CASES[case]}: {over / 1000:+.1f} k over SingletonTask, "
+            f"one statement {one / 1000:.1f} k: {verdict}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(counts, indent=2) + "\n")
     return 0

@@ -159,25 +159,32 @@ def test_a_killed_holder_loses_neither_its_follow_up_nor_its_key(
     assert [] == recorder.overlaps(run)
 
 
-def test_a_revoked_message_frees_its_key_when_the_worker_drops_it(
-    enqueue_app, acceptance_env, recorder, run, tmp_path
-):
-    """revoke(): the worker drops the message at receipt (task_revoked in its main
-    process) and the key's row goes with it; a later send publishes again."""
-    queue = f"revoke-{run}"
-    worker = WorkerProcess(
+def _one_child_worker(acceptance_env, queue, tmp_path) -> WorkerProcess:
+    return WorkerProcess(
         APP,
         env=acceptance_env,
         concurrency=1,
         queues=[queue],
         log_path=tmp_path / "worker.log",
     )
-    with worker:
-        gate = f"{run}-gate"
-        busy = enqueue_app.protected.apply_async(
-            (run, "busy"), {"gate": gate}, queue=queue
-        )
-        wait_until(lambda: recorder.count(run, "busy") == 1, timeout=30, what="busy")
+
+
+def _keep_busy(enqueue_app, recorder, run, queue):
+    """Occupy the one child with a gated body: (gate, its result)."""
+    gate = f"{run}-gate"
+    busy = enqueue_app.protected.apply_async((run, "busy"), {"gate": gate}, queue=queue)
+    wait_until(lambda: recorder.count(run, "busy") == 1, timeout=30, what="busy")
+    return gate, busy
+
+
+def test_a_revoked_message_frees_its_key_when_the_worker_drops_it(
+    enqueue_app, acceptance_env, recorder, run, tmp_path
+):
+    """revoke(): the worker drops the message at receipt (task_revoked in its main
+    process) and the key's row goes with it; a later send publishes again."""
+    queue = f"revoke-{run}"
+    with _one_child_worker(acceptance_env, queue, tmp_path):
+        gate, busy = _keep_busy(enqueue_app, recorder, run, queue)
         message = enqueue_app.until_finished.apply_async((run, "k"), queue=queue)
         enqueue_app.app.control.revoke(message.id)
         time.sleep(0.5)  # the broadcast reaches the worker
@@ -202,13 +209,6 @@ def test_an_expired_message_frees_its_key_when_the_worker_drops_it(
     worker drops it before the pool runs it (task_revoked, expired) and deletes its row,
     which `pglock queued` no longer lists (not even as stale); it never ran."""
     queue = f"expire-{run}"
-    worker = WorkerProcess(
-        APP,
-        env=acceptance_env,
-        concurrency=1,
-        queues=[queue],
-        log_path=tmp_path / "worker.log",
-    )
     cli = CliRunner()
     task = enqueue_app.until_finished
 
@@ -220,12 +220,8 @@ def test_an_expired_message_frees_its_key_when_the_worker_drops_it(
         assert 0 == answer.exit_code, answer.output
         return answer.output
 
-    with worker:
-        gate = f"{run}-gate"
-        busy = enqueue_app.protected.apply_async(
-            (run, "busy"), {"gate": gate}, queue=queue
-        )
-        wait_until(lambda: recorder.count(run, "busy") == 1, timeout=30, what="busy")
+    with _one_child_worker(acceptance_env, queue, tmp_path):
+        gate, busy = _keep_busy(enqueue_app, recorder, run, queue)
         message = task.apply_async((run, "k"), queue=queue, expires=1.5)
         assert message.id in listed()
         assert message.id == task.delay(run, "k").id  # queued until it expires
