@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import re
 import weakref
 from typing import Any
@@ -197,9 +198,9 @@ def _prepare_and_execute(name: str, statement: str) -> tuple[str, str]:
         body = _NAMED.sub(lambda m: f"${names.index(m[1]) + 1}", statement)
         arguments = ", ".join(f"%({n})s" for n in names)
     else:  # positional: %s in order
-        count = iter(range(1, statement.count("%s") + 1))
-        body = re.sub("%s", lambda _: f"${next(count)}", statement)
-        arguments = ", ".join("%s" for _ in range(statement.count("%s")))
+        numbers = itertools.count(1)
+        body = re.sub("%s", lambda _: f"${next(numbers)}", statement)
+        arguments = ", ".join(["%s"] * statement.count("%s"))
     return f"PREPARE {name} AS {body}", f"EXECUTE {name}({arguments})"
 
 

@@ -18,7 +18,7 @@ from celery import signals
 from celery_pglock import SingletonTask, current_lock
 from tests.acceptance.app import _gate_cursor, app
 
-__all__ = ["app", "ticked"]
+__all__ = ["app", "enqueued", "ticked"]
 
 RUN_ENV = "PGLOCK_TEST_PERIOD_RUN"
 PERIOD = 5.0

@@ -132,14 +132,9 @@ def test_two_beats_firing_every_second_start_one_run_per_period(
     finally:
         connection.close()
     delivered = [task for task, event, _ in events if event == "delivered"]
-    runs = {
-        task: (start, end)
-        for task, start, end in (
-            (task, at, next(a for t, e, a in events if t == task and e == "end"))
-            for task, event, at in events
-            if event == "start"
-        )
-    }
+    started = {task: at for task, event, at in events if event == "start"}
+    ended = {task: at for task, event, at in events if event == "end"}
+    runs = {task: (at, ended[task]) for task, at in started.items()}
     print(f"{queued_ticks} lock_enqueue ticks, {len(delivered)} delivered, {runs}")
     assert queued_ticks >= 20, queued_ticks
     assert len(runs) >= 2, events

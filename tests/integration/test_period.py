@@ -7,6 +7,7 @@ Two real beats and a real worker: tests/acceptance/test_period.py.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import subprocess
 import sys
@@ -85,6 +86,26 @@ def row(task, database_url):
             return cursor.fetchone()
     finally:
         connection.close()
+
+
+@contextlib.contextmanager
+def published_headers():
+    """The headers of every message published inside the block (before_task_publish)."""
+    published: list[dict] = []
+
+    def capture(headers=None, **_):
+        published.append(headers)
+
+    signals.before_task_publish.connect(capture, weak=False)
+    try:
+        yield published
+    finally:
+        signals.before_task_publish.disconnect(capture)
+
+
+def seconds_until_eta(headers) -> float:
+    eta = datetime.datetime.fromisoformat(headers["eta"])
+    return (eta - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
 
 
 @pytest.mark.parametrize("scope", ["session", "transaction"])
@@ -172,23 +193,13 @@ def test_retry_is_published_with_the_time_left_as_countdown(app):
         app, lock_period=30, lock_on_busy="retry", lock_retry_delay=1000
     )
     trace_delivery(task, str(uuid.uuid4()), redelivered=False)
-    published: list[dict] = []
-
-    def capture(headers=None, **_):
-        published.append(headers)
-
-    signals.before_task_publish.connect(capture, weak=False)
-    try:
-        retried = str(uuid.uuid4())
+    retried = str(uuid.uuid4())
+    with published_headers() as published:
         trace_delivery(task, retried, redelivered=False)
-    finally:
-        signals.before_task_publish.disconnect(capture)
     assert "RETRY" == task.AsyncResult(retried).state
     [headers] = published
     assert retried == headers["id"]
-    eta = datetime.datetime.fromisoformat(headers["eta"])
-    countdown = (eta - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
-    assert 25 < countdown <= 30
+    assert 25 < seconds_until_eta(headers) <= 30
 
 
 def test_wait_waits_out_a_period_shorter_than_the_wait_timeout(app):
@@ -425,23 +436,14 @@ def test_until_started_with_a_period_coalesces_into_one_run_at_the_next_period(a
     trace_delivery(task, first.id, redelivered=False)
     follow_up = task.delay()
     assert follow_up.id == task.delay().id
-    published: list[dict] = []
-
-    def capture(headers=None, **_):
-        published.append(headers)
-
-    signals.before_task_publish.connect(capture, weak=False)
-    try:
-        began = time.monotonic()
+    began = time.monotonic()
+    with published_headers() as published:
         trace_delivery(task, follow_up.id, redelivered=False)
-    finally:
-        signals.before_task_publish.disconnect(capture)
     assert time.monotonic() - began < 5  # no hopeless wait holds the worker
     assert "RETRY" == task.AsyncResult(follow_up.id).state
     [headers] = published
     assert follow_up.id == headers["id"]
-    eta = datetime.datetime.fromisoformat(headers["eta"])
-    countdown = (eta - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
-    assert 5 < countdown <= 30  # the period's end, not lock_retry_delay after
+    # The period's end, not lock_retry_delay after.
+    assert 5 < seconds_until_eta(headers) <= 30
     assert follow_up.id == task.delay().id  # the re-queued follow-up keeps the key
     assert [first.id] == ran
