@@ -18,13 +18,15 @@ declare -A PINS=(
   [oldest]="celery[redis]==5.3.0 kombu==5.3.0 sqlalchemy==2.0.0 psycopg2-binary==2.9.5 psycopg[binary]==3.1.8"
 )
 # The tests that exercise what the pins change: keys, the lock, the task and its
-# policies, fencing, the CLI, and cross-process exclusion with real workers.
+# policies, fencing, the CLI, lock_enqueue (Celery's send path and revoke signals) and
+# lock_period, and cross-process exclusion with real workers.
 TESTS=(
   tests/unit
   tests/integration/test_keys_sql.py tests/integration/lock/test_lock.py
   tests/integration/task/test_task.py tests/integration/task/test_task_skips.py
   tests/integration/task/test_task_release.py tests/integration/test_fencing.py
   tests/integration/lock/test_sessions.py tests/integration/cli/test_cli.py
+  tests/integration/task/test_enqueue.py tests/integration/test_period.py
   tests/acceptance/test_exclusivity.py
 )
 # Then the lock and task tests again with psycopg 3 as the lock driver (at its floor).

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from celery_pglock import exceptions
 from celery_pglock.config import LockScope
@@ -199,6 +199,17 @@ class AdvisoryLock:
             raise
         self.fencing_token = token
         return token
+
+    def on_holding_session(
+        self, action: str, work: sessions.Work
+    ) -> tuple[Any, ...] | None:
+        """``work(dbapi_connection, cursor)`` on the session holding the lock, bounded by
+        ``round_trip_timeout``; None where it cannot run there: transaction scope (it would
+        commit with the lock's transaction), or the session has ended."""
+        hold = self._hold
+        if hold is None:
+            return None
+        return hold.session.on_holder(hold, action, self.round_trip_timeout, work)
 
     def keep_queued_row(self) -> None:
         """Leave the queued row at release: a retry of this message now owns it."""

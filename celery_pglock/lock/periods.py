@@ -4,7 +4,7 @@ Sent only by the key's holder, so starts of a key are serialised. Why: docs/guid
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from celery_pglock import exceptions
 from celery_pglock.db import deadlines, driver_errors, sql_text
@@ -36,11 +36,18 @@ GRANT = "GRANT SELECT, INSERT, UPDATE ON {schema}celery_pglock_periods TO {role}
 # opened the period starts again and keeps its start. A start later than clock_timestamp()
 # (not now(): a racing start may commit after this transaction began) means the server's
 # clock went back: taken over rather than blocking the key for that long. The read sees
-# the statement's snapshot, which may predate the start that refused this one.
+# the statement's snapshot, which may predate the start that refused this one. The INSERT
+# reads ``bounded`` first, so its settings apply before the row lock is waited for: the
+# server ends a wait on a locked row (a racing start, an operator's transaction) before
+# the client cuts the socket, which on the process session would end every lock on it.
 _START = """
-WITH started AS (
+WITH bounded AS MATERIALIZED (
+  SELECT set_config('synchronous_commit', 'on', true) AS durable,
+         set_config('lock_timeout', %(lock_timeout)s, true) AS waits),
+started AS (
   INSERT INTO celery_pglock_periods AS t (classid, objid, objsubid, started_at, task_id)
-  VALUES (%(classid)s::oid, %(objid)s::oid, %(objsubid)s::smallint, now(), %(task_id)s)
+  SELECT %(classid)s::oid, %(objid)s::oid, %(objsubid)s::smallint, now(), %(task_id)s
+  FROM bounded
   ON CONFLICT (classid, objid, objsubid) DO UPDATE
   SET started_at = CASE WHEN t.task_id = EXCLUDED.task_id
                         THEN t.started_at ELSE EXCLUDED.started_at END,
@@ -51,7 +58,7 @@ WITH started AS (
   RETURNING 1)
 SELECT EXISTS (SELECT 1 FROM started),
   extract(epoch FROM p.started_at - clock_timestamp())::float8 + %(period)s, p.task_id
-FROM (SELECT set_config('synchronous_commit', 'on', true)) AS durable
+FROM bounded
 LEFT JOIN celery_pglock_periods p ON p.classid = %(classid)s::oid
   AND p.objid = %(objid)s::oid AND p.objsubid = %(objsubid)s::smallint"""
 
@@ -79,18 +86,21 @@ class Throttle:
 
 def start(lock: AdvisoryLock, task_id: str | None, period: float) -> Throttle | None:
     """Record a start of ``lock``'s key (held) unless one is within ``period``: None if
-    recorded, else the Throttle. One committed statement on a pooled connection."""
+    recorded, else the Throttle. One committed statement, on the lock's own session in
+    session scope, else on a pooled connection. Slots of a key (lock_limit) share its row."""
     engine = lock.engine
     TABLE.ensure(engine)
-    key = lock.key
-    params = {**fencing_tokens.key_params(key), "task_id": task_id, "period": period}
+    key = lock.slots[0]
+    bound = lock.round_trip_timeout
+    params = {
+        **fencing_tokens.key_params(key),
+        "task_id": task_id,
+        "period": period,
+        "lock_timeout": f"{max(1, int(bound * 500))}ms",  # half the round trip's bound
+    }
     action = f"record the start of lock {key.name!r} (lock_period)"
-    with (
-        driver_errors.wrap_db_errors(action, engine),
-        fencing_tokens.autocommit(engine) as dbapi,
-        deadlines.bounded(dbapi, lock.round_trip_timeout),
-        dbapi.cursor() as cursor,
-    ):
+
+    def record(dbapi: Any, cursor: Any) -> tuple[Any, ...]:
         try:
             statement = sql_text.prepared(dbapi, cursor, "celery_pglock_period", _START)
             cursor.execute(statement, params)
@@ -105,7 +115,19 @@ def start(lock: AdvisoryLock, task_id: str | None, period: float) -> Throttle | 
                 f"Could not {action}: celery_pglock_periods is missing or not "
                 f"writable by this role; {FIX}."
             ) from exc
-        started, left, last = cursor.fetchone()
+        row: tuple[Any, ...] = cursor.fetchone()
+        return row
+
+    with driver_errors.wrap_db_errors(action, engine):
+        row = lock.on_holding_session(action, record)
+        if row is None:
+            with (
+                fencing_tokens.autocommit(engine) as dbapi,
+                deadlines.bounded(dbapi, bound),
+                dbapi.cursor() as cursor,
+            ):
+                row = record(dbapi, cursor)
+    started, left, last = row
     if started:
         return None
     if left is None or left <= 0:  # the refusing start is not in the snapshot

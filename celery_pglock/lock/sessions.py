@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
     from celery_pglock.keys import LockKey
 
+    #: A statement run on a holder's own session: (DBAPI connection, cursor) -> its row.
+    Work = Callable[[Any, Any], tuple[Any, ...]]
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_ROUND_TRIP_TIMEOUT = 5.0  #: AdvisoryLock.round_trip_timeout's, in seconds.
@@ -422,6 +425,24 @@ class ProcessSession(LockSessions):
                     self._raise(exc, f"issue a fencing token for lock {key.name!r}")
             return self._holder
 
+    def on_holder(
+        self, hold: Hold, action: str, bound: float, work: Work
+    ) -> tuple[Any, ...] | None:
+        """``work(connection, cursor)`` on the session holding ``hold``, under its mutex;
+        None once that session has ended (the hold is lost)."""
+        with self._mutex:
+            if (
+                self._owners.get(hold.ids) is not hold
+                or hold.connection is not self._connection
+            ):
+                return None
+            try:
+                with self._bound(bound):
+                    return work(self._connection, self._cursor)
+            except BaseException as exc:
+                self._ended(f"{action} failed: {exc!r}", exc)
+                raise
+
     def run_alive(self, run: LockKey, *, bound: float) -> bool | None:
         with self._mutex:
             if run.ids in self._runs:
@@ -618,6 +639,22 @@ class PerLockSessions(LockSessions):
             if connection.closed or driver_errors.is_disconnect(exc):
                 return None  # its session ended; the release says so
             self._raise(exc, f"issue a fencing token for lock {key.name!r}")
+
+    def on_holder(
+        self, hold: Hold, action: str, bound: float, work: Work
+    ) -> tuple[Any, ...] | None:
+        """As ProcessSession.on_holder, on the hold's pinned connection: session scope
+        only (a statement in the lock's transaction would commit with the body)."""
+        connection = hold.connection
+        if (
+            hold.transaction is not None
+            or hold.lost is not None
+            or connection is None
+            or connection.closed
+        ):
+            return None
+        with deadlines.bounded(connection, bound), connection.cursor() as cursor:
+            return work(connection, cursor)
 
     def _pin(
         self,

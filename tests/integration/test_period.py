@@ -18,6 +18,7 @@ import uuid
 import pytest
 from celery import Celery, signals
 from click.testing import CliRunner
+from sqlalchemy import event
 
 from celery_pglock import AdvisoryLock, DatabaseError, LockBusy, LockSkipped, keys
 from celery_pglock import cli as cli_module
@@ -27,7 +28,9 @@ from celery_pglock.testing import _support
 from tests.integration import test_fencing
 from tests.integration.task_support import (
     close_app,
+    current_engine,
     define,
+    hold,
     is_held,
     trace_delivery,
 )
@@ -112,8 +115,7 @@ def seconds_until_eta(headers) -> float:
 def test_one_start_per_period_then_the_next_runs(app, skips, scope):
     """The first start runs; a second within the period is skipped (reason 'period',
     the seconds left, the start's task id) without its body and with the lock released;
-    once the period has passed the next one runs. Both scopes: the start is recorded on
-    a connection of its own."""
+    once the period has passed the next one runs. Both scopes."""
     task, ran = body_counter(app, lock_period=1.0, lock_scope=scope)
     first = task.apply()
     assert "ran" == first.get()
@@ -136,6 +138,36 @@ def test_one_start_per_period_then_the_next_runs(app, skips, scope):
     third = task.apply()
     assert "ran" == third.get()
     assert [first.id, third.id] == ran
+
+
+@pytest.mark.parametrize(
+    ("scope", "checkouts"),
+    [("session", {"per_process": 0, "per_lock": 1}), ("transaction", 2)],
+)
+def test_the_start_is_one_statement_on_the_session_holding_the_key(
+    app, session_mode, scope, checkouts
+):
+    """Session scope: the start is one more statement on the session that holds the key
+    (the process session: no checkout at all; per lock: the pinned one alone).
+    Transaction scope checks out a connection of its own for it: in the lock's
+    transaction it would commit with the body."""
+    task, ran = body_counter(app, lock_period=0.001, lock_scope=scope)
+    assert "ran" == task.apply().get()  # warm: the session, the table's check
+    pool = current_engine(app).pool
+    seen: list[object] = []
+
+    def checkout(*_):
+        seen.append(_)
+
+    event.listen(pool, "checkout", checkout)
+    try:
+        time.sleep(0.002)
+        assert "ran" == task.apply().get()
+    finally:
+        event.remove(pool, "checkout", checkout)
+    expected = checkouts[session_mode] if isinstance(checkouts, dict) else checkouts
+    assert expected == len(seen)
+    assert 2 == len(ran)
 
 
 def test_racing_starts_of_one_key_record_exactly_one(lock_engine, namespace):
@@ -168,6 +200,23 @@ def test_racing_starts_of_one_key_record_exactly_one(lock_engine, namespace):
         assert all(0 < throttle.seconds_left <= period for throttle in refused), refused
         assert all(t.last_task_id in (winners[0], None) for t in refused), refused
         time.sleep(period)  # the period's end: the next round races an expired row
+
+
+def test_the_slots_of_a_key_share_its_period(app):
+    """lock_limit=2 with lock_period: a run on the second slot (the first is held) is
+    still throttled by the first slot's start. One start per key per period."""
+    task, ran = body_counter(app, lock_limit=2, lock_period=60, lock_fencing=False)
+    first = task.apply()
+    assert "ran" == first.get()
+    first_slot = hold(task)
+    try:
+        second = task.apply()
+    finally:
+        first_slot.release()
+    assert isinstance(second.result, LockSkipped)
+    assert "period" == second.result.details["reason"]
+    assert first.id == second.result.details["last_task"]
+    assert [first.id] == ran
 
 
 def test_raise_and_a_direct_call_fail_with_lock_busy(app):
@@ -309,14 +358,19 @@ def test_the_period_outlives_a_crashed_holder(app, database_url, namespace):
 
 
 def test_a_database_error_at_the_start_releases_the_lock_and_runs_nothing(
-    app, database_url, caplog
+    app, database_url, namespace, caplog
 ):
-    """The period's statement does not answer within lock_db_timeout (its row is
-    locked by another session): the run fails with DatabaseError, its body never runs,
-    and the key's lock is released at once (not left to task_postrun's safety net); as
-    an error at acquire."""
+    """The period's row is locked by another session: the server ends the start's wait
+    (lock_timeout, half of lock_db_timeout) and the run fails with DatabaseError, its
+    body never runs, and the key's lock is released at once (not left to task_postrun's
+    safety net); as an error at acquire. The start ran on the process's lock session,
+    whose other lock survives: the client never had to cut the socket."""
     task, ran = body_counter(app, lock_period=0.001, lock_db_timeout=1)
     task.apply().get()
+    bystander = AdvisoryLock(
+        engine=current_engine(app), key=keys.make_key(namespace, "bystander")
+    )
+    assert bystander.acquire()
     blocker = _support.connect(database_url, application_name="period blocker")
     blocker.autocommit = False  # hold the row lock until the rollback
     try:
@@ -333,7 +387,11 @@ def test_a_database_error_at_the_start_releases_the_lock_and_runs_nothing(
         blocker.close()
     assert "FAILURE" == result.state
     assert isinstance(result.result, DatabaseError)
+    assert "lock timeout" in str(result.result)
     assert 1 == len(ran)
+    assert bystander.locked()
+    assert not bystander.lost
+    bystander.release()  # raises if the process session had ended
     leftovers = [
         r
         for r in caplog.records
