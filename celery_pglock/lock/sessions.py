@@ -410,10 +410,7 @@ class ProcessSession(LockSessions):
         self, hold: Hold, key: LockKey, *, bound: float
     ) -> fencing_tokens.Holder | None:
         with self._mutex:
-            if (
-                self._owners.get(hold.ids) is not hold
-                or hold.connection is not self._connection
-            ):
+            if not self._still_holds(hold):
                 return None  # the session that was granted the key has ended
             if self._holder is None:
                 try:
@@ -431,10 +428,7 @@ class ProcessSession(LockSessions):
         """``work(connection, cursor)`` on the session holding ``hold``, under its mutex;
         None once that session has ended (the hold is lost)."""
         with self._mutex:
-            if (
-                self._owners.get(hold.ids) is not hold
-                or hold.connection is not self._connection
-            ):
+            if not self._still_holds(hold):
                 return None
             try:
                 with self._bound(bound):
@@ -442,6 +436,12 @@ class ProcessSession(LockSessions):
             except BaseException as exc:
                 self._ended(f"{action} failed: {exc!r}", exc)
                 raise
+
+    def _still_holds(self, hold: Hold) -> bool:
+        """Under the mutex: ``hold`` was granted on this session, which has not ended."""
+        return (
+            self._owners.get(hold.ids) is hold and hold.connection is self._connection
+        )
 
     def run_alive(self, run: LockKey, *, bound: float) -> bool | None:
         with self._mutex:
@@ -624,7 +624,7 @@ class PerLockSessions(LockSessions):
         self, hold: Hold, key: LockKey, *, bound: float
     ) -> fencing_tokens.Holder | None:
         connection = hold.connection
-        if hold.lost is not None or connection is None or connection.closed:
+        if not _pinned_alive(hold):
             return None
         try:
             with deadlines.bounded(connection, bound), connection.cursor() as cursor:
@@ -646,12 +646,7 @@ class PerLockSessions(LockSessions):
         """As ProcessSession.on_holder, on the hold's pinned connection: session scope
         only (a statement in the lock's transaction would commit with the body)."""
         connection = hold.connection
-        if (
-            hold.transaction is not None
-            or hold.lost is not None
-            or connection is None
-            or connection.closed
-        ):
+        if hold.transaction is not None or not _pinned_alive(hold):
             return None
         with deadlines.bounded(connection, bound), connection.cursor() as cursor:
             return work(connection, cursor)
@@ -796,6 +791,12 @@ class PerLockSessions(LockSessions):
             logger.debug("DISCARD ALL after lock %s failed", hold.ids, exc_info=True)
             self._retire_if_dead(hold.pooled, exc)
             connection.invalidate()
+
+
+def _pinned_alive(hold: Hold) -> bool:
+    """A per-lock hold whose pinned connection has not ended (as far as we know)."""
+    connection = hold.connection
+    return hold.lost is None and connection is not None and not connection.closed
 
 
 def _execute(
