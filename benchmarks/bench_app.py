@@ -7,7 +7,9 @@ a celery-once worker never imports celery-singleton):
 - ``plain``: ``bench.plain(key, body)``, a plain Celery task: the baseline; and
   ``bench.plain_round_trips``, the same with a blocking ``SELECT 1`` before and after
   the body (psycopg2, no celery_pglock): the floor of any lock that is taken before the
-  body and whose release is awaited, as SingletonTask's is.
+  body and whose release is awaited, as SingletonTask's is. ``bench.plain_row_writes``
+  and ``bench.plain_period_write`` are the floors of issue 18's designs: the rows that
+  ``lock_enqueue`` and ``lock_period`` write, sent by hand (see below).
 - ``pglock``: ``bench.session`` and ``bench.transaction``, SingletonTask with
   ``lock_args=("key",)`` in session and transaction scope; ``bench.until_finished`` and
   ``bench.until_started``, the session task with ``lock_enqueue`` (the producer checks
@@ -35,6 +37,7 @@ import os
 import struct
 import threading
 import time
+import uuid
 from typing import Any
 
 from celery import Celery, signals
@@ -58,6 +61,8 @@ APPLICATION_NAME = "pglock-bench"
 
 PLAIN = "bench.plain"
 PLAIN_ROUND_TRIPS = "bench.plain_round_trips"
+PLAIN_ROW_WRITES = "bench.plain_row_writes"
+PLAIN_PERIOD_WRITE = "bench.plain_period_write"
 SESSION = "bench.session"
 #: SingletonTask session with lock_skip_result="success": a skip ends like a run.
 SKIP_SUCCESS = "bench.session_skip_success"
@@ -103,28 +108,121 @@ def plain(key: str, body: float = 0.0) -> None:
     _body(body)
 
 
-_round_trip: dict[int, Any] = {}  # pid -> psycopg2 connection (never shared by a fork)
+_raw: dict[int, Any] = {}  # pid -> psycopg2 connection (never shared by a fork)
+
+#: The floors' tables: the rows lock_enqueue and lock_period write, keyed by the key text.
+_FLOOR_TABLES = """
+CREATE TABLE IF NOT EXISTS bench_floor_queued (k text PRIMARY KEY, task_id text NOT NULL,
+  started_at timestamptz);
+CREATE TABLE IF NOT EXISTS bench_floor_periods (k text PRIMARY KEY,
+  started_at timestamptz NOT NULL, task_id text);
+"""
+
+
+def raw_connection() -> Any:
+    """This process's psycopg2 connection (autocommit), named like a lock session so that
+    the benchmark reads its backend's CPU as a worker's (or the producer's) lock CPU."""
+    import socket
+
+    import psycopg2
+
+    connection = _raw.get(os.getpid())
+    if connection is None:
+        # A worker is told by its environment; the benchmark process configured the app.
+        url = str(
+            os.environ.get(DATABASE_URL_ENV) or app.conf.get("pglock_database_url")
+        )
+        connection = psycopg2.connect(
+            url.replace("postgresql+psycopg2://", "postgresql://", 1),
+            application_name=f"{APPLICATION_NAME} {socket.gethostname()}:{os.getpid()}",
+        )
+        connection.autocommit = True
+        with connection.cursor() as cursor:
+            cursor.execute(_FLOOR_TABLES)
+        _raw[os.getpid()] = connection
+    return connection
+
+
+def forget_floor_rows(keys: str) -> None:
+    """Delete the floors' rows whose key is LIKE ``keys``, and close this connection."""
+    connection = raw_connection()
+    try:
+        with connection.cursor() as cursor:
+            for table in ("bench_floor_queued", "bench_floor_periods"):
+                cursor.execute(f"DELETE FROM {table} WHERE k LIKE %s", (keys,))
+    finally:
+        connection.close()
+        _raw.pop(os.getpid(), None)
 
 
 @app.task(name=PLAIN_ROUND_TRIPS)
 def plain_round_trips(key: str, body: float = 0.0) -> None:
     """A plain task plus a blocking ``SELECT 1`` before and after its body."""
-    import socket
-
-    import psycopg2
-
-    connection = _round_trip.get(os.getpid())
-    if connection is None:
-        url = str(os.environ.get(DATABASE_URL_ENV))
-        connection = psycopg2.connect(
-            url.replace("postgresql+psycopg2://", "postgresql://", 1),
-            # Named like a lock session, so the benchmark reads its backend's CPU too.
-            application_name=f"{APPLICATION_NAME} {socket.gethostname()}:{os.getpid()}",
-        )
-        connection.autocommit = True
-        _round_trip[os.getpid()] = connection
-    with connection.cursor() as cursor:
+    with raw_connection().cursor() as cursor:
         cursor.execute("SELECT 1")
+        cursor.fetchone()
+        _body(body)
+        cursor.execute("SELECT 1")
+        cursor.fetchone()
+
+
+# The floors of issue 18's designs: the rows they prescribe, written by hand in the
+# round trips the design allows and nothing else (no celery_pglock, no claim logic, no
+# checks). What any implementation of that design pays at least, measured beside it.
+# Queued rows commit asynchronously, as celery_pglock's do; period starts synchronously.
+_ROW_START = "SELECT pg_try_advisory_lock(hashtext(%s))"
+_ROW_END = (
+    "WITH d AS (DELETE FROM bench_floor_queued WHERE k = %s RETURNING 1), "
+    "s AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true)) "
+    "SELECT pg_advisory_unlock(hashtext(%s)) FROM s"
+)
+_ROW_PUBLISH = (
+    "WITH i AS (INSERT INTO bench_floor_queued (k, task_id) VALUES (%s, %s) "
+    "ON CONFLICT DO NOTHING RETURNING task_id), s AS MATERIALIZED "
+    "(SELECT set_config('synchronous_commit', 'off', true)) SELECT task_id FROM i, s"
+)
+_PERIOD_START = (
+    "INSERT INTO bench_floor_periods (k, started_at, task_id) VALUES (%s, now(), %s) "
+    "ON CONFLICT (k) DO UPDATE SET started_at = EXCLUDED.started_at, "
+    "task_id = EXCLUDED.task_id "
+    "WHERE bench_floor_periods.started_at <= EXCLUDED.started_at - interval '1 hour' "
+    "RETURNING 1"
+)
+
+
+class _PublishesARow(app.Task):  # type: ignore[name-defined, misc]
+    """Takes the key's queued row at publish (one round trip), as lock_enqueue does."""
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        task_id = options.setdefault("task_id", str(uuid.uuid4()))
+        with raw_connection().cursor() as cursor:
+            cursor.execute(_ROW_PUBLISH, (args[0], task_id))
+            if cursor.fetchone() is None:
+                return None  # the key is queued: dropped at publish
+        return super().apply_async(args, kwargs, **options)
+
+
+@app.task(name=PLAIN_ROW_WRITES, base=_PublishesARow)
+def plain_row_writes(key: str, body: float = 0.0) -> None:
+    """lock_enqueue's floor: a row inserted at publish, a try-lock before the body, the row
+    deleted by the statement that unlocks after it. Two writes, the fewest the design of
+    issue 18 allows ("removed in the same round trip that takes or releases the run lock")."""
+    with raw_connection().cursor() as cursor:
+        cursor.execute(_ROW_START, (key,))
+        cursor.fetchone()
+        _body(body)
+        cursor.execute(_ROW_END, (key, key))
+        cursor.fetchone()
+
+
+@app.task(name=PLAIN_PERIOD_WRITE)
+def plain_period_write(key: str, body: float = 0.0) -> None:
+    """lock_period's floor: plain + 2 round trips plus the period's row, written durably
+    in a statement of its own."""
+    with raw_connection().cursor() as cursor:
+        cursor.execute("SELECT 1")
+        cursor.fetchone()
+        cursor.execute(_PERIOD_START, (key, key))
         cursor.fetchone()
         _body(body)
         cursor.execute("SELECT 1")

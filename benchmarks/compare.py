@@ -53,8 +53,10 @@ from contenders import (  # noqa: E402
     BASELINE_ROW,
     CONTENDERS,
     DISTINCT_ONLY,
+    PERIOD_FLOOR,
     PLAIN,
     ROUND_TRIPS,
+    ROW_FLOOR,
     SKIP_SUCCESS_ROW,
     TENANTS,
     WORKLOADS,
@@ -282,6 +284,8 @@ class Bench:
                 task.once_backend.redis.ping()
             elif contender.task == bench_app.SINGLETON:
                 task.singleton_backend.redis.ping()
+            elif contender.task == bench_app.PLAIN_ROW_WRITES:
+                bench_app.raw_connection()
             elif contender.enqueue:
                 from celery_pglock.lock import queued
 
@@ -350,6 +354,10 @@ class Bench:
         return samples
 
     def close(self) -> None:
+        if {ROW_FLOOR, PERIOD_FLOOR} & set(self.args.contenders):
+            # The floors' rows of this run (its keys start with the run id); the two
+            # small tables stay, shared with other runs.
+            bench_app.forget_floor_rows(f"{self.run_id}-%")
         self.probe.close()
         self.redis.close()
 

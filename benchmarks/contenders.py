@@ -35,10 +35,16 @@ ENQUEUE_ROWS = (UNTIL_FINISHED_ROW, UNTIL_STARTED_ROW)
 #: runs, so the row is the cost of the run's extra statement.
 LIMIT_ROW = "SingletonTask session + lock_limit=3"
 PERIOD_ROW = "SingletonTask session + lock_period"
-DISTINCT_ONLY = (LIMIT_ROW, PERIOD_ROW)
+#: Issue 18's floors (bench_app): the rows the designs prescribe, written by hand with no
+#: library; what any implementation of the design pays at least. Distinct keys only.
+ROW_FLOOR = "plain + queued row by hand (floor)"
+PERIOD_FLOOR = "plain + 2 round trips + period row (floor)"
+DISTINCT_ONLY = (LIMIT_ROW, PERIOD_ROW, ROW_FLOOR, PERIOD_FLOOR)
 CONTENDERS = {
     "plain": Contender("plain", bench_app.PLAIN),
     "plain + 2 round trips": Contender("plain", bench_app.PLAIN_ROUND_TRIPS),
+    ROW_FLOOR: Contender("plain", bench_app.PLAIN_ROW_WRITES),
+    PERIOD_FLOOR: Contender("plain", bench_app.PLAIN_PERIOD_WRITE),
     "SingletonTask session": Contender("pglock", bench_app.SESSION),
     "SingletonTask transaction": Contender("pglock", bench_app.TRANSACTION),
     SKIP_SUCCESS_ROW: Contender("pglock", bench_app.SKIP_SUCCESS),
