@@ -19,6 +19,7 @@ from celery_pglock.cli import (
     check_verb,
     key_verb,
     locks_verb,
+    periods_verb,
     queued_verb,
     release_verb,
     sql_verb,
@@ -94,10 +95,12 @@ class Target:
 def _build(*, standalone: bool) -> click.Group:
     @click.group(
         name="celery-pglock" if standalone else "pglock",
-        help="Inspect celery-pglock advisory locks: locks, queued, key, release, check, sql.",
+        help="Inspect celery-pglock advisory locks: locks, queued, periods, key, release, "
+        "check, sql.",
         commands=[
             locks_verb.locks,
             queued_verb.queued,
+            periods_verb.periods,
             key_verb.key,
             release_verb.release,
             check_verb.check,

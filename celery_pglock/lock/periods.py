@@ -11,6 +11,8 @@ from celery_pglock.db import deadlines, driver_errors, sql_text
 from celery_pglock.lock import fencing_tokens
 
 if TYPE_CHECKING:
+    import sqlalchemy as sa
+
     from celery_pglock.lock import AdvisoryLock
 
 #: ``{schema}``: a quoted name and a dot, or "". Locked: IF NOT EXISTS races itself.
@@ -74,6 +76,58 @@ TABLE = fencing_tokens.OwnTable(
     CREATE,
     FIX,
 )
+
+
+# A row whose period has passed decides nothing: the next start replaces it. Deleted in
+# batches that skip rows a start has locked, so no start waits on the prune for long.
+_PRUNE = """
+DELETE FROM celery_pglock_periods WHERE ctid = ANY(ARRAY(
+  SELECT ctid FROM celery_pglock_periods
+  WHERE started_at < now() - make_interval(secs => %s)
+  LIMIT %s FOR UPDATE SKIP LOCKED))"""
+_SUMMARY = """
+SELECT count(*),
+  count(*) FILTER (WHERE started_at < now() - make_interval(secs => %s)),
+  extract(epoch FROM now() - min(started_at))::float8,
+  extract(epoch FROM now() - max(started_at))::float8
+FROM celery_pglock_periods"""
+#: Rows per DELETE of :func:`prune`.
+PRUNE_BATCH = 1000
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Summary:
+    rows: int
+    older: int  #: rows started more than the ``older_than`` asked about ago
+    oldest_seconds: float | None
+    newest_seconds: float | None
+
+
+def summary(engine: sa.Engine, older_than: float | None) -> Summary | None:
+    """The table's rows and ages; None when it does not exist (no lock_period start)."""
+    with fencing_tokens.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
+        cursor.execute(TABLE.exists)
+        if not cursor.fetchone()[0]:
+            return None
+        cursor.execute(_SUMMARY, (older_than,))
+        rows, older, oldest, newest = cursor.fetchone()
+    return Summary(int(rows), int(older), oldest, newest)
+
+
+def prune(engine: sa.Engine, older_than: float, batch: int = PRUNE_BATCH) -> int | None:
+    """Delete the rows started more than ``older_than`` seconds ago (at least the longest
+    lock_period that uses the table, or periods reopen early): how many; None when the
+    table does not exist."""
+    with fencing_tokens.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
+        cursor.execute(TABLE.exists)
+        if not cursor.fetchone()[0]:
+            return None
+        deleted = 0
+        while True:  # ends: a row started now is never older_than > 0 old
+            cursor.execute(_PRUNE, (older_than, batch))
+            deleted += int(cursor.rowcount)
+            if cursor.rowcount < batch:
+                return deleted
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

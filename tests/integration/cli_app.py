@@ -32,3 +32,14 @@ def pinned():
 @app.task(base=SingletonTask, shared=False, lock_limit=3)
 def batch():
     return "batched"
+
+
+# The longest lock_period of this app: what `pglock periods prune` may delete past.
+@app.task(base=SingletonTask, shared=False, lock_period=3600)
+def throttled():
+    return "throttled"
+
+
+@app.task(base=SingletonTask, shared=False, lock_period=60)
+def often():
+    return "often"

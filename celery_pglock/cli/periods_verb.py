@@ -1,0 +1,115 @@
+"""``pglock periods``: the lock_period table's rows, and ``periods prune``, which deletes
+those whose period has passed. Manual: docs/operations/cli.md."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from celery_pglock.cli import queued_verb
+from celery_pglock.lock import periods as period_rows
+
+if TYPE_CHECKING:
+    from celery_pglock.cli import Target
+
+_NO_TABLE = "No lock_period table: no lock_period task has started on this database."
+
+
+def _longest(target: Target) -> tuple[float, str] | None:
+    """The longest lock_period of the app's tasks (found as a worker finds them), and
+    whose it is; None without an app or without such a task."""
+    found = [
+        (task.lock_config.period, str(task.name))
+        for task in target.singleton_tasks
+        if task.lock_config.period is not None
+    ]
+    return max(found) if found else None
+
+
+@click.group(
+    invoke_without_command=True,
+    help="The lock_period table: its rows and their ages; `periods prune` deletes the "
+    "rows whose period has passed.",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@click.pass_context
+def periods(ctx: click.Context, as_json: bool) -> None:
+    if ctx.invoked_subcommand is not None:
+        return
+    target: Target = ctx.obj
+    longest = _longest(target)
+    with target.database("read the lock_period table") as engine:
+        found = period_rows.summary(engine, longest[0] if longest else None)
+    document: dict[str, Any] = {
+        "table": found is not None,
+        "rows": found.rows if found else 0,
+        "oldest_seconds": found.oldest_seconds if found else None,
+        "newest_seconds": found.newest_seconds if found else None,
+        "longest_period": longest[0] if longest else None,
+        "longest_period_task": longest[1] if longest else None,
+        "prunable": found.older if found and longest else None,
+    }
+    if as_json:
+        click.echo(json.dumps(document, indent=2))
+        return
+    if found is None:
+        click.echo(_NO_TABLE)
+        return
+    click.echo(
+        f"{found.rows} row(s); oldest start {queued_verb.duration(found.oldest_seconds)} "
+        f"ago, newest {queued_verb.duration(found.newest_seconds)} ago."
+    )
+    if longest is None:
+        click.echo(
+            "No task of this app has lock_period (pass --app): the rows a prune may "
+            "delete are unknown."
+        )
+    else:
+        click.echo(
+            f"{found.older} row(s) past the longest lock_period of the app's tasks "
+            f"({longest[0]:g} s, {longest[1]}): `periods prune` deletes them."
+        )
+
+
+@periods.command(
+    help="Delete the rows started longer ago than the longest lock_period of the app's "
+    "tasks (or --older-than SECONDS, never less than that period)."
+)
+@click.option(
+    "--older-than",
+    type=float,
+    metavar="SECONDS",
+    help="Delete rows older than this; at least the longest lock_period of every app "
+    "that shares the table (required without --app).",
+)
+@click.pass_obj
+def prune(target: Target, older_than: float | None) -> None:
+    longest = _longest(target)
+    if older_than is None:
+        if longest is None:
+            raise click.UsageError(
+                "No task of the app has lock_period, so the period a row may outlive is "
+                "unknown: pass --app (the app whose tasks use lock_period), or "
+                "--older-than SECONDS, at least the longest lock_period of every app "
+                "that shares this database."
+            )
+        older_than = longest[0]
+    if not (math.isfinite(older_than) and older_than > 0):
+        raise click.UsageError(
+            f"--older-than: expected a positive number of seconds, got {older_than:g}."
+        )
+    if longest is not None and older_than < longest[0]:
+        raise click.UsageError(
+            f"--older-than {older_than:g} is shorter than the lock_period of "
+            f"{longest[1]} ({longest[0]:g} s): rows still within their period would "
+            "be deleted, and those keys could start again early."
+        )
+    with target.database("prune the lock_period table") as engine:
+        deleted = period_rows.prune(engine, older_than)
+    if deleted is None:
+        click.echo(_NO_TABLE)
+        return
+    click.echo(f"Deleted {deleted} period row(s) started over {older_than:g} s ago.")
