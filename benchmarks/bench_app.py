@@ -111,11 +111,15 @@ def plain(key: str, body: float = 0.0) -> None:
 _raw: dict[int, Any] = {}  # pid -> psycopg2 connection (never shared by a fork)
 
 #: The floors' tables: the rows lock_enqueue and lock_period write, keyed by the key text.
+#: Locked: prefork children warm up at once, and IF NOT EXISTS races itself.
 _FLOOR_TABLES = """
+BEGIN;
+SELECT pg_advisory_xact_lock(hashtext('celery_pglock bench floors'));
 CREATE TABLE IF NOT EXISTS bench_floor_queued (k text PRIMARY KEY, task_id text NOT NULL,
   started_at timestamptz);
 CREATE TABLE IF NOT EXISTS bench_floor_periods (k text PRIMARY KEY,
   started_at timestamptz NOT NULL, task_id text);
+COMMIT;
 """
 
 
