@@ -4,6 +4,7 @@ lock_period of the app's tasks are deleted, rows within it never are."""
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 
 import pytest
@@ -130,3 +131,35 @@ def test_without_the_table_both_say_so(database_url):
         with admin.cursor() as cursor:
             cursor.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin.close()
+
+
+def test_prune_skips_a_row_a_start_has_locked(connection, database_url):
+    """A start's row lock (here: an open transaction updating the row) neither stops the
+    prune nor is waited for: the locked row stays, for the next prune."""
+    rows = started(connection, 7200, 7200)
+    holder = _support.connect(database_url, application_name="periods test holder")
+    holder.autocommit = False
+    engine = engines.create_engine(database_url)
+    done: list[int | None] = []
+    pruning = threading.Thread(target=lambda: done.append(periods.prune(engine, 3600)))
+    try:
+        with holder.cursor() as cursor:
+            cursor.execute(
+                "UPDATE celery_pglock_periods SET task_id = task_id "
+                "WHERE classid = %s AND objid = %s",
+                rows[0],
+            )
+        pruning.start()
+        pruning.join(timeout=10)
+        assert done, "the prune waited for the locked row"
+        assert [7200, None] == ages(connection, rows)
+    finally:
+        holder.rollback()
+        holder.close()
+        if pruning.is_alive():
+            pruning.join(timeout=10)
+    try:
+        periods.prune(engine, 3600)
+    finally:
+        engine.dispose()
+    assert [None, None] == ages(connection, rows)
