@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from celery_pglock import keys
-from celery_pglock.lock import fencing_tokens
+from celery_pglock.db import engines
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -40,7 +40,7 @@ _EXISTS = "SELECT to_regclass('celery_pglock_queued') IS NOT NULL"
 
 def read(engine: sa.Engine) -> list[dict[str, Any]] | None:
     """The queued keys, oldest first; None when lock_enqueue never ran here (no table)."""
-    with fencing_tokens.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
+    with engines.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
         cursor.execute(_EXISTS)
         if not cursor.fetchone()[0]:
             return None
@@ -142,7 +142,7 @@ def clear(
         else:
             chosen = rows
         running = [r for r in chosen if r["state"] == "running"]
-        with fencing_tokens.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
+        with engines.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
             cursor.execute(
                 "DELETE FROM celery_pglock_queued WHERE task_id = ANY(%s)",
                 ([r["task_id"] for r in chosen],),

@@ -9,7 +9,8 @@ import click
 
 from celery_pglock import fencing
 from celery_pglock.cli import locks_verb
-from celery_pglock.lock import fencing_tokens, periods, queued
+from celery_pglock.db import engines
+from celery_pglock.lock import periods, queued
 
 if TYPE_CHECKING:
     from celery_pglock.cli import Target
@@ -141,7 +142,7 @@ def sql(
     # Autocommit: one simple query is one transaction unless it has BEGIN/COMMIT (fencing's).
     with (
         target.database(action) as engine,
-        fencing_tokens.autocommit(engine) as dbapi,
+        engines.autocommit(engine) as dbapi,
         dbapi.cursor() as cursor,
     ):
         cursor.execute(text)

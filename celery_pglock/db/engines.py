@@ -14,7 +14,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import sqlalchemy as sa
@@ -352,3 +352,19 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@contextlib.contextmanager
+def autocommit(engine: sa.Engine) -> Iterator[Any]:
+    """A pooled DBAPI connection in autocommit; after an error invalidated, not pooled."""
+    pooled: Any = engine.raw_connection()
+    try:
+        pooled.dbapi_connection.autocommit = True
+        yield pooled.dbapi_connection
+    except BaseException as exc:
+        if driver_errors.is_disconnect(exc):
+            mark_pool_stale(engine, pooled, exc)
+        pooled.invalidate()
+        raise
+    finally:
+        pooled.close()

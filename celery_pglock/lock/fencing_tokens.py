@@ -14,7 +14,6 @@ from celery_pglock.db import deadlines, driver_errors, engines, sql_text
 
 if TYPE_CHECKING:
     import datetime
-    from collections.abc import Iterator
 
     import sqlalchemy as sa
 
@@ -135,7 +134,7 @@ class OwnTable:
                 return
             with (
                 driver_errors.wrap_db_errors(f"set up the {self.what}", engine),
-                autocommit(engine) as dbapi,
+                engines.autocommit(engine) as dbapi,
                 contextlib.nullcontext()
                 if bound is None
                 else deadlines.bounded(dbapi, bound),
@@ -170,7 +169,7 @@ def issue(engine: sa.Engine, key: LockKey, holder: Holder, bound: float) -> int 
     action = f"issue a fencing token for lock {key.name!r}"
     with (
         driver_errors.wrap_db_errors(action, engine),
-        autocommit(engine) as dbapi,
+        engines.autocommit(engine) as dbapi,
         deadlines.bounded(dbapi, bound),
         dbapi.cursor() as cursor,
     ):
@@ -202,22 +201,6 @@ def issue(engine: sa.Engine, key: LockKey, holder: Holder, bound: float) -> int 
                 "max(token) of celery_pglock_fencing."
             )
         return int(token)
-
-
-@contextlib.contextmanager
-def autocommit(engine: sa.Engine) -> Iterator[Any]:
-    """A pooled DBAPI connection in autocommit; after an error invalidated, not pooled."""
-    pooled: Any = engine.raw_connection()
-    try:
-        pooled.dbapi_connection.autocommit = True
-        yield pooled.dbapi_connection
-    except BaseException as exc:
-        if driver_errors.is_disconnect(exc):
-            engines.mark_pool_stale(engine, pooled, exc)
-        pooled.invalidate()
-        raise
-    finally:
-        pooled.close()
 
 
 def key_params(key: LockKey) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import exceptions
-from celery_pglock.db import deadlines, driver_errors, sql_text
+from celery_pglock.db import deadlines, driver_errors, engines, sql_text
 from celery_pglock.lock import fencing_tokens
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ class Summary:
 
 def summary(engine: sa.Engine, older_than: float | None) -> Summary | None:
     """The table's rows and ages; None when it does not exist (no lock_period start)."""
-    with fencing_tokens.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
+    with engines.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
         cursor.execute(TABLE.exists)
         if not cursor.fetchone()[0]:
             return None
@@ -118,7 +118,7 @@ def prune(engine: sa.Engine, older_than: float, batch: int = PRUNE_BATCH) -> int
     """Delete the rows started more than ``older_than`` seconds ago (at least the longest
     lock_period that uses the table, or periods reopen early): how many; None when the
     table does not exist."""
-    with fencing_tokens.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
+    with engines.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
         cursor.execute(TABLE.exists)
         if not cursor.fetchone()[0]:
             return None
@@ -176,7 +176,7 @@ def start(lock: AdvisoryLock, task_id: str | None, period: float) -> Throttle | 
         row = lock.on_holding_session(action, record)
         if row is None:
             with (
-                fencing_tokens.autocommit(engine) as dbapi,
+                engines.autocommit(engine) as dbapi,
                 deadlines.bounded(dbapi, bound),
                 dbapi.cursor() as cursor,
             ):

@@ -9,7 +9,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import exceptions, keys
-from celery_pglock.db import deadlines, driver_errors, sql_text
+from celery_pglock.db import deadlines, driver_errors, engines, sql_text
 from celery_pglock.lock import fencing_tokens
 
 if TYPE_CHECKING:
@@ -178,7 +178,7 @@ def claim(
     }
     with (
         driver_errors.wrap_db_errors(f"check the queue of lock {key.name!r}", engine),
-        fencing_tokens.autocommit(engine) as dbapi,
+        engines.autocommit(engine) as dbapi,
         deadlines.bounded(dbapi, bound),
         dbapi.cursor() as cursor,
     ):
@@ -199,7 +199,7 @@ def give_back(engine: sa.Engine, key: keys.LockKey, task_id: str, bound: float) 
     classid, objid, objsubid = key.pg_locks_ids
     try:
         with (
-            fencing_tokens.autocommit(engine) as dbapi,
+            engines.autocommit(engine) as dbapi,
             deadlines.bounded(dbapi, bound),
             dbapi.cursor() as cursor,
         ):

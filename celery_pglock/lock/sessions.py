@@ -161,7 +161,7 @@ class LockSessions:
         """The row; None on failure (DEBUG log: a lookup adds detail, never decides)."""
         try:
             with (
-                fencing_tokens.autocommit(self.engine) as dbapi,
+                engines.autocommit(self.engine) as dbapi,
                 deadlines.bounded(dbapi, bound),
                 dbapi.cursor() as cursor,
             ):

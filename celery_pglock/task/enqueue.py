@@ -15,8 +15,8 @@ from celery.utils.time import maybe_iso8601
 
 from celery_pglock import exceptions, keys
 from celery_pglock.config import Enqueue, OnDuplicate, OnEnqueueError
-from celery_pglock.db import deadlines
-from celery_pglock.lock import fencing_tokens, queued
+from celery_pglock.db import deadlines, engines
+from celery_pglock.lock import queued
 from celery_pglock.task import outcomes
 
 if TYPE_CHECKING:
@@ -187,7 +187,7 @@ class _Freer(threading.Thread):
     def _delete(self, batch: list[tuple[tuple[int, int, int], str]]) -> None:
         columns = list(zip(*((*row, task_id) for row, task_id in batch), strict=True))
         with (
-            fencing_tokens.autocommit(self.engine) as dbapi,
+            engines.autocommit(self.engine) as dbapi,
             deadlines.bounded(dbapi, self.bound),
             dbapi.cursor() as cursor,
         ):

@@ -22,7 +22,7 @@ from celery_pglock import (
     keys,
 )
 from celery_pglock.db import engines as db_module
-from celery_pglock.lock import fencing_tokens, sessions
+from celery_pglock.lock import sessions
 
 from ...unit.test_keys import VECTORS
 
@@ -219,7 +219,7 @@ def test_an_interrupted_autocommit_connection_is_closed_not_pooled(single_engine
 
     with single_engine.connect() as connection:
         first_pid = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
-    with pytest.raises(Interrupt), fencing_tokens.autocommit(single_engine):
+    with pytest.raises(Interrupt), db_module.autocommit(single_engine):
         raise Interrupt
     with single_engine.connect() as connection:  # the pool's only connection
         assert (

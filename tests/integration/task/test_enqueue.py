@@ -21,8 +21,8 @@ from celery_pglock import (
     LockSkipped,
     current_lock,
 )
-from celery_pglock.db import sql_text
-from celery_pglock.lock import fencing_tokens, queued
+from celery_pglock.db import engines, sql_text
+from celery_pglock.lock import queued
 from celery_pglock.task import enqueue
 from tests.integration.task_support import current_engine, define, hold
 
@@ -44,7 +44,7 @@ def rows(task, *args):
     """(task_id, mode, started) of the key's row, or None."""
     key = task.lock_key_for(*args)
     with (
-        fencing_tokens.autocommit(current_engine(task.app)) as dbapi,
+        engines.autocommit(current_engine(task.app)) as dbapi,
         dbapi.cursor() as cursor,
     ):
         cursor.execute(
@@ -114,7 +114,7 @@ def test_the_publish_statement_is_planned_once_per_connection(app, published):
 
     def prepared():
         assert 1 == engine.pool.checkedin()
-        with fencing_tokens.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
+        with engines.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
             cursor.execute(
                 "SELECT name, generic_plans + custom_plans FROM pg_prepared_statements "
                 "WHERE statement LIKE '%celery_pglock_queued%'"
