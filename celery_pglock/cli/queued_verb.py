@@ -10,6 +10,7 @@ import click
 
 from celery_pglock import keys
 from celery_pglock.db import engines
+from celery_pglock.lock import queued as queued_rows
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -35,14 +36,12 @@ LEFT JOIN pg_locks r ON r.locktype = 'advisory' AND r.granted
 LEFT JOIN pg_stat_activity a ON a.pid = r.pid
 ORDER BY q.published_at
 """
-_EXISTS = "SELECT to_regclass('celery_pglock_queued') IS NOT NULL"
 
 
 def read(engine: sa.Engine) -> list[dict[str, Any]] | None:
     """The queued keys, oldest first; None when lock_enqueue never ran here (no table)."""
     with engines.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
-        cursor.execute(_EXISTS)
-        if not cursor.fetchone()[0]:
+        if not queued_rows.TABLE.present(cursor):
             return None
         cursor.execute(_ROWS)
         names = [column[0] for column in cursor.description]

@@ -140,8 +140,7 @@ class OwnTable:
                 else deadlines.bounded(dbapi, bound),
                 dbapi.cursor() as cursor,
             ):
-                cursor.execute(self.exists)
-                if not all(cursor.fetchone()):
+                if not self.present(cursor):
                     try:
                         cursor.execute(self.create.format(schema=""))
                     except Exception as exc:
@@ -154,6 +153,11 @@ class OwnTable:
                             f"may not create it; {self.fix}."
                         ) from exc
             self._ready.add(engine)
+
+    def present(self, cursor: Any) -> bool:
+        """Whether the table (and what it needs) exists, seen from ``cursor``."""
+        cursor.execute(self.exists)
+        return all(cursor.fetchone())
 
     def forget(self, engine: sa.Engine) -> None:
         """Check the table again at its next use (it was dropped, or its grant revoked)."""

@@ -106,8 +106,7 @@ class Summary:
 def summary(engine: sa.Engine, older_than: float | None) -> Summary | None:
     """The table's rows and ages; None when it does not exist (no lock_period start)."""
     with engines.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
-        cursor.execute(TABLE.exists)
-        if not cursor.fetchone()[0]:
+        if not TABLE.present(cursor):
             return None
         cursor.execute(_SUMMARY, (older_than,))
         rows, older, oldest, newest = cursor.fetchone()
@@ -119,8 +118,7 @@ def prune(engine: sa.Engine, older_than: float, batch: int = PRUNE_BATCH) -> int
     lock_period that uses the table, or periods reopen early): how many; None when the
     table does not exist."""
     with engines.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
-        cursor.execute(TABLE.exists)
-        if not cursor.fetchone()[0]:
+        if not TABLE.present(cursor):
             return None
         deleted = 0
         while True:  # ends: a row started now is never older_than > 0 old
