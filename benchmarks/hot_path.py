@@ -175,6 +175,13 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
     )
     idle = engines.application_name("pglock-bench", engines.process_tag(), "idle")
 
+    def prepared(statement: str) -> str:
+        """``statement`` as the process session sends it: an EXECUTE, prepared once."""
+        with dbapi.cursor() as cursor:
+            return sql_text.prepared(
+                dbapi, cursor, sql_text.name_for(statement), statement
+            )
+
     def statements(*pairs: tuple[str, tuple[Any, ...]]) -> Callable[[], object]:
         def call() -> object:
             row = None
@@ -243,6 +250,13 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
         ("  pool checkout+checkin", lambda: engine.raw_connection().close()),
         (
             "  SQL: as sent on the process session",
+            statements(
+                (prepared(sql_text.TRY_LOCK_SESSION_BARE[1]), ids),
+                (prepared(sql_text.UNLOCK_SESSION_KEEP_NAME[1]), ids),
+            ),
+        ),
+        (
+            "  SQL: the same, not prepared",
             statements(
                 (sql_text.TRY_LOCK_SESSION_BARE[1], ids),
                 (sql_text.UNLOCK_SESSION_KEEP_NAME[1], ids),

@@ -98,6 +98,7 @@ HOLDER = f"SELECT ({_HOLDER_TEXT})"
 
 
 @functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=64)  # a few shapes per process: (limit, arity) x flags
 def try_slots(
     slots: tuple[tuple[int, int], ...], *, transaction: bool, named: bool, run: bool
 ) -> str:

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
     #: A statement run on a holder's own session: (DBAPI connection, cursor) -> its row.
     Work = Callable[[Any, Any], tuple[Any, ...]]
+    #: A statement -> the EXECUTE of it prepared on the session that will send it.
+    Prepare = Callable[[str], str]
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +239,8 @@ class ProcessSession(LockSessions):
         #: key ids -> hold on the current connection (a lost hold leaves; its claim stays).
         self._owners: dict[tuple[int, ...], Hold] = {}
         self._runs: dict[tuple[int, ...], Hold] = {}  #: run lock ids -> its hold.
+        #: Statement -> the EXECUTE of it prepared on the current connection.
+        self._executes: dict[str, str] = {}
 
     def acquire(
         self,
@@ -320,7 +324,11 @@ class ProcessSession(LockSessions):
             try:
                 with self._bound(bound):  # bounded, as in acquire
                     granted, run_granted = _try_slots(
-                        self._cursor, free, name != self._shown, run_ids
+                        self._cursor,
+                        free,
+                        name != self._shown,
+                        run_ids,
+                        prepare=self._ready,
                     )
                 if granted is not None:
                     self._record(granted, name, run_ids, run_granted, on_granted)
@@ -357,14 +365,16 @@ class ProcessSession(LockSessions):
     ) -> tuple[bool, bool]:
         cursor = self._cursor
         if name != self._shown:  # a relabel costs about what the lock does
-            return _try_named(cursor, ids, name, run_ids, False, queued_row)
+            return _try_named(
+                cursor, ids, name, run_ids, False, queued_row, self._ready
+            )
         if run_ids is None:
             statement = sql_text.TRY_LOCK_SESSION_BARE[len(ids)]
-            _execute(cursor, statement, ids, queued_row, "l.g")
+            _execute(cursor, statement, ids, queued_row, "l.g", prepare=self._ready)
             row = cursor.fetchone()
             return row is not None and row[0] is True, False
         statement = sql_text.TRY_LOCK_SESSION_BARE_RUN[len(ids)]
-        _execute(cursor, statement, (*ids, *run_ids), queued_row)
+        _execute(cursor, statement, (*ids, *run_ids), queued_row, prepare=self._ready)
         row = cursor.fetchone()
         return row is not None and row[0] is not None, bool(row and row[0])
 
@@ -391,7 +401,9 @@ class ProcessSession(LockSessions):
             bound = self._bound
             try:
                 with bound(timeout):
-                    _execute_end(self._cursor, statement, params, hold.row)
+                    _execute_end(
+                        self._cursor, statement, params, hold.row, prepare=self._ready
+                    )
                     row = self._cursor.fetchone()
             except BaseException as exc:
                 self._fail(f"releasing lock {key.name!r} failed: {exc!r}", exc)
@@ -523,6 +535,16 @@ class ProcessSession(LockSessions):
         self._bound = _Bound(dbapi)
         deadlines.watch(self._bound)
         self._shown = None
+        self._executes = {}
+
+    def _ready(self, statement: str) -> str:
+        """Under the mutex: ``statement`` as an EXECUTE, prepared on first use. Every
+        statement of this session is: it saves the server a plan per call
+        (benchmarks/README.md, "Planning a lock statement")."""
+        execute = self._executes.get(statement)
+        if execute is None:
+            execute = self._executes[statement] = _prepared(self._cursor, statement)
+        return execute
 
     def _ended(self, cause: str, exc: BaseException) -> bool:
         """Under the mutex, after a failed statement: end the session if it is dead."""
@@ -805,30 +827,46 @@ def _execute(
     params: tuple[Any, ...],
     row: queued.Queued | None,
     granted: str = "l.g IS NOT NULL",
+    *,
+    prepare: Prepare | None = None,
 ) -> None:
-    """Send a lock statement, with ``row``'s start change applied where ``granted``."""
+    """Send a lock statement, with ``row``'s start change applied where ``granted``;
+    prepared (by ``prepare``, else once per connection) when it changes a row."""
     if row is not None:
         change, extra = row.on_start()
-        statement = _prepared(
-            cursor, queued.with_row_change(statement, change, granted)
-        )
+        statement = queued.with_row_change(statement, change, granted)
         params = (*params, *extra)
+        if prepare is None:
+            statement = _prepared(cursor, statement)
+    if prepare is not None:
+        statement = prepare(statement)
     cursor.execute(statement, params)
 
 
 def _execute_end(
-    cursor: Any, statement: str, params: tuple[Any, ...], row: queued.Queued | None
+    cursor: Any,
+    statement: str,
+    params: tuple[Any, ...],
+    row: queued.Queued | None,
+    *,
+    prepare: Prepare | None = None,
 ) -> None:
-    """Send an unlock statement, with ``row``'s end change if it has one."""
+    """Send an unlock statement, with ``row``'s end change if it has one; prepared as
+    in ``_execute``."""
     end = None if row is None else row.on_end()
     if end is not None:
-        statement = _prepared(cursor, queued.with_row_change(statement, end[0]))
+        statement = queued.with_row_change(statement, end[0])
         params = (*params, *end[1])
+        if prepare is None:
+            statement = _prepared(cursor, statement)
+    if prepare is not None:
+        statement = prepare(statement)
     cursor.execute(statement, params)
 
 
 def _prepared(cursor: Any, statement: str) -> str:
-    # A row change's CTE costs the server more to plan than to run: plan it once.
+    # A lock statement costs the server more to plan than to run: plan it once per
+    # session (benchmarks/README.md, "Planning a lock statement").
     name = sql_text.name_for(statement)
     return sql_text.prepared(cursor.connection, cursor, name, statement)
 
@@ -840,6 +878,7 @@ def _try_named(
     run_ids: tuple[int, ...] | None,
     transaction: bool = False,
     row: queued.Queued | None = None,
+    prepare: Prepare | None = None,
 ) -> tuple[bool, bool]:
     """A try-lock that labels the session ``name``: (granted, run lock granted)."""
     if transaction:
@@ -850,7 +889,8 @@ def _try_named(
         )
     else:
         tries = sql_text.TRY_LOCK_SESSION_RUN if run_ids else sql_text.TRY_LOCK_SESSION
-    _execute(cursor, tries[len(ids)], (*ids, name, *(run_ids or ())), row)
+    params = (*ids, name, *(run_ids or ()))
+    _execute(cursor, tries[len(ids)], params, row, prepare=prepare)
     answer = cursor.fetchone()
     granted = answer is not None and answer[0] is not None
     return granted, granted and run_ids is not None and answer[0][1] == "true"
@@ -862,6 +902,7 @@ def _try_slots(
     named: bool,
     run_ids: tuple[int, ...] | None,
     transaction: bool = False,
+    prepare: Prepare | None = None,
 ) -> tuple[Hold | None, bool]:
     """The one of ``holds`` its slot statement (sql_text.try_slots) granted, labelled with
     its ``holding_name`` if ``named``; and whether the run lock was granted."""
@@ -871,6 +912,8 @@ def _try_slots(
         named=named,
         run=run_ids is not None,
     )
+    if prepare is not None:
+        statement = prepare(statement)
     params: list[Any] = []
     for hold in holds:
         params.extend(hold.ids)

@@ -19,6 +19,7 @@ import pytest
 
 from celery_pglock import AdvisoryLock, keys
 from celery_pglock.db import engines as db_module
+from celery_pglock.db import sql_text
 from celery_pglock.lock import sessions
 
 FORK_SCRIPT = textwrap.dedent(
@@ -130,3 +131,47 @@ def test_one_session_carries_many_locks_and_excludes_each_key_once(
     finally:
         sessions.close_for(engine)
         engine.dispose()
+
+
+def test_the_process_session_plans_each_lock_statement_once(database_url, namespace):
+    """per_process: the try-locks (lock_limit's too) and the unlock are prepared on the
+    session and executed after that (planning them cost the server more than running
+    them)."""
+    engine = db_module.create_engine(database_url)
+    try:
+        for i in range(3):
+            lock = AdvisoryLock(
+                engine=engine, key=keys.make_key(namespace, "it.plan", i)
+            )
+            assert lock.acquire()
+            lock.release()
+        arity = len(lock.key.ids)
+        # lock_limit=3: one statement tries the three slots.
+        limited = AdvisoryLock(
+            engine=engine, key=keys.make_key(namespace, "it.plan", 3)
+        )
+        limited.slots = keys.slot_keys(limited.key, 3)
+        assert limited.acquire()
+        limited.release()
+        with sessions.process_session(engine)._connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT name, generic_plans + custom_plans FROM pg_prepared_statements"
+            )
+            executions = dict(cursor.fetchall())
+    finally:
+        sessions.close_for(engine)
+        engine.dispose()
+    named, bare = (
+        sql_text.TRY_LOCK_SESSION[arity],
+        sql_text.TRY_LOCK_SESSION_BARE[arity],
+    )
+    assert {
+        sql_text.name_for(named): 1,  # the first labels the session
+        sql_text.name_for(bare): 2,
+        sql_text.name_for(sql_text.UNLOCK_SESSION_KEEP_NAME[arity]): 4,
+        sql_text.name_for(
+            sql_text.try_slots(
+                ((0, arity), (1, 1), (2, 1)), transaction=False, named=False, run=False
+            )
+        ): 1,
+    } == executions
