@@ -166,6 +166,7 @@ SQL_OBJECTS = {
     "celery_pglock_queued",
     "celery_pglock_periods",
     "celery_pglock_claim",  # prepared statements
+    "celery_pglock_s",  # the lock session's: celery_pglock_s + a hash
     "celery_pglock_period",
 }
 DOCS = Path(__file__).resolve().parents[2] / "docs"
