@@ -10,6 +10,8 @@ import re
 import weakref
 from typing import Any
 
+from celery_pglock.db import driver_errors
+
 _KEY = {1: "%s::bigint", 2: "%s::integer, %s::integer"}
 
 
@@ -119,6 +121,7 @@ def try_slots(
     return f"SELECT CASE {branches} END"
 
 
+DUPLICATE_PREPARED_STATEMENT = "42P05"
 #: "Not granted in time", not "the database failed".
 LOCK_NOT_AVAILABLE = "55P03"
 QUERY_CANCELED = "57014"
@@ -220,7 +223,15 @@ def prepared(dbapi: Any, cursor: Any, name: str, statement: str) -> str:
     prepare, execute = _prepare_and_execute(name, statement)
     done = _prepared.setdefault(dbapi, set())
     if name not in done:
-        cursor.execute(prepare)
+        try:
+            cursor.execute(prepare)
+        except Exception as exc:
+            # A pooler that hands over server sessions without DISCARD ALL: an earlier
+            # client prepared it. The name is the text's hash, so it is this statement.
+            # (Outside autocommit the error has aborted the transaction: raised.)
+            duplicate = driver_errors.sqlstate(exc) == DUPLICATE_PREPARED_STATEMENT
+            if not (duplicate and dbapi.autocommit):
+                raise
         done.add(name)
     return execute
 

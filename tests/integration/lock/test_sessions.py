@@ -175,3 +175,31 @@ def test_the_process_session_plans_each_lock_statement_once(database_url, namesp
             )
         ): 1,
     } == executions
+
+
+def test_a_statement_an_earlier_client_prepared_is_used(database_url):
+    """A pooler that hands a server session over without DISCARD ALL leaves our prepared
+    statements behind: in autocommit, the lock session uses them as they are. Inside a
+    transaction the failed PREPARE has aborted it, so it is raised."""
+    engine = db_module.create_engine(database_url)
+    statement = sql_text.TRY_LOCK_SESSION_BARE[1]
+    name = sql_text.name_for(statement)
+    pooled = engine.raw_connection()
+    try:
+        dbapi = pooled.dbapi_connection
+        dbapi.autocommit = True
+        with dbapi.cursor() as cursor:
+            cursor.execute(sql_text._prepare_and_execute(name, statement)[0])
+            sql_text.forget_prepared(dbapi)  # a new client: it knows of none
+            execute = sql_text.prepared(dbapi, cursor, name, statement)
+            cursor.execute(execute, (4242,))
+            assert (True,) == cursor.fetchone()
+            cursor.execute("SELECT pg_advisory_unlock_all()")
+            sql_text.forget_prepared(dbapi)
+            dbapi.autocommit = False
+            with pytest.raises(Exception, match="already exists"):
+                sql_text.prepared(dbapi, cursor, name, statement)
+            dbapi.rollback()
+    finally:
+        pooled.invalidate()
+        engine.dispose()
