@@ -117,7 +117,7 @@ def test_shared_session_excludes_per_key_inside_the_process(
     _, queue = threads64
     results = [
         acceptance.protected.apply_async(
-            (run, f"k{i % 4}"), {"hold": 0.02}, queue=queue
+            (run, f"k{i % 4}"), {"hold": 0.1}, queue=queue
         )
         for i in range(300)
     ]
