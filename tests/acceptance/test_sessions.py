@@ -116,9 +116,7 @@ def test_shared_session_excludes_per_key_inside_the_process(
     """64 threads on one shared session, 4 keys: zero overlaps, every message accounted."""
     _, queue = threads64
     results = [
-        acceptance.protected.apply_async(
-            (run, f"k{i % 4}"), {"hold": 0.1}, queue=queue
-        )
+        acceptance.protected.apply_async((run, f"k{i % 4}"), {"hold": 0.1}, queue=queue)
         for i in range(300)
     ]
     wait_until(
