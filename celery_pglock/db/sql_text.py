@@ -100,7 +100,6 @@ HOLDER = f"SELECT ({_HOLDER_TEXT})"
 
 
 @functools.lru_cache(maxsize=1024)
-@functools.lru_cache(maxsize=64)  # a few shapes per process: (limit, arity) x flags
 def try_slots(
     slots: tuple[tuple[int, int], ...], *, transaction: bool, named: bool, run: bool
 ) -> str:
@@ -121,6 +120,7 @@ def try_slots(
     return f"SELECT CASE {branches} END"
 
 
+#: A PREPARE of a name the session already has (sql_text.prepared).
 DUPLICATE_PREPARED_STATEMENT = "42P05"
 #: "Not granted in time", not "the database failed".
 LOCK_NOT_AVAILABLE = "55P03"

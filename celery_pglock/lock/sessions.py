@@ -4,6 +4,7 @@ Why: docs/design.md ("One lock session per process", "A key stays claimed")."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -366,7 +367,7 @@ class ProcessSession(LockSessions):
         cursor = self._cursor
         if name != self._shown:  # a relabel costs about what the lock does
             return _try_named(
-                cursor, ids, name, run_ids, False, queued_row, self._ready
+                cursor, ids, name, run_ids, False, queued_row, prepare=self._ready
             )
         if run_ids is None:
             statement = sql_text.TRY_LOCK_SESSION_BARE[len(ids)]
@@ -539,8 +540,8 @@ class ProcessSession(LockSessions):
 
     def _ready(self, statement: str) -> str:
         """Under the mutex: ``statement`` as an EXECUTE, prepared on first use. Every
-        statement of this session is: it saves the server a plan per call
-        (benchmarks/README.md, "Planning a lock statement")."""
+        statement this session sends goes through here: it saves the server a plan per
+        call (benchmarks/README.md, "Planning a lock statement")."""
         execute = self._executes.get(statement)
         if execute is None:
             execute = self._executes[statement] = _prepared(self._cursor, statement)
@@ -831,13 +832,12 @@ def _execute(
     prepare: Prepare | None = None,
 ) -> None:
     """Send a lock statement, with ``row``'s start change applied where ``granted``;
-    prepared (by ``prepare``, else once per connection) when it changes a row."""
+    through ``prepare`` if given, and prepared anyway when it changes a row."""
     if row is not None:
         change, extra = row.on_start()
         statement = queued.with_row_change(statement, change, granted)
         params = (*params, *extra)
-        if prepare is None:
-            statement = _prepared(cursor, statement)
+        prepare = prepare or functools.partial(_prepared, cursor)
     if prepare is not None:
         statement = prepare(statement)
     cursor.execute(statement, params)
@@ -857,8 +857,7 @@ def _execute_end(
     if end is not None:
         statement = queued.with_row_change(statement, end[0])
         params = (*params, *end[1])
-        if prepare is None:
-            statement = _prepared(cursor, statement)
+        prepare = prepare or functools.partial(_prepared, cursor)
     if prepare is not None:
         statement = prepare(statement)
     cursor.execute(statement, params)
@@ -878,6 +877,7 @@ def _try_named(
     run_ids: tuple[int, ...] | None,
     transaction: bool = False,
     row: queued.Queued | None = None,
+    *,
     prepare: Prepare | None = None,
 ) -> tuple[bool, bool]:
     """A try-lock that labels the session ``name``: (granted, run lock granted)."""
@@ -902,6 +902,7 @@ def _try_slots(
     named: bool,
     run_ids: tuple[int, ...] | None,
     transaction: bool = False,
+    *,
     prepare: Prepare | None = None,
 ) -> tuple[Hold | None, bool]:
     """The one of ``holds`` its slot statement (sql_text.try_slots) granted, labelled with
