@@ -215,6 +215,13 @@ def name_for(statement: str) -> str:
     return "celery_pglock_s" + digest[:12]
 
 
+@functools.lru_cache(maxsize=64)
+def versioned(name: str, statement: str) -> str:
+    """``name`` and a hash of ``statement``: a pooled server session that kept another
+    version's statement of that name (no DISCARD ALL) never runs it with these params."""
+    return f"{name}_{name_for(statement)[-8:]}"
+
+
 def prepared(dbapi: Any, cursor: Any, name: str, statement: str) -> str:
     """``statement`` (named or positional params), to execute with the same params on
     ``cursor``: an EXECUTE of it prepared once per connection. Both drivers bind on the

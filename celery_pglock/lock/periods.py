@@ -34,8 +34,9 @@ DROP = "DROP TABLE IF EXISTS {schema}celery_pglock_periods;\n"
 #: What a least-privilege lock role needs; ``{role}`` is a quoted role name.
 GRANT = "GRANT SELECT, INSERT, UPDATE ON {schema}celery_pglock_periods TO {role};\n"
 
-# (started, seconds left, last start's task id). A retry or redelivery of the message that
-# opened the period starts again and keeps its start. A start later than clock_timestamp()
+# (started, seconds left, last start's task id). A retry or redelivery (``again``) of the
+# message that opened the period starts again and keeps its start while the period runs;
+# the same task id sent anew is a new start. A start later than clock_timestamp()
 # (not now(): a racing start may commit after this transaction began) means the server's
 # clock went back: taken over rather than blocking the key for that long. The read sees
 # the statement's snapshot, which may predate the start that refused this one. The INSERT
@@ -51,10 +52,12 @@ started AS (
   SELECT %(classid)s::oid, %(objid)s::oid, %(objsubid)s::smallint, now(), %(task_id)s
   FROM bounded
   ON CONFLICT (classid, objid, objsubid) DO UPDATE
-  SET started_at = CASE WHEN t.task_id = EXCLUDED.task_id
-                        THEN t.started_at ELSE EXCLUDED.started_at END,
+  SET started_at = CASE WHEN %(again)s AND t.task_id = EXCLUDED.task_id
+      AND t.started_at > EXCLUDED.started_at - make_interval(secs => %(period)s)
+      AND t.started_at <= clock_timestamp() THEN t.started_at
+      ELSE EXCLUDED.started_at END,
       task_id = EXCLUDED.task_id
-  WHERE t.task_id = EXCLUDED.task_id
+  WHERE (%(again)s AND t.task_id = EXCLUDED.task_id)
      OR t.started_at <= EXCLUDED.started_at - make_interval(secs => %(period)s)
      OR t.started_at > clock_timestamp()
   RETURNING 1)
@@ -69,6 +72,8 @@ FIX = (
     "(or the SQL of `pglock sql --periods`), and grant the lock role "
     "SELECT, INSERT, UPDATE on celery_pglock_periods (docs/operations/security.md)"
 )
+
+START_NAME = sql_text.versioned("celery_pglock_period", _START)
 
 TABLE = fencing_tokens.OwnTable(
     "lock_period table celery_pglock_periods",
@@ -136,9 +141,12 @@ class Throttle:
     last_task_id: str | None  #: The task id of the start that opened the period.
 
 
-def start(lock: AdvisoryLock, task_id: str | None, period: float) -> Throttle | None:
+def start(
+    lock: AdvisoryLock, task_id: str | None, period: float, *, again: bool = False
+) -> Throttle | None:
     """Record a start of ``lock``'s key (held) unless one is within ``period``: None if
-    recorded, else the Throttle. One committed statement, on the lock's own session in
+    recorded, else the Throttle. ``again``: a retry or redelivery of ``task_id``'s message
+    (never the id alone: a reused id is a new message). One committed statement, on the lock's own session in
     session scope, else on a pooled connection. Slots of a key (lock_limit) share its row."""
     engine = lock.engine
     TABLE.ensure(engine)
@@ -148,13 +156,14 @@ def start(lock: AdvisoryLock, task_id: str | None, period: float) -> Throttle | 
         **fencing_tokens.key_params(key),
         "task_id": task_id,
         "period": period,
+        "again": again,
         "lock_timeout": f"{max(1, int(bound * 500))}ms",  # half the round trip's bound
     }
     action = f"record the start of lock {key.name!r} (lock_period)"
 
     def record(dbapi: Any, cursor: Any) -> tuple[Any, ...]:
         try:
-            statement = sql_text.prepared(dbapi, cursor, "celery_pglock_period", _START)
+            statement = sql_text.prepared(dbapi, cursor, START_NAME, _START)
             cursor.execute(statement, params)
         except Exception as exc:
             if driver_errors.sqlstate(exc) not in (

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import exceptions, keys
@@ -45,9 +46,11 @@ _ROW = "(q.classid, q.objid, q.objsubid) = (%(c)s::oid, %(o)s::oid, %(s)s::small
 _STALE_AT = "now() + make_interval(secs => %(stale)s)"
 
 #: Take the key's row or name its owner, in one statement. A row past ``stale_at`` whose
-#: run lock nobody holds is taken over; the probe is an xact lock, gone at commit.
+#: run lock nobody holds is taken over; the probe is an xact lock, gone at commit. A retry
+#: (``force``) always takes the row: it is the key's waiting message from then on. A row
+#: of the same task id is not free: a reused id is a new send, not a retry.
 #: An empty result (or 'retry') is READ COMMITTED's race with a row committed after this
-#: statement's snapshot: the caller sends it again.
+#: statement's snapshot: the caller sends it again. 'took_over' names the row's old owner.
 CLAIM = f"""
 WITH ins AS (
   INSERT INTO celery_pglock_queued AS q
@@ -56,14 +59,14 @@ WITH ins AS (
           {_STALE_AT})
   ON CONFLICT (classid, objid, objsubid) DO NOTHING RETURNING q.task_id),
 old AS MATERIALIZED (
-  SELECT q.task_id, q.task_id = %(id)s OR CASE WHEN q.stale_at < now()
+  SELECT q.task_id, %(force)s OR CASE WHEN q.stale_at < now()
     THEN pg_try_advisory_xact_lock({keys.RUN_NAMESPACE}, q.run_objid) END AS free
   FROM celery_pglock_queued q WHERE {_ROW} AND NOT EXISTS (SELECT 1 FROM ins)),
 upd AS (
   UPDATE celery_pglock_queued q SET task_id = %(id)s, task_name = %(name)s,
     run_objid = %(run)s, mode = %(mode)s, published_at = now(), started_at = NULL,
     stale_at = {_STALE_AT}
-  FROM old WHERE old.free AND {_ROW} AND q.task_id = old.task_id RETURNING q.task_id),
+  FROM old WHERE old.free AND {_ROW} AND q.task_id = old.task_id RETURNING old.task_id),
 sync AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true))
 SELECT r.* FROM (
   SELECT 'new' AS outcome, task_id FROM ins
@@ -151,6 +154,7 @@ TABLE = fencing_tokens.OwnTable(
 
 #: Sends of CLAIM before giving up on READ COMMITTED's snapshot race (measured: 2 at most).
 CLAIM_TRIES = 5
+CLAIM_NAME = sql_text.versioned("celery_pglock_claim", CLAIM)
 
 
 def claim(
@@ -162,8 +166,10 @@ def claim(
     mode: str,
     stale: float,
     bound: float,
+    retry: bool = False,
 ) -> tuple[str, str]:
-    """Take ``key``'s row for ``task_id``: ("new" | "took_over" | "queued", owner's id)."""
+    """Take ``key``'s row for ``task_id`` (always, for a ``retry``): ("new", id),
+    ("took_over", the old owner's id) or ("queued", the owner's id)."""
     TABLE.ensure(engine, bound)
     classid, objid, objsubid = key.pg_locks_ids
     params = {
@@ -175,14 +181,35 @@ def claim(
         "run": keys.run_key(task_id).ids[-1],
         "mode": mode,
         "stale": max(0.0, stale),
+        "force": retry,
     }
+    with driver_errors.wrap_db_errors(f"check the queue of lock {key.name!r}", engine):
+        began = time.monotonic()
+        try:
+            return _claim(engine, params, bound, key)
+        except exceptions.DatabaseError:
+            raise
+        except Exception as exc:
+            # A pooled connection the server closed meanwhile (a restart, an idle cut)
+            # fails at once: one more try, on a fresh one. A frozen server used the bound.
+            if (
+                not driver_errors.is_disconnect(exc)
+                or time.monotonic() - began >= bound
+            ):
+                raise
+            logger.info("Lock database connection was closed; checking %s again", key)
+        return _claim(engine, params, bound, key)
+
+
+def _claim(
+    engine: sa.Engine, params: dict[str, Any], bound: float, key: keys.LockKey
+) -> tuple[str, str]:
     with (
-        driver_errors.wrap_db_errors(f"check the queue of lock {key.name!r}", engine),
         engines.autocommit(engine) as dbapi,
         deadlines.bounded(dbapi, bound),
         dbapi.cursor() as cursor,
     ):
-        statement = sql_text.prepared(dbapi, cursor, "celery_pglock_claim", CLAIM)
+        statement = sql_text.prepared(dbapi, cursor, CLAIM_NAME, CLAIM)
         for _ in range(CLAIM_TRIES):
             cursor.execute(statement, params)
             row = cursor.fetchone()

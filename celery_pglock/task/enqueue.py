@@ -8,13 +8,13 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from celery.utils import uuid
 from celery.utils.time import maybe_iso8601
 
 from celery_pglock import exceptions, keys
-from celery_pglock.config import Enqueue, OnDuplicate, OnEnqueueError
+from celery_pglock.config import Enqueue, LockConfig, OnDuplicate, OnEnqueueError
 from celery_pglock.db import deadlines, engines
 from celery_pglock.lock import queued
 from celery_pglock.task import outcomes
@@ -52,6 +52,9 @@ def publish(
         mode = queued.UNTIL_FINISHED
     headers = dict(options.pop("headers", None) or {})
     headers.pop(queued.HEADER, None)  # a retry's request headers carry the old one
+    # Celery's retry() sends retries=n+1 (n >= 0). A task id alone tells nothing: code
+    # that reuses its own ids sends a new message with an id already seen.
+    retry = bool(options.get("retries"))
     try:
         outcome, owner = queued.claim(
             engine,
@@ -61,8 +64,15 @@ def publish(
             mode=mode,
             stale=_stale_after(task, options, config.enqueue_lost_after),
             bound=config.db_timeout,
+            retry=retry,
         )
     except exceptions.DatabaseError as error:
+        if retry:
+            # Refused, Celery's retry() would end the message (Reject): a retry is the
+            # same message going on, and its row, if any, is still its own.
+            _unchecked(task, "db_error", f"the lock database failed ({error})")
+            headers[queued.HEADER] = queued.header_of(key)
+            return send(args, kwargs, task_id, headers=headers, **options)
         if config.enqueue_on_error is OnEnqueueError.PUBLISH:
             _unchecked(task, "db_error", f"the lock database failed ({error})")
             return send(args, kwargs, task_id, headers=headers, **options)
@@ -73,9 +83,6 @@ def publish(
             "keeps runs single)."
         ) from error
     if outcome == "queued":
-        if options.get("retries") is not None:
-            # A retry is the same message going on: always published (docs/guide/enqueue.md).
-            return send(args, kwargs, task_id, headers=headers, **options)
         if any(options.get(name) for name in _CONTINUATIONS):
             _unchecked(task, "canvas", f"it is part of a canvas ({key})")
             return send(args, kwargs, task_id, headers=headers, **options)
@@ -89,11 +96,11 @@ def publish(
                 task_id=owner,
             )
         return task.AsyncResult(owner)
-    if outcome == "took_over" and owner != task_id:
+    if retry:  # the retry is the key's waiting message now (docs/guide/enqueue.md)
+        outcome = "new"
+    elif outcome == "took_over":
         logger.info("%s: took over stale queued key %s from %s", task.name, key, owner)
-    outcomes.enqueued(
-        task, "published" if outcome == "new" or owner == task_id else outcome
-    )
+    outcomes.enqueued(task, "published" if outcome == "new" else outcome)
     headers[queued.HEADER] = queued.header_of(key)
     try:
         return send(args, kwargs, task_id, headers=headers, **options)
@@ -147,15 +154,17 @@ def _unchecked(task: Any, reason: str, why: str) -> None:
 
 
 class _Freer(threading.Thread):
-    """Deletes the rows of messages a worker dropped, off the consumer's thread."""
+    """Deletes the rows of messages that ended unrun, off the caller's thread; while the
+    lock database is down, tries again until it answers or the rows are stale anyway."""
 
     BATCH_WAIT = (
         0.1  #: Seconds to gather a batch: one statement for a burst of revokes.
     )
+    RETRY_EVERY = 1.0  #: Seconds between tries while the database fails.
 
-    def __init__(self, engine: sa.Engine, bound: float) -> None:
+    def __init__(self, engine: sa.Engine, bound: float, give_up_after: float) -> None:
         super().__init__(name="celery-pglock-queued-freer", daemon=True)
-        self.engine, self.bound = engine, bound
+        self.engine, self.bound, self.give_up_after = engine, bound, give_up_after
         self.pending: queue.SimpleQueue[tuple[tuple[int, int, int], str]] = (
             queue.SimpleQueue()
         )
@@ -166,23 +175,35 @@ class _Freer(threading.Thread):
             time.sleep(self.BATCH_WAIT)
             while not self.pending.empty():
                 batch.append(self.pending.get())
-            for attempt in (1, 2):
-                try:
-                    self._delete(batch)
-                    break
-                except Exception:
-                    if attempt == 2:
-                        logger.warning(
-                            "Could not free %d queued key(s) of dropped messages (%s); "
-                            "each frees itself once stale, or clear it with "
-                            "`celery pglock queued clear <task id>`",
-                            len(batch),
-                            ", ".join(task_id for _, task_id in batch),
-                            exc_info=True,
-                            extra={"action": "enqueue_free_failed"},
-                        )
-                    else:
-                        time.sleep(1.0)
+            self._free(batch)
+
+    def _free(self, batch: list[tuple[tuple[int, int, int], str]]) -> None:
+        give_up = time.monotonic() + self.give_up_after
+        warned = False
+        while True:
+            try:
+                self._delete(batch)
+                if warned:
+                    logger.info("Freed %d queued key(s) after all", len(batch))
+                return
+            except Exception:
+                if not warned or time.monotonic() >= give_up:
+                    logger.warning(
+                        "Could not free %d queued key(s) of messages that ended unrun "
+                        "(%s); %s",
+                        len(batch),
+                        ", ".join(task_id for _, task_id in batch),
+                        "each frees itself once stale, or clear it with `celery pglock "
+                        "queued clear <task id>`"
+                        if warned
+                        else "trying again until the lock database answers",
+                        exc_info=not warned,
+                        extra={"action": "enqueue_free_failed"},
+                    )
+                if time.monotonic() >= give_up:
+                    return
+                warned = True
+                time.sleep(self.RETRY_EVERY)
 
     def _delete(self, batch: list[tuple[tuple[int, int, int], str]]) -> None:
         columns = list(zip(*((*row, task_id) for row, task_id in batch), strict=True))
@@ -200,11 +221,27 @@ _freers_guard = threading.Lock()
 
 def free_later(task: Any, row: tuple[int, int, int], task_id: str) -> None:
     """Queue the delete of ``task_id``'s row (a no-op if a newer message has the key)."""
-    engine = task._binding().engine()
+    config = task.lock_config
+    _free_on(
+        task._binding().engine(),
+        config.db_timeout,
+        config.enqueue_lost_after,
+        row,
+        task_id,
+    )
+
+
+def _free_on(
+    engine: sa.Engine,
+    bound: float,
+    give_up_after: float,
+    row: tuple[int, int, int],
+    task_id: str,
+) -> None:
     with _freers_guard:
         freer = _freers.get(engine)
         if freer is None or not freer.is_alive():
-            freer = _freers[engine] = _Freer(engine, task.lock_config.db_timeout)
+            freer = _freers[engine] = _Freer(engine, bound, give_up_after)
             freer.start()
     freer.pending.put((row, task_id))
 
@@ -230,16 +267,31 @@ def on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
 
 
 def on_rejected(sender: Any = None, message: Any = None, **_: Any) -> None:
-    """task_rejected / task_unknown: a message no worker will run frees its key."""
+    """task_rejected / task_unknown: a message no worker will run frees its key. An
+    unknown task has no options here: the app's lock database and defaults are used."""
     headers = getattr(message, "headers", None) or {}
     row = queued.parse_header(headers.get(queued.HEADER))
     app = getattr(sender, "app", None)
-    if row is None or app is None:
+    task_id = headers.get("id")
+    if row is None or app is None or not isinstance(task_id, str):
         return
     task = _enqueue_task(app, headers.get("task"))
-    task_id = headers.get("id")
-    if task is not None and isinstance(task_id, str):
+    if task is not None:
         free_later(task, row, task_id)
+        return
+    try:
+        engine = engines.engine_for(app.conf)
+    except exceptions.PgLockError:
+        return  # no lock database here: its row frees itself once stale
+    bound, lost_after = (
+        float(app.conf.get(f"pglock_{name}") or _default(name))
+        for name in ("db_timeout", "enqueue_lost_after")
+    )
+    _free_on(engine, bound, lost_after, row, task_id)
+
+
+def _default(option: str) -> float:
+    return cast("float", LockConfig.__dataclass_fields__[option].default)
 
 
 def give_back(task: Any, key: keys.LockKey, task_id: str) -> None:

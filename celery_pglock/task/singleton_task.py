@@ -172,6 +172,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             cls.throws = (*cls.throws, exceptions.LockSkipped)
         if cls.name:  # an abstract base has no name and no real run() yet
             cls._pglock = cls._bind(app)
+            _refuse_a_shared_queue(cls.name, cls._pglock, app)
             metrics.configure(app.conf)
 
     @classmethod
@@ -351,15 +352,20 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     ) -> periods.Throttle | None:
         """Record this start (lock held); a refused one releases the lock, unless shadowed.
         Under 'wait', a period ending within lock_wait_timeout is waited out."""
+        request = self.request
+        # The same message going on (a retry, a redelivery), never a reused id sent anew.
+        again = not direct and bool(
+            request.retries or (request.delivery_info or {}).get("redelivered")
+        )
         try:
-            throttle = periods.start(lock, task_id, period)
+            throttle = periods.start(lock, task_id, period, again=again)
             if throttle and options.on_busy is OnBusy.WAIT and not options.shadow:
                 began = time.monotonic()
                 # One budget for both waits: the lock's, then the period's.
                 deadline = began + options.wait_timeout - (lock.wait_seconds or 0.0)
                 while throttle and throttle.seconds_left <= deadline - time.monotonic():
                     time.sleep(throttle.seconds_left)
-                    throttle = periods.start(lock, task_id, period)
+                    throttle = periods.start(lock, task_id, period, again=again)
                 lock.wait_seconds = (
                     (lock.wait_seconds or 0.0) + time.monotonic() - began
                 )
@@ -436,7 +442,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     def _on_database_error(
         self, error: exceptions.DatabaseError, *, direct: bool
     ) -> NoReturn:
-        """Retry as Celery's autoretry_for would (docs/guide/retries.md), else raise."""
+        """Retry as Celery's autoretry_for would (docs/guide/retries.md), else raise: the
+        message ends unrun, so its lock_enqueue row is freed, later if the database is down."""
         request = self.request
         if (
             direct
@@ -445,6 +452,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             or isinstance(error, tuple(getattr(self, "dont_autoretry_for", ())))
             or not driver_errors.is_transient(error.__cause__)
         ):
+            self._free_queued_row_later()
             raise error
         retry_kwargs = dict(getattr(self, "retry_kwargs", {}))
         backoff = float(getattr(self, "retry_backoff", False))
@@ -457,6 +465,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             )
         limit = retry_kwargs.get("max_retries", self.max_retries)
         if not self._retry_publishes(limit):
+            self._free_queued_row_later()
             raise error
         countdown = retry_kwargs.get("countdown", self.default_retry_delay)
         outcomes.database_error(self, request.id, error, countdown, limit)
@@ -465,6 +474,16 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         finally:
             # retry() left its limit on the task, for later runs; Celery drops it too.
             vars(self).pop("override_max_retries", None)
+
+    def _free_queued_row_later(self) -> None:
+        execution = _current.get()
+        row = (
+            None
+            if execution is None or execution.lock is None
+            else execution.lock.queued_row
+        )
+        if row is not None:
+            enqueue.free_later(self, row.row, row.task_id)
 
     def _retry_publishes(self, max_retries: int | None) -> bool:
         """Will Celery's retry() publish (retries left)? Celery's own check."""
@@ -597,6 +616,38 @@ def release_leftover(lock: AdvisoryLock, where: str) -> None:
         logger.exception(
             "Releasing leftover lock %s failed; PostgreSQL no longer holds it", lock.key
         )
+
+
+def _refuse_a_shared_queue(name: str, binding: Binding, app: celery.Celery) -> None:
+    """Two lock_enqueue tasks on one key would share its queued row: a send of one would
+    return the other's message, and its own work would never run."""
+    mine = binding.config
+    if mine.enqueue is None or binding.custom_key:
+        return
+    # The registry itself: app.tasks would finalize the app (refused under autofinalize=False).
+    registry: dict[str, Any] = getattr(app, "_tasks", None) or {}
+    for other in list(registry.values()):
+        theirs = getattr(type(other), "_pglock", None)
+        if (
+            not isinstance(theirs, Binding)
+            or other.name == name
+            or theirs.config.enqueue is None
+            or theirs.custom_key
+        ):
+            continue
+        config_of = theirs.config
+        if (config_of.namespace, config_of.name, config_of.fixed_key) == (
+            mine.namespace,
+            mine.name,
+            mine.fixed_key,
+        ):
+            raise exceptions.ConfigurationError(
+                f"Tasks {other.name!r} and {name!r} both use lock_enqueue on lock "
+                f"{mine.name!r} (namespace {mine.namespace!r}): a send of one would "
+                "return the other's queued message, and its own work would never run. "
+                "Give each task its own lock_name, or set lock_enqueue on one of them "
+                "only (docs/guide/enqueue.md)."
+            )
 
 
 def _option_attributes(cls: type) -> dict[str, Any]:

@@ -275,14 +275,16 @@ def test_wait_waits_out_a_period_shorter_than_the_wait_timeout(app):
 
 
 def test_a_retry_of_the_message_that_opened_the_period_runs(app, database_url):
-    """A retry or redelivery carries its task id: the run that opened the period starts
-    again, and the period keeps its first start; another message is still throttled."""
+    """A retry (its request's retries) of the message that opened the period starts
+    again, and the period keeps its first start; another message is still throttled, and
+    so is a new message that reuses the opener's task id."""
     task, ran = body_counter(app, lock_period=60)
     task.apply(task_id="opener")
     opened = row(task, database_url)
-    assert "ran" == task.apply(task_id="opener").get()
+    assert "ran" == task.apply(task_id="opener", retries=1).get()
     assert opened == row(task, database_url)
     assert isinstance(task.apply().result, LockSkipped)
+    assert isinstance(task.apply(task_id="opener").result, LockSkipped)
     assert ["opener", "opener"] == ran
 
 

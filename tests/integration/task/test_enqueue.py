@@ -127,7 +127,7 @@ def test_the_publish_statement_is_planned_once_per_connection(app, published):
     for tenant in range(sends):
         task.delay(tenant)
     assert 1 + sends == len(published)
-    assert [("celery_pglock_claim", before[0][1] + sends)] == prepared()
+    assert [(queued.CLAIM_NAME, before[0][1] + sends)] == prepared()
 
 
 def test_a_connection_reset_by_discard_all_prepares_the_claim_again(app, published):
@@ -495,3 +495,36 @@ def test_current_lock_in_an_enqueued_run(app):
     message = task.delay()
     deliver(task, message.id)
     assert rows(task) is None
+
+
+def test_two_enqueue_tasks_sharing_a_lock_name_are_refused_at_registration(app):
+    """A send of one would return the other's queued message: refused, naming both.
+    Sharing the lock with a task that does not enqueue is fine (the run lock only)."""
+    make(
+        app,
+        "first",
+        lambda tenant: None,
+        lock_args=("tenant",),
+        lock_name="shared",
+        lock_enqueue="until_finished",
+    )
+    make(app, "plain", lambda tenant: None, lock_args=("tenant",), lock_name="shared")
+    make(
+        app,
+        "other_name",
+        lambda tenant: None,
+        lock_args=("tenant",),
+        lock_name="other",
+        lock_enqueue="until_finished",
+    )
+    with pytest.raises(ConfigurationError) as raised:
+        make(
+            app,
+            "second",
+            lambda tenant: None,
+            lock_args=("tenant",),
+            lock_name="shared",
+            lock_enqueue="until_started",
+        )
+    assert "'it.enqueue_first' and 'it.enqueue_second'" in str(raised.value)
+    assert "lock_name" in str(raised.value)

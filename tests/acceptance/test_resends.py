@@ -1,0 +1,227 @@
+"""lock_enqueue and lock_period under the ways real code re-sends a message, with real
+prefork workers and Redis: a reused task id is a new send (never taken for a retry of the
+message that had it), retries of an until_started run keep at most one follow-up per try,
+and a message that ends without running gives its key back (unknown to the worker, or
+due while the lock database is down)."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+from celery import signals as celery_signals
+
+from celery_pglock import SingletonTask
+from celery_pglock.testing import DATABASE_URL_ENV, WorkerProcess, _support
+
+from .conftest import wait_until
+
+APP = "tests.acceptance.resend_app"
+
+
+@pytest.fixture(scope="module")
+def resend_app(acceptance):
+    import tests.acceptance.resend_app as module
+
+    return module
+
+
+@pytest.fixture(scope="module")
+def worker(acceptance_env, resend_app, tmp_path_factory):
+    """One prefork worker, two children."""
+    started = WorkerProcess(
+        APP,
+        env=acceptance_env,
+        concurrency=2,
+        log_path=tmp_path_factory.mktemp("resend-worker") / "worker.log",
+    )
+    started.start(timeout=90)
+    yield started
+    started.stop(timeout=20)
+
+
+@pytest.fixture
+def published():
+    """The task ids this process publishes during the test."""
+    ids: list[str] = []
+
+    def count(headers=None, **_):
+        ids.append(headers["id"])
+
+    celery_signals.after_task_publish.connect(count, weak=False)
+    yield ids
+    celery_signals.after_task_publish.disconnect(count)
+
+
+def test_a_reused_id_of_a_queued_message_publishes_nothing(
+    resend_app, worker, recorder, run, published
+):
+    """Two sends with one custom id while the first is queued: one message."""
+    task_id = f"report-{run}"
+    blocker = resend_app.finished.delay(run, "k", hold=2)
+    wait_until(lambda: recorder.count(run, "k") == 1, timeout=30, what="the first run")
+    # ``blocker`` runs, so the key's row is its: these are duplicates of it.
+    first = resend_app.finished.apply_async((run, "k"), task_id=task_id)
+    again = resend_app.finished.apply_async((run, "k"), task_id=task_id)
+    assert [first.id, again.id] == [blocker.id, blocker.id]
+    blocker.get(timeout=30)
+    # Free key: the custom id is published once; its re-send is its duplicate.
+    first = resend_app.finished.apply_async((run, "other", 1), task_id=task_id)
+    again = resend_app.finished.apply_async((run, "other", 1), task_id=task_id)
+    assert first.id == again.id == task_id
+    assert published == [blocker.id, task_id]
+    first.get(timeout=30)
+    assert 1 == recorder.count(run, "other")
+
+
+def test_a_reused_id_of_a_running_message_keeps_its_key(
+    resend_app, worker, recorder, run, published
+):
+    """Re-sending the id of the running message is a duplicate: the key stays its, and a
+    plain send of the key returns the running id instead of publishing beside it."""
+    task_id = f"report-{run}"
+    running = resend_app.finished.apply_async((run, "k", 2), task_id=task_id)
+    wait_until(lambda: recorder.count(run, "k") == 1, timeout=30, what="the run")
+    again = resend_app.finished.apply_async((run, "k"), task_id=task_id)
+    time.sleep(0.5)  # had it been published, its delivery would have met the run by now
+    plain = resend_app.finished.delay(run, "k")
+    assert [again.id, plain.id] == [task_id, task_id]
+    assert published == [task_id]
+    running.get(timeout=30)
+    assert 1 == recorder.count(run, "k")
+    assert [] == recorder.overlaps(run)
+
+
+def test_a_reused_id_is_a_new_start_for_lock_period(resend_app, worker, recorder, run):
+    """lock_period=5, one task id re-sent every second for 8 s: at most 2 starts (the
+    first, and one once the period has passed), never one per send."""
+    task_id = f"tick-{run}"
+    results = []
+    began = time.monotonic()
+    while time.monotonic() - began < 8:
+        results.append(resend_app.periodic.apply_async((run,), task_id=task_id))
+        time.sleep(1.0)
+    time.sleep(1.0)
+    starts = recorder.intervals(run)
+    assert 1 <= len(starts) <= 2, [str(interval) for interval in starts]
+    if len(starts) == 2:
+        gap = (starts[1].started_at - starts[0].started_at).total_seconds()
+        assert gap >= 5.0 - 0.05
+
+
+def test_until_started_keeps_one_follow_up_across_a_runs_retries(
+    resend_app, worker, recorder, run, published
+):
+    """A run that retries 3 times (1 s apart): 16 sends during its retries publish at most
+    one follow-up per try, and every send's returned id runs."""
+    first = resend_app.retrying.delay(run, "k", 3, 1.0)
+    wait_until(lambda: recorder.count(run, "k") == 1, timeout=30, what="the first try")
+    sent = []
+    for _ in range(16):
+        sent.append(resend_app.retrying.delay(run, "k"))
+        time.sleep(0.2)
+    first.get(timeout=60)
+    for result in sent:
+        result.get(timeout=60)
+    follow_ups = {result.id for result in sent} - {first.id}
+    # The run is 4 tries; each try's start frees the key for one follow-up.
+    assert len(follow_ups) <= 4, (len(follow_ups), published)
+    assert [] == recorder.overlaps(run)
+
+
+def _queued_row(url: str, task_id: str) -> tuple | None:
+    connection = _support.connect(url, application_name="resend test")
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT task_id, started_at FROM celery_pglock_queued WHERE task_id = %s",
+                (task_id,),
+            )
+            return cursor.fetchone()
+    finally:
+        connection.close()
+
+
+def test_a_message_no_worker_knows_gives_its_key_back(resend_app, worker, run):
+    """A task this producer has and the worker lacks: the worker drops its message
+    ("unregistered task") and frees its key, so the next send publishes again."""
+
+    @resend_app.app.task(
+        base=SingletonTask,
+        shared=False,
+        name=f"tests.acceptance.resend_app.unknown_{run}",
+        lock_args=("run",),
+        lock_enqueue="until_finished",
+    )
+    def unknown(run: str) -> None: ...
+
+    database_url = os.environ[DATABASE_URL_ENV]
+    first = unknown.delay(run)
+    assert _queued_row(database_url, first.id) is not None
+    wait_until(
+        lambda: _queued_row(database_url, first.id) is None,
+        timeout=20,
+        what="the dropped message's row to be freed",
+    )
+    second = unknown.delay(run)
+    assert second.id != first.id
+
+
+@pytest.fixture
+def outage(acceptance_env, private_postgres, tmp_path, monkeypatch):
+    """tests.acceptance.outage_app with its lock database on ``private_postgres``, and a
+    worker for it; the test stops and starts that server."""
+    import tests.acceptance.outage_app as outage_app
+
+    env = {
+        **acceptance_env,
+        outage_app.LOCK_DB_ENV: private_postgres.url(),
+        outage_app.QUEUE_ENV: f"pglock-outage-{uuid.uuid4().hex[:8]}",
+    }
+    # The module read its settings when first imported: set them here, for this test.
+    outage_app.app.conf.pglock_database_url = env[outage_app.LOCK_DB_ENV]
+    outage_app.app.conf.task_default_queue = env[outage_app.QUEUE_ENV]
+    started = WorkerProcess(
+        "tests.acceptance.outage_app",
+        env=env,
+        concurrency=2,
+        queues=[env[outage_app.QUEUE_ENV]],
+        log_path=tmp_path / "outage-worker.log",
+    )
+    started.start(timeout=90)
+    yield outage_app
+    started.stop(timeout=20)
+
+
+def test_messages_due_while_the_lock_database_is_down_give_their_keys_back(
+    outage, private_postgres, recorder, run
+):
+    """PostgreSQL is down for 8 s when two until_finished messages come due. The one with
+    autoretry_for=DatabaseError is re-queued (its retries publish unchecked, keeping its
+    key) and runs once the server is back; the one without fails unrun and its key is
+    freed once the server answers. The producer's pooled connections died with the
+    server: its first send afterwards retries on a fresh connection instead of failing."""
+    lock_db = private_postgres.url()
+    retried = outage.retried.apply_async((run, "r"), countdown=3)
+    failed = outage.failed.apply_async((run, "f"), countdown=3)
+    private_postgres.stop()
+    time.sleep(8)
+    private_postgres.start()
+    failed.get(timeout=30, propagate=False)
+    assert "FAILURE" == failed.state
+    assert "DatabaseError" in type(failed.result).__name__
+    retried.get(timeout=60)
+    assert 1 == recorder.count(run, "r")
+    assert 0 == recorder.count(run, "f")
+    wait_until(
+        lambda: _queued_row(lock_db, failed.id) is None,
+        timeout=20,
+        what="the failed message's row to be freed",
+    )
+    assert _queued_row(lock_db, retried.id) is None  # deleted at its run's end
+    again = outage.failed.delay(run, "f")
+    assert again.id != failed.id
+    again.get(timeout=30)
+    assert 1 == recorder.count(run, "f")
