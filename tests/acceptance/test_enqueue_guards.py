@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import uuid
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -52,7 +53,7 @@ def db(acceptance):
     connection.close()
 
 
-def _owner(db, task, run: str) -> str | None:
+def _owner(db: Any, task: Any, run: str) -> str | None:
     """The task id holding ``(run, "k")``'s row in celery_pglock_queued, if any."""
     with db.cursor() as cursor:
         cursor.execute(
@@ -64,7 +65,7 @@ def _owner(db, task, run: str) -> str | None:
     return None if row is None else str(row[0])
 
 
-def _waiting(db, task, run: str) -> bool:
+def _waiting(db: Any, task: Any, run: str) -> bool:
     """Does a session wait for ``(run, "k")``'s advisory lock (its try was refused)?"""
     with db.cursor() as cursor:
         cursor.execute(
