@@ -45,3 +45,20 @@ def until_started(
 )
 def soon_lost(self, run: str, key: str) -> str:
     return _body(self, run, key, 0.0, None)
+
+
+@app.task(
+    base=SingletonTask,
+    shared=False,  # this app only: an app-wide setting in another test must not meet it
+    bind=True,
+    lock_args=("run", "key"),
+    lock_enqueue="until_finished",
+    lock_on_busy="wait",
+    lock_wait_timeout=30,
+)
+def until_finished_waits(
+    self, run: str, key: str, hold: float = 0.0, gate: str | None = None
+) -> str:
+    """until_finished that waits for a busy key (test_enqueue_guards.py): its refused
+    try keeps its message's row as it was."""
+    return _body(self, run, key, hold, gate)
