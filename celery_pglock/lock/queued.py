@@ -84,6 +84,32 @@ DELETE_MANY = (
     "WHERE (q.classid, q.objid, q.objsubid, q.task_id) = (d.c, d.o, d.s, d.id)"
 )
 
+#: A published message's row gets its real bound (``stale``: seconds past published_at);
+#: until then it was provisional (PUBLISH_GRACE). A started row has the worker's bound.
+#: Params: oid[], oid[], int2[], text[], float8[].
+CONFIRM_MANY = (
+    "WITH s AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true)) "
+    "UPDATE celery_pglock_queued q "
+    "SET stale_at = q.published_at + make_interval(secs => d.stale) "
+    "FROM s, unnest(%s::oid[], %s::oid[], %s::int2[], %s::text[], %s::float8[]) "
+    "AS d(c, o, s, id, stale) "
+    "WHERE (q.classid, q.objid, q.objsubid, q.task_id) = (d.c, d.o, d.s, d.id) "
+    "AND q.started_at IS NULL"
+)
+#: Seconds a row stays provisional: its producer confirms its publish within a batch
+#: (0.1 s), so only a producer that died (or stalled this long) leaves it unconfirmed.
+PUBLISH_GRACE = 10.0
+
+
+def columns_of(
+    changes: list[tuple[str, tuple[int, int, int], str, float]],
+) -> list[list[Any]]:
+    """DELETE_MANY's or CONFIRM_MANY's array params for ``changes``."""
+    columns = [[*row, task_id, seconds] for _, row, task_id, seconds in changes]
+    arrays = [list(column) for column in zip(*columns, strict=True)]
+    return arrays if changes[0][0] == CONFIRM_MANY else arrays[:4]
+
+
 # Row changes sent in the same statement as the lock (sessions.py); ``{granted}`` reads the
 # lock's own value ``l.g``. Params after the lock's: [redeliver,] classid, objid, objsubid, id.
 _MINE = (

@@ -3,6 +3,7 @@ Why: docs/guide/enqueue.md."""
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import queue
@@ -55,6 +56,7 @@ def publish(
     # Celery's retry() sends retries=n+1 (n >= 0). A task id alone tells nothing: code
     # that reuses its own ids sends a new message with an id already seen.
     retry = bool(options.get("retries"))
+    stale = _stale_after(task, options, config.enqueue_lost_after)
     try:
         outcome, owner = queued.claim(
             engine,
@@ -62,7 +64,9 @@ def publish(
             task_id=task_id,
             task_name=task.name,
             mode=mode,
-            stale=_stale_after(task, options, config.enqueue_lost_after),
+            # Provisional until the publish is confirmed: a producer that dies before
+            # its publish blocks the key for PUBLISH_GRACE, not for lock_enqueue_lost_after.
+            stale=min(stale, queued.PUBLISH_GRACE),
             bound=config.db_timeout,
             retry=retry,
         )
@@ -103,10 +107,13 @@ def publish(
     outcomes.enqueued(task, "published" if outcome == "new" else outcome)
     headers[queued.HEADER] = queued.header_of(key)
     try:
-        return send(args, kwargs, task_id, headers=headers, **options)
+        result = send(args, kwargs, task_id, headers=headers, **options)
     except BaseException:
         queued.give_back(engine, key, task_id, config.db_timeout)
         raise
+    if stale > queued.PUBLISH_GRACE:
+        _write_later(task, (queued.CONFIRM_MANY, key.pg_locks_ids, task_id, stale))
+    return result
 
 
 def _stale_after(task: Any, options: dict[str, Any], lost_after: float) -> float:
@@ -153,21 +160,34 @@ def _unchecked(task: Any, reason: str, why: str) -> None:
         )
 
 
-class _Freer(threading.Thread):
-    """Deletes the rows of messages that ended unrun, off the caller's thread; while the
-    lock database is down, tries again until it answers or the rows are stale anyway."""
+#: (statement, the key's pg_locks ids, task id, seconds): a row change to send later.
+_Change = tuple[str, tuple[int, int, int], str, float]
 
-    BATCH_WAIT = (
-        0.1  #: Seconds to gather a batch: one statement for a burst of revokes.
-    )
+
+class _RowWriter(threading.Thread):
+    """Sends row changes off the caller's thread, batched: the confirmations of publishes
+    and the deletes of rows whose messages ended unrun. While the lock database is down
+    it tries again, until it answers or the rows are stale anyway (``give_up_after``)."""
+
+    BATCH_WAIT = 0.1  #: Seconds to gather a batch: one statement for a burst of sends.
     RETRY_EVERY = 1.0  #: Seconds between tries while the database fails.
 
     def __init__(self, engine: sa.Engine, bound: float, give_up_after: float) -> None:
-        super().__init__(name="celery-pglock-queued-freer", daemon=True)
+        super().__init__(name="celery-pglock-queued-writer", daemon=True)
         self.engine, self.bound, self.give_up_after = engine, bound, give_up_after
-        self.pending: queue.SimpleQueue[tuple[tuple[int, int, int], str]] = (
-            queue.SimpleQueue()
-        )
+        self.pending: queue.SimpleQueue[_Change] = queue.SimpleQueue()
+        self.unwritten = 0  #: Put and not yet written (or given up): see :meth:`drain`.
+        self.written = threading.Condition()
+
+    def put(self, change: _Change) -> None:
+        with self.written:
+            self.unwritten += 1
+        self.pending.put(change)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every change put so far is written (at exit): False on timeout."""
+        with self.written:
+            return self.written.wait_for(lambda: self.unwritten == 0, timeout)
 
     def run(self) -> None:
         while True:
@@ -175,26 +195,28 @@ class _Freer(threading.Thread):
             time.sleep(self.BATCH_WAIT)
             while not self.pending.empty():
                 batch.append(self.pending.get())
-            self._free(batch)
+            self._write(batch)
+            with self.written:
+                self.unwritten -= len(batch)
+                self.written.notify_all()
 
-    def _free(self, batch: list[tuple[tuple[int, int, int], str]]) -> None:
+    def _write(self, batch: list[_Change]) -> None:
         give_up = time.monotonic() + self.give_up_after
         warned = False
         while True:
             try:
-                self._delete(batch)
+                self._send(batch)
                 if warned:
-                    logger.info("Freed %d queued key(s) after all", len(batch))
+                    logger.info("Wrote %d queued key change(s) after all", len(batch))
                 return
             except Exception:
                 if not warned or time.monotonic() >= give_up:
                     logger.warning(
-                        "Could not free %d queued key(s) of messages that ended unrun "
-                        "(%s); %s",
+                        "Could not write %d queued key change(s) (%s); %s",
                         len(batch),
-                        ", ".join(task_id for _, task_id in batch),
-                        "each frees itself once stale, or clear it with `celery pglock "
-                        "queued clear <task id>`"
+                        ", ".join(task_id for _, _, task_id, _ in batch),
+                        "each key frees itself once stale, or clear it with `celery "
+                        "pglock queued clear <task id>`"
                         if warned
                         else "trying again until the lock database answers",
                         exc_info=not warned,
@@ -205,45 +227,58 @@ class _Freer(threading.Thread):
                 warned = True
                 time.sleep(self.RETRY_EVERY)
 
-    def _delete(self, batch: list[tuple[tuple[int, int, int], str]]) -> None:
-        columns = list(zip(*((*row, task_id) for row, task_id in batch), strict=True))
+    def _send(self, batch: list[_Change]) -> None:
         with (
             engines.autocommit(self.engine) as dbapi,
             deadlines.bounded(dbapi, self.bound),
             dbapi.cursor() as cursor,
         ):
-            cursor.execute(queued.DELETE_MANY, [list(column) for column in columns])
+            for statement in (queued.DELETE_MANY, queued.CONFIRM_MANY):
+                changes = [change for change in batch if change[0] == statement]
+                if changes:
+                    cursor.execute(statement, queued.columns_of(changes))
 
 
-_freers: dict[Any, _Freer] = {}
-_freers_guard = threading.Lock()
+_writers: dict[Any, _RowWriter] = {}
+_writers_guard = threading.Lock()
 
 
 def free_later(task: Any, row: tuple[int, int, int], task_id: str) -> None:
     """Queue the delete of ``task_id``'s row (a no-op if a newer message has the key)."""
+    _write_later(task, (queued.DELETE_MANY, row, task_id, 0.0))
+
+
+def _write_later(task: Any, change: _Change) -> None:
     config = task.lock_config
-    _free_on(
-        task._binding().engine(),
-        config.db_timeout,
-        config.enqueue_lost_after,
-        row,
-        task_id,
-    )
+    _writer_for(
+        task._binding().engine(), config.db_timeout, config.enqueue_lost_after
+    ).put(change)
 
 
-def _free_on(
-    engine: sa.Engine,
-    bound: float,
-    give_up_after: float,
-    row: tuple[int, int, int],
-    task_id: str,
-) -> None:
-    with _freers_guard:
-        freer = _freers.get(engine)
-        if freer is None or not freer.is_alive():
-            freer = _freers[engine] = _Freer(engine, bound, give_up_after)
-            freer.start()
-    freer.pending.put((row, task_id))
+def _writer_for(engine: sa.Engine, bound: float, give_up_after: float) -> _RowWriter:
+    with _writers_guard:
+        writer = _writers.get(engine)
+        if writer is None or not writer.is_alive():
+            writer = _writers[engine] = _RowWriter(engine, bound, give_up_after)
+            writer.start()
+            if len(_writers) == 1:
+                atexit.register(drain_writers)
+        return writer
+
+
+def drain_writers() -> None:
+    """Write what is pending, each writer bounded by its round trip (at process exit):
+    a confirmation left unsent would make its key free for a second send after
+    PUBLISH_GRACE."""
+    with _writers_guard:
+        writers = [writer for writer in _writers.values() if writer.is_alive()]
+    for writer in writers:
+        if not writer.drain(writer.BATCH_WAIT + writer.bound):
+            logger.warning(
+                "Exiting with queued key changes unwritten: their keys may take a "
+                "second message after %gs (docs/guide/enqueue.md)",
+                queued.PUBLISH_GRACE,
+            )
 
 
 def _enqueue_task(app: Any, name: object) -> Any:
@@ -287,7 +322,7 @@ def on_rejected(sender: Any = None, message: Any = None, **_: Any) -> None:
         float(app.conf.get(f"pglock_{name}") or _default(name))
         for name in ("db_timeout", "enqueue_lost_after")
     )
-    _free_on(engine, bound, lost_after, row, task_id)
+    _writer_for(engine, bound, lost_after).put((queued.DELETE_MANY, row, task_id, 0.0))
 
 
 def _default(option: str) -> float:

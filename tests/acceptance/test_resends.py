@@ -225,3 +225,75 @@ def test_messages_due_while_the_lock_database_is_down_give_their_keys_back(
     assert again.id != failed.id
     again.get(timeout=30)
     assert 1 == recorder.count(run, "f")
+
+
+def _die_before_publishing(run: str, grace: float, answers) -> None:
+    """A producer process SIGKILLed after its row's commit, before its publish."""
+    import signal
+
+    import tests.acceptance.resend_app as module
+    from celery_pglock.lock import queued
+
+    queued.PUBLISH_GRACE = grace
+
+    def die(headers=None, **_):
+        answers.put(headers["id"])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    celery_signals.before_task_publish.connect(die, weak=False)
+    module.finished.delay(run, "k")
+
+
+def test_a_producer_killed_before_its_publish_blocks_its_key_for_the_grace_only(
+    resend_app, worker, recorder, run
+):
+    """The row is provisional until its producer confirms the publish: a producer that
+    died between the two leaves the key to its dead id for PUBLISH_GRACE (2 s here), not
+    for lock_enqueue_lost_after (an hour); then a send publishes and runs."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    answers = context.SimpleQueue()  # written at once: the writer dies right after
+    producer = context.Process(target=_die_before_publishing, args=(run, 2.0, answers))
+    producer.start()
+    producer.join(timeout=60)
+    dead = answers.get()
+    assert -9 == producer.exitcode
+    assert dead == resend_app.finished.delay(run, "k").id  # within its grace
+    time.sleep(2.5)
+    fresh = resend_app.finished.delay(run, "k")
+    assert fresh.id != dead
+    fresh.get(timeout=30)
+    assert 1 == recorder.count(run, "k")
+
+
+def test_a_published_message_keeps_its_key_past_the_grace(
+    resend_app, run, published, monkeypatch
+):
+    """Its producer confirmed the publish: a message waiting in a queue no worker reads
+    keeps its key long after PUBLISH_GRACE (1 s here)."""
+    from celery_pglock.lock import queued
+    from celery_pglock.task import enqueue
+
+    monkeypatch.setattr(queued, "PUBLISH_GRACE", 1.0)
+    nobody = f"pglock-nobody-{run}"
+    first = resend_app.finished.apply_async((run, "k"), queue=nobody)
+    enqueue.drain_writers()
+    time.sleep(1.5)
+    again = resend_app.finished.apply_async((run, "k"), queue=nobody)
+    assert again.id == first.id
+    assert [first.id] == published
+    with resend_app.app.connection_for_write() as connection:
+        connection.default_channel.queue_purge(nobody)
+    database_url = os.environ[DATABASE_URL_ENV]
+    queued_row = _queued_row(database_url, first.id)
+    assert queued_row is not None
+    assert queued_row[1] is None  # queued, never started
+    connection = _support.connect(database_url, application_name="resend test")
+    try:
+        with connection.cursor() as cursor:  # purged: free its key
+            cursor.execute(
+                "DELETE FROM celery_pglock_queued WHERE task_id = %s", (first.id,)
+            )
+    finally:
+        connection.close()

@@ -149,6 +149,7 @@ def test_a_connection_reset_by_discard_all_prepares_the_claim_again(app, publish
     engine = current_engine(app)
     engine.dispose()  # a pool of one: the send, the run and the send share it
     task.delay(1)
+    enqueue.drain_writers()  # its confirmation, on the same pooled connection
     resets.apply().get()
     assert 1 == engine.pool.checkedin()
     task.delay(2)
