@@ -79,6 +79,18 @@ class LockScope(str, enum.Enum):
     TRANSACTION = "transaction"
 
 
+DEFAULT_DB_TIMEOUT = 5.0  #: lock_db_timeout / pglock_db_timeout unless set.
+
+
+def is_seconds(value: object) -> bool:
+    """A valid number of seconds (a positive finite int or float, not a bool)."""
+    try:
+        _seconds(value)
+    except ValueError:
+        return False
+    return True
+
+
 def _seconds(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError("a positive number of seconds")
@@ -187,7 +199,7 @@ class LockConfig:
     on_lost: OnLost = OnLost.TERMINATE  #: What to do when the lock is lost.
     #: Seconds between checks that the lock is still held; 0: no loss detection.
     watch_interval: float = 1.0
-    db_timeout: float = 5.0  #: Longest one round trip to the lock database may take.
+    db_timeout: float = DEFAULT_DB_TIMEOUT  #: Longest one round trip to the lock database may take.
     fencing: bool = False  #: Issue a fencing token to each acquisition.
     enqueue: Enqueue | None = (
         None  #: Keep duplicates out of the queue (None: run lock only).
