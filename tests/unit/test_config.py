@@ -482,3 +482,21 @@ def test_on_misconfigured_database_is_checked_at_worker_start(app):
         worker_hooks.check_app(app)
     assert "pglock_on_misconfigured_database='ignore' is invalid" in str(caught.value)
     assert "one of 'stop', 'run'" in str(caught.value)
+
+
+def test_producer_metrics_refuse_a_custom_sink_and_a_bad_port(app):
+    """producer_registry() has nothing to serve when pglock_metrics is a custom sink, and
+    serve_producer() names its bad port argument; both say what they expected."""
+    with pytest.raises(ConfigurationError, match=r"serve_producer\(port='9809'\)"):
+        metrics.serve_producer(app, port="9809")
+
+    class Counting(metrics.NullMetrics):
+        pass
+
+    app.conf.pglock_metrics = Counting()
+    register(app)
+    try:
+        with pytest.raises(ConfigurationError, match="expected pglock_metrics unset"):
+            metrics.producer_registry(app)
+    finally:
+        metrics.install(metrics.NullMetrics())
