@@ -80,7 +80,7 @@ def check_lock_server(app: Any) -> None:
         raise exceptions.ConfigurationError(
             f"The lock database refused this worker at start: {' '.join(str(error).split())} "
             f"The worker stops ({setting}='stop', the default) rather than start and "
-            f"fail every SingletonTask: fix the setting and start it again, or set "
+            "fail every SingletonTask: fix what this names, then start it again, or set "
             f"{setting}='run' to start anyway."
         ) from error
     for scope, names in scopes.items():
@@ -108,8 +108,13 @@ def _report_at_ready(sender: Any = None, **_: Any) -> None:
             logger.error(
                 "celery-pglock: the lock database refused this worker at start: %s "
                 "Until that is fixed, every SingletonTask fails at once with "
-                "DatabaseError (no retry).",
+                "DatabaseError (no retry).%s",
                 reason,
+                f" The worker runs as {config.ON_MISCONFIGURED_DATABASE_SETTING}='run' "
+                "asks."
+                if config.on_misconfigured_database(app.conf)
+                is config.OnMisconfiguredDatabase.RUN
+                else "",
                 extra={"action": "lock_database_misconfigured", "database": url},
             )
         else:

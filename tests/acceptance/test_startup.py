@@ -153,6 +153,7 @@ def test_wrong_password_fails_a_task_at_once_with_advice(
     assert "password authentication failed" in errors[0]
     assert "SQLSTATE 28P01" in errors[0]
     assert "Check the user name and password" in errors[0]
+    assert "pglock_on_misconfigured_database='run'" in errors[0]
     assert "PostgreSQL runs" not in log
 
     from tests.acceptance import startup_app
