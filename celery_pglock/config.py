@@ -70,6 +70,16 @@ class OnEnqueueError(str, enum.Enum):
     )
 
 
+class OnMisconfiguredDatabase(str, enum.Enum):
+    """What a worker does when its lock database refuses it at start for a reason waiting
+    does not fix (pglock_on_misconfigured_database; docs/operations/failure-modes.md)."""
+
+    #: Exit non-zero before "ready", the refusal and its fix on stderr. The default.
+    STOP = "stop"
+    #: Log an ERROR and start anyway; each SingletonTask then fails at once.
+    RUN = "run"
+
+
 class LockScope(str, enum.Enum):
     """How long a SingletonTask's lock lives."""
 
@@ -77,6 +87,18 @@ class LockScope(str, enum.Enum):
     SESSION = "session"
     #: pg_try_advisory_xact_lock in one transaction that the body can use; commit releases.
     TRANSACTION = "transaction"
+
+
+DEFAULT_DB_TIMEOUT = 5.0  #: lock_db_timeout / pglock_db_timeout unless set.
+
+
+def is_seconds(value: object) -> bool:
+    """A valid number of seconds (a positive finite int or float, not a bool)."""
+    try:
+        _seconds(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _seconds(value: object) -> float:
@@ -187,7 +209,9 @@ class LockConfig:
     on_lost: OnLost = OnLost.TERMINATE  #: What to do when the lock is lost.
     #: Seconds between checks that the lock is still held; 0: no loss detection.
     watch_interval: float = 1.0
-    db_timeout: float = 5.0  #: Longest one round trip to the lock database may take.
+    db_timeout: float = (
+        DEFAULT_DB_TIMEOUT  #: Longest one round trip to the lock database may take.
+    )
     fencing: bool = False  #: Issue a fencing token to each acquisition.
     enqueue: Enqueue | None = (
         None  #: Keep duplicates out of the queue (None: run lock only).
@@ -226,7 +250,31 @@ DATABASE_SETTINGS = (
     "pglock_server_keepalives",
 )
 METRICS_SETTINGS = ("pglock_metrics", "pglock_metrics_port", "pglock_metrics_address")
-KNOWN_SETTINGS = (*APP_SETTINGS.values(), *DATABASE_SETTINGS, *METRICS_SETTINGS)
+ON_MISCONFIGURED_DATABASE_SETTING = "pglock_on_misconfigured_database"
+#: Settings read by the worker's start-up hooks (task/worker_hooks.py).
+WORKER_SETTINGS = (ON_MISCONFIGURED_DATABASE_SETTING,)
+KNOWN_SETTINGS = (
+    *APP_SETTINGS.values(),
+    *DATABASE_SETTINGS,
+    *METRICS_SETTINGS,
+    *WORKER_SETTINGS,
+)
+
+
+def on_misconfigured_database(conf: Mapping[str, Any]) -> OnMisconfiguredDatabase:
+    """``pglock_on_misconfigured_database`` (default "stop"), or ConfigurationError."""
+    setting = ON_MISCONFIGURED_DATABASE_SETTING
+    value = conf.get(setting)
+    if value is None:
+        return OnMisconfiguredDatabase.STOP
+    try:
+        return _choice(OnMisconfiguredDatabase)(value)  # type: ignore[no-any-return]
+    except ValueError as exc:
+        raise exceptions.ConfigurationError(
+            f"{setting}={value!r} is invalid; expected {exc}: 'stop' to end the worker "
+            "at start when the lock database refuses it (a wrong password, a missing "
+            "database), 'run' to start anyway."
+        ) from None
 
 
 def check_unknown_settings(conf: Mapping[str, Any]) -> None:

@@ -4,6 +4,7 @@ Each series, and serving /metrics: docs/operations/metrics.md."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import threading
 import time
@@ -144,6 +145,12 @@ class PrometheusMetrics:
 
     def enqueued(self, task: str, outcome: str) -> None:
         self._child("enqueued", task, outcome).inc()
+
+    def declare_enqueued(self, tasks: Iterable[str]) -> None:
+        """Create each lock_enqueue task's ``published`` and ``duplicate`` series at zero."""
+        for task in tasks:
+            for outcome in ENQUEUED_DECLARED:
+                self._child("enqueued", task, outcome)
 
 
 def _create_collectors(registry: Any) -> dict[str, Any]:
@@ -291,6 +298,112 @@ def from_conf(conf: Mapping[str, Any], *, require: bool = True) -> Metrics | str
             f"a custom pglock_metrics={value!r}. Unset one of them."
         )
     return value  # type: ignore[no-any-return]
+
+
+#: The enqueued_total outcomes a producer serves at zero before its first send.
+ENQUEUED_DECLARED = ("published", "duplicate")
+
+
+def producer_registry(app: Any) -> Any:
+    """Count this process's ``lock_enqueue`` sends in Prometheus; the registry to serve.
+
+    For a process that sends tasks (a web app calling ``delay()``): the sends' outcomes,
+    ``celery_pglock_enqueued_total``, are counted where they happen, which no worker serves.
+    Serve the returned registry on your own ``/metrics`` (``prometheus_client.make_wsgi_app``
+    or ``make_asgi_app``), or call :func:`serve_producer`. Idempotent.
+
+    Args:
+        app: The Celery app whose ``lock_enqueue`` tasks this process sends; each one's
+            ``published`` and ``duplicate`` series are served at 0 from now on.
+
+    Returns:
+        ``prometheus_client.REGISTRY`` in one process; in multiprocess mode
+        (``PROMETHEUS_MULTIPROC_DIR`` set, as under gunicorn), a registry collecting every
+        process's files. See docs/operations/metrics.md ("Producers").
+    """
+    _require_prometheus()
+    import prometheus_client as prom
+    from prometheus_client import multiprocess as prom_multiprocess
+
+    # Bound first: a task's bind installs the sink its app's settings ask for.
+    names = sorted(
+        str(task.name)
+        for task in list(app.tasks.values())
+        if getattr(getattr(task, "lock_config", None), "enqueue", None) is not None
+    )
+    installed = current()
+    # NullMetrics itself counts nothing (the default); a subclass of it is a custom sink.
+    if (
+        not isinstance(installed, PrometheusMetrics)
+        and type(installed) is not NullMetrics
+    ):
+        raise exceptions.ConfigurationError(
+            f"pglock_metrics={installed!r} counts outcomes in a custom sink, so there is "
+            "nothing for Prometheus to serve; expected pglock_metrics unset or "
+            "'prometheus' in a process that serves producer metrics."
+        )
+    if not isinstance(installed, PrometheusMetrics):
+        installed = PrometheusMetrics()
+        install(installed)
+    installed.declare_enqueued(names)
+    if not multiprocess():
+        return prom.REGISTRY
+    registry = prom.CollectorRegistry()
+    prom_multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+    return registry
+
+
+@dataclasses.dataclass(frozen=True)
+class ProducerEndpoint:
+    """The ``/metrics`` server :func:`serve_producer` started (a daemon thread)."""
+
+    httpd: Any  #: The ``wsgiref`` server.
+
+    @property
+    def port(self) -> int:
+        """The port it listens on (the one chosen when asked for port 0)."""
+        return int(self.httpd.server_port)
+
+    def close(self) -> None:
+        """Stop serving and free the port."""
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def serve_producer(
+    app: Any, *, port: int, address: str = DEFAULT_ADDRESS
+) -> ProducerEndpoint:
+    """Serve this process's ``lock_enqueue`` outcomes on ``http://<address>:<port>/metrics``.
+
+    For a producer that runs no exporter of its own; one that does mounts
+    :func:`producer_registry` instead. One port per process: under a web server with
+    several worker processes, mount the registry in multiprocess mode instead.
+
+    Args:
+        app: The Celery app whose ``lock_enqueue`` tasks this process sends.
+        port: The TCP port (0: any free one, read back from ``.port``).
+        address: The address to bind, every interface by default.
+
+    Raises:
+        ConfigurationError: no ``prometheus_client``, a bad port, or the port is taken.
+    """
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+        raise exceptions.ConfigurationError(
+            f"serve_producer(port={port!r}) is invalid; expected a TCP port number "
+            "(1-65535, or 0 for any free one), such as 9809."
+        )
+    registry = producer_registry(app)
+    import prometheus_client as prom
+
+    try:
+        httpd, _ = prom.start_http_server(port, addr=address, registry=registry)
+    except OSError as exc:
+        raise exceptions.ConfigurationError(
+            f"serve_producer(port={port!r}): cannot serve /metrics on {address}:{port} "
+            f"({exc}). Give each producer process on a host its own port, or mount "
+            "producer_registry() in the web app's own /metrics."
+        ) from exc
+    return ProducerEndpoint(httpd)
 
 
 def _require_prometheus() -> None:

@@ -40,7 +40,8 @@ CLIENT_KEEPALIVES: dict[str, Any] = {
     "keepalives_interval": 10,
     "keepalives_count": 3,
 }
-CONNECT_TIMEOUT = 10
+#: libpq's least connect_timeout (psycopg 3 keeps it): a shorter one waits this long.
+CONNECT_TIMEOUT_MIN = 2
 SUPPORTED_DRIVERS = driver_errors.DRIVER_MODULES  #: ``postgresql+<driver>://``
 PSYCOPG_MIN = (3, 1, 8)  #: The oldest psycopg 3 that works (the extra's floor).
 
@@ -231,10 +232,19 @@ def connect_params(engine: sa.Engine) -> dict[str, Any]:
     return kept
 
 
+def connect_timeout(conf: Mapping[str, Any]) -> int:
+    """libpq's ``connect_timeout`` for ``pglock_db_timeout``: whole seconds, rounded up,
+    at least CONNECT_TIMEOUT_MIN (docs/reference/settings.md#connection-settings)."""
+    value: Any = conf.get("pglock_db_timeout")
+    # Unset, or refused at task bind with its fix: the default.
+    seconds = float(value) if config.is_seconds(value) else config.DEFAULT_DB_TIMEOUT
+    return max(CONNECT_TIMEOUT_MIN, math.ceil(seconds))
+
+
 def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
     connect_args: dict[str, Any] = {
         **CLIENT_KEEPALIVES,
-        "connect_timeout": CONNECT_TIMEOUT,
+        "connect_timeout": connect_timeout(conf),
         "application_name": application_name(_prefix(conf), process_tag(), "idle"),
     }
     if conf.get("pglock_server_keepalives", True):

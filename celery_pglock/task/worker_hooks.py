@@ -50,12 +50,15 @@ def check_app(app: Any) -> None:
         return
     config.check_unknown_settings(app.conf)
     engines.check_url(config.database_url(app.conf))
+    config.on_misconfigured_database(app.conf)
     metrics.from_conf(app.conf)
 
 
 def check_lock_server(app: Any) -> None:
-    """Raise ConfigurationError on a standby or a pooler breaking some tasks' scope
-    (probed with a temporary engine: the worker's own are made after the fork)."""
+    """Raise ConfigurationError on a standby, a pooler breaking some tasks' scope, or a
+    refusal waiting does not fix (a wrong password, a missing database) unless
+    pglock_on_misconfigured_database='run'. Probed with a temporary engine: the worker's
+    own are made after the fork."""
     scopes: dict[config.LockScope, list[str]] = {}
     for task in sorted(singleton_tasks(app), key=lambda task: str(task.name)):
         scopes.setdefault(task.lock_config.scope, []).append(task.name)
@@ -63,8 +66,23 @@ def check_lock_server(app: Any) -> None:
         return
     try:
         facts = server_probe.probe(config.database_url(app.conf), app.conf)
-    except exceptions.DatabaseError:
-        return  # reported at worker_ready; each process probes again at its first lock
+    except exceptions.DatabaseError as error:
+        # An outage may end (the server is starting, the network heals): the worker
+        # starts, reports it at worker_ready, and each process probes at its first lock.
+        if driver_errors.misconfiguration(error.__cause__) is None:
+            return
+        if (
+            config.on_misconfigured_database(app.conf)
+            is config.OnMisconfiguredDatabase.RUN
+        ):
+            return  # reported at worker_ready, as an outage is
+        setting = config.ON_MISCONFIGURED_DATABASE_SETTING
+        raise exceptions.ConfigurationError(
+            f"The lock database refused this worker at start: {' '.join(str(error).split())} "
+            f"The worker stops ({setting}='stop', the default) rather than start and "
+            "fail every SingletonTask: fix what this names, then start it again, or set "
+            f"{setting}='run' to start anyway."
+        ) from error
     for scope, names in scopes.items():
         message = facts.refusal(scope)
         if message is not None:
@@ -90,8 +108,13 @@ def _report_at_ready(sender: Any = None, **_: Any) -> None:
             logger.error(
                 "celery-pglock: the lock database refused this worker at start: %s "
                 "Until that is fixed, every SingletonTask fails at once with "
-                "DatabaseError (no retry).",
+                "DatabaseError (no retry).%s",
                 reason,
+                f" The worker runs as {config.ON_MISCONFIGURED_DATABASE_SETTING}='run' "
+                "asks."
+                if config.on_misconfigured_database(app.conf)
+                is config.OnMisconfiguredDatabase.RUN
+                else "",
                 extra={"action": "lock_database_misconfigured", "database": url},
             )
         else:

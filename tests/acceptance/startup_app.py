@@ -26,6 +26,9 @@ app.conf.update(
     pglock_namespace="startup",
     broker_connection_retry_on_startup=True,
 )
+#: PGLOCK_TEST_ON_MISCONFIGURED=<stop|run>: pglock_on_misconfigured_database (unset: default).
+if on_misconfigured := os.environ.get("PGLOCK_TEST_ON_MISCONFIGURED"):
+    app.conf.pglock_on_misconfigured_database = on_misconfigured
 #: PGLOCK_TEST_AUTORETRY=<seconds>: retry a DatabaseError at acquire with Celery's own
 #: options, that many seconds apart, without limit (unset: Celery's default, no retry).
 delay = os.environ.get("PGLOCK_TEST_AUTORETRY")

@@ -203,3 +203,56 @@ def _value(family, name, **labels):
         s.value for s in family.samples if s.name == name and s.labels == labels
     ]
     return value
+
+
+@pytest.mark.parametrize("fault", ["unreachable", "missing-database"])
+def test_the_worker_health_check_fails_when_it_cannot_use_its_lock_database(
+    compose, stack_env, tmp_path, fault
+):
+    """The compose file's worker health check is true: with the lock database refusing
+    connections (an outage: the worker keeps running and serves /metrics) or naming a
+    database that does not exist (the worker stops at start), it fails."""
+    services = compose["services"]
+    port = services["worker"]["environment"]["PGLOCK_METRICS_PORT"]
+    metrics_port = int(stack_env["PGLOCK_METRICS_PORT"])
+    database = sa.make_url(stack_env["CELERY_PGLOCK_DATABASE_URL"])
+    if fault == "unreachable":
+        database = database.set(port=_support.free_port())
+    else:
+        database = database.set(database=f"missing_{uuid.uuid4().hex[:8]}")
+    stack_env["CELERY_PGLOCK_DATABASE_URL"] = database.render_as_string(
+        hide_password=False
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **stack_env}
+    check = _command(
+        services["worker"]["healthcheck"]["test"][1:], port, metrics_port, tmp_path
+    )
+    worker_argv = _command(services["worker"]["command"], port, metrics_port, tmp_path)
+    log_path = tmp_path / "worker.log"
+    with _running(worker_argv, stack_env, log_path) as worker:
+        if fault == "unreachable":
+            url = f"http://127.0.0.1:{metrics_port}/metrics"
+            wait_until(
+                lambda: worker.poll() is not None or _serves(url),
+                timeout=60,
+                what="the worker's /metrics",
+            )
+            assert worker.poll() is None, log_path.read_text()
+        else:
+            assert 0 != worker.wait(timeout=60), log_path.read_text()
+        completed = subprocess.run(
+            check, env=env, capture_output=True, text=True, check=False, timeout=10
+        )
+    assert 0 != completed.returncode
+    assert completed.stderr.startswith("unhealthy: "), completed.stderr
+    if database.password:
+        assert database.password not in completed.stderr
+
+
+def _serves(url: str) -> bool:
+    try:
+        # A literal http:// URL on loopback (S310 warns of file: and custom schemes).
+        with urllib.request.urlopen(url, timeout=3):  # noqa: S310
+            return True
+    except OSError:
+        return False

@@ -3,7 +3,9 @@
 Both records come from ``worker_ready``, after Celery configured logging, so they reach
 the worker's log; a database that does not answer is an ERROR at start (the worker keeps
 running: see celery_pglock.task.worker_hooks), and the first failed connection of a task is reported
-as a failed connection, not as a dead pooled session.
+as a failed connection, not as a dead pooled session. A database that refuses the worker
+for a reason waiting does not fix (a wrong password, a missing database) stops it at start
+with a non-zero exit, unless pglock_on_misconfigured_database='run'.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
+import pytest
+
 from celery_pglock import config
 from celery_pglock.testing import BROKER_URL_ENV, _support
-from tests.conftest import PASSWORD_ROLE, REPO_ROOT
+from tests.conftest import PASSWORD_ROLE, REPO_ROOT, ROLE_PASSWORD
 
 from .conftest import wait_until
 
@@ -121,9 +125,10 @@ def test_database_outage_defers_the_run_until_the_database_is_back(
 def test_wrong_password_fails_a_task_at_once_with_advice(
     worker_factory, password_postgres
 ):
-    """A wrong password is no outage: the start-up ERROR says what the server refused
-    and what to fix (not "check that PostgreSQL runs"), and a task fails at once even
-    with autoretry_for=(DatabaseError,), instead of being re-queued for ever."""
+    """With pglock_on_misconfigured_database='run', a wrong password is no outage: the
+    start-up ERROR says what the server refused and what to fix (not "check that
+    PostgreSQL runs"), and a task fails at once even with autoretry_for=(DatabaseError,),
+    instead of being re-queued for ever."""
     wrong = "wrong-pw-never-logged"
     url = (
         f"postgresql+psycopg2://{PASSWORD_ROLE}:{wrong}@{_support.HOST}:"
@@ -138,6 +143,7 @@ def test_wrong_password_fails_a_task_at_once_with_advice(
             config.DATABASE_URL_ENV: url,
             "PGLOCK_TEST_QUEUE": queue,
             "PGLOCK_TEST_AUTORETRY": "0.5",
+            "PGLOCK_TEST_ON_MISCONFIGURED": "run",
         },
     )
     log = worker.log_text()
@@ -147,6 +153,7 @@ def test_wrong_password_fails_a_task_at_once_with_advice(
     assert "password authentication failed" in errors[0]
     assert "SQLSTATE 28P01" in errors[0]
     assert "Check the user name and password" in errors[0]
+    assert "pglock_on_misconfigured_database='run'" in errors[0]
     assert "PostgreSQL runs" not in log
 
     from tests.acceptance import startup_app
@@ -164,6 +171,56 @@ def test_wrong_password_fails_a_task_at_once_with_advice(
     assert wrong not in log
 
 
+@pytest.mark.parametrize(
+    ("database", "password", "cause", "advice"),
+    [
+        (
+            "postgres",
+            "wrong-pw-never-logged",
+            "password authentication failed (SQLSTATE 28P01)",
+            "Check the user name and password",
+        ),
+        (
+            "no_such_db",
+            ROLE_PASSWORD,
+            "the database does not exist (SQLSTATE 3D000)",
+            "Fix the database name",
+        ),
+    ],
+    ids=["wrong-password", "missing-database"],
+)
+def test_a_refusing_lock_database_stops_the_worker_at_start(
+    services: Services, password_postgres, database, password, cause, advice
+):
+    """A real ``celery worker`` whose lock database refuses it for a reason waiting does
+    not fix exits non-zero before "ready", its stderr naming the cause, the fix and the
+    setting that would keep it running, the URL's password masked."""
+    url = (
+        f"postgresql+psycopg2://{PASSWORD_ROLE}:{password}@{_support.HOST}:"
+        f"{password_postgres.port}/{database}"
+    )
+    completed = _run_worker(
+        {
+            **os.environ,
+            **services.env(),
+            "PYTHONPATH": str(REPO_ROOT),
+            config.DATABASE_URL_ENV: url,
+            "PGLOCK_TEST_QUEUE": _queue(),
+        }
+    )
+    output = completed.stdout + completed.stderr
+    assert 0 != completed.returncode, output
+    assert " ready." not in output
+    (line,) = [
+        line for line in output.splitlines() if "refused this worker at start" in line
+    ]
+    assert cause in line
+    assert advice in line
+    assert f"{PASSWORD_ROLE}:***@" in line
+    assert "pglock_on_misconfigured_database='run'" in line
+    assert password not in output
+
+
 def test_a_missing_database_url_is_said_once():
     """The start-up refusal of a missing URL reaches stderr once, and the worker exits."""
     env = {
@@ -178,7 +235,16 @@ def test_a_missing_database_url_is_said_once():
             "PGLOCK_TEST_QUEUE": _queue(),
         }
     )
-    completed = subprocess.run(
+    completed = _run_worker(env)
+    output = completed.stdout + completed.stderr
+    assert 0 != completed.returncode
+    assert 1 == output.count("No lock database configured"), output
+
+
+def _run_worker(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run a solo ``celery worker`` of APP in ``env`` to its end (expected: a stop at
+    start)."""
+    return subprocess.run(
         [sys.executable, "-m", "celery", "-A", APP, "worker", "--pool", "solo"],
         env=env,
         capture_output=True,
@@ -187,9 +253,6 @@ def test_a_missing_database_url_is_said_once():
         check=False,
         cwd=REPO_ROOT,
     )
-    output = completed.stdout + completed.stderr
-    assert 0 != completed.returncode
-    assert 1 == output.count("No lock database configured"), output
 
 
 def _queue() -> str:

@@ -461,3 +461,42 @@ def test_the_removed_session_mode_setting_is_refused_with_a_pointer():
     assert "'pglock_session_mode' was removed" in str(caught.value)
     assert "always use the process's lock session" in str(caught.value)
     assert "pooled connection per lock" in str(caught.value)
+
+
+def test_on_misconfigured_database_is_checked_at_worker_start(app):
+    """pglock_on_misconfigured_database is 'stop' unless set; a bad value stops the
+    worker's start-up check, naming the setting and the values it takes."""
+    from celery_pglock.task import worker_hooks
+
+    register(app)
+    assert config_module.OnMisconfiguredDatabase.STOP is (
+        config_module.on_misconfigured_database(app.conf)
+    )
+    app.conf.pglock_on_misconfigured_database = "run"
+    worker_hooks.check_app(app)
+    assert config_module.OnMisconfiguredDatabase.RUN is (
+        config_module.on_misconfigured_database(app.conf)
+    )
+    app.conf.pglock_on_misconfigured_database = "ignore"
+    with pytest.raises(ConfigurationError) as caught:
+        worker_hooks.check_app(app)
+    assert "pglock_on_misconfigured_database='ignore' is invalid" in str(caught.value)
+    assert "one of 'stop', 'run'" in str(caught.value)
+
+
+def test_producer_metrics_refuse_a_custom_sink_and_a_bad_port(app):
+    """producer_registry() has nothing to serve when pglock_metrics is a custom sink, and
+    serve_producer() names its bad port argument; both say what they expected."""
+    with pytest.raises(ConfigurationError, match=r"serve_producer\(port='9809'\)"):
+        metrics.serve_producer(app, port="9809")
+
+    class Counting(metrics.NullMetrics):
+        pass
+
+    app.conf.pglock_metrics = Counting()
+    register(app)
+    try:
+        with pytest.raises(ConfigurationError, match="expected pglock_metrics unset"):
+            metrics.producer_registry(app)
+    finally:
+        metrics.install(metrics.NullMetrics())
