@@ -297,3 +297,22 @@ def test_a_published_message_keeps_its_key_past_the_grace(
             )
     finally:
         connection.close()
+
+
+def test_a_group_of_one_key_is_published_whole_and_meets_the_run_lock(
+    resend_app, worker, recorder, run, published
+):
+    """Group members are never deduplicated (the GroupResult waits for every member's
+    id): 5 sends of one key publish 5 messages, 1 runs, 4 are skipped by the run lock,
+    and the group's result completes."""
+    from celery import group
+
+    from .conftest import outcomes
+
+    sent = group(resend_app.finished.s(run, "g", 2.0) for _ in range(5)).apply_async()
+    sent.join(timeout=60, propagate=False)
+    assert 5 == len(published)
+    assert ["SUCCESS", *["skipped"] * 4] == sorted(
+        outcomes(sent.results), key=lambda outcome: outcome != "SUCCESS"
+    )
+    assert 1 == recorder.count(run, "g")
