@@ -195,7 +195,7 @@ class _Freer(threading.Thread):
 
 
 _freers: dict[Any, _Freer] = {}
-_freers_guard = threading.Lock()
+_freers_guard = engines.fork_safe_lock(_freers)  # a child has no freer thread
 
 
 def free_later(task: Any, row: tuple[int, int, int], task_id: str) -> None:
