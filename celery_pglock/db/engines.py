@@ -338,33 +338,20 @@ _fork_safe: list[tuple[weakref.ref[Any], tuple[_Forgettable, ...]]] = []
 
 
 def fork_safe_lock(*forget: _Forgettable) -> threading.Lock:
-    """A ``threading.Lock`` that a forked child finds free, with ``forget`` emptied.
-
-    Only the forking thread survives a fork: a lock another thread held stays held in the
-    child for ever, and what it guarded (a thread, a run) is the parent's. Never fork while
-    holding one yourself: the child would find it free inside your ``with``.
-    """
+    """A Lock that a forked child finds free, with ``forget`` emptied: only the forking
+    thread survives a fork, so another thread's hold would last for ever, and what the lock
+    guarded (a thread, a run) is the parent's. Never fork inside its ``with``."""
     guard = threading.Lock()
     _fork_safe.append((weakref.ref(guard), forget))
     return guard
 
 
 def _reset_fork_safe_locks() -> None:
-    live = []
     for ref, forget in _fork_safe:
-        guard = ref()
-        if guard is None:
-            continue
-        # What threading and logging use on their own locks in a child (CPython >= 3.9).
-        reinit = getattr(guard, "_at_fork_reinit", None)
-        if reinit is not None:
-            reinit()
-        elif guard.locked():
-            guard.release()  # a Lock may be released by any thread
-        for state in forget:
-            state.clear()
-        live.append((ref, forget))
-    _fork_safe[:] = live
+        if (guard := ref()) is not None:
+            guard._at_fork_reinit()  # what threading and logging do to theirs in a child
+            for state in forget:
+                state.clear()
 
 
 def _after_fork_in_child() -> None:

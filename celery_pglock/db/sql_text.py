@@ -101,13 +101,10 @@ HOLDER = f"SELECT ({_HOLDER_TEXT})"
 
 @functools.cache  # one text per scope and form: at most 8, whatever the limit
 def try_slots(*, transaction: bool, named: bool, run: bool) -> str:
-    """One try-lock of the first free of the slots given as arrays, whatever they are: a
-    recursive CTE tries one slot per step and stops at the first granted, so at most one
-    slot is taken (docs/guide/limits.md). Params (named), one element per slot: ``k1``
-    (bigint[]: the key, or an (int, int) key's first id), ``k2`` (integer[]: its second,
-    else 0), ``pair`` (boolean[]: an (int, int) key); [``names`` (text[]: each slot's
-    application_name)]; [``r1``, ``r2``: the run ids]. No row when all are busy, else
-    ARRAY[the slot's 1-based position, application_name?, run lock granted?]."""
+    """A try-lock of the first free slot, the slots as arrays (slot_params): a recursive
+    CTE tries one per step and stops at the first granted, so it takes at most one
+    (docs/guide/limits.md). No row when all are busy, else ARRAY[the slot's 1-based
+    position in the arrays, application_name?, run lock granted?]."""
     lock = "pg_try_advisory_xact_lock" if transaction else "pg_try_advisory_lock"
     at = "[t.i + 1]"
     label = ""
@@ -131,8 +128,9 @@ def slot_params(
     names: list[str | None] | None,
     run_ids: tuple[int, ...] | None,
 ) -> dict[str, Any]:
-    """try_slots' params: the slots' key ``ids`` in the order to try them, their
-    application_names (``named``) and the run lock's ids (``run``)."""
+    """try_slots' params: the slots' key ids in the order to try them (``k1``: a bigint key
+    or an (int, int) key's first id, ``k2`` its second, ``pair`` which form), ``names``
+    (application_name per slot, if named) and the run lock's ids (``r1``, ``r2``, if run)."""
     params: dict[str, Any] = {
         "k1": [key[0] for key in ids],
         "k2": [key[1] if len(key) == 2 else 0 for key in ids],
