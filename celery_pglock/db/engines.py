@@ -1,5 +1,6 @@
 """Lock engines, one per URL per process, and their pool hooks: never share one with the app.
-Why: docs/guide/pools.md ("The lock engine is the library's alone")."""
+Why: docs/guide/pools.md ("The lock engine is the library's alone"). Also the package's
+fork-safe locks (:func:`fork_safe_lock`): a forked child resets them with its engines."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping, MutableSet
 from typing import Any
 
 import sqlalchemy as sa
@@ -342,8 +343,30 @@ def dispose_all() -> None:
         _engines.clear()
 
 
+_Forgettable = MutableSet[Any] | MutableMapping[Any, Any]
+_fork_safe: list[tuple[weakref.ref[Any], tuple[_Forgettable, ...]]] = []
+
+
+def fork_safe_lock(*forget: _Forgettable) -> threading.Lock:
+    """A Lock that a forked child finds free, with ``forget`` emptied: only the forking
+    thread survives a fork, so another thread's hold would last for ever, and what the lock
+    guarded (a thread, a run) is the parent's. Never fork inside its ``with``."""
+    guard = threading.Lock()
+    _fork_safe.append((weakref.ref(guard), forget))
+    return guard
+
+
+def _reset_fork_safe_locks() -> None:
+    for ref, forget in _fork_safe:
+        if (guard := ref()) is not None:
+            guard._at_fork_reinit()  # what threading and logging do to theirs in a child
+            for state in forget:
+                state.clear()
+
+
 def _after_fork_in_child() -> None:
     global _engines_lock
+    _reset_fork_safe_locks()
     # Sockets first, so that the disposal below finalises nothing on the parent's.
     connections = list(_connections)
     _connections.clear()

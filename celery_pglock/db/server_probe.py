@@ -210,7 +210,7 @@ def _proxied(connection: Any, server_seen_port: int | None) -> bool | None:
 
 
 _facts: weakref.WeakKeyDictionary[sa.Engine, ServerFacts] = weakref.WeakKeyDictionary()
-_probing = threading.Lock()
+_probing = engines.fork_safe_lock()
 
 
 def facts_for(

@@ -99,25 +99,48 @@ IS_LOCKED = (
 HOLDER = f"SELECT ({_HOLDER_TEXT})"
 
 
-@functools.lru_cache(maxsize=1024)
-def try_slots(
-    slots: tuple[tuple[int, int], ...], *, transaction: bool, named: bool, run: bool
-) -> str:
-    """One try-lock of the first free of ``slots`` ((slot, key arity) each), as a CASE:
-    it stops at the first granted WHEN, so at most one slot is taken (docs/guide/limits.md).
-    Params per slot: key ids, [application_name], [run ids]. NULL when all are busy, else
-    ARRAY[slot, application_name?, run lock granted?]."""
+@functools.cache  # one text per scope and form: at most 8, whatever the limit
+def try_slots(*, transaction: bool, named: bool, run: bool) -> str:
+    """A try-lock of the first free slot, the slots as arrays (slot_params): a recursive
+    CTE tries one per step and stops at the first granted, so it takes at most one
+    (docs/guide/limits.md). No row when all are busy, else ARRAY[the slot's 1-based
+    position in the arrays, application_name?, run lock granted?]."""
     lock = "pg_try_advisory_xact_lock" if transaction else "pg_try_advisory_lock"
+    at = "[t.i + 1]"
     label = ""
     if named:
-        label = f", set_config('application_name', %s, {str(transaction).lower()})"
+        local = str(transaction).lower()
+        label = f", set_config('application_name', (%(names)s::text[])[t.i], {local})"
         label += f" || {_KEEP_TRANSACTION}" if transaction else ""
-    run_lock = f", {lock}({_RUN})::text" if run else ""
-    branches = " ".join(
-        f"WHEN {lock}({_KEY[arity]}) THEN ARRAY['{slot}'{label}{run_lock}]"
-        for slot, arity in slots
+    run_lock = f", {lock}(%(r1)s::integer, %(r2)s::integer)::text" if run else ""
+    return (
+        "WITH RECURSIVE t(i, got) AS (SELECT 0, false UNION ALL "
+        f"SELECT t.i + 1, CASE WHEN (%(pair)s::boolean[]){at} "
+        f"THEN {lock}(((%(k1)s::bigint[]){at})::integer, (%(k2)s::integer[]){at}) "
+        f"ELSE {lock}((%(k1)s::bigint[]){at}) END "
+        "FROM t WHERE NOT t.got AND t.i < cardinality(%(k1)s::bigint[])) "
+        f"SELECT ARRAY[t.i::text{label}{run_lock}] FROM t WHERE t.got"
     )
-    return f"SELECT CASE {branches} END"
+
+
+def slot_params(
+    ids: list[tuple[int, ...]],
+    names: list[str | None] | None,
+    run_ids: tuple[int, ...] | None,
+) -> dict[str, Any]:
+    """try_slots' params: the slots' key ids in the order to try them (``k1``: a bigint key
+    or an (int, int) key's first id, ``k2`` its second, ``pair`` which form), ``names``
+    (application_name per slot, if named) and the run lock's ids (``r1``, ``r2``, if run)."""
+    params: dict[str, Any] = {
+        "k1": [key[0] for key in ids],
+        "k2": [key[1] if len(key) == 2 else 0 for key in ids],
+        "pair": [len(key) == 2 for key in ids],
+    }
+    if names is not None:
+        params["names"] = names
+    if run_ids is not None:
+        params["r1"], params["r2"] = run_ids
+    return params
 
 
 #: A PREPARE of a name the session already has (sql_text.prepared).

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -124,7 +123,7 @@ class OwnTable:
     def __init__(self, what: str, exists: str, create: str, fix: str) -> None:
         self.what, self.exists, self.create, self.fix = what, exists, create, fix
         self._ready: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
-        self._guard = threading.Lock()
+        self._guard = engines.fork_safe_lock()
 
     def ensure(self, engine: sa.Engine, bound: float | None = None) -> None:
         if engine in self._ready:

@@ -908,25 +908,17 @@ def _try_slots(
     """The one of ``holds`` its slot statement (sql_text.try_slots) granted, labelled with
     its ``holding_name`` if ``named``; and whether the run lock was granted."""
     statement = sql_text.try_slots(
-        tuple((hold.slot, len(hold.ids)) for hold in holds),
-        transaction=transaction,
-        named=named,
-        run=run_ids is not None,
+        transaction=transaction, named=named, run=run_ids is not None
     )
     if prepare is not None:
         statement = prepare(statement)
-    params: list[Any] = []
-    for hold in holds:
-        params.extend(hold.ids)
-        if named:
-            params.append(hold.holding_name)
-        params.extend(run_ids or ())
-    cursor.execute(statement, params)
+    names = [hold.holding_name for hold in holds] if named else None
+    ids = [hold.ids for hold in holds]
+    cursor.execute(statement, sql_text.slot_params(ids, names, run_ids))
     row = cursor.fetchone()
     if row is None or row[0] is None:
         return None, False
-    slot = int(row[0][0])
-    granted = next(hold for hold in holds if hold.slot == slot)
+    granted = holds[int(row[0][0]) - 1]
     return granted, run_ids is not None and row[0][-1] == "true"
 
 

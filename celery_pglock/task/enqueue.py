@@ -240,7 +240,7 @@ class _RowWriter(threading.Thread):
 
 
 _writers: dict[Any, _RowWriter] = {}
-_writers_guard = threading.Lock()
+_writers_guard = engines.fork_safe_lock(_writers)  # a child has no writer thread
 
 
 def free_later(task: Any, row: tuple[int, int, int], task_id: str) -> None:

@@ -11,7 +11,6 @@ import functools
 import inspect
 import logging
 import os
-import threading
 import time
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
@@ -50,7 +49,7 @@ _current: contextvars.ContextVar[Execution | None] = contextvars.ContextVar(
     "celery_pglock_execution", default=None
 )
 _held: set[AdvisoryLock] = set()  #: Locks held here, for the worker-shutdown net.
-_held_guard = threading.Lock()
+_held_guard = engines.fork_safe_lock(_held)  # a child holds none of these
 
 
 def current_lock() -> AdvisoryLock:

@@ -69,16 +69,39 @@ def test_slot_keys_of_a_long_key_are_cached_by_ids():
     assert 4 == len({slot.ids for slot in keys.slot_keys(key, 4)})
 
 
-def test_the_slot_statement_is_one_case_over_the_free_slots():
-    """One CASE, its WHENs in slot order (it stops at the first granted one); never a
-    set-returning form, which would evaluate every row and take every slot."""
-    statement = sql_text.try_slots(
-        ((0, 2), (2, 1)), transaction=False, named=False, run=False
+def test_the_slot_statement_is_one_text_whatever_the_slots():
+    """The slots are parameters, so a session prepares one text per form (scope, label,
+    run lock), never one per limit or per set of free slots. It steps through them
+    (a recursive CTE that stops at the first granted), never a set-returning form, which
+    would evaluate every row and take every slot."""
+    statement = sql_text.try_slots(transaction=False, named=False, run=False)
+    assert statement.startswith("WITH RECURSIVE t(i, got) AS (")
+    assert "FROM t WHERE NOT t.got AND t.i < cardinality(%(k1)s::bigint[])" in statement
+    assert "unnest" not in statement
+    forms = {
+        sql_text.try_slots(transaction=transaction, named=named, run=run)
+        for transaction in (False, True)
+        for named in (False, True)
+        for run in (False, True)
+    }
+    assert 8 == len(forms)
+    xact = sql_text.try_slots(transaction=True, named=True, run=True)
+    assert 3 == xact.count(
+        "pg_try_advisory_xact_lock"
+    )  # a slot of either arity, the run
+    assert "pg_try_advisory_lock(" not in xact
+
+
+def test_the_slot_params_carry_both_key_forms():
+    """An (int, int) slot 0 and bigint slots: one array per id, and which form each is."""
+    assert {
+        "k1": [42, 6293669143609670619],
+        "k2": [1001, 0],
+        "pair": [True, False],
+        "names": ["a", "b"],
+        "r1": 5,
+        "r2": 6,
+    } == sql_text.slot_params([(42, 1001), (6293669143609670619,)], ["a", "b"], (5, 6))
+    assert {"k1": [7], "k2": [0], "pair": [False]} == sql_text.slot_params(
+        [(7,)], None, None
     )
-    assert (
-        "SELECT CASE WHEN pg_try_advisory_lock(%s::integer, %s::integer) THEN ARRAY['0'] "
-        "WHEN pg_try_advisory_lock(%s::bigint) THEN ARRAY['2'] END"
-    ) == statement
-    xact = sql_text.try_slots(((0, 1),), transaction=True, named=True, run=True)
-    assert xact.count("pg_try_advisory_xact_lock") == 2
-    assert "unnest" not in xact

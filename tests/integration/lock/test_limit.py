@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import zlib
 
 import pytest
 
@@ -71,20 +72,18 @@ def slotted(engine, slots, **options):
 
 
 def test_five_sessions_on_three_slots_get_0_1_2_then_busy(connections, slots):
-    """The slot statement, sent by five sessions in turn: slots 0, 1, 2, then NULL twice,
-    and each session holds exactly one lock of the key (none when busy)."""
-    statement = sql_text.try_slots(
-        tuple((slot, 1) for slot in range(3)), transaction=False, named=False, run=False
-    )
-    params = [key.ids[0] for key in slots]
+    """The slot statement, sent by five sessions in turn: slots 0, 1, 2, then no row
+    twice, and each session holds exactly one lock of the key (none when busy)."""
+    statement = sql_text.try_slots(transaction=False, named=False, run=False)
+    params = sql_text.slot_params([key.ids for key in slots], None, None)
     observer = connections().cursor()
     got = []
     for _ in range(5):
         connection = connections()
         with connection.cursor() as cursor:
             cursor.execute(statement, params)
-            (row,) = cursor.fetchone()
-            got.append(None if row is None else int(row[0]))
+            row = cursor.fetchone()
+            got.append(None if row is None else int(row[0][0]) - 1)
             assert (0 if row is None else 1) == held(
                 observer, connection.info.backend_pid, slots
             )
@@ -104,6 +103,108 @@ def test_a_set_form_would_take_every_slot(connections, slots):
         assert 1 == len(cursor.fetchall())
         assert 3 == held(cursor, connection.info.backend_pid, slots)
         cursor.execute("SELECT pg_advisory_unlock_all()")
+
+
+#: Which of five slots another session holds, per execution: every pattern of 5 bits
+#: once (none, all, gaps), then a few again; 36 executions, well past the 5 custom plans
+#: after which PostgreSQL may switch a prepared statement to its generic plan.
+HELD_PATTERNS = [(i * 11) % 32 for i in range(36)]
+
+
+@pytest.mark.parametrize("plan", ["force_generic_plan", "force_custom_plan"])
+@pytest.mark.parametrize(("named", "run"), [(False, False), (True, True)])
+def test_the_prepared_slot_statement_takes_the_first_free_slot_only(
+    connections, namespace, plan, named, run
+):
+    """One prepared slot statement on one session, executed 36 times under either plan,
+    with 0 to 5 of the 5 slots (an (int, int) slot 0 and bigint ones) held by another
+    session in every pattern: each time it takes exactly the first free slot, and only
+    that one (with the run lock if asked), or nothing when all are held."""
+    slot0 = (zlib.crc32(namespace.encode()) - 2**31, 7)
+    slots = keys.slot_keys(keys.LockKey(name="it.generic", ids=slot0), 5)
+    run_key = keys.run_key(namespace)
+    session, other = connections(), connections()
+    statement = sql_text.try_slots(transaction=False, named=named, run=run)
+    names = [f"it slot {slot}" for slot in range(5)] if named else None
+    params = sql_text.slot_params(
+        [key.ids for key in slots], names, run_key.ids if run else None
+    )
+    pid = session.info.backend_pid
+    taken = []
+    with session.cursor() as cursor, other.cursor() as holder:
+        cursor.execute(f"SET plan_cache_mode = {plan}")
+        name = sql_text.name_for(statement)
+        execute = sql_text.prepared(session, cursor, name, statement)
+        for pattern in HELD_PATTERNS:
+            busy = [key for slot, key in enumerate(slots) if pattern >> slot & 1]
+            for key in busy:
+                holder.execute(
+                    f"SELECT pg_advisory_lock({', '.join(['%s'] * len(key.ids))})",
+                    key.ids,
+                )
+            free = [slot for slot in range(5) if not pattern >> slot & 1]
+            cursor.execute(execute, params)
+            row = cursor.fetchone()
+            got = None if row is None else int(row[0][0]) - 1
+            taken.append(
+                (
+                    got,
+                    held(holder, pid, slots),
+                    held(holder, pid, [run_key]),
+                    row[0][1] if row is not None and named else None,
+                )
+            )
+            assert (
+                free[0] if free else None,
+                1 if free else 0,
+                1 if free and run else 0,
+                f"it slot {free[0]}" if free and named else None,
+            ) == taken[-1], f"pattern {pattern:05b}"
+            cursor.execute("SELECT pg_advisory_unlock_all()")
+            holder.execute("SELECT pg_advisory_unlock_all()")
+        cursor.execute(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+            "WHERE name = %s",
+            (name,),
+        )
+        generic, custom = cursor.fetchone()
+    assert 36 == (generic if plan == "force_generic_plan" else custom)
+
+
+def test_a_session_prepares_one_slot_statement_whatever_the_free_slots(
+    database_url, namespace
+):
+    """The process session tries every set of free slots of a lock_limit=4 key (its own
+    runs hold the others): PREPAREd statements stay one per form, not one per set."""
+    slots = keys.slot_keys(keys.make_key(namespace, "it.prepared"), 4)
+    engine = engines.create_engine(database_url)
+    try:
+        for mine in range(15):  # which slots this process's runs hold: never all four
+            runs = [slotted(engine, slots) for _ in range(4)]
+            assert all(lock.acquire() for lock in runs)
+            for slot, lock in enumerate(runs):
+                if not mine >> slot & 1:
+                    lock.release()
+            extra = slotted(engine, slots)
+            assert extra.acquire()
+            first_free = next(slot for slot in range(4) if not mine >> slot & 1)
+            assert slots[first_free] == extra.key
+            extra.release()
+            for slot, lock in enumerate(runs):
+                if mine >> slot & 1:
+                    lock.release()
+        with sessions.process_session(engine)._connection.cursor() as cursor:
+            cursor.execute("SELECT name FROM pg_prepared_statements")
+            prepared = {name for (name,) in cursor.fetchall()}
+    finally:
+        sessions.close_for(engine)
+        engine.dispose()
+    forms = {
+        sql_text.name_for(sql_text.try_slots(transaction=False, named=named, run=False))
+        for named in (False, True)
+    }
+    unlocks = {sql_text.name_for(sql_text.UNLOCK_SESSION_KEEP_NAME[1])}
+    assert forms | unlocks == prepared
 
 
 def test_locks_of_five_processes_take_three_slots(engine_factory, slots, connections):

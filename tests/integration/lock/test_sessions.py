@@ -170,9 +170,7 @@ def test_the_process_session_plans_each_lock_statement_once(database_url, namesp
         sql_text.name_for(bare): 2,
         sql_text.name_for(sql_text.UNLOCK_SESSION_KEEP_NAME[arity]): 4,
         sql_text.name_for(
-            sql_text.try_slots(
-                ((0, arity), (1, 1), (2, 1)), transaction=False, named=False, run=False
-            )
+            sql_text.try_slots(transaction=False, named=False, run=False)
         ): 1,
     } == executions
 

@@ -1,0 +1,160 @@
+"""A process that forks while another of its threads holds one of the package's locks:
+the child takes the lock and finishes what uses it (engines.fork_safe_lock).
+
+Each test holds the real lock in a thread, forks, and lets the child do the operation
+that takes it. A child that hangs on the lock is killed at a deadline and fails the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import threading
+import time
+import traceback
+import warnings
+
+from celery_pglock.db import engines, server_probe
+from celery_pglock.lock import fencing_tokens, queued
+from celery_pglock.task import enqueue, singleton_task
+from tests.integration.task_support import current_engine, define
+
+CHILD_DEADLINE = 20.0  #: Seconds; each operation takes well under one.
+
+
+def in_forked_child(held: threading.Lock, work) -> str:
+    """Fork while another thread holds ``held``; the child runs ``work`` (a falsy return
+    or an exception fails it). "ok", the child's error, or "hung" if it was killed."""
+    taken, done = threading.Event(), threading.Event()
+
+    def hold():
+        with held:
+            taken.set()
+            done.wait()
+
+    holder = threading.Thread(target=hold, name="holder")
+    holder.start()
+    try:
+        assert taken.wait(5)
+        read_end, write_end = os.pipe()
+        with warnings.catch_warnings():
+            # 3.12+ warns that a fork of a multi-threaded process may deadlock: the point.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            child = os.fork()
+        if child == 0:  # pragma: no cover - the child reports through the pipe
+            os.close(read_end)
+            report = "ok"
+            try:
+                if not work():
+                    report = "the child's work did not complete"
+            except BaseException:
+                report = traceback.format_exc()
+            finally:
+                os.write(write_end, report.encode())
+                os._exit(0)
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as pipe:
+            readable, _, _ = select.select([pipe], [], [], CHILD_DEADLINE)
+            if not readable:
+                os.kill(child, signal.SIGKILL)
+                os.waitpid(child, 0)
+                return "hung"
+            report = pipe.read().decode()
+        os.waitpid(child, 0)
+        return report
+    finally:
+        done.set()
+        holder.join()
+
+
+def test_the_own_table_guard_is_free_in_a_forked_child(database_url):
+    """OwnTable._guard (held across the CREATE round trip): a child forked while another
+    thread holds it sets up the table on its own engine."""
+
+    def work():
+        engine = engines.create_engine(database_url)
+        fencing_tokens.TABLE.ensure(engine)
+        return engine in fencing_tokens.TABLE._ready
+
+    assert "ok" == in_forked_child(fencing_tokens.TABLE._guard, work)
+
+
+def test_the_server_probe_guard_is_free_in_a_forked_child(database_url):
+    """server_probe._probing (held across the probe's round trips): a child forked while
+    another thread probes probes its own engine."""
+
+    def work():
+        engine = engines.create_engine(database_url)
+        return server_probe.facts_for(engine) is server_probe.known_facts(engine)
+
+    assert "ok" == in_forked_child(server_probe._probing, work)
+
+
+def test_the_enqueue_freers_guard_is_free_in_a_forked_child(app):
+    """enqueue._writers_guard: a child forked while another thread starts a freer starts
+    its own (the parent's thread is not in the child), which frees the dropped row."""
+    task = define(
+        app,
+        _fork_freed,
+        lock_args=("tenant",),
+        lock_enqueue="until_finished",
+    )
+    sent = task.delay(1)
+    key = task.lock_key_for(1)
+    row = queued.parse_header(queued.header_of(key))
+
+    def queued_row():
+        with (
+            engines.autocommit(current_engine(task.app)) as dbapi,
+            dbapi.cursor() as cursor,
+        ):
+            cursor.execute(
+                "SELECT task_id FROM celery_pglock_queued "
+                "WHERE (classid, objid, objsubid) = (%s, %s, %s)",
+                key.pg_locks_ids,
+            )
+            return cursor.fetchone()
+
+    assert (sent.id,) == queued_row()
+
+    def work():
+        enqueue.free_later(task, row, sent.id)
+        deadline = time.monotonic() + 10
+        while queued_row() is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return queued_row() is None
+
+    try:
+        assert "ok" == in_forked_child(enqueue._writers_guard, work)
+    finally:
+        with contextlib.suppress(Exception):
+            queued.give_back(current_engine(task.app), key, sent.id, 5)
+
+
+def _fork_freed(tenant):
+    return tenant
+
+
+def _fork_ran(tenant):
+    return f"ran {tenant}"
+
+
+def test_the_held_registry_guard_is_free_in_a_forked_child(app):
+    """singleton_task._held_guard: a child forked while another thread registers a held
+    lock runs a SingletonTask; the parent's held locks are not the child's."""
+    task = define(app, _fork_ran, lock_args=("tenant",))
+    parents = object()
+    with singleton_task._held_guard:
+        singleton_task._held.add(parents)
+
+    def work():
+        left = singleton_task.held_locks()
+        return "ran 7" == task.apply(args=(7,)).get() and [] == left
+
+    try:
+        assert "ok" == in_forked_child(singleton_task._held_guard, work)
+    finally:
+        with singleton_task._held_guard:
+            singleton_task._held.discard(parents)
