@@ -92,8 +92,8 @@ def test_the_server_probe_guard_is_free_in_a_forked_child(database_url):
     assert "ok" == in_forked_child(server_probe._probing, work)
 
 
-def test_the_enqueue_freers_guard_is_free_in_a_forked_child(app):
-    """enqueue._writers_guard: a child forked while another thread starts a freer starts
+def test_the_enqueue_writers_guard_is_free_in_a_forked_child(app):
+    """enqueue._writers_guard: a child forked while another thread starts a writer starts
     its own (the parent's thread is not in the child), which frees the dropped row."""
     task = define(
         app,

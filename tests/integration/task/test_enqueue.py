@@ -113,6 +113,7 @@ def test_the_publish_statement_is_planned_once_per_connection(app, published):
     engine.dispose()  # a pool of one: sequential sends all use the same connection
 
     def prepared():
+        enqueue.drain_writers()  # the confirmations, on the same pooled connection
         assert 1 == engine.pool.checkedin()
         with engines.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
             cursor.execute(
@@ -126,6 +127,7 @@ def test_the_publish_statement_is_planned_once_per_connection(app, published):
     sends = 8
     for tenant in range(sends):
         task.delay(tenant)
+        enqueue.drain_writers()
     assert 1 + sends == len(published)
     assert [(queued.CLAIM_NAME, before[0][1] + sends)] == prepared()
 
