@@ -59,12 +59,16 @@ def start_workers(
     log_dir = tmp_path_factory.mktemp("workers")
 
     def start(
-        count: int = 2, *, env: dict[str, str] | None = None, **options: Any
+        count: int = 2,
+        *,
+        env: dict[str, str] | None = None,
+        app: str = "tests.acceptance.app",
+        **options: Any,
     ) -> list[WorkerProcess]:
         options.setdefault("concurrency", 2)
         workers = [
             WorkerProcess(
-                "tests.acceptance.app",
+                app,
                 env={**acceptance_env, **(env or {})},
                 log_path=log_dir / f"worker-{len(started) + index}.log",
                 **options,

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from kombu.exceptions import OperationalError
 
 from celery_pglock.cli import standalone_command
-from celery_pglock.testing import WorkerProcess, _support
+from celery_pglock.testing import _support
 
 from .conftest import wait_until
 
@@ -29,18 +29,9 @@ def enqueue_app(acceptance):
 
 
 @pytest.fixture(scope="module")
-def worker(acceptance_env, enqueue_app, tmp_path_factory):
+def worker(enqueue_app, start_workers):
     """One prefork worker with two children, consuming this module's queue."""
-    started = WorkerProcess(
-        APP,
-        env=acceptance_env,
-        concurrency=2,
-        queues=[QUEUE],
-        log_path=tmp_path_factory.mktemp("guards") / "worker.log",
-    )
-    started.start(timeout=90)
-    yield started
-    started.stop(timeout=20)
+    return start_workers(1, app=APP, queues=[QUEUE])[0]
 
 
 @pytest.fixture(scope="module")

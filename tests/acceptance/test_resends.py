@@ -29,17 +29,9 @@ def resend_app(acceptance):
 
 
 @pytest.fixture(scope="module")
-def worker(acceptance_env, resend_app, tmp_path_factory):
+def worker(resend_app, start_workers):
     """One prefork worker, two children."""
-    started = WorkerProcess(
-        APP,
-        env=acceptance_env,
-        concurrency=2,
-        log_path=tmp_path_factory.mktemp("resend-worker") / "worker.log",
-    )
-    started.start(timeout=90)
-    yield started
-    started.stop(timeout=20)
+    return start_workers(1, app=APP)[0]
 
 
 @pytest.fixture
