@@ -561,8 +561,8 @@ def test_check_counts_the_lock_connections_a_process_holds(database_url, scope, 
         scope,
     )
     assert (
-        f"{3 * count} lock connection(s) needed at most (3 process(es) x {count}:"
-        in (" ".join(output.split()))
+        f"{3 * count} lock connection(s) needed at most (3 process(es), from "
+        f"--processes, x {count}:" in (" ".join(output.split()))
     ), output
 
 
@@ -629,6 +629,39 @@ def test_check_fails_on_an_app_without_singleton_tasks(database_url):
     assert "has no SingletonTask" in completed.stdout
     assert "base=SingletonTask" in completed.stdout
     assert "OK    connectivity" in completed.stdout  # the other checks still ran
+
+
+def test_check_names_the_closest_option_for_a_typo(database_url):
+    """A misspelt task option fails `check` with the valid name as the fix line."""
+    output = run(
+        "--app",
+        f"{LAYOUTS}.typo_app:app",
+        "--database-url",
+        database_url,
+        "check",
+        expect=1,
+    )
+    assert "FAIL  configuration" in output
+    assert "fix: rename 'lock_arg' to 'lock_args', the closest valid name" in output
+
+
+@pytest.mark.parametrize(
+    ("args", "conf", "processes", "source"),
+    [
+        (["--concurrency", "7"], None, 7, "from --processes"),
+        ([], 5, 5, "from the app's worker_concurrency"),
+        ([], None, os.cpu_count(), "from this host's CPU count"),
+    ],
+    ids=["--concurrency", "worker_concurrency", "cpu_count"],
+)
+def test_check_sizes_for_the_concurrency_it_names(
+    cli_app, database_url, monkeypatch, args, conf, processes, source
+):
+    """capacity counts --processes (alias --concurrency), else the app's
+    worker_concurrency, else this host's CPUs, and says which it used."""
+    monkeypatch.setitem(cli_app.app.conf, "worker_concurrency", conf)
+    output = " ".join(run("--app", APP, "check", *args).split())
+    assert f"({processes} process(es), {source}" in output, output
 
 
 def _documented_exit_statuses():
