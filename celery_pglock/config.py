@@ -298,6 +298,7 @@ def _unknown(
     where: str, kind: str, spelled: str, known: Sequence[str]
 ) -> exceptions.ConfigurationError:
     bare = spelled.lower().split("pglock_" if kind == "setting" else "lock_", 1)[-1]
+    hint: list[str] | None = None  # set for a name that never existed
     if bare in REMOVED:
         message = f"{where}{kind} {spelled!r} was removed: {REMOVED[bare]}."
     elif kind == "setting" and bare in PER_TASK:
@@ -309,7 +310,11 @@ def _unknown(
             + (f"; did you mean {hint[0]!r}?" if hint else ".")
             + f" Known {kind}s: {', '.join(known)}."
         )
-    return exceptions.ConfigurationError(message[0].upper() + message[1:])
+    return exceptions.ConfigurationError(
+        message[0].upper() + message[1:],
+        unknown=None if hint is None else spelled,
+        suggestion=hint[0] if hint else None,
+    )
 
 
 def resolve(
@@ -495,24 +500,41 @@ def _valid_lock_args(
     return tuple(names)
 
 
-#: Peers' per-task options -> (library, what instead): refused, as they would do nothing.
-#: Their app-wide settings are not: a peer may still run other tasks (docs/migration.md).
+#: Peers' per-task options -> (library, what it would do left in place, what instead):
+#: refused, as they would do nothing. Their app-wide settings are not: a peer may still
+#: run other tasks (docs/migration.md).
+_UNKEYED = (
+    "its key names would not pick the lock, which follows lock_args (without them, one "
+    "lock covers every argument value)"
+)
 PEER_OPTIONS = {
     "once": (
         "celery-once",
+        f"{_UNKEYED}, and no other part of it would do anything",
         "use lock_enqueue='until_finished' with {keys} for its 'keys', "
         "lock_enqueue_on_duplicate for 'graceful' ('return', the default, or 'raise'), "
         "lock_enqueue='until_started' for 'unlock_before_run', and for 'timeout', "
         "{no_expiry}",
     ),
-    "unique_on": ("celery-singleton", "use lock_enqueue='until_finished' with {keys}"),
+    "unique_on": (
+        "celery-singleton",
+        _UNKEYED,
+        "use lock_enqueue='until_finished' with {keys}",
+    ),
     "raise_on_duplicate": (
         "celery-singleton",
+        "a duplicate would not raise",
         "use lock_enqueue_on_duplicate='raise' with lock_enqueue='until_finished'",
     ),
-    "lock_expiry": ("celery-singleton", "{no_expiry}"),
+    "lock_expiry": (
+        "celery-singleton",
+        "it would set no expiry, and none is needed",
+        "{no_expiry}",
+    ),
     "heimdall": (
         "celery-heimdall",
+        "its 'key' would not pick the lock, which follows lock_args, and its other "
+        "parts would do nothing",
         "use lock_args (or override lock_key_for) for its 'key', lock_on_busy='raise' for "
         "'unique_raises', and for 'unique_timeout', {no_expiry}",
     ),
@@ -526,7 +548,7 @@ def peer_refusal(
     if option != "unique_on":
         names = value.get("keys", ...) if isinstance(value, dict) else ...
     names = [names] if isinstance(names, str) else names
-    library, instead = PEER_OPTIONS[option]
+    library, left_in_place, instead = PEER_OPTIONS[option]
     instead = instead.format(
         keys=f"lock_args={tuple(names)!r}"
         if isinstance(names, (list, tuple)) and names
@@ -539,6 +561,6 @@ def peer_refusal(
     )
     return exceptions.ConfigurationError(
         f"Task {task_name!r}: {option!r} is a {library} option, which SingletonTask "
-        "does not read (left in place, the task would run with one lock for all "
-        f"argument values); {instead}. See the migration guide (docs/migration.md)."
+        f"does not read (left in place, {left_in_place}); {instead}. See the "
+        "migration guide (docs/migration.md)."
     )

@@ -29,6 +29,19 @@ class PgLockError(Exception):
 class ConfigurationError(PgLockError, ValueError):
     """A celery-pglock setting or task option is missing or invalid."""
 
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        unknown: str | None = None,
+        suggestion: str | None = None,
+    ) -> None:
+        super().__init__(message)  # pickled with the instance __dict__, as LockError's
+        #: An option or setting name that does not exist, as it was spelled.
+        self.unknown = unknown
+        #: The valid name closest to ``unknown``, if one is close.
+        self.suggestion = suggestion
+
 
 class LockKeyError(PgLockError, TypeError):
     """A task argument cannot be turned into a stable lock key."""

@@ -423,7 +423,7 @@ def _canonical(value: object, depth: int) -> Json:
     kind = (
         "an enum member"
         if isinstance(value, enum.Enum)
-        else f"a {type(value).__qualname__}"
+        else f"a value of type {type(value).__qualname__}"  # no a/an to get wrong
     )
     raise _Refusal(
         f"is {kind}, which has no stable text form for a lock key. Pass plain "

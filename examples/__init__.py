@@ -1,4 +1,5 @@
-"""Runnable examples of celery-pglock: the design article's two scenarios and the demo.
+"""Runnable examples of celery-pglock: the two scenarios of the article this library grew
+from (docs/design.md, "The article") and the demo.
 
 - ``examples.settlement``: the daily settlement job, one transaction, a numeric key.
 - ``examples.tenant_export``: a per-tenant export under a session lock, made idempotent.

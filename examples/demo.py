@@ -10,8 +10,8 @@ Run it with ``bash scripts/demo.sh`` (or ``python examples/demo.py --help``). It
    ``examples.demo_app``;
 3. sends 3 tenants x 20 duplicate ``build_tenant_export`` tasks at once, whose bodies
    hold their tenant's lock for 0.3 s;
-4. shows the design article's monitoring query (pg_locks joined with
-   pg_stat_activity) while the burst runs, waits for every task to end, and prints
+4. shows the monitoring query (pg_locks joined with pg_stat_activity) of the article this
+   library grew from (docs/design.md) while the burst runs, waits for every task to end, and prints
    sent / ran / skipped / failed / overlaps per tenant.
 
 The exit status is 0 only if no two runs of one tenant overlapped and every task either
@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ENDED = ("SUCCESS", "SKIPPED", "FAILURE")
 #: Seconds a configured service may take to answer (a container may still be starting).
 CONNECT_TIMEOUT = 20.0
-#: The design article's monitoring query, limited to this database.
+#: The monitoring query of the article this library grew from (docs/design.md), limited to this database.
 MONITOR_SQL = """
 SELECT l.pid, l.classid, l.objid, l.objsubid, l.mode, l.granted, l.waitstart,
        a.application_name, a.state, a.query_start, a.query

@@ -1,4 +1,5 @@
-"""The design article's daily settlement: one transaction, ``pg_try_advisory_xact_lock``.
+"""The daily settlement of the article this library grew from (docs/design.md, "The
+article"): one transaction, ``pg_try_advisory_xact_lock``.
 
 Every pending row of ``settlements`` is locked ``FOR UPDATE``, marked processed, and the
 run is written to ``settlement_runs``, all in the one transaction that also holds the
@@ -10,8 +11,10 @@ say) and every tick is sent twice, yet the two runs never overlap. A copy that s
 while the other holds the lock is skipped (``LockSkipped``) without touching a row; a copy that
 starts after the other committed finds no pending row and settles 0. The lock keeps the
 work from running twice at once; the ``pending -> processed`` transition is what keeps a
-row from being settled twice. From the repository root::
+row from being settled twice. From the repository root (``celery[redis]``: Celery's Redis
+transport, for the broker)::
 
+    pip install . 'celery[redis]'
     export CELERY_PGLOCK_DATABASE_URL=postgresql+psycopg2://postgres:postgres@localhost:5432/postgres
     export CELERY_PGLOCK_BROKER_URL=redis://localhost:6379/0   # the default
     python -m examples.settlement 5          # create the tables, add 5 pending rows

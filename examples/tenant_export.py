@@ -1,4 +1,5 @@
-"""The design article's per-tenant export: a session lock around work with side effects.
+"""The per-tenant export of the article this library grew from (docs/design.md, "The
+article"): a session lock around work with side effects.
 
 ``build_tenant_export(tenant_id)`` builds a file, "uploads" it (writes it under
 EXPORT_DIR, standing in for object storage) and records it in ``tenant_exports``. That
@@ -15,8 +16,10 @@ repeat harmless (locks reduce concurrency, constraints preserve correctness):
   repeated upload replaces the same object instead of adding a second one;
 - ``INSERT ... ON CONFLICT DO NOTHING`` on a primary key, so a repeated record is a no-op.
 
-From the repository root::
+From the repository root (``celery[redis]``: Celery's Redis transport, for the default
+broker)::
 
+    pip install . 'celery[redis]'
     export CELERY_PGLOCK_DATABASE_URL=postgresql+psycopg2://postgres:postgres@localhost:5432/postgres
     python -m examples.tenant_export          # create the table
     celery -A examples.tenant_export worker --loglevel INFO

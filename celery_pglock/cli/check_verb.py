@@ -45,8 +45,10 @@ class Finding:
 )
 @click.option(
     "--processes",
+    "--concurrency",
+    "processes",
     type=click.IntRange(min=1),
-    help="Worker processes (or threads) that run locked tasks at once, across all hosts (default: the app's worker_concurrency, or this host's CPU count).",
+    help="Worker processes (or threads) that run locked tasks at once, across all hosts: the sum of the workers' -c (default: the app's worker_concurrency, else this host's CPU count).",
 )
 @click.option(
     "--scope",
@@ -82,8 +84,7 @@ def run_checks(
             scopes.update(t.lock_config.scope.value for t in target.singleton_tasks)
         masked = engines.mask_url(engines.check_url(target.require_url()))
     except (exceptions.ConfigurationError, click.UsageError) as error:
-        fix = "set the lock database URL and options as the message says"
-        return [Finding("FAIL", "configuration", str(error).strip(), fix)]
+        return [Finding("FAIL", "configuration", str(error).strip(), _fix(error))]
     scopes = scopes or {"session"}
     tasks = len(target.singleton_tasks)
     summary = f"; {tasks} SingletonTask(s), scope {', '.join(sorted(scopes))}"
@@ -150,6 +151,17 @@ def run_checks(
     return findings
 
 
+def _fix(error: Exception) -> str:
+    """The fix of a configuration error: a misspelt name gets its closest valid one."""
+    unknown = getattr(error, "unknown", None)
+    suggestion = getattr(error, "suggestion", None)
+    if unknown and suggestion:
+        return f"rename {unknown!r} to {suggestion!r}, the closest valid name"
+    if unknown:
+        return f"remove {unknown!r}, or use one of the names the message lists"
+    return "set the lock database URL and options as the message says"
+
+
 def _probe(engine: sa.Engine) -> server_probe.ServerFacts | exceptions.PgLockError:
     try:
         return server_probe.probe(engine)
@@ -186,9 +198,18 @@ def _capacity(
 ) -> Finding:
     """Lock connections needed against free ones; per process: docs/operations/cli.md."""
     app = target.app
-    if processes is None:
-        configured = app.conf.get("worker_concurrency") if app is not None else None
-        processes = int(configured or os.cpu_count() or 1)
+    configured = app.conf.get("worker_concurrency") if app is not None else None
+    if processes is not None:
+        source = "--processes"
+    elif configured:
+        processes, source = int(configured), "the app's worker_concurrency"
+    else:
+        # A worker's -c is on its command line, out of our sight: say what we assumed.
+        processes = os.cpu_count() or 1
+        source = (
+            "this host's CPU count, as a worker without -c or worker_concurrency "
+            "runs; pass --processes with the sum of your workers' -c"
+        )
     pooled: list[str] = []
     if "transaction" in scopes:
         pooled.append("transaction scope")
@@ -205,9 +226,9 @@ def _capacity(
     available = facts.max_connections - facts.reserved - facts.in_use
     needed = processes * count
     detail = (
-        f"{needed} lock connection(s) needed at most ({processes} process(es) x {count}: "
-        f"{why}); max_connections={facts.max_connections}, {facts.reserved} reserved, "
-        f"{facts.in_use} in use, {available} free"
+        f"{needed} lock connection(s) needed at most ({processes} process(es), from "
+        f"{source}, x {count}: {why}); max_connections={facts.max_connections}, "
+        f"{facts.reserved} reserved, {facts.in_use} in use, {available} free"
     )
     fix = "raise max_connections, lower worker concurrency, or pool lock sessions through PgBouncer in session mode"
     if needed > available:

@@ -3,6 +3,7 @@ Manual (the columns): docs/operations/cli.md."""
 
 from __future__ import annotations
 
+import datetime
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,8 @@ if TYPE_CHECKING:
 
     from celery_pglock.cli import Target
 
-#: The key as LockKey.__str__ writes it, "since" as cli.md defines it; no run locks.
+#: The key as LockKey.__str__ writes it; "since" as cli.md defines it, unless the holder's
+#: application_name shows it (read()); no run locks.
 LOCKS = f"""
 SELECT CASE WHEN l.objsubid = 1 THEN ((l.classid::bigint << 32) | l.objid::bigint)::text
        ELSE l.classid::bigint::bit(32)::int || ',' || l.objid::bigint::bit(32)::int
@@ -61,7 +63,8 @@ def locks(target: Target, as_json: bool) -> None:
             entry["key"],
             entry["lock_name"]
             or ("-" if entry["celery_pglock"] else "(not celery-pglock)"),
-            entry["slot"] or "-",
+            (entry["slot"] or "-")
+            + (f" of {entry['slot_of']}" if entry["slot_of"] else ""),
             entry["task"] or "-",
             holder_name(entry, "-"),
             str(entry["backend_pid"] or "-"),
@@ -93,14 +96,16 @@ def read(target: Target, engine: sa.Engine) -> list[dict[str, Any]]:
         target.conf().get("pglock_application_name") or engines.DEFAULT_APPLICATION_NAME
     ) + " "
     singletons = target.singleton_tasks
-    fixed: dict[str, tuple[str, str, str | None]] = {}  # key -> task, lock, slot i/N
+    #: key -> task, lock, slot "i/N", the key slot i belongs to (slot 0's)
+    fixed: dict[str, tuple[str, str, str | None, str | None]] = {}
     for task in singletons:
         options = task.lock_config
         if options.fixed_key is not None:
             slots = keys.slot_keys(options.fixed_key, options.limit)
             for slot, key in enumerate(slots):
                 of = f"{slot}/{options.limit}" if options.limit > 1 else None
-                fixed[str(key)] = (task.name, options.name, of)
+                base = str(slots[0]) if slot else None
+                fixed[str(key)] = (task.name, options.name, of, base)
 
     def full_name(task: str | None) -> str | None:
         # application_name keeps only the tail of a long name ("~app.tasks.x").
@@ -118,6 +123,8 @@ def read(target: Target, engine: sa.Engine) -> list[dict[str, Any]]:
             holder_lookup.parse_application_name(name) if ours else (None, None)
         )
         since = row["since"]
+        if row["granted"] and ours and (second := holder_lookup.held_since(name)):
+            since = datetime.datetime.fromtimestamp(second, tz=row["now"].tzinfo)
         seconds = None if since is None else (row["now"] - since).total_seconds()
         session = {
             "backend_pid": row["backend_pid"],
@@ -134,6 +141,7 @@ def read(target: Target, engine: sa.Engine) -> list[dict[str, Any]]:
                 "key": row["key"],
                 "lock_name": None,
                 "slot": None,
+                "slot_of": None,
                 "waiters": [],
                 "held_seconds": None,
                 **dict.fromkeys(session),
@@ -145,8 +153,38 @@ def read(target: Target, engine: sa.Engine) -> list[dict[str, Any]]:
             continue
         entry.update(session, held_seconds=seconds)
         if row["key"] in fixed:  # a key independent of arguments names its task
-            entry["task"], entry["lock_name"], entry["slot"] = fixed[row["key"]]
+            entry["task"], entry["lock_name"], entry["slot"], entry["slot_of"] = fixed[
+                row["key"]
+            ]
+    _name_argument_slots(by_key, singletons)
     return list(by_key.values())
+
+
+def _name_argument_slots(by_key: dict[str, dict[str, Any]], singletons: Any) -> None:
+    """The slots of per-argument lock_limit keys: slot i > 0 is derived from slot 0's key
+    (keys.slot_keys) and cannot be turned back, so it is named when slot 0 is held too;
+    else "?/N", from the task its holder shows."""
+    limited = {
+        task.name: task.lock_config
+        for task in singletons
+        if task.lock_config.limit > 1 and task.lock_config.fixed_key is None
+    }
+    for entry in list(by_key.values()):
+        options = limited.get(entry["task"] or "")
+        if options is None or entry["slot"] or "," in entry["key"]:
+            continue
+        base = keys.LockKey(name=options.name, ids=(int(entry["key"]),))
+        for slot, key in enumerate(keys.slot_keys(base, options.limit)[1:], start=1):
+            held = by_key.get(str(key))
+            if held is not None and held["backend_pid"] is not None:
+                held["slot"] = f"{slot}/{options.limit}"
+                held["slot_of"], held["lock_name"] = entry["key"], options.name
+                held["task"] = entry["task"]
+                entry["slot"], entry["lock_name"] = f"0/{options.limit}", options.name
+    for entry in by_key.values():
+        options = limited.get(entry["task"] or "")
+        if options is not None and not entry["slot"]:
+            entry["slot"] = f"?/{options.limit}"
 
 
 def holder_name(session: Mapping[str, Any], unknown: str = "?") -> str:

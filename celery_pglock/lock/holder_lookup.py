@@ -4,6 +4,7 @@ ends). The application_name formats: docs/operations/monitoring.md (application_
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 import time
 import weakref
@@ -21,6 +22,7 @@ _recent: weakref.WeakKeyDictionary[
 
 _PROCESS_TAG = re.compile(r"^[^\s:]+:\d+$")  # "host:pid" (engines.process_tag)
 _KEY = re.compile(r"^-?\d+(,-?\d+)?$")  # str(LockKey): "-123" or "42,1001"
+_SINCE = re.compile(r"^@(\d+)$")  # the process session's "held since" epoch second
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,12 +50,23 @@ def parse_application_name(
     for index, word in enumerate(words):
         if _PROCESS_TAG.match(word):
             rest = words[index + 1 :]
-            if rest and _KEY.match(rest[0]):  # a per-lock connection: the key first
-                rest = rest[1:]
+            if rest and (_KEY.match(rest[0]) or _SINCE.match(rest[0])):
+                rest = rest[1:]  # a per-lock connection's key, or the held-since second
             if not rest or rest == ["idle"]:
                 return word, None
             return word, " ".join(rest)
     return None, None
+
+
+def held_since(application_name: str | None) -> int | None:
+    """The epoch second a process lock session shows it began to hold its keys; None if
+    it shows none (another kind of session, or not ours)."""
+    words = (application_name or "").split(" ")
+    for word, after in itertools.pairwise(words):
+        if _PROCESS_TAG.match(word):
+            match = _SINCE.match(after)
+            return int(match.group(1)) if match else None
+    return None
 
 
 def find(lock: AdvisoryLock) -> Holder | None:

@@ -237,6 +237,7 @@ class ProcessSession(LockSessions):
         self._bound: Any = None  # a _Bound while connected
         self._holder: fencing_tokens.Holder | None = None  # asked once per connection
         self._shown: str | None = None  # the application_name the session shows
+        self._since = 0  # the epoch second it shows: when it last began to hold keys
         #: key ids -> hold on the current connection (a lost hold leaves; its claim stays).
         self._owners: dict[tuple[int, ...], Hold] = {}
         self._runs: dict[tuple[int, ...], Hold] = {}  #: run lock ids -> its hold.
@@ -290,13 +291,16 @@ class ProcessSession(LockSessions):
                 run_ids = None if run is None or run.ids in self._runs else run.ids
                 if self._cursor is None:
                     self._connect(key)
-                name = self._name(label)
+                since = self._held_since()
+                name = self._name(f"@{since}", label)
                 try:
                     # Bounded: a frozen link would stall every lock statement here.
                     with self._bound(bound):
                         granted, run_granted = self._try(ids, name, run_ids, row)
                     if granted:  # inside the try, for the same reason
-                        self._record(hold, name, run_ids, run_granted, on_granted)
+                        self._record(
+                            hold, name, since, run_ids, run_granted, on_granted
+                        )
                 except BaseException as exc:
                     self._fail(f"acquiring lock {key.name!r} failed: {exc!r}", exc)
                     self._raise(exc, f"acquire lock {key.name!r}")
@@ -319,7 +323,8 @@ class ProcessSession(LockSessions):
             run_ids = None if run is None or run.ids in self._runs else run.ids
             if self._cursor is None:
                 self._connect(slots[0])
-            name = self._name(label)
+            since = self._held_since()
+            name = self._name(f"@{since}", label)
             for hold in free:
                 hold.holding_name = name
             try:
@@ -332,23 +337,31 @@ class ProcessSession(LockSessions):
                         prepare=self._ready,
                     )
                 if granted is not None:
-                    self._record(granted, name, run_ids, run_granted, on_granted)
+                    self._record(granted, name, since, run_ids, run_granted, on_granted)
             except BaseException as exc:
                 self._fail(f"acquiring lock {slots[0].name!r} failed: {exc!r}", exc)
                 self._raise(exc, f"acquire lock {slots[0].name!r}")
             owned = granted is not None and self._owners.get(granted.ids) is granted
             return granted if owned else None
 
+    def _held_since(self) -> int:
+        """Under the mutex: the epoch second to show for a grant now: that of the keys
+        already held, else now (docs/operations/monitoring.md, application_name). Whole
+        seconds: a run of one task within a second needs no relabel."""
+        return self._since if self._owners else int(time.time())
+
     def _record(
         self,
         hold: Hold,
         name: str,
+        since: int,
         run_ids: tuple[int, ...] | None,
         run_granted: bool,
         on_granted: Callable[[Hold], None] | None,
     ) -> None:
         """Under the mutex: ``hold`` was granted on this session."""
         self._shown = hold.holding_name = name
+        self._since = since
         hold.connection = self._connection
         self._owners[hold.ids] = hold
         if run_granted and run_ids is not None:

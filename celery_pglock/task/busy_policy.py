@@ -104,10 +104,17 @@ def report(
             if action is OnBusy.WAIT
             else ""
         )
+        # The period records a start, not a holder: that run may have ended long ago.
+        last = throttle.last_task_id
+        started = (
+            f"run {last} started"
+            if last
+            else "a run started (a direct call, or one whose id is unknown)"
+        )
         message = (
-            f"Lock {key.name!r} (key {key}) started a run ({throttle.last_task_id}) "
-            f"less than lock_period {options.period:g}s ago, {left:.1f}s left"
-            f"{too_long}; {task.name}[{task_id}] did not run."
+            f"Lock {key.name!r} (key {key}): {started} less than lock_period "
+            f"{options.period:g}s ago, {left:.1f}s left{too_long}; "
+            f"{outcomes.run_name(task, task_id)} did not run."
         )
         return message, {
             "reason": "period",
@@ -147,7 +154,7 @@ def report(
         held = f"has all {options.limit} slots (lock_limit) held, one by {by}"
     message = (
         f"Lock {key.name!r} (key {key}) {held}{waited}; "
-        f"{task.name}[{task_id}] did not run."
+        f"{outcomes.run_name(task, task_id)} did not run."
     )
     return message, details
 

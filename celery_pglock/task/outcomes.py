@@ -16,6 +16,11 @@ logger = logging.getLogger(__name__)
 _metrics_warned = False
 
 
+def run_name(task: Any, task_id: str | None) -> str:
+    """How messages name a run: ``task[id]``, or the task and "direct call" (no id)."""
+    return f"{task.name}[{task_id}]" if task_id else f"{task.name} (direct call)"
+
+
 def acquired(task: Any, task_id: str | None, lock: AdvisoryLock) -> None:
     wait = lock.wait_seconds or 0.0
     if metrics.sink is not None:
@@ -24,11 +29,10 @@ def acquired(task: Any, task_id: str | None, lock: AdvisoryLock) -> None:
         signals.lock_acquired.send(**_payload(task, task_id, lock, wait_seconds=wait))
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
-            "Acquired lock %s (key %s) for %s[%s] in %.3fs",
+            "Acquired lock %s (key %s) for %s in %.3fs",
             lock.key.name,
             lock.key,
-            task.name,
-            task_id,
+            run_name(task, task_id),
             wait,
             extra=_extra("lock_acquired", lock, task_id),
         )
@@ -102,11 +106,10 @@ def released(
         )
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
-            "Lock %s (key %s) of %s[%s]: %s after %.3fs held",
+            "Lock %s (key %s) of %s: %s after %.3fs held",
             lock.key.name,
             lock.key,
-            task.name,
-            task_id,
+            run_name(task, task_id),
             state,
             held,
             extra={
@@ -122,12 +125,11 @@ def release_failed(
     if metrics.sink is not None:
         _count("release_failed", task.name)
     logger.error(
-        "Releasing lock %s (key %s) of %s[%s] failed: %s. PostgreSQL no longer holds "
+        "Releasing lock %s (key %s) of %s failed: %s. PostgreSQL no longer holds "
         "the lock.",
         lock.key.name,
         lock.key,
-        task.name,
-        task_id,
+        run_name(task, task_id),
         error,
         extra=_extra("lock_release_failed", lock, task_id),
     )
@@ -142,12 +144,11 @@ def lost(task: Any, task_id: str | None, lock: AdvisoryLock, cause: str) -> None
     if metrics.sink is not None:
         _count("lost", task.name)
     logger.error(
-        "Lock %s (key %s) of %s[%s] was lost: %s. Another run may hold it now; the run "
+        "Lock %s (key %s) of %s was lost: %s. Another run may hold it now; the run "
         "will end FAILURE with LockLostError.",
         lock.key.name,
         lock.key,
-        task.name,
-        task_id,
+        run_name(task, task_id),
         cause,
         extra={**_extra("lock_lost", lock, task_id), "cause": cause},
     )
@@ -163,10 +164,9 @@ def database_error(
     max_retries: int | None,
 ) -> None:
     logger.warning(
-        "%s[%s] could not take its lock: %s. The lock database looks unavailable; the "
+        "%s could not take its lock: %s. The lock database looks unavailable; the "
         "run is re-queued in %gs (retry %d of %s), and its body has not run.",
-        task.name,
-        task_id,
+        run_name(task, task_id),
         error,
         countdown,
         task.request.retries + 1,

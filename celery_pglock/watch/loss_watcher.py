@@ -279,7 +279,10 @@ class Observer:
                 self.close()
 
     def _check_here(self, entries: list[Entry], deadline: float) -> dict[int, str]:
+        # Until the deadline: a restarting server answers within it, and says so.
+        tries = 0
         while True:
+            tries += 1
             try:
                 if self.connection is None:
                     self._connect(deadline)
@@ -298,10 +301,14 @@ class Observer:
         # libpq may echo connection options: scrub as the security layer does.
         text = redact.scrub_text(str(last_error), redact.secrets_of(self.engine.url))
         reason = " ".join(text.split()) or type(last_error).__name__
-        cause = (
-            "unverifiable: the lock database did not confirm it within "
-            f"{entries[0].timeout:g}s ({reason})"
-        )
+        budget = f"lock_db_timeout {entries[0].timeout:g}s"
+        if isinstance(last_error, TimeoutError):  # wait(): nothing came back in time
+            cause = f"unverifiable: the lock database did not answer within {budget}"
+        else:  # refused or dropped: say so, and that it was tried for the whole budget
+            cause = (
+                f"unverifiable: the lock database could not be reached: {tries} "
+                f"attempt(s) within {budget} failed, the last with: {reason}"
+            )
         return {id(entry): cause for entry in entries}
 
     def _evaluate(

@@ -1,6 +1,6 @@
 """What a project puts in its conftest.py to use the celery-pglock pytest plugin.
 
-Nothing is imported from the plugin: ``pip install 'celery-pglock[pytest]'`` registers it,
+Nothing is imported from the plugin: ``pip install '/path/to/celery-pglock[pytest]'`` registers it,
 and its fixtures only need to know which Celery app to run.
 """
 

@@ -43,3 +43,9 @@ def throttled():
 @app.task(base=SingletonTask, shared=False, lock_period=60)
 def often():
     return "often"
+
+
+# Three runs per tenant at once: its slots depend on the arguments.
+@app.task(base=SingletonTask, shared=False, lock_args=("tenant_id",), lock_limit=3)
+def tenant_batch(tenant_id):
+    return tenant_id

@@ -325,7 +325,12 @@ def test_memoised_scalar_keys_keep_types_apart(app):
     [
         (
             {"unique_on": ["tenant_id"]},
-            ["'unique_on' is a celery-singleton option", "lock_args=('tenant_id',)"],
+            [
+                "'unique_on' is a celery-singleton option",
+                "(left in place, its key names would not pick the lock, which follows "
+                "lock_args (without them, one lock covers every argument value))",
+                "lock_args=('tenant_id',)",
+            ],
         ),
         ({"unique_on": "tenant_id"}, ["lock_args=('tenant_id',)"]),
         (
@@ -341,11 +346,19 @@ def test_memoised_scalar_keys_keep_types_apart(app):
         ({"once": {"graceful": True}}, ["lock_args naming every parameter"]),
         (
             {"raise_on_duplicate": True},
-            ["celery-singleton", "lock_enqueue_on_duplicate='raise'"],
+            [
+                "celery-singleton",
+                "(left in place, a duplicate would not raise)",
+                "lock_enqueue_on_duplicate='raise'",
+            ],
         ),
         (
             {"lock_expiry": 3600},
-            ["'lock_expiry' is a celery-singleton option", "remove it"],
+            [
+                "'lock_expiry' is a celery-singleton option",
+                "(left in place, it would set no expiry, and none is needed)",
+                "remove it",
+            ],
         ),
         (
             {"heimdall": {"unique": True}},
@@ -356,7 +369,8 @@ def test_memoised_scalar_keys_keep_types_apart(app):
 def test_peer_options_are_refused_naming_our_equivalent(app, options, fragments):
     """celery-once/-singleton/-heimdall option names fail at registration with our equivalent.
 
-    Accepted silently, they would leave the task with one lock for every tenant.
+    Accepted silently, they would do nothing: a task keyed per tenant through them would
+    get one lock for every tenant, a raise_on_duplicate would not raise.
     """
     with pytest.raises(ConfigurationError) as caught:
         register(app, **options)

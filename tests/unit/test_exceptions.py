@@ -58,6 +58,7 @@ def test_lock_skipped_round_trips_like_a_json_result_backend():
         ),
         ("pglock web-1:4242 42,1001 ~ng.settle", ("web-1:4242", "~ng.settle")),
         ("pglock web-1:4242 billing.settle", ("web-1:4242", "billing.settle")),
+        ("pglock web-1:4242 @1796400000 b.settle", ("web-1:4242", "b.settle")),
         ("pglock web-1:4242 idle", ("web-1:4242", None)),
         ("pglock web-1:4242", ("web-1:4242", None)),
         ("psql", (None, None)),
@@ -67,3 +68,22 @@ def test_lock_skipped_round_trips_like_a_json_result_backend():
 def test_holder_is_read_from_application_name(application_name, expected):
     """The holder's host:pid and task name come from its application_name."""
     assert expected == holder_lookup.parse_application_name(application_name)
+
+
+@pytest.mark.parametrize(
+    ("application_name", "expected"),
+    [
+        ("pglock web-1:4242 @1796400000 billing.settle", 1796400000),
+        ("my app web-1:4242 @1796400000 billing.settle", 1796400000),
+        ("pglock web-1:4242 -4311986427365126397 billing.settle", None),
+        ("pglock web-1:4242 billing.settle", None),
+        ("psql @1796400000", None),
+        (None, None),
+    ],
+)
+def test_held_since_is_read_from_a_process_sessions_application_name(
+    application_name, expected
+):
+    """The process lock session shows, after its host:pid, the epoch second it began to
+    hold its keys; nothing else is read as one."""
+    assert expected == holder_lookup.held_since(application_name)

@@ -176,12 +176,12 @@ def test_no_collisions_over_a_large_sample():
 SECRET = "SeCrEt"
 BAD_LEAVES = st.sampled_from(
     [
-        ({1, 2}, "a set"),
-        (b"raw", "a bytes"),
+        ({1, 2}, "a value of type set"),
+        (b"raw", "a value of type bytes"),
         (float("nan"), "float that is not finite"),
         (float("-inf"), "float that is not finite"),
         (decimal.Decimal("sNaN"), "Decimal that is not finite"),
-        (object(), "a object"),
+        (object(), "a value of type object"),
         ({7: "x"}, "key of type int"),
         ("a\ud800b", "not valid Unicode"),
         (10**5000, f"more than {keys.MAX_INT_DIGITS} digits"),
@@ -247,7 +247,7 @@ def test_refused_argument_through_a_task_names_the_parameter():
         app.tasks["props.export"].lock_key_for({f"{SECRET}@example.com": [1, {2}]})
     message = str(caught.value)
     assert "Task 'props.export': argument 'payload'[key #0][1]" in message
-    assert "a set" in message
+    assert "a value of type set" in message
     assert SECRET not in message
 
 

@@ -183,6 +183,10 @@ class Opaque:
     pass
 
 
+class Obj:
+    pass
+
+
 class Plain(enum.Enum):
     A = "a"
 
@@ -190,7 +194,8 @@ class Plain(enum.Enum):
 @pytest.mark.parametrize(
     ("value", "fragment"),
     [
-        (Opaque(), "Opaque"),
+        (Opaque(), "is a value of type Opaque, which has no stable text form"),
+        (Obj(), "is a value of type Obj,"),  # was "a Obj"
         (Plain.A, "enum member"),
         (b"bytes", "bytes"),
         ({1, 2}, "set"),

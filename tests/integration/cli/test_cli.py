@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -26,12 +27,14 @@ from celery_pglock import (
     PgLockError,
     SingletonTask,
     cli,
+    config,
     current_lock,
     keys,
 )
 from celery_pglock.db import engines
 from celery_pglock.lock import sessions
 from celery_pglock.testing import EmbeddedPostgres, _support
+from celery_pglock.watch import loss_watcher
 from tests.integration.loss_support import make_app, wait_for
 
 APP = "tests.integration.cli_app:app"
@@ -195,6 +198,86 @@ def test_locks_and_key_show_the_slots_of_a_lock_limit_task(cli_app, database_url
         assert any(str(slots[1]) in line and " 1/3 " in line for line in table)
     finally:
         for lock in locks:
+            if lock.owned():
+                lock.release()
+        sessions.close_for(engine)
+        engine.dispose()
+
+
+def test_locks_names_the_slots_of_a_per_argument_lock_limit_task(cli_app, database_url):
+    """A lock_limit=3 task with lock_args: `pglock locks` names slot 1 of a tenant's key as
+    1/3 of that key (slot 0), with its task; once slot 0 is released, the slot left is
+    "?/3" (a slot key cannot be turned back into the key it was derived from)."""
+    task = cli_app.tenant_batch
+    base = task.lock_key_for(7)
+    slots = keys.slot_keys(base, 3)
+    engine = engines.create_engine(database_url)
+    locks = [AdvisoryLock(engine=engine, key=base, label=task.name) for _ in range(2)]
+    try:
+        for lock in locks:
+            lock.slots = slots
+            assert lock.acquire()
+        first, second = _entry(cli_app, str(slots[0])), _entry(cli_app, str(slots[1]))
+        assert ("0/3", None, task.name) == (
+            first["slot"],
+            first["slot_of"],
+            first["task"],
+        )
+        assert ("1/3", str(base), task.name, task.name) == (
+            second["slot"],
+            second["slot_of"],
+            second["task"],
+            second["lock_name"],
+        )
+        table = run("--app", APP, "locks")
+        assert f" 1/3 of {base} " in table, table
+        locks[0].release()
+        assert "?/3" == _entry(cli_app, str(slots[1]))["slot"]
+    finally:
+        for lock in locks:
+            if lock.owned():
+                lock.release()
+        sessions.close_for(engine)
+        engine.dispose()
+
+
+@pytest.mark.parametrize("scope", ["session", "transaction"])
+def test_locks_held_is_how_long_the_lock_has_been_held(cli_app, database_url, scope):
+    """HELD counts from the grant, though the lock watcher (and other locks) run
+    statements on the holder's session meanwhile; a lock taken later on the same session,
+    once the first is released, counts from its own grant."""
+    engine = engines.create_engine(database_url)
+    options = config.LockConfig(
+        task_name="t", name="t", watch_interval=0.1, on_lost=config.OnLost.SIGNAL
+    )
+    first = AdvisoryLock(
+        engine=engine, key=keys.make_key("cli", "held", 1), scope=scope, label="t"
+    )
+    later = AdvisoryLock(engine=engine, key=keys.make_key("cli", "held", 2), label="t")
+    try:
+        assert first.acquire()
+        loss_watcher.watch(first, lambda cause: None, options)
+        checks = loss_watcher.checks_run
+        assert _support.wait_until(
+            lambda: time.monotonic() - first.acquired_at > 2.5, timeout=5
+        )
+        with AdvisoryLock(engine=engine, key=keys.make_key("cli", "held", 3)):
+            pass  # a statement of another lock on the process session, just now
+        assert loss_watcher.checks_run > checks + 5  # the watcher checked meanwhile
+        held = _entry(cli_app, str(first.key))["held_seconds"]
+        assert 2.5 <= held < 4.5, held
+        loss_watcher.unwatch(first)
+        first.release()
+        released_at = time.monotonic()
+        assert _support.wait_until(
+            lambda: time.monotonic() - released_at > 1.5, timeout=5
+        )
+        assert later.acquire()
+        held = _entry(cli_app, str(later.key))["held_seconds"]
+        assert 0 <= held < 1.5, held
+    finally:
+        loss_watcher.unwatch(first)
+        for lock in (first, later):
             if lock.owned():
                 lock.release()
         sessions.close_for(engine)
@@ -478,8 +561,8 @@ def test_check_counts_the_lock_connections_a_process_holds(database_url, scope, 
         scope,
     )
     assert (
-        f"{3 * count} lock connection(s) needed at most (3 process(es) x {count}:"
-        in (" ".join(output.split()))
+        f"{3 * count} lock connection(s) needed at most (3 process(es), from "
+        f"--processes, x {count}:" in (" ".join(output.split()))
     ), output
 
 
@@ -546,6 +629,39 @@ def test_check_fails_on_an_app_without_singleton_tasks(database_url):
     assert "has no SingletonTask" in completed.stdout
     assert "base=SingletonTask" in completed.stdout
     assert "OK    connectivity" in completed.stdout  # the other checks still ran
+
+
+def test_check_names_the_closest_option_for_a_typo(database_url):
+    """A misspelt task option fails `check` with the valid name as the fix line."""
+    output = run(
+        "--app",
+        f"{LAYOUTS}.typo_app:app",
+        "--database-url",
+        database_url,
+        "check",
+        expect=1,
+    )
+    assert "FAIL  configuration" in output
+    assert "fix: rename 'lock_arg' to 'lock_args', the closest valid name" in output
+
+
+@pytest.mark.parametrize(
+    ("args", "conf", "processes", "source"),
+    [
+        (["--concurrency", "7"], None, 7, "from --processes"),
+        ([], 5, 5, "from the app's worker_concurrency"),
+        ([], None, os.cpu_count(), "from this host's CPU count"),
+    ],
+    ids=["--concurrency", "worker_concurrency", "cpu_count"],
+)
+def test_check_sizes_for_the_concurrency_it_names(
+    cli_app, database_url, monkeypatch, args, conf, processes, source
+):
+    """capacity counts --processes (alias --concurrency), else the app's
+    worker_concurrency, else this host's CPUs, and says which it used."""
+    monkeypatch.setitem(cli_app.app.conf, "worker_concurrency", conf)
+    output = " ".join(run("--app", APP, "check", *args).split())
+    assert f"({processes} process(es), {source}" in output, output
 
 
 def _documented_exit_statuses():

@@ -98,7 +98,7 @@ def test_a_try_refused_by_postgresql_leaves_the_key_free_in_the_process(
 def test_holder_is_visible_in_pg_locks_with_application_name(
     lock_engine, namespace, session_mode
 ):
-    """The article's incident query shows who holds the key: application_name names the
+    """The incident query of docs/design.md's article shows who holds the key: application_name names the
     host:pid and the label (a per-lock connection also shows the key; the process's
     shared session is not relabelled per key, pg_locks has the key)."""
     key = make_key(namespace)

@@ -82,6 +82,23 @@ def test_skip_ends_as_failure_with_lock_skipped_naming_the_holder(app, events, c
     assert app.conf.pglock_database_url not in lines[0].getMessage()
 
 
+def test_a_busy_direct_call_is_named_as_such(app):
+    """A direct call has no task id: its LockBusy says "direct call", not "[None]"."""
+
+    def direct(tenant_id):
+        return tenant_id
+
+    task = define(app, direct, lock_args=("tenant_id",))
+    holder = hold(task, 3)
+    try:
+        with pytest.raises(LockBusy) as raised:
+            task(3)
+    finally:
+        holder.release()
+    assert str(raised.value).endswith(f"; {task.name} (direct call) did not run.")
+    assert "[None]" not in str(raised.value)
+
+
 def test_skip_result_success_returns_a_skip_record_and_runs_no_callback(app, events):
     """lock_skip_result='success': SUCCESS with a skip record as the value; link
     callbacks do not run."""

@@ -132,6 +132,46 @@ def test_frozen_server_is_unverifiable_before_the_keepalive_deadline(
     assert ended - times["noticed"] < 1.5 + 1.0, (started, times, ended)
 
 
+def test_a_stopped_server_is_reported_unreachable_within_the_documented_bound(
+    private_postgres, broker_url, result_backend_url, namespace, lost_events
+):
+    """PostgreSQL stopped under a running body: each reconnect is refused at once, and the
+    watcher keeps trying for lock_db_timeout (a restart would answer), so the loss is
+    reported within lock_watch_interval * 1.25 + lock_db_timeout of the stop
+    (docs/operations/lock-loss.md), with a cause that says the server could not be
+    reached, not that it was slow to answer."""
+    interval, timeout = 0.4, 1.5
+    app = make_app(
+        private_postgres.url(),
+        broker_url,
+        result_backend_url,
+        namespace,
+        pglock_watch_interval=interval,
+        pglock_db_timeout=timeout,
+        pglock_on_lost="signal",  # the body goes on, to time the detection
+    )
+    times = {}
+
+    @app.task(base=SingletonTask, shared=False)
+    def body():
+        lock = current_lock()
+        time.sleep(0.8)  # one successful check first
+        private_postgres.stop("fast")
+        times["stopped"] = time.monotonic()
+        wait_for(lambda: lock.lost, 10, "the stopped server to be noticed")
+        times["noticed"] = time.monotonic()
+        return "finished"
+
+    result = body.apply()
+    assert isinstance(result.result, LockLostError)
+    assert times["noticed"] - times["stopped"] < interval * 1.25 + timeout + 0.5
+    (event,) = lost_events
+    cause = event["cause"]
+    assert cause.startswith("unverifiable: the lock database could not be reached: ")
+    assert f"attempt(s) within lock_db_timeout {timeout:g}s failed" in cause, cause
+    assert "did not answer" not in cause
+
+
 @pytest.mark.parametrize("scope", ["session", "transaction"])
 def test_a_release_into_a_frozen_server_is_bounded(private_postgres, namespace, scope):
     """AdvisoryLock.release() on a server that does not answer gives up after
