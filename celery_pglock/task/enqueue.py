@@ -292,10 +292,10 @@ def on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     task = sender if getattr(sender, "lock_config", None) is not None else None
     if task is None or task.lock_config.enqueue is None or request is None:
         return
+    # The request is a Context built from the message (Celery 5.3 to 5.7): the header
+    # is in its headers (tests/acceptance/test_enqueue_guards.py, with a real worker).
     headers = getattr(request, "headers", None) or {}
     row = queued.parse_header(headers.get(queued.HEADER))
-    if row is None:
-        row = queued.parse_header(getattr(request, queued.HEADER, None))
     task_id = getattr(request, "id", None)
     if row is not None and task_id:
         free_later(task, row, task_id)
