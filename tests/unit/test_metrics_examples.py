@@ -165,9 +165,10 @@ SQL_OBJECTS = {
     "celery_pglock_fencing_token_seq",
     "celery_pglock_queued",
     "celery_pglock_periods",
-    "celery_pglock_claim",  # prepared statements
+    # Prepared statements: each name and a hash of its text (sql_text.versioned).
+    "celery_pglock_claim_",
     "celery_pglock_s",  # the lock session's: celery_pglock_s + a hash
-    "celery_pglock_period",
+    "celery_pglock_period_",
 }
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
