@@ -101,6 +101,14 @@ def is_seconds(value: object) -> bool:
     return True
 
 
+def app_seconds(conf: Mapping[str, Any], option: str) -> float:
+    """The app-wide ``pglock_<option>`` in seconds, or the option's default when unset or
+    invalid (a task that binds refuses an invalid one with its fix): for code with no task
+    at hand, as an engine's connect or a message of a task this process does not know."""
+    value: Any = conf.get(f"pglock_{option}")
+    return float(value) if is_seconds(value) else float(getattr(_DEFAULTS, option))
+
+
 def _seconds(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError("a positive number of seconds")

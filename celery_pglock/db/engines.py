@@ -236,10 +236,7 @@ def connect_params(engine: sa.Engine) -> dict[str, Any]:
 def connect_timeout(conf: Mapping[str, Any]) -> int:
     """libpq's ``connect_timeout`` for ``pglock_db_timeout``: whole seconds, rounded up,
     at least CONNECT_TIMEOUT_MIN (docs/reference/settings.md#connection-settings)."""
-    value: Any = conf.get("pglock_db_timeout")
-    # Unset, or refused at task bind with its fix: the default.
-    seconds = float(value) if config.is_seconds(value) else config.DEFAULT_DB_TIMEOUT
-    return max(CONNECT_TIMEOUT_MIN, math.ceil(seconds))
+    return max(CONNECT_TIMEOUT_MIN, math.ceil(config.app_seconds(conf, "db_timeout")))
 
 
 def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:

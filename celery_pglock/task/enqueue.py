@@ -9,13 +9,13 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from celery.utils import uuid
 from celery.utils.time import maybe_iso8601
 
-from celery_pglock import exceptions, keys
-from celery_pglock.config import Enqueue, LockConfig, OnDuplicate, OnEnqueueError
+from celery_pglock import config, exceptions, keys
+from celery_pglock.config import Enqueue, OnDuplicate, OnEnqueueError
 from celery_pglock.db import deadlines, engines
 from celery_pglock.lock import queued
 from celery_pglock.task import outcomes
@@ -44,19 +44,19 @@ def publish(
     options: dict[str, Any],
 ) -> Any:
     """Publish unless the key's message is already queued (or running): its AsyncResult."""
-    config = task.lock_config
+    settings = task.lock_config
     key = task.lock_key_for(*(args or ()), **(kwargs or {}))
     task_id = task_id or uuid()
     engine = task._binding().engine()
     mode = queued.UNTIL_STARTED
-    if config.enqueue is Enqueue.UNTIL_FINISHED:
+    if settings.enqueue is Enqueue.UNTIL_FINISHED:
         mode = queued.UNTIL_FINISHED
     headers = dict(options.pop("headers", None) or {})
     headers.pop(queued.HEADER, None)  # a retry's request headers carry the old one
     # Celery's retry() sends retries=n+1 (n >= 0). A task id alone tells nothing: code
     # that reuses its own ids sends a new message with an id already seen.
     retry = bool(options.get("retries"))
-    stale = _stale_after(task, options, config.enqueue_lost_after)
+    stale = _stale_after(task, options, settings.enqueue_lost_after)
     try:
         outcome, owner = queued.claim(
             engine,
@@ -67,7 +67,7 @@ def publish(
             # Provisional until the publish is confirmed: a producer that dies before
             # its publish blocks the key for PUBLISH_GRACE, not for lock_enqueue_lost_after.
             stale=min(stale, queued.PUBLISH_GRACE),
-            bound=config.db_timeout,
+            bound=settings.db_timeout,
             retry=retry,
         )
     except exceptions.DatabaseError as error:
@@ -77,7 +77,7 @@ def publish(
             _unchecked(task, "db_error", f"the lock database failed ({error})")
             headers[queued.HEADER] = queued.header_of(key)
             return send(args, kwargs, task_id, headers=headers, **options)
-        if config.enqueue_on_error is OnEnqueueError.PUBLISH:
+        if settings.enqueue_on_error is OnEnqueueError.PUBLISH:
             _unchecked(task, "db_error", f"the lock database failed ({error})")
             return send(args, kwargs, task_id, headers=headers, **options)
         raise exceptions.EnqueueUnavailable(
@@ -91,7 +91,7 @@ def publish(
             _unchecked(task, "canvas", f"it is part of a canvas ({key})")
             return send(args, kwargs, task_id, headers=headers, **options)
         outcomes.enqueued(task, "duplicate")
-        if config.enqueue_on_duplicate is OnDuplicate.RAISE:
+        if settings.enqueue_on_duplicate is OnDuplicate.RAISE:
             raise exceptions.AlreadyQueued(
                 f"{task.name}: key {key} already has message {owner} queued or "
                 "running; nothing was published.",
@@ -109,7 +109,7 @@ def publish(
     try:
         result = send(args, kwargs, task_id, headers=headers, **options)
     except BaseException:
-        queued.give_back(engine, key, task_id, config.db_timeout)
+        queued.give_back(engine, key, task_id, settings.db_timeout)
         raise
     if stale > queued.PUBLISH_GRACE:
         _write_later(task, (queued.CONFIRM_MANY, key.pg_locks_ids, task_id, stale))
@@ -249,9 +249,9 @@ def free_later(task: Any, row: tuple[int, int, int], task_id: str) -> None:
 
 
 def _write_later(task: Any, change: _Change) -> None:
-    config = task.lock_config
+    settings = task.lock_config
     _writer_for(
-        task._binding().engine(), config.db_timeout, config.enqueue_lost_after
+        task._binding().engine(), settings.db_timeout, settings.enqueue_lost_after
     ).put(change)
 
 
@@ -261,11 +261,10 @@ def _writer_for(engine: sa.Engine, bound: float, give_up_after: float) -> _RowWr
         if writer is None or not writer.is_alive():
             writer = _writers[engine] = _RowWriter(engine, bound, give_up_after)
             writer.start()
-            if len(_writers) == 1:
-                atexit.register(drain_writers)
         return writer
 
 
+@atexit.register
 def drain_writers() -> None:
     """Write what is pending, each writer bounded by its round trip (at process exit):
     a confirmation left unsent would make its key free for a second send after
@@ -283,8 +282,8 @@ def drain_writers() -> None:
 
 def _enqueue_task(app: Any, name: object) -> Any:
     task = app.tasks.get(name) if isinstance(name, str) else None
-    config = getattr(task, "lock_config", None)
-    return task if config is not None and config.enqueue is not None else None
+    settings = getattr(task, "lock_config", None)
+    return task if settings is not None and settings.enqueue is not None else None
 
 
 def on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
@@ -318,15 +317,11 @@ def on_rejected(sender: Any = None, message: Any = None, **_: Any) -> None:
         engine = engines.engine_for(app.conf)
     except exceptions.PgLockError:
         return  # no lock database here: its row frees itself once stale
-    bound, lost_after = (
-        float(app.conf.get(f"pglock_{name}") or _default(name))
-        for name in ("db_timeout", "enqueue_lost_after")
-    )
-    _writer_for(engine, bound, lost_after).put((queued.DELETE_MANY, row, task_id, 0.0))
-
-
-def _default(option: str) -> float:
-    return cast("float", LockConfig.__dataclass_fields__[option].default)
+    _writer_for(
+        engine,
+        config.app_seconds(app.conf, "db_timeout"),
+        config.app_seconds(app.conf, "enqueue_lost_after"),
+    ).put((queued.DELETE_MANY, row, task_id, 0.0))
 
 
 def give_back(task: Any, key: keys.LockKey, task_id: str) -> None:

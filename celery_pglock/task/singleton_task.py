@@ -634,8 +634,7 @@ def _refuse_a_shared_queue(name: str, binding: Binding, app: celery.Celery) -> N
             or theirs.custom_key
         ):
             continue
-        config_of = theirs.config
-        if (config_of.namespace, config_of.name, config_of.fixed_key) == (
+        if (theirs.config.namespace, theirs.config.name, theirs.config.fixed_key) == (
             mine.namespace,
             mine.name,
             mine.fixed_key,
