@@ -242,9 +242,9 @@ if contender in ("pglock", UNAWAITED, BASELINE, "all"):
         pglock_application_name=APPLICATION_NAME,
     )
     if os.environ.get(SESSION_MODE_ENV) == "per_lock":
-        from celery_pglock.lock import sessions
+        from celery_pglock.testing import strategies
 
-        sessions.use_per_lock_sessions()
+        strategies.use_per_lock_sessions()
 
     @app.task(name=SESSION, base=SingletonTask, lock_args=("key",))
     def session(key: str, body: float = 0.0) -> None:
@@ -371,23 +371,14 @@ def _unawaited_release() -> None:
             if not (row and row[0]):
                 logging.getLogger(__name__).error("an unawaited unlock found no lock")
 
-    def acquire(
-        self: Any,
-        key: Any,
-        label: str,
-        timeout_ms: Any,
-        transaction: bool,
-        bound: float,
-        run: Any,
-        on_granted: Any,
-        row: Any = None,
-    ) -> Any:
-        if run is not None or row is not None:
+    def acquire(self: Any, request: Any) -> Any:
+        if request.run is not None or request.rider is not None:
             raise NotImplementedError("no run locks (acks_late, lock_enqueue) here")
-        if transaction or timeout_ms is not None:
-            return waits_first(
-                self, key, label, timeout_ms, transaction, bound, run, on_granted
-            )
+        if len(request.slots) > 1:
+            raise NotImplementedError("no lock_limit here")
+        if request.transaction or request.timeout_ms is not None:
+            return waits_first(self, request)
+        key, on_granted = request.slots[0], request.on_granted
         ids = key.ids
         with self._mutex:
             if ids in self._owners:

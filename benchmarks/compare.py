@@ -287,7 +287,7 @@ class Bench:
             elif contender.task == bench_app.PLAIN_ROW_WRITES:
                 bench_app.raw_connection()
             elif contender.enqueue:
-                from celery_pglock.lock import queued
+                from celery_pglock.task import queued
 
                 queued.TABLE.ensure(task._binding().engine(), 10.0)
 

@@ -83,9 +83,9 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
 
     from celery_pglock import exceptions
     from celery_pglock.db import engines, sql_text
-    from celery_pglock.lock import AdvisoryLock, sessions
+    from celery_pglock.lock import AdvisoryLock
     from celery_pglock.task import worker_hooks
-    from celery_pglock.testing import _support
+    from celery_pglock.testing import _support, strategies
 
     app = bench_app.app
     app.finalize()
@@ -142,11 +142,11 @@ def cases(counter: Counter) -> list[tuple[str, Callable[[], object]]]:
         scope: config.LockScope, per_lock: bool = False
     ) -> Callable[[], object]:
         def call() -> object:
-            sessions.use_per_lock_sessions(per_lock)
+            strategies.use_per_lock_sessions(per_lock)
             try:
                 lock = AdvisoryLock(engine=engine, key=key, scope=scope, label="bench")
             finally:
-                sessions.use_per_lock_sessions(False)
+                strategies.use_per_lock_sessions(False)
             if not lock.acquire():
                 raise RuntimeError(f"{key} is held by another session; cannot measure.")
             lock.release()

@@ -28,7 +28,7 @@ from celery_pglock.keys import KEY_FORMAT, LockKey, make_key
 from celery_pglock.lock import AdvisoryLock
 from celery_pglock.task import SingletonTask
 from celery_pglock.task.busy_policy import SKIPPED, skip_info
-from celery_pglock.task.singleton_task import current_lock
+from celery_pglock.task.runs import current_lock
 
 __all__ = [
     "KEY_FORMAT",

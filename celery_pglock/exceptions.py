@@ -1,6 +1,5 @@
-"""The celery-pglock error tree; a leaf that imports nothing of the package.
-
-Each docstring is its class's default message. The tree: docs/reference/exceptions.md."""
+"""The celery-pglock error tree (docs/reference/exceptions.md); imports nothing of the
+package. Each class's docstring is its default message."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
 """Celery-style signals, one per lock outcome, all sent from ``task/outcomes.py``.
-
 Their arguments, and why receivers must stay cheap: docs/reference/signals.md."""
 
 from __future__ import annotations
@@ -13,12 +12,3 @@ lock_failed = Signal(name="lock_failed")  #: The body raised.
 #: Releasing went wrong; the connection was closed, so the lock is free.
 lock_release_failed = Signal(name="lock_release_failed")
 lock_lost = Signal(name="lock_lost")  #: The lock was lost while the body ran.
-
-__all__ = [
-    "lock_acquired",
-    "lock_completed",
-    "lock_failed",
-    "lock_lost",
-    "lock_release_failed",
-    "lock_skipped",
-]

@@ -37,6 +37,7 @@ from celery_pglock.testing import (
     _support,
     pgbouncer,
     start_services,
+    strategies,
 )
 from celery_pglock.testing.pgbouncer import PgBouncer
 from celery_pglock.testing.postgres import SUPERUSER as SUPERUSER_NAME
@@ -215,9 +216,9 @@ def namespace() -> str:
 def session_mode(request: pytest.FixtureRequest) -> Iterator[str]:
     """Both lock-session strategies: every test using this runs once per mode
     (``per_lock``: session-scope try-locks too on a pooled connection of their own)."""
-    sessions.use_per_lock_sessions(request.param == "per_lock")
+    strategies.use_per_lock_sessions(request.param == "per_lock")
     yield str(request.param)
-    sessions.use_per_lock_sessions(False)
+    strategies.use_per_lock_sessions(False)
 
 
 @pytest.fixture

@@ -1,5 +1,4 @@
-"""``pglock check``: what must hold for locks to mean anything, each with its fix; a FAIL
-exits 1. Manual (the list): docs/operations/cli.md."""
+"""``pglock check``; a FAIL exits 1. Each check and its fix: docs/operations/cli.md."""
 
 from __future__ import annotations
 
@@ -12,11 +11,12 @@ import click
 
 from celery_pglock import config, exceptions
 from celery_pglock.db import engines, server_probe
+from celery_pglock.task import busy_policy
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
 
-    from celery_pglock.cli import Target
+    from celery_pglock.cli import shared
 
 SERVER_FACTS = """
 SELECT current_setting('server_version_num')::int AS version_num,
@@ -34,7 +34,7 @@ DIRECT = "or a URL that reaches PostgreSQL directly (or through session pooling)
 
 @dataclasses.dataclass
 class Finding:
-    status: str  # OK, WARN or FAIL
+    status: str  # OK, WARN or FAIL; INFO says how a task runs, never fails
     name: str
     detail: str
     fix: str | None = None
@@ -58,7 +58,7 @@ class Finding:
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @click.pass_obj
 def check(
-    target: Target, processes: int | None, scope: str | None, as_json: bool
+    target: shared.Target, processes: int | None, scope: str | None, as_json: bool
 ) -> None:
     findings = run_checks(target, processes=processes, scope=scope)
     if as_json:
@@ -73,7 +73,7 @@ def check(
 
 
 def run_checks(
-    target: Target, *, processes: int | None = None, scope: str | None = None
+    target: shared.Target, *, processes: int | None = None, scope: str | None = None
 ) -> list[Finding]:
     """In order; stops after the first one the rest depend on."""
     setting = f"app.conf.{config.DATABASE_URL_SETTING} (or ${config.DATABASE_URL_ENV})"
@@ -102,17 +102,19 @@ def run_checks(
                 "Celery(include=[...]) or app.autodiscover_tasks()",
             )
         )
+    findings += [
+        Finding("INFO", "busy policy", f"{task.name}: {'; '.join(changes)}")
+        for task in target.singleton_tasks
+        if (changes := busy_policy.silent_changes(task.lock_config))
+    ]
     engine = target.engine()
     try:
         try:
             with engine.connect() as connection:
                 facts = connection.exec_driver_sql(SERVER_FACTS).one()
         except Exception as exc:
-            text = (
-                str(getattr(exc, "orig", exc)).strip().splitlines()[0]
-                if str(exc)
-                else type(exc).__name__
-            )
+            text = str(getattr(exc, "orig", exc)).strip() or type(exc).__name__
+            text = text.splitlines()[0]
             fix = f"check host, port, database and credentials in {setting}, and that the server accepts this host"
             if "startup parameter" in text and "options" in text:
                 # Our own options are dropped where refused: these are the user's.
@@ -194,7 +196,7 @@ def _pooler(
 
 
 def _capacity(
-    target: Target, processes: int | None, scopes: set[str], facts: Any
+    target: shared.Target, processes: int | None, scopes: set[str], facts: Any
 ) -> Finding:
     """Lock connections needed against free ones; per process: docs/operations/cli.md."""
     app = target.app
@@ -210,13 +212,8 @@ def _capacity(
             "this host's CPU count, as a worker without -c or worker_concurrency "
             "runs; pass --processes with the sum of your workers' -c"
         )
-    pooled: list[str] = []
-    if "transaction" in scopes:
-        pooled.append("transaction scope")
-    if any(
-        task.lock_config.on_busy is config.OnBusy.WAIT
-        for task in target.singleton_tasks
-    ):
+    pooled = ["transaction scope"] if "transaction" in scopes else []
+    if any(t.lock_config.on_busy is config.OnBusy.WAIT for t in target.singleton_tasks):
         pooled.append("lock_on_busy='wait'")
     count, why = (
         (2, f"a pooled lock connection and the lock watcher's, for {', '.join(pooled)}")

@@ -1,26 +1,21 @@
-"""``pglock periods``: the lock_period table's rows, and ``periods prune``, which deletes
-those whose period has passed. Manual: docs/operations/cli.md."""
+"""``pglock periods`` (and ``prune``), as their help says; docs/operations/cli.md."""
 
 from __future__ import annotations
 
 import json
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
-from celery_pglock.cli import queued_verb
-from celery_pglock.lock import periods as period_rows
-
-if TYPE_CHECKING:
-    from celery_pglock.cli import Target
+from celery_pglock.cli import shared
+from celery_pglock.task import periods as period_rows
 
 _NO_TABLE = "No lock_period table: no lock_period task has started on this database."
 
 
-def _longest(target: Target) -> tuple[float, str] | None:
-    """The longest lock_period of the app's tasks (found as a worker finds them), and
-    whose it is; None without an app or without such a task."""
+def _longest(target: shared.Target) -> tuple[float, str] | None:
+    """The longest lock_period of the app's tasks, and whose; None without one."""
     found = [
         (task.lock_config.period, str(task.name))
         for task in target.singleton_tasks
@@ -39,7 +34,7 @@ def _longest(target: Target) -> tuple[float, str] | None:
 def periods(ctx: click.Context, as_json: bool) -> None:
     if ctx.invoked_subcommand is not None:
         return
-    target: Target = ctx.obj
+    target: shared.Target = ctx.obj
     longest = _longest(target)
     with target.database("read the lock_period table") as engine:
         found = period_rows.summary(engine, longest[0] if longest else None)
@@ -59,8 +54,8 @@ def periods(ctx: click.Context, as_json: bool) -> None:
         click.echo(_NO_TABLE)
         return
     click.echo(
-        f"{found.rows} row(s); oldest start {queued_verb.duration(found.oldest_seconds)} "
-        f"ago, newest {queued_verb.duration(found.newest_seconds)} ago."
+        f"{found.rows} row(s); oldest start {shared.duration(found.oldest_seconds)} "
+        f"ago, newest {shared.duration(found.newest_seconds)} ago."
     )
     if longest is None:
         click.echo(
@@ -86,7 +81,7 @@ def periods(ctx: click.Context, as_json: bool) -> None:
     "that shares the table (required without --app).",
 )
 @click.pass_obj
-def prune(target: Target, older_than: float | None) -> None:
+def prune(target: shared.Target, older_than: float | None) -> None:
     longest = _longest(target)
     if older_than is None:
         if longest is None:

@@ -1,5 +1,4 @@
-"""``pglock release``: end the session holding a stuck lock, so PostgreSQL frees it.
-Manual (what the holder's run then does): docs/operations/cli.md."""
+"""``pglock release``, as its help says; the holder then: docs/operations/cli.md."""
 
 from __future__ import annotations
 
@@ -7,15 +6,11 @@ import datetime
 import getpass
 import logging
 import socket
-from typing import TYPE_CHECKING
 
 import click
 
-from celery_pglock.cli import key_verb, locks_verb
+from celery_pglock.cli import shared
 from celery_pglock.db import driver_errors
-
-if TYPE_CHECKING:
-    from celery_pglock.cli import Target
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +31,8 @@ WHERE l.locktype = 'advisory' AND l.granted AND l.pid = %s
     "reports it lost."
 )
 @click.argument("task_name", metavar="[TASK]", required=False)
-@key_verb.ARGS
-@key_verb.KWARGS
+@shared.ARGS
+@shared.KWARGS
 @click.option(
     "--key",
     "key_text",
@@ -47,7 +42,7 @@ WHERE l.locktype = 'advisory' AND l.granted AND l.pid = %s
 @click.option("--yes", is_flag=True, help="Do not ask (scripts).")
 @click.pass_obj
 def release(
-    target: Target,
+    target: shared.Target,
     task_name: str | None,
     args_json: str,
     kwargs_json: str,
@@ -57,13 +52,13 @@ def release(
     if (task_name is None) == (key_text is None):
         raise click.UsageError("Name the lock: a TASK (with --args/--kwargs) or --key.")
     if task_name is not None:
-        _, lock_key = key_verb.key_of_call(
+        _, lock_key = shared.key_of_call(
             target, task_name, args_json, kwargs_json, verb="release"
         )
     else:
-        lock_key = key_verb.parse_key(str(key_text))
+        lock_key = shared.parse_key(str(key_text))
     with target.database("read pg_locks") as engine:
-        entries = locks_verb.read(target, engine)
+        entries = shared.read_locks(target, engine)
         holder = next(
             (e for e in entries if e["key"] == str(lock_key) and e["backend_pid"]),
             None,
@@ -71,7 +66,7 @@ def release(
         if holder is None:
             raise click.ClickException(f"No session holds the lock {lock_key}.")
         pid, task = holder["backend_pid"], holder["task"]
-        name = locks_verb.holder_name(holder)
+        name = shared.holder_name(holder)
         lines = [
             f"lock:      {lock_key}"
             + (f"  ({holder['lock_name']})" if holder["lock_name"] else ""),

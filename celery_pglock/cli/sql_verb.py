@@ -1,22 +1,15 @@
-"""``pglock sql``: the SQL twin of ``keys.make_key``, a locks view, or a feature's table.
-Only a quoted schema name is spliced in. Manual: docs/operations/cli.md."""
+"""``pglock sql``; only a quoted schema name is spliced in (docs/operations/cli.md)."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import click
 
 from celery_pglock import fencing
-from celery_pglock.cli import locks_verb
+from celery_pglock.cli import shared
 from celery_pglock.db import engines
-from celery_pglock.lock import periods, queued
+from celery_pglock.task import periods, queued
 
-if TYPE_CHECKING:
-    from celery_pglock.cli import Target
-
-# celery_pglock_canonical() is json.dumps(sort_keys=True, separators=(",", ":"),
-# ensure_ascii=False) (floats: docs/operations/cli.md).
+# celery_pglock_canonical() writes jsonb as the key format does: docs/operations/cli.md.
 INSTALL = (
     """
 CREATE OR REPLACE FUNCTION {schema}.celery_pglock_canonical(value jsonb)
@@ -53,7 +46,7 @@ COMMENT ON FUNCTION {schema}.celery_pglock_key(text, text, jsonb) IS
 
 CREATE OR REPLACE VIEW {schema}.celery_pglock_locks AS
 """
-    + locks_verb.LOCKS.replace("ORDER BY key, l.granted DESC, since", "").rstrip()
+    + shared.LOCKS.replace("ORDER BY key, l.granted DESC, since", "").rstrip()
     + ";\n"
 )
 
@@ -94,7 +87,7 @@ DROP FUNCTION IF EXISTS {schema}.celery_pglock_canonical(jsonb);
 )
 @click.pass_obj
 def sql(
-    target: Target,
+    target: shared.Target,
     apply_: bool,
     uninstall: bool,
     schema: str,
@@ -102,35 +95,27 @@ def sql(
     periods_: bool,
     enqueue_: bool,
 ) -> None:
-    grants = ""
     if sum((fencing_, periods_, enqueue_)) > 1:
         raise click.UsageError("Give one of --fencing, --periods and --enqueue.")
+    quoted = fencing.quote_identifier(schema)
+    prefix = quoted + "."
+    done = "Dropped" if uninstall else "Created (if missing)"
     if periods_:
-        prefix = fencing.quote_identifier(schema) + "."
         text = (periods.DROP if uninstall else periods.CREATE).format(schema=prefix)
-        action = "set up the lock_period table"
-        done = "Dropped" if uninstall else "Created (if missing)"
-        made = f"{schema}.celery_pglock_periods"
-        grants = periods.GRANT.format(
-            schema=prefix, role=fencing.quote_identifier("<lock role>")
-        )
+        grants = periods.GRANT.format(schema=prefix, role='"<lock role>"')
+        action, made = "set up the lock_period table", f"{schema}.celery_pglock_periods"
     elif enqueue_:
-        prefix = fencing.quote_identifier(schema) + "."
         text = (queued.DROP if uninstall else queued.CREATE).format(schema=prefix)
         grants = queued.GRANT.format(schema=prefix, role="<lock role>")
-        action = "set up the queued-keys table"
-        done = "Dropped" if uninstall else "Created (if missing)"
-        made = f"{schema}.celery_pglock_queued"
+        action, made = "set up the queued-keys table", f"{schema}.celery_pglock_queued"
     elif fencing_:
         text = fencing.drop_sql(schema) if uninstall else fencing.create_sql(schema)
-        action = "set up the fencing table"
-        done = "Dropped" if uninstall else "Created (if missing)"
-        made = f"{schema}.celery_pglock_fencing and {schema}.celery_pglock_fencing_token_seq"
         grants = fencing.grant_sql("<lock role>", schema)
+        action = "set up the fencing table"
+        made = f"{schema}.celery_pglock_fencing and {schema}.celery_pglock_fencing_token_seq"
     else:
-        quoted = fencing.quote_identifier(schema)
         text = (UNINSTALL if uninstall else INSTALL).format(schema=quoted)
-        action = "install the SQL functions"
+        action, grants = "install the SQL functions", ""
         done = "Dropped" if uninstall else "Created"
         made = f"{schema}.celery_pglock_key(), {schema}.celery_pglock_canonical() and the view {schema}.celery_pglock_locks"
     if not apply_:

@@ -3,49 +3,44 @@ Why (a cut link outwaits statement_timeout): docs/operations/lock-loss.md ("Boun
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import os
 import socket
 import threading
 import time
 from typing import Any
 
-from celery_pglock.db import driver_errors
+from celery_pglock.db import driver_errors, forks
 
 TICK = 0.25  #: Seconds between the reaper's looks: a bound fires within TICK.
 NO_ANSWER = "no answer in time: the socket was shut down and the session closed"
 
 #: Disarm (``deadline = math.inf``) under it: never shut a reused fd down after the answer.
-guard = threading.Lock()
 _watched: set[Bound] = set()
+guard = forks.safe_lock(_watched)
 _reaper: threading.Thread | None = None
 
 
+@dataclasses.dataclass(slots=True, eq=False, repr=False)  # eq=False: hashed by identity
 class Bound:
     """``deadline`` (monotonic; ``math.inf``: disarmed); ``fired`` once the socket is shut.
     One-shot from :func:`bounded`, or :func:`watch` once and arm by setting ``deadline``."""
 
-    __slots__ = ("connection", "deadline", "fd", "fired", "late_answer_fails")
+    connection: Any
+    deadline: float = math.inf
+    late_answer_fails: bool = True
+    fd: int = dataclasses.field(init=False)
+    fired: bool = dataclasses.field(default=False, init=False)
 
-    def __init__(
-        self,
-        connection: Any,
-        deadline: float = math.inf,
-        late_answer_fails: bool = True,
-    ) -> None:
-        self.connection = connection
-        self.fd = connection.fileno()
-        self.deadline = deadline
-        self.fired = False
-        self.late_answer_fails = late_answer_fails
+    def __post_init__(self) -> None:
+        self.fd = self.connection.fileno()
 
     def __enter__(self) -> Bound:
         watch(self)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
-        with guard:
-            _watched.discard(self)
+        unwatch(self)
         if self.fired and exc_type is None and self.late_answer_fails:
             # The answer came after the shutdown: the session is ending anyway.
             raise driver_errors.operational_error(self.connection)(NO_ANSWER)
@@ -98,12 +93,7 @@ def _reap() -> None:
                         pass  # already closed: nothing is blocked on it any more
 
 
+@forks.reset_in_child
 def _forget_after_fork() -> None:
-    global _reaper, guard
-    _reaper = None
-    guard = threading.Lock()  # the parent's may have been held at the fork
-    _watched.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_after_fork)
+    global _reaper
+    _reaper = None  # the parent's thread

@@ -79,10 +79,7 @@ def operational_error(dbapi_connection: Any) -> type[Exception]:
 
 def _from_statement(original: BaseException) -> bool:
     # psycopg2 attaches the statement's cursor, psycopg 3 the server's result.
-    return (
-        getattr(original, "cursor", None) is not None
-        or getattr(original, "pgresult", None) is not None
-    )
+    return any(getattr(original, n, None) is not None for n in ("cursor", "pgresult"))
 
 
 def is_disconnect(exc: BaseException | None) -> bool:
@@ -123,6 +120,8 @@ def sqlstate(exc: BaseException) -> str | None:
 class Misconfiguration:
     """A connection refused for a reason that waiting does not fix."""
 
+    #: Searched in a refused connect's English text: other lc_messages read as an outage.
+    pattern: str = dataclasses.field(repr=False, compare=False)
     sqlstate: str | None  #: None: found by the client.
     cause: str
     advice: str
@@ -137,72 +136,68 @@ class Misconfiguration:
 
 _URL = "the lock database URL (app.conf.pglock_database_url or $CELERY_PGLOCK_DATABASE_URL)"
 _CONNECT_ARGS = "pglock_engine_options['connect_args']"
-#: A refused connect's English text (no SQLSTATE): other lc_messages read as an outage.
-_RULES: tuple[tuple[re.Pattern[str], Misconfiguration], ...] = tuple(
-    (re.compile(pattern), Misconfiguration(*problem))
-    for pattern, *problem in (
-        (
-            r"password authentication failed|no password supplied",
-            "28P01",
-            "password authentication failed",
-            f"Check the user name and password in {_URL}; PostgreSQL says the same "
-            "when the role does not exist.",
-        ),
-        (
-            r'role "[^"]*" does not exist',
-            "28000",
-            "the role does not exist",
-            f"Fix the user name in {_URL}, or create the role.",
-        ),
-        (
-            r"is not permitted to log in",
-            "28000",
-            "the role may not log in",
-            "ALTER ROLE ... LOGIN, or use a role that may.",
-        ),
-        (
-            r"no pg_hba\.conf entry|pg_hba\.conf rejects",
-            "28000",
-            "pg_hba.conf admits no such connection (this host, user, database and TLS mode)",
-            "Add a pg_hba.conf line for it on the server, or connect as it expects "
-            "(sslmode in the URL's query).",
-        ),
-        (
-            r'database "[^"]*" does not exist',
-            "3D000",
-            "the database does not exist",
-            f"Fix the database name in {_URL}, or create the database.",
-        ),
-        (
-            r"permission denied for database",
-            "42501",
-            "the role may not connect to this database",
-            "GRANT CONNECT ON DATABASE ... TO the role.",
-        ),
-        (
-            r"authentication failed|authentication method \d+ not supported",
-            "28000",
-            "authentication failed",
-            f"Check the credentials in {_URL} and the method pg_hba.conf asks for.",
-        ),
-        (
-            # Not "SSL SYSCALL error", "closed unexpectedly", bad record MAC: outages.
-            r"SSL was required|does not support SSL|sslmode|certificate|private key|"
-            r"unknown ca|unsupported protocol|wrong version number|"
-            r"no protocols available|GSSAPI encryption required",
-            None,
-            "the TLS (SSL) settings do not work with this server",
-            f"Check sslmode, sslrootcert, sslcert and sslkey in the URL's query (or "
-            f"{_CONNECT_ARGS}) against the server's ssl setting.",
-        ),
-        (
-            r"invalid connection option|invalid \w+ value|invalid integer value|"
-            r"invalid port number",
-            None,
-            "a connection option is invalid",
-            f"Fix the option in the URL's query or {_CONNECT_ARGS}.",
-        ),
-    )
+_RULES = (
+    Misconfiguration(
+        r"password authentication failed|no password supplied",
+        "28P01",
+        "password authentication failed",
+        f"Check the user name and password in {_URL}; PostgreSQL says the same "
+        "when the role does not exist.",
+    ),
+    Misconfiguration(
+        r'role "[^"]*" does not exist',
+        "28000",
+        "the role does not exist",
+        f"Fix the user name in {_URL}, or create the role.",
+    ),
+    Misconfiguration(
+        r"is not permitted to log in",
+        "28000",
+        "the role may not log in",
+        "ALTER ROLE ... LOGIN, or use a role that may.",
+    ),
+    Misconfiguration(
+        r"no pg_hba\.conf entry|pg_hba\.conf rejects",
+        "28000",
+        "pg_hba.conf admits no such connection (this host, user, database and TLS mode)",
+        "Add a pg_hba.conf line for it on the server, or connect as it expects "
+        "(sslmode in the URL's query).",
+    ),
+    Misconfiguration(
+        r'database "[^"]*" does not exist',
+        "3D000",
+        "the database does not exist",
+        f"Fix the database name in {_URL}, or create the database.",
+    ),
+    Misconfiguration(
+        r"permission denied for database",
+        "42501",
+        "the role may not connect to this database",
+        "GRANT CONNECT ON DATABASE ... TO the role.",
+    ),
+    Misconfiguration(
+        r"authentication failed|authentication method \d+ not supported",
+        "28000",
+        "authentication failed",
+        f"Check the credentials in {_URL} and the method pg_hba.conf asks for.",
+    ),
+    Misconfiguration(
+        # Not "SSL SYSCALL error", "closed unexpectedly", bad record MAC: outages.
+        r"SSL was required|does not support SSL|sslmode|certificate|private key|"
+        r"unknown ca|unsupported protocol|wrong version number|"
+        r"no protocols available|GSSAPI encryption required",
+        None,
+        "the TLS (SSL) settings do not work with this server",
+        f"Check sslmode, sslrootcert, sslcert and sslkey in the URL's query (or "
+        f"{_CONNECT_ARGS}) against the server's ssl setting.",
+    ),
+    Misconfiguration(
+        r"invalid connection option|invalid \w+ value|invalid integer value|"
+        r"invalid port number",
+        None,
+        "a connection option is invalid",
+        f"Fix the option in the URL's query or {_CONNECT_ARGS}.",
+    ),
 )
 
 
@@ -217,4 +212,4 @@ def misconfiguration(exc: BaseException | None) -> Misconfiguration | None:
     ):
         return None
     text = str(original)
-    return next((problem for pattern, problem in _RULES if pattern.search(text)), None)
+    return next((rule for rule in _RULES if re.search(rule.pattern, text)), None)

@@ -1,6 +1,5 @@
 """Lock engines, one per URL per process, and their pool hooks: never share one with the app.
-Why: docs/guide/pools.md ("The lock engine is the library's alone"). Also the package's
-fork-safe locks (:func:`fork_safe_lock`): a forked child resets them with its engines."""
+Why: docs/guide/pools.md ("The lock engine is the library's alone")."""
 
 from __future__ import annotations
 
@@ -11,11 +10,10 @@ import math
 import os
 import re
 import socket
-import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Iterator, Mapping, MutableMapping, MutableSet
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import sqlalchemy as sa
@@ -24,7 +22,13 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 
 from celery_pglock import config, exceptions
-from celery_pglock.db import driver_errors, redact, sql_text, startup_options
+from celery_pglock.db import (
+    driver_errors,
+    forks,
+    redact,
+    sql_text,
+    startup_options,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,18 +54,14 @@ mask_url = redact.mask_url
 
 _engines: dict[str, sa.Engine] = {}
 _engines_pid = os.getpid()
-_engines_lock = threading.Lock()
-_labels: weakref.WeakKeyDictionary[sa.Engine, dict[str, str]] = (
-    weakref.WeakKeyDictionary()
-)
-_connect_args: weakref.WeakKeyDictionary[sa.Engine, dict[str, Any]] = (
-    weakref.WeakKeyDictionary()
-)
+_engines_lock = forks.safe_lock()
+_labels = weakref.WeakKeyDictionary[sa.Engine, dict[str, str]]()
+_connect_args = weakref.WeakKeyDictionary[sa.Engine, dict[str, Any]]()
 _process_tag: tuple[int, str] = (0, "")
 _connections: weakref.WeakSet[Any] = weakref.WeakSet()
 _foreign: weakref.WeakSet[Any] = weakref.WeakSet()  #: The parent's, in a forked child.
 #: Per engine: connections opened (monotonic) before this are retired at checkout.
-_stale_before: weakref.WeakKeyDictionary[sa.Engine, float] = weakref.WeakKeyDictionary()
+_stale_before = weakref.WeakKeyDictionary[sa.Engine, float]()
 
 
 def process_tag() -> str:
@@ -143,7 +143,26 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
     """Create a lock engine: keepalives, session settings, an idle application_name and
     the check-in net; ``pglock_engine_options`` win (docs/reference/settings.md)."""
     conf = conf or {}
-    options = _engine_options(conf)
+    connect_args: dict[str, Any] = {
+        **CLIENT_KEEPALIVES,
+        "connect_timeout": connect_timeout(conf),
+        "application_name": application_name(_prefix(conf), process_tag(), "idle"),
+    }
+    if conf.get("pglock_server_keepalives", True):
+        connect_args["options"] = startup_options.SERVER_OPTIONS
+    extra = conf.get("pglock_engine_options") or {}
+    if not isinstance(extra, Mapping):
+        raise exceptions.ConfigurationError(
+            "pglock_engine_options must be a dict of sqlalchemy.create_engine options, "
+            f"got a {type(extra).__name__}."  # never its text: it may hold a DSN
+        )
+    extra = dict(extra)
+    connect_args.update(extra.pop("connect_args", {}))
+    options: dict[str, Any] = {"pool_pre_ping": False, "connect_args": connect_args}
+    if "poolclass" not in extra:
+        # Sized for transaction locks and waits (docs/guide/pools.md); NullPool refuses these.
+        options.update(pool_size=10, max_overflow=20)
+    options.update(extra)
     engine = sa.create_engine(check_url(url), **options)
     _labels[engine] = {
         "application_name_prefix": _prefix(conf),
@@ -152,9 +171,9 @@ def create_engine(url: str, conf: Mapping[str, Any] | None = None) -> sa.Engine:
     if engine.url.get_driver_name() == "psycopg":
         # First: before any other listener runs a statement on the new connection.
         event.listen(engine, "connect", _bind_on_client, insert=True)
-    given = options["connect_args"].get("options")
+    given = connect_args.get("options")
     _install_hooks(engine, given if given == startup_options.SERVER_OPTIONS else None)
-    _connect_args[engine] = dict(options["connect_args"])
+    _connect_args[engine] = dict(connect_args)
     return engine
 
 
@@ -234,33 +253,8 @@ def connect_params(engine: sa.Engine) -> dict[str, Any]:
 
 
 def connect_timeout(conf: Mapping[str, Any]) -> int:
-    """libpq's ``connect_timeout`` for ``pglock_db_timeout``: whole seconds, rounded up,
-    at least CONNECT_TIMEOUT_MIN (docs/reference/settings.md#connection-settings)."""
+    """libpq's ``connect_timeout`` for ``pglock_db_timeout``: docs/reference/settings.md."""
     return max(CONNECT_TIMEOUT_MIN, math.ceil(config.app_seconds(conf, "db_timeout")))
-
-
-def _engine_options(conf: Mapping[str, Any]) -> dict[str, Any]:
-    connect_args: dict[str, Any] = {
-        **CLIENT_KEEPALIVES,
-        "connect_timeout": connect_timeout(conf),
-        "application_name": application_name(_prefix(conf), process_tag(), "idle"),
-    }
-    if conf.get("pglock_server_keepalives", True):
-        connect_args["options"] = startup_options.SERVER_OPTIONS
-    extra = conf.get("pglock_engine_options") or {}
-    if not isinstance(extra, Mapping):
-        raise exceptions.ConfigurationError(
-            "pglock_engine_options must be a dict of sqlalchemy.create_engine options, "
-            f"got a {type(extra).__name__}."  # never its text: it may hold a DSN
-        )
-    extra = dict(extra)
-    connect_args.update(extra.pop("connect_args", {}))
-    options: dict[str, Any] = {"pool_pre_ping": False, "connect_args": connect_args}
-    if "poolclass" not in extra:
-        # Sized for transaction locks and waits (docs/guide/pools.md); NullPool refuses these.
-        options.update(pool_size=10, max_overflow=20)
-    options.update(extra)
-    return options
 
 
 def probe(conf: Mapping[str, Any]) -> str:
@@ -273,7 +267,7 @@ def probe(conf: Mapping[str, Any]) -> str:
             contextlib.closing(connect(engine)) as connection,
             connection.cursor() as cursor,
         ):
-            cursor.execute("SHOW server_version")
+            cursor.execute(sql_text.SERVER_VERSION)
             (version,) = cursor.fetchone()
     finally:
         engine.dispose()
@@ -340,30 +334,8 @@ def dispose_all() -> None:
         _engines.clear()
 
 
-_Forgettable = MutableSet[Any] | MutableMapping[Any, Any]
-_fork_safe: list[tuple[weakref.ref[Any], tuple[_Forgettable, ...]]] = []
-
-
-def fork_safe_lock(*forget: _Forgettable) -> threading.Lock:
-    """A Lock that a forked child finds free, with ``forget`` emptied: only the forking
-    thread survives a fork, so another thread's hold would last for ever, and what the lock
-    guarded (a thread, a run) is the parent's. Never fork inside its ``with``."""
-    guard = threading.Lock()
-    _fork_safe.append((weakref.ref(guard), forget))
-    return guard
-
-
-def _reset_fork_safe_locks() -> None:
-    for ref, forget in _fork_safe:
-        if (guard := ref()) is not None:
-            guard._at_fork_reinit()  # what threading and logging do to theirs in a child
-            for state in forget:
-                state.clear()
-
-
+@forks.reset_in_child
 def _after_fork_in_child() -> None:
-    global _engines_lock
-    _reset_fork_safe_locks()
     # Sockets first, so that the disposal below finalises nothing on the parent's.
     connections = list(_connections)
     _connections.clear()
@@ -376,12 +348,7 @@ def _after_fork_in_child() -> None:
             _foreign.add(connection)
     if null >= 0:
         os.close(null)
-    _engines_lock = threading.Lock()  # another thread of the parent may have held it
     _forget_engines_after_fork()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 from celery_pglock import exceptions
 from celery_pglock.config import LockScope
-from celery_pglock.db import driver_errors, engines
+from celery_pglock.db import driver_errors, engines, forks, sql_text
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -27,12 +27,6 @@ logger = logging.getLogger(__name__)
 PROBE_TIMEOUT = 10.0  #: Seconds for the whole probe (connections, queries).
 #: Alternating queries on two connections before concluding "no multiplexing".
 PROBE_ROUNDS = 3
-
-_FIRST_QUERY = (
-    "SELECT pg_backend_pid(), current_setting('server_version'), "
-    "current_setting('server_version_num')::int, pg_is_in_recovery(), "
-    "inet_client_port()"
-)
 
 
 class Pooling(str, enum.Enum):
@@ -105,10 +99,41 @@ def probe(
     outcome: list[ServerFacts | BaseException] = []
 
     def run() -> None:
+        # Outside the pool: it could make the second wait for the first (or repeat it).
         try:
-            outcome.append(_probe(engine, opened, masked))
+            opened.append(engines.connect(engine))
+            opened.append(engines.connect(engine))
+            first, second = opened
+            first.autocommit = second.autocommit = True
+            pid, version, version_num, in_recovery, client_port = _fetch(
+                first, sql_text.PROBE_SERVER
+            )
+            proxied = None  # unknown: no port seen, or no socket to ask
+            if client_port is not None:
+                with contextlib.suppress(OSError):
+                    with socket.socket(fileno=os.dup(first.fileno())) as sock:
+                        local = sock.getsockname()
+                    if isinstance(local, tuple):
+                        proxied = bool(local[1] != client_port)
+            pooling, evidence = _pooling(first, second, pid)
+            outcome.append(
+                ServerFacts(
+                    server_version=str(version),
+                    server_version_num=int(version_num),
+                    is_standby=bool(in_recovery),
+                    pooling=pooling,
+                    proxied=proxied,
+                    evidence=evidence,
+                    masked_url=masked,
+                    reports_backend_pid=first.info.backend_pid == pid,
+                )
+            )
         except BaseException as exc:  # handed to the caller's thread
             outcome.append(exc)
+        finally:
+            for connection in opened:
+                with contextlib.suppress(Exception):
+                    connection.close()
 
     thread = threading.Thread(target=run, name="celery-pglock-probe", daemon=True)
     thread.start()
@@ -135,61 +160,30 @@ def probe(
     return result
 
 
-def _probe(engine: sa.Engine, opened: list[Any], masked: str) -> ServerFacts:
-    # Outside the pool: it could make the second wait for the first (or repeat it).
-    try:
-        opened.append(engines.connect(engine))
-        opened.append(engines.connect(engine))
-        first, second = opened
-        first.autocommit = second.autocommit = True
-        pid, version, version_num, in_recovery, client_port = _fetch(
-            first, _FIRST_QUERY
-        )
-        proxied = _proxied(first, client_port)
-        pooling, evidence = _pooling(first, second, pid)
-        return ServerFacts(
-            server_version=str(version),
-            server_version_num=int(version_num),
-            is_standby=bool(in_recovery),
-            pooling=pooling,
-            proxied=proxied,
-            evidence=evidence,
-            masked_url=masked,
-            reports_backend_pid=first.info.backend_pid == pid,
-        )
-    finally:
-        for connection in opened:
-            with contextlib.suppress(Exception):
-                connection.close()
-
-
 def _pooling(first: Any, second: Any, first_pid: int) -> tuple[Pooling, str]:
     seen: tuple[list[int], list[int]] = ([first_pid], [])
     for _ in range(PROBE_ROUNDS):
         for index, connection in ((1, second), (0, first)):
-            seen[index].append(int(_fetch(connection, "SELECT pg_backend_pid()")[0]))
+            seen[index].append(int(_fetch(connection, sql_text.BACKEND_PID)[0]))
             if shared := set(seen[0]) & set(seen[1]):
                 evidence = f"two client connections were both served by backend pid {min(shared)}"
-                return _statement_or_transaction(second), evidence
-            if len(set(seen[index])) > 1:
+            elif len(set(seen[index])) > 1:
                 pids = ", ".join(str(pid) for pid in dict.fromkeys(seen[index]))
                 evidence = f"one client connection was served by backend pids {pids}"
-                return _statement_or_transaction(second), evidence
+            else:
+                continue
+            try:
+                with second.cursor() as cursor:
+                    cursor.execute(sql_text.BEGIN)
+                    cursor.execute(sql_text.SELECT_ONE)
+                    cursor.execute(sql_text.COMMIT)
+            except driver_errors.errors_named("OperationalError", "InterfaceError"):
+                # PgBouncer answers BEGIN in statement pooling by dropping the client.
+                return Pooling.STATEMENT, evidence
+            return Pooling.TRANSACTION, evidence
     return Pooling.NONE, (
         f"each of two client connections kept its backend over {PROBE_ROUNDS} queries"
     )
-
-
-def _statement_or_transaction(connection: Any) -> Pooling:
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute("BEGIN")
-            cursor.execute("SELECT 1")
-            cursor.execute("COMMIT")
-    except driver_errors.errors_named("OperationalError", "InterfaceError"):
-        # PgBouncer answers BEGIN in statement pooling by dropping the client.
-        return Pooling.STATEMENT
-    return Pooling.TRANSACTION
 
 
 def _fetch(connection: Any, query: str) -> Any:
@@ -198,19 +192,8 @@ def _fetch(connection: Any, query: str) -> Any:
         return cursor.fetchone()
 
 
-def _proxied(connection: Any, server_seen_port: int | None) -> bool | None:
-    if server_seen_port is None:
-        return None
-    try:
-        with socket.socket(fileno=os.dup(connection.fileno())) as sock:
-            local = sock.getsockname()
-    except OSError:
-        return None
-    return bool(local[1] != server_seen_port) if isinstance(local, tuple) else None
-
-
 _facts: weakref.WeakKeyDictionary[sa.Engine, ServerFacts] = weakref.WeakKeyDictionary()
-_probing = engines.fork_safe_lock()
+_probing = forks.safe_lock()
 
 
 def facts_for(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 import re
 import weakref
 from typing import Any
@@ -29,13 +28,13 @@ TRY_LOCK_SESSION = _keyed(
 TRY_LOCK_SESSION_BARE = _keyed("SELECT pg_try_advisory_lock(KEY)")
 
 #: ``"<pid> <application_name>"`` or NULL; pg_stat_get_activity(pid) costs a third of the view.
-_HOLDER_TEXT = (
-    "SELECT l.pid::text || ' ' || coalesce("
+HOLDER = (
+    "SELECT (SELECT l.pid::text || ' ' || coalesce("
     "(SELECT a.application_name FROM pg_stat_get_activity(l.pid) a), '') "
     "FROM pg_locks l WHERE l.locktype = 'advisory' "
     "AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database()) "
     "AND l.classid = %s::oid AND l.objid = %s::oid AND l.objsubid = %s::smallint "
-    "AND l.granted LIMIT 1"
+    "AND l.granted LIMIT 1)"
 )
 
 #: The transaction scopes only the SET LOCALs; statement_timeout 0 leaves lock_timeout the
@@ -79,9 +78,8 @@ WAIT_LOCK_TRANSACTION = _keyed(
     "set_config('statement_timeout', current_setting('celery_pglock.saved_statement_timeout'), true)"
 )
 
-ROLLBACK = (
-    "ROLLBACK"  #: Ends the transaction a timed-out WAIT_LOCK_SESSION left aborted.
-)
+#: Ends the transaction a timed-out WAIT_LOCK_SESSION, or a refused CREATE, left aborted.
+ROLLBACK = "ROLLBACK"
 
 #: Pool check-in net. Params: the idle name.
 UNLOCK_ALL = (
@@ -96,15 +94,12 @@ IS_LOCKED = (
     "AND classid = %s::oid AND objid = %s::oid AND objsubid = %s::smallint AND granted)"
 )
 
-HOLDER = f"SELECT ({_HOLDER_TEXT})"
-
 
 @functools.cache  # one text per scope and form: at most 8, whatever the limit
 def try_slots(*, transaction: bool, named: bool, run: bool) -> str:
-    """A try-lock of the first free slot, the slots as arrays (slot_params): a recursive
-    CTE tries one per step and stops at the first granted, so it takes at most one
-    (docs/guide/limits.md). No row when all are busy, else ARRAY[the slot's 1-based
-    position in the arrays, application_name?, run lock granted?]."""
+    """A try-lock of the first free slot (slot_params), at most one: docs/guide/limits.md
+    ("Slots"). No row when all are busy, else ARRAY[the slot's 1-based position in the
+    arrays, application_name?, run lock granted?]."""
     lock = "pg_try_advisory_xact_lock" if transaction else "pg_try_advisory_lock"
     at = "[t.i + 1]"
     label = ""
@@ -143,11 +138,29 @@ def slot_params(
     return params
 
 
-#: A PREPARE of a name the session already has (sql_text.prepared).
-DUPLICATE_PREPARED_STATEMENT = "42P05"
-#: "Not granted in time", not "the database failed".
-LOCK_NOT_AVAILABLE = "55P03"
+DUPLICATE_PREPARED_STATEMENT = "42P05"  #: A PREPARE of a name the session has.
+LOCK_NOT_AVAILABLE = "55P03"  #: "Not granted in time", not "the database failed".
 QUERY_CANCELED = "57014"
+#: A feature's table is missing, or the lock role may not use (or create) it.
+UNDEFINED_TABLE, INSUFFICIENT_PRIVILEGE = "42P01", "42501"
+
+#: A key's pg_locks ids as named params (keys.LockKey.pg_locks_ids, lock.identity).
+KEY_IS = (
+    "classid = %(classid)s::oid AND objid = %(objid)s::oid "
+    "AND objsubid = %(objsubid)s::smallint"
+)
+#: ``pg_locks l`` has the key granted, in this database.
+GRANTED_KEY = f"""l.locktype = 'advisory' AND l.granted AND {KEY_IS}
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"""
+#: Who this session is, asked on the session itself: the pid libpq knows may be a pooler's.
+SESSION_IDENTITY = """SELECT pg_backend_pid(),
+  (SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()),
+  pg_postmaster_start_time()"""
+#: Who holds the key in this transaction: the session's identity and its virtual xid.
+TRANSACTION_IDENTITY = f"""
+SELECT l.pid, a.backend_start, pg_postmaster_start_time(), l.virtualtransaction
+FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE {GRANTED_KEY} AND l.pid = pg_backend_pid() LIMIT 1"""
 
 #: The watcher's check, per held lock: granted pid (or NULL), its name, holder alive, server
 #: identity. Params: pg_locks_ids as oid[], oid[], int2[], and holder pids (int[]).
@@ -189,6 +202,8 @@ TRY_LOCK_TRANSACTION_RUN = _keyed(
 #: After a granted bounded wait. Params: run ids.
 RUN_LOCK_SESSION = f"SELECT pg_try_advisory_lock({_RUN})"
 RUN_LOCK_TRANSACTION = f"SELECT pg_try_advisory_xact_lock({_RUN})"
+#: What a rider rides on after a wait granted the key with no run lock to take.
+NOTHING = "SELECT false"
 
 #: The run lock's ids last.
 UNLOCK_SESSION_KEEP_NAME_RUN = _keyed(
@@ -213,21 +228,19 @@ def to_last_result(cursor: Any) -> None:
             pass
 
 
-_NAMED = re.compile(r"%\((\w+)\)s")
+_PARAM = re.compile(r"%\((\w+)\)s|%s")
 #: The statements prepared on each DBAPI connection's session, by name.
 _prepared: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 
 
 @functools.lru_cache(maxsize=64)
 def _prepare_and_execute(name: str, statement: str) -> tuple[str, str]:
-    names = list(dict.fromkeys(_NAMED.findall(statement)))
-    if names:
-        body = _NAMED.sub(lambda m: f"${names.index(m[1]) + 1}", statement)
-        arguments = ", ".join(f"%({n})s" for n in names)
-    else:  # positional: %s in order
-        numbers = itertools.count(1)
-        body = re.sub("%s", lambda _: f"${next(numbers)}", statement)
-        arguments = ", ".join(["%s"] * statement.count("%s"))
+    # $n per distinct param in order: a named one wherever it recurs, each %s once.
+    params: dict[str | int, int] = {}
+    body = _PARAM.sub(
+        lambda m: f"${params.setdefault(m[1] or m.start(), len(params) + 1)}", statement
+    )
+    arguments = ", ".join("%s" if isinstance(p, int) else f"%({p})s" for p in params)
     return f"PREPARE {name} AS {body}", f"EXECUTE {name}({arguments})"
 
 
@@ -246,10 +259,9 @@ def versioned(name: str, statement: str) -> str:
 
 
 def prepared(dbapi: Any, cursor: Any, name: str, statement: str) -> str:
-    """``statement`` (named or positional params), to execute with the same params on
-    ``cursor``: an EXECUTE of it prepared once per connection. Both drivers bind on the
-    client here (engines.py), so a statement sent as text would be planned again on every
-    call."""
+    """``statement`` as an EXECUTE, prepared once per connection, to run with the same
+    params on ``cursor``: both drivers bind on the client here (engines.py), so a
+    statement sent as text would be planned again on every call."""
     prepare, execute = _prepare_and_execute(name, statement)
     done = _prepared.setdefault(dbapi, set())
     if name not in done:
@@ -269,3 +281,26 @@ def prepared(dbapi: Any, cursor: Any, name: str, statement: str) -> str:
 def forget_prepared(dbapi: Any) -> None:
     """The session was reset (DISCARD ALL): its prepared statements are gone."""
     _prepared.pop(dbapi, None)
+
+
+# -- db/'s and watch/'s own statements: the server probe, session settings, the watcher.
+
+#: The server probe's first look: who serves this connection, and what server it is.
+PROBE_SERVER = (
+    "SELECT pg_backend_pid(), current_setting('server_version'), "
+    "current_setting('server_version_num')::int, pg_is_in_recovery(), "
+    "inet_client_port()"
+)
+BACKEND_PID = "SELECT pg_backend_pid()"  #: Which backend serves this connection now.
+#: A transaction's statements, one by one: a statement pooler drops the client at BEGIN.
+BEGIN, SELECT_ONE, COMMIT = "BEGIN", "SELECT 1", "COMMIT"
+SERVER_VERSION = "SHOW server_version"
+#: Session settings by name and value; the join on pg_settings drops what the server
+#: does not know. Params: text[], text[].
+APPLY_SESSION_SETTINGS = (
+    "SELECT count(set_config(s.name, w.value, false)) "
+    "FROM unnest(%s::text[], %s::text[]) AS w(name, value) "
+    "JOIN pg_settings s ON s.name = w.name"
+)
+#: The watcher's session: the server gives up too, so a slow check never lingers there.
+SET_STATEMENT_TIMEOUT = "SELECT set_config('statement_timeout', %s, false)"

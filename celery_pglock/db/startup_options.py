@@ -11,6 +11,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import event
 
+from celery_pglock.db import sql_text
+
 #: The server frees a vanished worker's locks in 30-60 s: docs/operations/lock-loss.md.
 SERVER_KEEPALIVES: tuple[tuple[str, str], ...] = (
     ("tcp_keepalives_idle", "30"),
@@ -23,16 +25,8 @@ SESSION_SETTINGS: tuple[tuple[str, str], ...] = (("idle_session_timeout", "0"),)
 SERVER_OPTIONS = " ".join(
     f"-c {name}={value}" for name, value in (*SERVER_KEEPALIVES, *SESSION_SETTINGS)
 )
-#: The join on pg_settings drops what the server does not know.
-APPLY_SESSION_SETTINGS = (
-    "SELECT count(set_config(s.name, w.value, false)) "
-    "FROM unnest(%s::text[], %s::text[]) AS w(name, value) "
-    "JOIN pg_settings s ON s.name = w.name"
-)
-SESSION_SETTINGS_PARAMS = (
-    [name for name, _ in SESSION_SETTINGS],
-    [value for _, value in SESSION_SETTINGS],
-)
+#: (names, values), for APPLY_SESSION_SETTINGS.
+SESSION_SETTINGS_PARAMS = tuple(map(list, zip(*SESSION_SETTINGS, strict=True)))
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +45,7 @@ def apply_session_settings(dbapi_connection: Any) -> None:
     dbapi_connection.autocommit = True
     try:
         with dbapi_connection.cursor() as cursor:
-            cursor.execute(APPLY_SESSION_SETTINGS, SESSION_SETTINGS_PARAMS)
+            cursor.execute(sql_text.APPLY_SESSION_SETTINGS, SESSION_SETTINGS_PARAMS)
     finally:
         dbapi_connection.autocommit = previous
 
@@ -63,18 +57,12 @@ class OptionsFallback:
     def __init__(self, masked_url: str, ours: str | None) -> None:
         self.masked_url = masked_url
         self.ours = ours
-        self.dropped = False  #: A pooler refused the options parameter itself.
-        self.unknown: set[str] = set()  #: Settings the server does not know.
+        #: Those of ours the server takes: less what it does not know, none if a pooler
+        #: refused the options parameter itself.
+        self.kept: list[tuple[str, str]] = _SETTING.findall(ours or "")
 
     def current(self) -> str | None:
-        if self.dropped or self.ours is None:
-            return None
-        kept = [
-            f"-c {name}={value}"
-            for name, value in _SETTING.findall(self.ours)
-            if name not in self.unknown
-        ]
-        return " ".join(kept) or None
+        return " ".join(f"-c {name}={value}" for name, value in self.kept) or None
 
     def apply(self, params: dict[str, Any]) -> None:
         options = self.current()
@@ -93,7 +81,7 @@ class OptionsFallback:
             return False
         text = str(error)
         if any(refused in text for refused in OPTIONS_REJECTED):
-            self.dropped = True
+            self.kept = []
             logger.info(
                 "celery-pglock: %s refused the server keepalive settings sent as the options "
                 "startup parameter (PgBouncer does); connecting without them, and setting "
@@ -105,9 +93,9 @@ class OptionsFallback:
             )
             return True
         match = _UNKNOWN.search(text)
-        if match is None or f"-c {match.group(1)}=" not in (self.current() or ""):
+        if match is None or match.group(1) not in dict(self.kept):
             return False
-        self.unknown.add(match.group(1))
+        self.kept = [(name, value) for name, value in self.kept if name != match[1]]
         logger.info(
             "celery-pglock: %s does not know the setting %s (an older PostgreSQL); "
             "lock connections go without it",
@@ -120,26 +108,22 @@ class OptionsFallback:
     def __call__(
         self, dialect: Any, record: Any, cargs: list[Any], cparams: dict[str, Any]
     ) -> Any:
-        if cparams.get("options") != self.ours:
-            connection = dialect.connect(*cargs, **cparams)  # the user's own: as asked
-            apply_session_settings(connection)
-            return connection
+        ours = cparams.get("options") == self.ours  # else the user's own: as asked
         while True:  # ends: each learn() drops one more setting, or all of them
-            self.apply(cparams)
+            if ours:
+                self.apply(cparams)
             try:
                 connection = dialect.connect(*cargs, **cparams)
             except dialect.loaded_dbapi.OperationalError as exc:
-                if not self.learn(exc):
-                    raise
-                continue
-            if not self.carries_settings():
+                if ours and self.learn(exc):
+                    continue
+                raise
+            if not (ours and self.carries_settings()):
                 apply_session_settings(connection)
             return connection
 
 
-_fallbacks: weakref.WeakKeyDictionary[sa.Engine, OptionsFallback] = (
-    weakref.WeakKeyDictionary()
-)
+_fallbacks = weakref.WeakKeyDictionary[sa.Engine, OptionsFallback]()
 
 
 def install_fallback(engine: sa.Engine, masked_url: str, ours: str | None) -> None:

@@ -12,17 +12,17 @@ from typing import TYPE_CHECKING, Any
 from celery_pglock import exceptions
 from celery_pglock.config import LockScope
 from celery_pglock.db import driver_errors, engines, sql_text
-from celery_pglock.lock import fencing_tokens, queued, sessions
+from celery_pglock.lock import identity, rider, sessions
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
 
     from celery_pglock.keys import LockKey
+    from celery_pglock.lock.sessions import base
 
 logger = logging.getLogger(__name__)
 
-#: lock_limit's bounded wait polls (PostgreSQL cannot wait for any one of N keys): the
-#: first pause and the longest, doubling in between (docs/guide/limits.md).
+#: lock_limit's wait polls: the first pause and the longest (docs/guide/limits.md).
 SLOT_POLL_FIRST, SLOT_POLL_MAX = 0.05, 1.0
 
 
@@ -63,10 +63,9 @@ class AdvisoryLock:
         self.shadowed = False  #: Shadow run, not held: ensure_held() passes; no fencing
         self.fencing_token: int | None = None  #: This hold's token (fencing on).
         self.run_key: LockKey | None = None  #: acks_late: the run lock (keys.run_key).
-        #: lock_enqueue: the message's queued row, changed with the lock and the unlock.
-        self.queued_row: queued.Queued | None = None
-        #: lock_limit: ``keys.slot_keys(key, N)``; the first free one is taken and, while
-        #: held, is ``key``.
+        #: A feature's statement sent with the grant and the release (lock.rider).
+        self.rider: rider.Rider | None = None
+        #: lock_limit: ``keys.slot_keys(key, N)``; the first free one taken is ``key``.
         self.slots: tuple[LockKey, ...] = (key,)
 
     def acquire(self, *, timeout: float | None = None) -> bool:
@@ -162,46 +161,23 @@ class AdvisoryLock:
         finally:
             self.released_at = time.monotonic()
 
-    def issue_fencing_token(self) -> int:
-        """``celery_pglock.fencing.issue_token(lock)``, which documents it, calls this."""
+    def holder_identity(self) -> identity.Identity | None:
+        """Who holds the lock, as PostgreSQL names it (a round trip, bounded by
+        ``round_trip_timeout``, once per session); None once its session has ended.
+
+        Raises:
+            PgLockError: the lock is not held.
+            DatabaseError: the database failed.
+        """
         hold = self._hold
         if hold is None:
             raise exceptions.PgLockError(
-                f"Lock {self.key.name!r} (key {self.key}) is not held: a fencing token is "
-                "only issued to the holder."
+                f"Lock {self.key.name!r} (key {self.key}) is not held."
             )
-        try:
-            fencing_tokens.TABLE.ensure(self.engine)
-            bound = self.round_trip_timeout
-            holder = hold.session.fencing_holder(hold, self.key, bound=bound)
-            token = None
-            if holder is not None:
-                token = fencing_tokens.issue(self.engine, self.key, holder, bound)
-            if token is None:
-                self.mark_lost(
-                    "its session no longer held it when its fencing token was issued, "
-                    "before the body started"
-                )
-                raise exceptions.LockLostError(
-                    f"Lock {self.key.name!r} (key {self.key}) was lost between its grant "
-                    "and its fencing token (its session ended); no token was issued, and "
-                    "the body did not run.",
-                    key=str(self.key),
-                    name=self.key.name,
-                )
-        except BaseException:
-            # A fenced run never runs without its token; a lost session freed it anyway.
-            if self.owned():
-                try:
-                    self.release(commit=False)
-                except exceptions.PgLockError:
-                    logger.debug("Release after a failed fencing token", exc_info=True)
-            raise
-        self.fencing_token = token
-        return token
+        return hold.session.identity(hold, self.key, bound=self.round_trip_timeout)
 
     def on_holding_session(
-        self, action: str, work: sessions.Work
+        self, action: str, work: base.Work
     ) -> tuple[Any, ...] | None:
         """``work(dbapi_connection, cursor)`` on the session holding the lock, bounded by
         ``round_trip_timeout``; None where it cannot run there: transaction scope (it would
@@ -211,11 +187,11 @@ class AdvisoryLock:
             return None
         return hold.session.on_holder(hold, action, self.round_trip_timeout, work)
 
-    def keep_queued_row(self) -> None:
-        """Leave the queued row at release: a retry of this message now owns it."""
-        self.queued_row = None
+    def drop_rider(self) -> None:
+        """Send nothing more with the release (its feature's row now has another owner)."""
+        self.rider = None
         if self._hold is not None:
-            self._hold.row = None
+            self._hold.rider = None
 
     def owned(self) -> bool:
         """True while this object holds the lock (no database round trip)."""
@@ -227,10 +203,8 @@ class AdvisoryLock:
         return self.lost_cause is not None
 
     def ensure_held(self) -> None:
-        """Raise unless the lock is still held, as far as this process knows.
-
-        Call it before each side effect of a long body; it reads what the watcher last
-        found (no round trip), narrowing the window (docs/operations/lock-loss.md).
+        """Raise unless the lock is still held, as the watcher last found (no round trip;
+        docs/operations/lock-loss.md): call it before each side effect of a long body.
 
         Raises:
             LockLostError: the lock was lost (the message says why).
@@ -327,45 +301,37 @@ class AdvisoryLock:
         return f"<AdvisoryLock {self.key.name!r} key={self.key} scope={self.scope.value} {state}>"
 
     def _do_acquire(self, timeout_ms: int | None) -> bool:
-        if len(self.slots) > 1:
-            return self._do_acquire_slot(timeout_ms)
-        hold = self._session.acquire(
-            self.key,
+        """Take the key, or the first free of lock_limit's slots (polled: SLOT_POLL_*)."""
+        slots = self.slots
+        polled = len(slots) > 1
+        request = sessions.AcquireRequest(
+            slots if polled else (self.key,),
             self._label,
-            timeout_ms,
+            None if polled else timeout_ms,
             self.scope is LockScope.TRANSACTION,
             self.round_trip_timeout,
             self.run_key,
-            self._granted,
-            self.queued_row,
+            None if polled else self.rider,  # not sent with the slots' statement
+            self._granted_slot if polled else self._granted,
         )
-        self._hold = hold
-        return hold is not None
-
-    def _granted(self, hold: sessions.Hold) -> None:
-        self._hold = hold
-
-    def _do_acquire_slot(self, timeout_ms: int | None) -> bool:
-        """Try the slots, and poll them until ``timeout_ms`` with a doubling pause."""
-        self.key = self.slots[0]
+        if not polled:
+            hold = self._session.acquire(request)
+            self._hold = hold
+            return hold is not None
+        self.key = slots[0]
         deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
         pause = SLOT_POLL_FIRST
         while True:
-            hold = self._session.acquire_slot(
-                self.slots,
-                self._label,
-                self.scope is LockScope.TRANSACTION,
-                self.round_trip_timeout,
-                self.run_key,
-                self._granted_slot,
-            )
-            if hold is not None:
+            if self._session.acquire(request) is not None:
                 return True
             remaining = 0.0 if deadline is None else deadline - time.monotonic()
             if remaining <= 0:
                 return False
             time.sleep(min(pause, remaining))
             pause = min(pause * 2, SLOT_POLL_MAX)
+
+    def _granted(self, hold: sessions.Hold) -> None:
+        self._hold = hold
 
     def _granted_slot(self, hold: sessions.Hold) -> None:
         self._hold, self.key = hold, self.slots[hold.slot]

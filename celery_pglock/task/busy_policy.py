@@ -6,14 +6,16 @@ from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Ignore
 
-from celery_pglock import exceptions, keys
+from celery_pglock import celery_compat, config, exceptions, keys
 from celery_pglock.config import Enqueue, OnBusy, SkipResult
 from celery_pglock.lock import holder_lookup
-from celery_pglock.task import enqueue, outcomes
+from celery_pglock.task import outcomes, queued
 
 if TYPE_CHECKING:
+    from celery_pglock.config import LockConfig
     from celery_pglock.lock import AdvisoryLock
-    from celery_pglock.lock.periods import Throttle
+    from celery_pglock.task.periods import Throttle
+    from celery_pglock.task.surface import LockedTask
 
 #: What ``pglock_final_states`` calls a skipped run, whatever ``lock_skip_result`` stored.
 SKIPPED = "SKIPPED"
@@ -22,20 +24,17 @@ SKIP_MARKER = "celery_pglock"
 
 
 def apply_policy(
-    task: Any,
+    task: LockedTask,
     lock: AdvisoryLock,
     task_id: str | None,
     *,
     direct: bool,
     throttle: Throttle | None = None,
 ) -> Any:
-    """Raise a busy (or throttled) run's outcome, or return its skip record
-    (lock_skip_result='success')."""
+    """Raise a busy (or throttled) run's outcome, or return its skip record."""
     options = task.lock_config
     request = task.request
-    action = options.on_busy
-    if direct and action is not OnBusy.WAIT:
-        action = OnBusy.RAISE  # a direct call has no message to skip or re-queue
+    action = busy_action(options, direct=direct)
     message, details = report(task, lock, task_id, action, throttle)
     # Its first delivery may still run: store nothing (docs/guide/skipped-results.md).
     first_delivery_runs = (
@@ -43,7 +42,7 @@ def apply_policy(
         and task_id is not None
         and not direct
         and task.acks_late
-        and bool((request.delivery_info or {}).get("redelivered"))
+        and celery_compat.redelivered(request)
         and lock.run_alive(keys.run_key(task_id)) is not False
     )
     if first_delivery_runs:
@@ -63,19 +62,14 @@ def apply_policy(
     busy = exceptions.LockBusy(message, key=str(lock.key), name=lock.key.name)
     if first_delivery_runs:
         raise Ignore(message)
-    if (
-        action is OnBusy.WAIT
-        and options.enqueue is Enqueue.UNTIL_STARTED
-        and not direct
-    ):
-        # The queued follow-up of a run that outlasted the wait: never lost, re-queued.
-        action = OnBusy.RETRY
-    elif lock.queued_row is not None and action is not OnBusy.RETRY:
-        enqueue.give_back(task, lock.key, lock.queued_row.task_id)  # ends unrun
+    if action is OnBusy.WAIT:
+        action = after_wait(options, direct=direct)
+    if (row := queued.row_of(lock)) is not None and action is not OnBusy.RETRY:
+        # It ends unrun (a retry keeps the row): free its key now.
+        queued.give_back(task.locks_engine(), lock.key, row.task_id, options.db_timeout)
     if action is OnBusy.SKIP and options.skip_result is SkipResult.SUCCESS:
         # No chain link or callback gets a skip record: docs/guide/skipped-results.md.
-        request.callbacks = None
-        request.chain = None
+        celery_compat.drop_continuations(request)
         return {SKIP_MARKER: "skipped", **details}
     if action is OnBusy.SKIP:
         raise exceptions.LockSkipped(message, details)
@@ -87,8 +81,54 @@ def apply_policy(
     raise busy
 
 
+def busy_action(options: LockConfig, *, direct: bool) -> OnBusy:
+    """A busy run's policy: docs/reference/options.md, "What a busy run becomes"."""
+    if direct and options.on_busy is not OnBusy.WAIT:
+        return OnBusy.RAISE
+    return options.on_busy
+
+
+def after_wait(options: LockConfig, *, direct: bool) -> OnBusy:
+    """What a 'wait' that ran out ends as: docs/reference/options.md, as busy_action."""
+    if options.enqueue is Enqueue.UNTIL_STARTED and not direct:
+        return OnBusy.RETRY
+    return OnBusy.RAISE
+
+
+def silent_changes(options: LockConfig) -> list[str]:
+    """Each way a busy run departs from its lock_on_busy, and why (pglock check)."""
+    on_busy = options.on_busy
+    if options.shadow:
+        return [
+            f"lock_on_busy={on_busy.value!r} is only reported: lock_shadow=True runs "
+            "a busy run's body anyway"
+        ]
+    changes = []
+    if options.on_busy_implied and options.enqueue is not None:
+        changes.append(
+            f"lock_on_busy={config.DEFAULT_ON_BUSY.value!r} (the default) runs as "
+            f"{on_busy.value!r} because lock_enqueue={options.enqueue.value!r} (a "
+            "skipped follow-up would be lost)"
+        )
+    direct = busy_action(options, direct=True)
+    if direct is not on_busy:
+        changes.append(
+            f"a direct call (task(...), not through a worker) runs {on_busy.value!r} "
+            f"as {direct.value!r} (no message to skip or re-queue)"
+        )
+    waits = busy_action(options, direct=False) is OnBusy.WAIT
+    ended = after_wait(options, direct=False)
+    if waits and ended is not OnBusy.RAISE and options.enqueue is not None:
+        changes.append(
+            f"a 'wait' that runs out (lock_wait_timeout {options.wait_timeout:g}s) "
+            f"runs as {ended.value!r} (lock_retry_delay {options.retry_delay:g}s), not "
+            f"'raise', because lock_enqueue={options.enqueue.value!r}"
+        )
+    return changes
+
+
 def report(
-    task: Any,
+    task: LockedTask,
     lock: AdvisoryLock,
     task_id: str | None,
     action: OnBusy,
@@ -97,6 +137,13 @@ def report(
     """The sentence and the record (names and numbers, never arguments) of a busy run."""
     options = task.lock_config
     key = lock.key
+    details: dict[str, Any] = {
+        "reason": "lock_busy" if throttle is None else "period",
+        "task": task.name,
+        "lock": key.name,
+        "key": str(key),
+        "policy": action.value,
+    }
     if throttle is not None:
         left = throttle.seconds_left
         too_long = (
@@ -116,26 +163,9 @@ def report(
             f"{options.period:g}s ago, {left:.1f}s left{too_long}; "
             f"{outcomes.run_name(task, task_id)} did not run."
         )
-        return message, {
-            "reason": "period",
-            "task": task.name,
-            "lock": key.name,
-            "key": str(key),
-            "policy": action.value,
-            "seconds_left": left,
-            "last_task": throttle.last_task_id,
-        }
+        return message, {**details, "seconds_left": left, "last_task": last}
     holder = holder_lookup.find(lock)
-    details: dict[str, Any] = {
-        "reason": "lock_busy",
-        "task": task.name,
-        "lock": key.name,
-        "key": str(key),
-        "policy": action.value,
-        "holder": None,
-        "holder_pid": None,
-        "holder_task": None,
-    }
+    details.update(holder=None, holder_pid=None, holder_task=None)
     by = "another session"
     if holder is not None:
         details.update(holder.as_details())

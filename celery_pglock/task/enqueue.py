@@ -14,21 +14,21 @@ from typing import TYPE_CHECKING, Any
 from celery.utils import uuid
 from celery.utils.time import maybe_iso8601
 
-from celery_pglock import config, exceptions, keys
+from celery_pglock import celery_compat, config, exceptions
 from celery_pglock.config import Enqueue, OnDuplicate, OnEnqueueError
-from celery_pglock.db import deadlines, engines
-from celery_pglock.lock import queued
-from celery_pglock.task import outcomes
+from celery_pglock.db import deadlines, engines, forks
+from celery_pglock.task import outcomes, queued
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     import sqlalchemy as sa
 
+    from celery_pglock.task.surface import LockedTask
+
 logger = logging.getLogger(__name__)
 
-#: Options of canvas sends: a callback, or a result id frozen by the caller (a group's
-#: GroupResult, a chain's links). Deduplicated, those would never complete.
+#: Canvas options: deduplicated, such a send would never end (docs/guide/enqueue.md).
 _CONTINUATIONS = ("link", "link_error", "chain", "chord", "group_id", "parent_id")
 #: Seconds between WARNINGs per task for sends published unchecked.
 _WARN_EVERY = 60.0
@@ -36,7 +36,7 @@ _warned: dict[tuple[str, str], float] = {}
 
 
 def publish(
-    task: Any,
+    task: LockedTask,
     send: Callable[..., Any],
     args: Any,
     kwargs: Any,
@@ -47,15 +47,12 @@ def publish(
     settings = task.lock_config
     key = task.lock_key_for(*(args or ()), **(kwargs or {}))
     task_id = task_id or uuid()
-    engine = task._binding().engine()
-    mode = queued.UNTIL_STARTED
-    if settings.enqueue is Enqueue.UNTIL_FINISHED:
-        mode = queued.UNTIL_FINISHED
+    engine = task.locks_engine()
+    finished = settings.enqueue is Enqueue.UNTIL_FINISHED
     headers = dict(options.pop("headers", None) or {})
     headers.pop(queued.HEADER, None)  # a retry's request headers carry the old one
-    # Celery's retry() sends retries=n+1 (n >= 0). A task id alone tells nothing: code
-    # that reuses its own ids sends a new message with an id already seen.
-    retry = bool(options.get("retries"))
+    # Told by Celery's retries count, never by a (reusable) id: docs/guide/enqueue.md.
+    retry = celery_compat.is_retry_send(options)
     stale = _stale_after(task, options, settings.enqueue_lost_after)
     try:
         outcome, owner = queued.claim(
@@ -63,29 +60,25 @@ def publish(
             key=key,
             task_id=task_id,
             task_name=task.name,
-            mode=mode,
-            # Provisional until the publish is confirmed: a producer that dies before
-            # its publish blocks the key for PUBLISH_GRACE, not for lock_enqueue_lost_after.
+            mode=queued.UNTIL_FINISHED if finished else queued.UNTIL_STARTED,
+            # Provisional until the publish is confirmed (docs/guide/enqueue.md).
             stale=min(stale, queued.PUBLISH_GRACE),
             bound=settings.db_timeout,
             retry=retry,
         )
     except exceptions.DatabaseError as error:
+        # A retry is published anyway: refused, Celery's retry() would Reject it.
+        if not retry and settings.enqueue_on_error is not OnEnqueueError.PUBLISH:
+            raise exceptions.EnqueueUnavailable(
+                f"{task.name}: could not check whether key {key} is already queued, so "
+                f"nothing was published ({error}). Set lock_enqueue_on_error='publish' to "
+                "publish unchecked when the lock database fails (the run lock still "
+                "keeps runs single)."
+            ) from error
+        _unchecked(task, "db_error", f"the lock database failed ({error})")
         if retry:
-            # Refused, Celery's retry() would end the message (Reject): a retry is the
-            # same message going on, and its row, if any, is still its own.
-            _unchecked(task, "db_error", f"the lock database failed ({error})")
             headers[queued.HEADER] = queued.header_of(key)
-            return send(args, kwargs, task_id, headers=headers, **options)
-        if settings.enqueue_on_error is OnEnqueueError.PUBLISH:
-            _unchecked(task, "db_error", f"the lock database failed ({error})")
-            return send(args, kwargs, task_id, headers=headers, **options)
-        raise exceptions.EnqueueUnavailable(
-            f"{task.name}: could not check whether key {key} is already queued, so "
-            f"nothing was published ({error}). Set lock_enqueue_on_error='publish' to "
-            "publish unchecked when the lock database fails (the run lock still "
-            "keeps runs single)."
-        ) from error
+        return send(args, kwargs, task_id, headers=headers, **options)
     if outcome == "queued":
         if any(options.get(name) for name in _CONTINUATIONS):
             _unchecked(task, "canvas", f"it is part of a canvas ({key})")
@@ -116,37 +109,29 @@ def publish(
     return result
 
 
-def _stale_after(task: Any, options: dict[str, Any], lost_after: float) -> float:
+def _stale_after(task: LockedTask, options: dict[str, Any], lost_after: float) -> float:
     """Seconds until a never-started message stops holding its key: lost_after past its
     due time, and never past its expiry (Celery drops an expired message)."""
-    now = datetime.datetime.now(datetime.timezone.utc)
-    due = 0.0
-    countdown, eta = options.get("countdown"), options.get("eta")
-    if countdown is not None:
-        due = float(countdown)
-    elif eta is not None:
-        due = _seconds_until(maybe_iso8601(eta) if isinstance(eta, str) else eta, now)
+    countdown = options.get("countdown")
+    due = _seconds_until(options.get("eta")) if countdown is None else float(countdown)
     stale = max(0.0, due) + lost_after
     expires = options.get("expires", task.expires)
     if isinstance(expires, (int, float)):
-        stale = min(stale, float(expires))
-    elif expires is not None:
-        when = maybe_iso8601(expires) if isinstance(expires, str) else expires
-        stale = min(stale, _seconds_until(when, now))
-    return stale
+        return min(stale, float(expires))
+    return stale if expires is None else min(stale, _seconds_until(expires))
 
 
-def _seconds_until(when: Any, now: datetime.datetime) -> float:
-    if isinstance(when, datetime.datetime):
-        if (
-            when.tzinfo is None
-        ):  # Celery reads a naive eta in the app's timezone; UTC here
-            when = when.replace(tzinfo=datetime.timezone.utc)
-        return float((when - now).total_seconds())
-    return 0.0
+def _seconds_until(when: Any) -> float:
+    if isinstance(when, str):
+        when = maybe_iso8601(when)
+    if not isinstance(when, datetime.datetime):
+        return 0.0
+    if when.tzinfo is None:  # Celery reads a naive eta in the app's timezone; UTC here
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return float((when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
 
 
-def _unchecked(task: Any, reason: str, why: str) -> None:
+def _unchecked(task: LockedTask, reason: str, why: str) -> None:
     outcomes.enqueued(task, f"unchecked_{reason}")
     now = time.monotonic()
     if now - _warned.get((task.name, reason), -_WARN_EVERY) >= _WARN_EVERY:
@@ -165,9 +150,8 @@ _Change = tuple[str, tuple[int, int, int], str, float]
 
 
 class _RowWriter(threading.Thread):
-    """Sends row changes off the caller's thread, batched: the confirmations of publishes
-    and the deletes of rows whose messages ended unrun. While the lock database is down
-    it tries again, until it answers or the rows are stale anyway (``give_up_after``)."""
+    """Sends row changes (publish confirmations, deletes of unrun messages' rows) off
+    the caller's thread, batched; retried until the rows are stale (``give_up_after``)."""
 
     BATCH_WAIT = 0.1  #: Seconds to gather a batch: one statement for a burst of sends.
     RETRY_EVERY = 1.0  #: Seconds between tries while the database fails.
@@ -233,25 +217,31 @@ class _RowWriter(threading.Thread):
             deadlines.bounded(dbapi, self.bound),
             dbapi.cursor() as cursor,
         ):
-            for statement in (queued.DELETE_MANY, queued.CONFIRM_MANY):
-                changes = [change for change in batch if change[0] == statement]
-                if changes:
-                    cursor.execute(statement, queued.columns_of(changes))
+            # Array params per column: DELETE_MANY takes 4, CONFIRM_MANY all 5.
+            for statement, width in ((queued.DELETE_MANY, 4), (queued.CONFIRM_MANY, 5)):
+                rows = [
+                    [*row, task_id, seconds]
+                    for sql, row, task_id, seconds in batch
+                    if sql == statement
+                ]
+                if rows:
+                    columns = [list(column) for column in zip(*rows, strict=True)]
+                    cursor.execute(statement, columns[:width])
 
 
 _writers: dict[Any, _RowWriter] = {}
-_writers_guard = engines.fork_safe_lock(_writers)  # a child has no writer thread
+_writers_guard = forks.safe_lock(_writers)  # a child has no writer thread
 
 
-def free_later(task: Any, row: tuple[int, int, int], task_id: str) -> None:
+def free_later(task: LockedTask, row: tuple[int, int, int], task_id: str) -> None:
     """Queue the delete of ``task_id``'s row (a no-op if a newer message has the key)."""
     _write_later(task, (queued.DELETE_MANY, row, task_id, 0.0))
 
 
-def _write_later(task: Any, change: _Change) -> None:
+def _write_later(task: LockedTask, change: _Change) -> None:
     settings = task.lock_config
     _writer_for(
-        task._binding().engine(), settings.db_timeout, settings.enqueue_lost_after
+        task.locks_engine(), settings.db_timeout, settings.enqueue_lost_after
     ).put(change)
 
 
@@ -266,9 +256,8 @@ def _writer_for(engine: sa.Engine, bound: float, give_up_after: float) -> _RowWr
 
 @atexit.register
 def drain_writers() -> None:
-    """Write what is pending, each writer bounded by its round trip (at process exit):
-    a confirmation left unsent would make its key free for a second send after
-    PUBLISH_GRACE."""
+    """At exit, write what is pending (each writer bounded by its round trip): an unsent
+    confirmation frees its key for a second send after PUBLISH_GRACE."""
     with _writers_guard:
         writers = [writer for writer in _writers.values() if writer.is_alive()]
     for writer in writers:
@@ -280,16 +269,13 @@ def drain_writers() -> None:
             )
 
 
-def _enqueue_task(app: Any, name: object) -> Any:
-    task = app.tasks.get(name) if isinstance(name, str) else None
-    settings = getattr(task, "lock_config", None)
-    return task if settings is not None and settings.enqueue is not None else None
+def _enqueues(task: object) -> bool:
+    return getattr(getattr(task, "lock_config", None), "enqueue", None) is not None
 
 
 def on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     """task_revoked (revoked or expired, in the worker's main process): free the key."""
-    task = sender if getattr(sender, "lock_config", None) is not None else None
-    if task is None or task.lock_config.enqueue is None or request is None:
+    if request is None or not _enqueues(sender):
         return
     # The request is a Context built from the message (Celery 5.3 to 5.7): the header
     # is in its headers (tests/acceptance/test_enqueue_guards.py, with a real worker).
@@ -297,7 +283,7 @@ def on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     row = queued.parse_header(headers.get(queued.HEADER))
     task_id = getattr(request, "id", None)
     if row is not None and task_id:
-        free_later(task, row, task_id)
+        free_later(sender, row, task_id)
 
 
 def on_rejected(sender: Any = None, message: Any = None, **_: Any) -> None:
@@ -309,8 +295,9 @@ def on_rejected(sender: Any = None, message: Any = None, **_: Any) -> None:
     task_id = headers.get("id")
     if row is None or app is None or not isinstance(task_id, str):
         return
-    task = _enqueue_task(app, headers.get("task"))
-    if task is not None:
+    name = headers.get("task")
+    task: Any = app.tasks.get(name) if isinstance(name, str) else None
+    if _enqueues(task):
         free_later(task, row, task_id)
         return
     try:
@@ -322,10 +309,3 @@ def on_rejected(sender: Any = None, message: Any = None, **_: Any) -> None:
         config.app_seconds(app.conf, "db_timeout"),
         config.app_seconds(app.conf, "enqueue_lost_after"),
     ).put((queued.DELETE_MANY, row, task_id, 0.0))
-
-
-def give_back(task: Any, key: keys.LockKey, task_id: str) -> None:
-    """A message ending without its run (skipped, raised): free its key now."""
-    queued.give_back(
-        task._binding().engine(), key, task_id, task.lock_config.db_timeout
-    )

@@ -1,5 +1,4 @@
 """Each lock outcome of a run, reported once: to the signals, the log and the metrics sink.
-
 acquired() and released() build nothing unless asked. Levels: docs/operations/monitoring.md."""
 
 from __future__ import annotations
@@ -11,17 +10,18 @@ from celery_pglock import metrics, signals
 
 if TYPE_CHECKING:
     from celery_pglock.lock import AdvisoryLock
+    from celery_pglock.task.surface import LockedTask
 
 logger = logging.getLogger(__name__)
 _metrics_warned = False
 
 
-def run_name(task: Any, task_id: str | None) -> str:
+def run_name(task: LockedTask, task_id: str | None) -> str:
     """How messages name a run: ``task[id]``, or the task and "direct call" (no id)."""
     return f"{task.name}[{task_id}]" if task_id else f"{task.name} (direct call)"
 
 
-def acquired(task: Any, task_id: str | None, lock: AdvisoryLock) -> None:
+def acquired(task: LockedTask, task_id: str | None, lock: AdvisoryLock) -> None:
     wait = lock.wait_seconds or 0.0
     if metrics.sink is not None:
         _count("acquired", task.name, wait)
@@ -39,7 +39,7 @@ def acquired(task: Any, task_id: str | None, lock: AdvisoryLock) -> None:
 
 
 def skipped(
-    task: Any,
+    task: LockedTask,
     task_id: str | None,
     lock: AdvisoryLock,
     *,
@@ -83,7 +83,7 @@ def skipped(
 
 
 def released(
-    task: Any,
+    task: LockedTask,
     task_id: str | None,
     lock: AdvisoryLock,
     *,
@@ -95,14 +95,11 @@ def released(
     held = (lock.released_at or 0.0) - (lock.acquired_at or 0.0)
     if metrics.sink is not None:
         _count("released", task.name, state, held)
-    if not failed and signals.lock_completed.receivers:
-        signals.lock_completed.send(
-            **_payload(task, task_id, lock, held_seconds=held, state=state)
-        )
-    elif failed and signals.lock_failed.receivers:
-        signals.lock_failed.send(
-            **_payload(task, task_id, lock, held_seconds=held, state=state),
-            exception=exception,
+    signal = signals.lock_failed if failed else signals.lock_completed
+    if signal.receivers:
+        more = {"exception": exception} if failed else {}
+        signal.send(
+            **_payload(task, task_id, lock, held_seconds=held, state=state, **more)
         )
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
@@ -120,7 +117,7 @@ def released(
 
 
 def release_failed(
-    task: Any, task_id: str | None, lock: AdvisoryLock, error: BaseException
+    task: LockedTask, task_id: str | None, lock: AdvisoryLock, error: BaseException
 ) -> None:
     if metrics.sink is not None:
         _count("release_failed", task.name)
@@ -139,7 +136,7 @@ def release_failed(
         )
 
 
-def lost(task: Any, task_id: str | None, lock: AdvisoryLock, cause: str) -> None:
+def lost(task: LockedTask, task_id: str | None, lock: AdvisoryLock, cause: str) -> None:
     """Called from the watcher thread (body running), or before the body (no token)."""
     if metrics.sink is not None:
         _count("lost", task.name)
@@ -157,7 +154,7 @@ def lost(task: Any, task_id: str | None, lock: AdvisoryLock, cause: str) -> None
 
 
 def database_error(
-    task: Any,
+    task: LockedTask,
     task_id: str | None,
     error: BaseException,
     countdown: float,
@@ -175,7 +172,7 @@ def database_error(
     )
 
 
-def enqueued(task: Any, outcome: str) -> None:
+def enqueued(task: LockedTask, outcome: str) -> None:
     # Optional in a custom Metrics (added after the protocol was published).
     if metrics.sink is not None and hasattr(metrics.sink, "enqueued"):
         _count("enqueued", task.name, outcome)
@@ -196,7 +193,7 @@ def _count(event: str, *args: Any) -> None:
 
 
 def _payload(
-    task: Any, task_id: str | None, lock: AdvisoryLock, **more: Any
+    task: LockedTask, task_id: str | None, lock: AdvisoryLock, **more: Any
 ) -> dict[str, Any]:
     return {
         "sender": task,

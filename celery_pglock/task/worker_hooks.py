@@ -10,12 +10,13 @@ from celery import signals as celery_signals
 from celery_pglock import config, exceptions, metrics
 from celery_pglock.db import driver_errors, engines, server_probe
 from celery_pglock.lock import sessions
-from celery_pglock.task import enqueue, metrics_endpoint, singleton_task
+from celery_pglock.metrics import server as metrics_server
+from celery_pglock.task import enqueue, runs, singleton_task
 
 logger = logging.getLogger(__name__)
 
 #: What serving /metrics at worker_init did, logged by _report_at_ready().
-_metrics_outcome: metrics_endpoint.Server | exceptions.ConfigurationError | None = None
+_metrics_outcome: metrics_server.Server | exceptions.ConfigurationError | None = None
 
 
 def _receivers() -> dict[str, Any]:
@@ -40,6 +41,7 @@ def connect() -> None:
 
 
 def disconnect() -> None:
+    """Disconnect them (benchmarks/hot_path.py measures a worker without them)."""
     for name in _receivers():
         getattr(celery_signals, name).disconnect(dispatch_uid=f"celery_pglock.{name}")
 
@@ -55,10 +57,8 @@ def check_app(app: Any) -> None:
 
 
 def check_lock_server(app: Any) -> None:
-    """Raise ConfigurationError on a standby, a pooler breaking some tasks' scope, or a
-    refusal waiting does not fix (a wrong password, a missing database) unless
-    pglock_on_misconfigured_database='run'. Probed with a temporary engine: the worker's
-    own are made after the fork."""
+    """ConfigurationError on what docs/design.md (worker_init) lists; probed with a
+    temporary engine: the worker's own are made after the fork."""
     scopes: dict[config.LockScope, list[str]] = {}
     for task in sorted(singleton_tasks(app), key=lambda task: str(task.name)):
         scopes.setdefault(task.lock_config.scope, []).append(task.name)
@@ -67,15 +67,9 @@ def check_lock_server(app: Any) -> None:
     try:
         facts = server_probe.probe(config.database_url(app.conf), app.conf)
     except exceptions.DatabaseError as error:
-        # An outage may end (the server is starting, the network heals): the worker
-        # starts, reports it at worker_ready, and each process probes at its first lock.
-        if driver_errors.misconfiguration(error.__cause__) is None:
+        # An outage may end: reported at worker_ready (docs/design.md, worker hooks).
+        if driver_errors.misconfiguration(error.__cause__) is None or _runs_anyway(app):
             return
-        if (
-            config.on_misconfigured_database(app.conf)
-            is config.OnMisconfiguredDatabase.RUN
-        ):
-            return  # reported at worker_ready, as an outage is
         setting = config.ON_MISCONFIGURED_DATABASE_SETTING
         raise exceptions.ConfigurationError(
             f"The lock database refused this worker at start: {' '.join(str(error).split())} "
@@ -112,8 +106,7 @@ def _report_at_ready(sender: Any = None, **_: Any) -> None:
                 reason,
                 f" The worker runs as {config.ON_MISCONFIGURED_DATABASE_SETTING}='run' "
                 "asks."
-                if config.on_misconfigured_database(app.conf)
-                is config.OnMisconfiguredDatabase.RUN
+                if _runs_anyway(app)
                 else "",
                 extra={"action": "lock_database_misconfigured", "database": url},
             )
@@ -161,6 +154,12 @@ def _report_at_ready(sender: Any = None, **_: Any) -> None:
         )
 
 
+def _runs_anyway(app: Any) -> bool:
+    """pglock_on_misconfigured_database='run': a refusing database does not stop it."""
+    run = config.OnMisconfiguredDatabase.RUN
+    return config.on_misconfigured_database(app.conf) is run
+
+
 def singleton_tasks(app: Any) -> list[Any]:
     return [
         task
@@ -183,7 +182,7 @@ def _check_worker_config(sender: Any = None, **_: Any) -> None:
     global _metrics_outcome
     if tasks := singleton_tasks(app):
         try:
-            _metrics_outcome = metrics_endpoint.serve(
+            _metrics_outcome = metrics_server.serve(
                 app.conf,
                 [(task.name, task.lock_config.on_busy.value) for task in tasks],
             )
@@ -192,9 +191,9 @@ def _check_worker_config(sender: Any = None, **_: Any) -> None:
 
 
 def _release_everything(**_: Any) -> None:
-    for lock in singleton_task.held_locks():
+    for lock in runs.held_locks():
         if lock.owned():
-            singleton_task.release_leftover(lock, "worker shutdown")
+            runs.release_leftover(lock, "worker shutdown")
     sessions.close_all()
     engines.dispose_all()
-    metrics_endpoint.stop()  # the main process's /metrics endpoint; no-op in children
+    metrics_server.stop()  # the main process's /metrics endpoint; no-op in children

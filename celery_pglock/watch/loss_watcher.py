@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from celery_pglock import exceptions
 from celery_pglock.config import OnLost
-from celery_pglock.db import engines, redact, server_probe, sql_text, startup_options
+from celery_pglock.db import (
+    engines,
+    forks,
+    redact,
+    server_probe,
+    sql_text,
+    startup_options,
+)
 from celery_pglock.lock import sessions
 
 if TYPE_CHECKING:
@@ -31,7 +38,6 @@ logger = logging.getLogger(__name__)
 SIGNAL = signal.SIGUSR2  #: Ends main-thread bodies; SIGUSR1 is billiard's soft limit.
 MIN_TICK = 0.05  #: The watcher's shortest sleep between ticks.
 REPORT_WAIT = 2.0  #: Longest an ended body waits for its loss report.
-checks_run = 0  #: Checks answered in this process (tests: short tasks run none).
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -53,13 +59,13 @@ class Entry:
 
 
 _entries: dict[int, Entry] = {}
+_observers: dict[int, Observer] = {}
 #: Guards _entries and every Entry. A body's thread takes the bare lock: an asynchronous
 #: LockLostError can land inside Condition.__enter__ (Python), not inside Lock's (C).
-_mutex = threading.Lock()
+_mutex = forks.safe_lock(_entries, _observers)
 _cond = threading.Condition(_mutex)
 _idle = False  #: The watcher waits for an entry (notify it on insert).
 _thread: threading.Thread | None = None
-_observers: dict[int, Observer] = {}
 _target: Entry | None = None  #: The main-thread body SIGNAL interrupts.
 _handler: tuple[int, Any] | None = None  #: (pid, previous handler) once installed.
 _green_warned = 0
@@ -159,8 +165,7 @@ def _check(due: list[Entry]) -> None:
         groups.setdefault(id(entry.lock.engine), []).append(entry)
     for engine_id, entries in groups.items():
         engine = entries[0].lock.engine
-        if (observer := _observers.get(engine_id)) is None:
-            observer = _observers[engine_id] = Observer(engine)
+        observer = _observers.setdefault(engine_id, Observer(engine))
         started = time.monotonic()
         timeout = min(entry.timeout for entry in entries)
         losses = observer.check(
@@ -314,8 +319,6 @@ class Observer:
     def _evaluate(
         self, entries: list[Entry], rows: list[tuple[Any, ...]]
     ) -> dict[int, str]:
-        global checks_run
-        checks_run += 1
         start, standby = rows[0][4], rows[0][5]
         restarted = self.server_start is not None and start != self.server_start
         self.server_start = start
@@ -386,14 +389,12 @@ class Observer:
             return
         cursor = connection.cursor()
         # The server gives up too, so a slow check never lingers there.
-        cursor.execute(
-            "SELECT set_config('statement_timeout', %s, false)", (f"{timeout}s",)
-        )
+        cursor.execute(sql_text.SET_STATEMENT_TIMEOUT, (f"{timeout}s",))
         wait(connection, deadline)
         if fallback is None or not fallback.carries_settings():
             # Idle between checks: never ended by a role's idle_session_timeout.
             cursor.execute(
-                startup_options.APPLY_SESSION_SETTINGS,
+                sql_text.APPLY_SESSION_SETTINGS,
                 startup_options.SESSION_SETTINGS_PARAMS,
             )
             wait(connection, deadline)
@@ -431,16 +432,10 @@ def wait(connection: Any, deadline: float) -> None:
             )
 
 
+@forks.reset_in_child
 def _forget_in_child() -> None:
     # A forked child watches nothing of its parent's (its sockets are neutered).
-    global _thread, _target, _idle, _cond, _mutex
-    _entries.clear()
-    _observers.clear()
+    global _thread, _target, _idle, _cond
     _thread = _target = None
     _idle = False
-    _mutex = threading.Lock()  # the parent's may be held
-    _cond = threading.Condition(_mutex)
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
+    _cond = threading.Condition(_mutex)  # its waiters were the parent's threads

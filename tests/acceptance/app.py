@@ -17,13 +17,13 @@ import time
 from celery import Celery
 
 from celery_pglock import SingletonTask, current_lock
-from celery_pglock.lock import sessions
 from celery_pglock.testing import (
     BROKER_URL_ENV,
     DATABASE_URL_ENV,
     RESULT_BACKEND_ENV,
     OverlapRecorder,
     _support,
+    strategies,
 )
 
 QUEUE_ENV = "PGLOCK_TEST_QUEUE"
@@ -34,7 +34,9 @@ GATE_TIMEOUT = 60.0
 
 database_url = os.environ[DATABASE_URL_ENV]
 # PGLOCK_TEST_SESSION_MODE=per_lock: run a worker in the other lock-session strategy.
-sessions.use_per_lock_sessions(os.environ.get("PGLOCK_TEST_SESSION_MODE") == "per_lock")
+strategies.use_per_lock_sessions(
+    os.environ.get("PGLOCK_TEST_SESSION_MODE") == "per_lock"
+)
 broker_url = os.environ[BROKER_URL_ENV]
 
 app = Celery(

@@ -113,8 +113,11 @@ def test_a_skipped_link_ends_its_chain(acceptance, workers, recorder, run):
         acceptance.protected.si(run, "k"), acceptance.after.s(run)
     ).delay()
     with pytest.raises(LockSkipped):
-        skipped_chain.get(timeout=30)  # the last link's result: FAILURE, not PENDING
-    assert skipped_chain.ready()
+        skipped_chain.get(timeout=30)  # raises the first link's LockSkipped
+    # Celery stores the skipped link's FAILURE, then the rest of the chain's: get() can
+    # raise from the first before the last link's is stored.
+    wait_until(skipped_chain.ready, timeout=10, what="the last link to end FAILURE")
+    assert isinstance(skipped_chain.result, LockSkipped)
     acceptance.open_gate(gate)
     holder.get(timeout=30)
     ran = chain(acceptance.protected.si(run, "k"), acceptance.after.s(run)).delay()

@@ -224,7 +224,7 @@ def _die_before_publishing(run: str, grace: float, answers) -> None:
     import signal
 
     import tests.acceptance.resend_app as module
-    from celery_pglock.lock import queued
+    from celery_pglock.task import queued
 
     queued.PUBLISH_GRACE = grace
 
@@ -264,8 +264,7 @@ def test_a_published_message_keeps_its_key_past_the_grace(
 ):
     """Its producer confirmed the publish: a message waiting in a queue no worker reads
     keeps its key long after PUBLISH_GRACE (1 s here)."""
-    from celery_pglock.lock import queued
-    from celery_pglock.task import enqueue
+    from celery_pglock.task import enqueue, queued
 
     monkeypatch.setattr(queued, "PUBLISH_GRACE", 1.0)
     nobody = f"pglock-nobody-{run}"

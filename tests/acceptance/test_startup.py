@@ -83,8 +83,13 @@ def test_unreachable_lock_database_is_an_error_at_start_and_no_reconnect(
     wait_until(lambda: result.state == "FAILURE", timeout=30, what="the task to fail")
     assert "DatabaseError" == type(result.result).__name__
     result.forget()
+    # The result backend can record FAILURE before the worker logs the traceback.
+    wait_until(
+        lambda: "Could not acquire lock" in worker.log_text(),
+        timeout=10,
+        what="the worker to log the failure",
+    )
     log = worker.log_text()
-    assert "Could not acquire lock" in log
     assert "reconnecting" not in log
     assert PASSWORD not in log
 

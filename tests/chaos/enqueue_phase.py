@@ -28,9 +28,8 @@ PRODUCERS = 3
 
 
 def run(chaos: Chaos) -> dict[str, Any]:
-    from celery_pglock.cli import queued_verb
     from celery_pglock.db import engines
-    from celery_pglock.lock import queued
+    from celery_pglock.task import queued
     from tests.chaos import app as chaos_app
     from tests.chaos.producer import KEYS
 
@@ -100,7 +99,7 @@ def run(chaos: Chaos) -> dict[str, Any]:
     deadline = time.monotonic() + 90
     blocked: list[dict[str, Any]] = []
     while time.monotonic() < deadline:
-        rows = queued_verb.read(engine) or []
+        rows = queued.summary(engine) or []
         blocked = [r for r in rows if r["state"] != "stale"]
         if not blocked and time.time() > faults_done + chaos_app.ENQUEUE_LOST_AFTER + 1:
             break

@@ -94,34 +94,55 @@ def terminate(chaos: Chaos) -> None:
 
 
 def child_kill(chaos: Chaos) -> None:
-    """SIGKILL a prefork pool child, preferably one running a body."""
+    """SIGKILL a prefork pool child while it runs a body.
+
+    Its message is then rejected and redelivered (acks_late + reject_on_worker_lost), which
+    the run must show. A child seen busy a moment ago may have finished a short body since,
+    so prefer one running a long body that started moments ago; if none does within 3 s (right
+    after a restart every body has just been ended), send one on a key of its own and kill
+    the child that runs it.
+    """
     prefork = [w for w in chaos.main_workers if w.pool == "prefork" and w.running]
-    children = [pid for worker in prefork for pid in worker.child_pids()]
-    if not children:
+    if not any(worker.child_pids() for worker in prefork):
         return
-    # Prefer a child running a body (its interval's heartbeat is fresh): its
-    # message is rejected and redelivered (acks_late + reject_on_worker_lost). Wait for
-    # one a little: right after a restart every body has just been ended (lock_on_lost
-    # 'terminate'), and a kill of idle children would leave the run without redeliveries.
-    deadline = time.monotonic() + 3
-    while True:
-        with chaos.app.loss_app._events_cursor() as cursor:
-            cursor.execute(
-                f"SELECT DISTINCT pid FROM {chaos.app.recorder.table} WHERE run = %s "
-                "AND ended_at > clock_timestamp() - interval '0.3 seconds'",
-                (f"{chaos.run_id}-main",),
-            )
-            busy = [row[0] for row in cursor.fetchall() if row[0] in children]
-        if busy or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    pid = chaos.rng.choice(busy or children)
+    pid = _child_running_a_long_body(chaos, prefork, within=3.0)
+    if pid is None:
+        chaos._send("long", f"kill-{len(chaos.faults)}", 2.5, chaos.queue)
+        pid = _child_running_a_long_body(chaos, prefork, within=10.0)
+    if pid is None:
+        print("child kill: no prefork child ran a long body within 13 s", flush=True)
+        return
     began = time.time()
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         return  # it had just exited (a time limit): not a fault of ours
     chaos.faults.append(Fault("SIGKILL pool child", began, time.time(), {pid}))
+
+
+def _child_running_a_long_body(
+    chaos: Chaos, prefork: list[Any], within: float
+) -> int | None:
+    """The pid of a prefork child running a "long" body begun under 0.5 s ago (one of at
+    least 1 s, so still running when the kill lands) or a "hang" body; None after ``within`` s."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        children = {pid for worker in prefork for pid in worker.child_pids()}
+        sent = list(chaos.sent.items())  # the sender thread adds to it
+        long_ids = [i for i, kind in sent if kind in ("long", "hang")]
+        with chaos.app.loss_app._events_cursor() as cursor:
+            cursor.execute(
+                f"SELECT pid FROM {chaos.app.recorder.table} WHERE run = %s"
+                " AND task_id = ANY(%s)"
+                " AND ended_at > clock_timestamp() - interval '0.3 seconds'"
+                " AND started_at > clock_timestamp() - interval '0.5 seconds'",
+                (f"{chaos.run_id}-main", long_ids),
+            )
+            busy = [row[0] for row in cursor.fetchall() if row[0] in children]
+        if busy:
+            return int(chaos.rng.choice(busy))
+        time.sleep(0.05)
+    return None
 
 
 def worker_kill(chaos: Chaos) -> None:

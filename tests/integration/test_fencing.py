@@ -463,6 +463,47 @@ def test_shadow_mode_applies_a_would_be_skips_writes_unfenced(app, reports):
     ]
 
 
+def test_token_none_is_refused_outside_a_shadowed_body(app, reports):
+    """token=None is a shadowed body's only: outside any run, and in a locked run called
+    from a shadowed body (which fences its own writes), the write is refused loudly."""
+    says = "token=None: this run has no fencing token"
+    with (
+        engines.engine_for(app.conf).begin() as connection,
+        pytest.raises(ConfigurationError, match=says),
+    ):
+        fencing.fenced_update(
+            connection, reports, key={"tenant": 1}, values={"body": "x"}, token=None
+        )
+    refused = []
+
+    def inner(tenant):
+        with engines.engine_for(app.conf).begin() as connection:
+            try:
+                fencing.fenced_update(
+                    connection,
+                    reports,
+                    key={"tenant": tenant},
+                    values={"body": "inner"},
+                    token=current_lock().fencing_token,
+                )
+            except ConfigurationError as error:
+                refused.append(str(error))
+
+    inner_task = define(app, inner, lock_args=("tenant",))
+
+    def outer(tenant):
+        inner_task(tenant + 100)
+
+    outer_task = define(app, outer, lock_args=("tenant",), lock_shadow=True)
+    held = hold(outer_task, 1)  # the outer run is shadowed: its key is held
+    try:
+        outer_task.apply((1,)).get()
+    finally:
+        held.release()
+    assert len(refused) == 1
+    assert says in refused[0]
+
+
 def test_upsert_inserts_a_missing_row_and_update_reports_it(lock_engine, reports):
     """fenced_upsert creates the row; fenced_update on a missing row applies nothing."""
     with lock_engine.begin() as connection:

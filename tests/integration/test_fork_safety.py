@@ -1,5 +1,5 @@
 """A process that forks while another of its threads holds one of the package's locks:
-the child takes the lock and finishes what uses it (engines.fork_safe_lock).
+the child takes the lock and finishes what uses it (db.forks.safe_lock).
 
 Each test holds the real lock in a thread, forks, and lets the child do the operation
 that takes it. A child that hangs on the lock is killed at a deadline and fails the test.
@@ -17,8 +17,8 @@ import traceback
 import warnings
 
 from celery_pglock.db import engines, server_probe
-from celery_pglock.lock import fencing_tokens, queued
-from celery_pglock.task import enqueue, singleton_task
+from celery_pglock.fencing import tokens as fencing_tokens
+from celery_pglock.task import enqueue, queued, runs
 from tests.integration.task_support import current_engine, define
 
 CHILD_DEADLINE = 20.0  #: Seconds; each operation takes well under one.
@@ -142,19 +142,88 @@ def _fork_ran(tenant):
 
 
 def test_the_held_registry_guard_is_free_in_a_forked_child(app):
-    """singleton_task._held_guard: a child forked while another thread registers a held
+    """runs.held_guard: a child forked while another thread registers a held
     lock runs a SingletonTask; the parent's held locks are not the child's."""
     task = define(app, _fork_ran, lock_args=("tenant",))
     parents = object()
-    with singleton_task._held_guard:
-        singleton_task._held.add(parents)
+    with runs.held_guard:
+        runs.held.add(parents)
 
     def work():
-        left = singleton_task.held_locks()
+        left = runs.held_locks()
         return "ran 7" == task.apply(args=(7,)).get() and [] == left
 
     try:
-        assert "ok" == in_forked_child(singleton_task._held_guard, work)
+        assert "ok" == in_forked_child(runs.held_guard, work)
     finally:
-        with singleton_task._held_guard:
-            singleton_task._held.discard(parents)
+        with runs.held_guard:
+            runs.held.discard(parents)
+
+
+def test_the_session_registry_guard_is_free_in_a_forked_child(database_url, namespace):
+    """The sessions registry's guard (taken to make a process session): a child forked
+    while another thread holds it takes a lock on a process session of its own."""
+    from celery_pglock import keys
+    from celery_pglock.lock import AdvisoryLock
+    from celery_pglock.lock.sessions import process
+
+    def work():
+        engine = engines.create_engine(database_url)
+        lock = AdvisoryLock(engine=engine, key=keys.make_key(namespace, "forked"))
+        granted = lock.acquire()
+        lock.release()
+        return granted
+
+    assert "ok" == in_forked_child(process._registry_guard, work)
+
+
+def test_the_deadline_guard_is_free_in_a_forked_child(database_url):
+    """deadlines.guard (taken by every bounded round trip): a child forked while another
+    thread holds it sends a bounded statement."""
+    from celery_pglock.db import deadlines
+
+    def work():
+        engine = engines.create_engine(database_url)
+        with (
+            engines.autocommit(engine) as dbapi,
+            deadlines.bounded(dbapi, 5.0),
+            dbapi.cursor() as cursor,
+        ):
+            cursor.execute("SELECT 1")
+            return cursor.fetchone() == (1,)
+
+    assert "ok" == in_forked_child(deadlines.guard, work)
+
+
+def test_the_loss_watcher_mutex_is_free_in_a_forked_child(app):
+    """The loss watcher's mutex (taken to watch each run): a child forked while another
+    thread holds it runs a watched SingletonTask."""
+    from celery_pglock.watch import loss_watcher
+
+    task = define(app, _fork_ran, lock_args=("tenant",))
+    assert "ok" == in_forked_child(
+        loss_watcher._mutex, lambda: "ran 8" == task.apply(args=(8,)).get()
+    )
+
+
+def test_a_failing_reset_leaves_the_others_to_run(database_url, namespace, monkeypatch):
+    """A reset that raises in the child (out of descriptors, say) is reported, and every
+    later one still runs: the child does not keep its parent's lock session."""
+    from celery_pglock import keys
+    from celery_pglock.db import forks
+    from celery_pglock.lock import AdvisoryLock
+    from celery_pglock.lock.sessions import process
+
+    def broken():
+        raise OSError("out of descriptors")
+
+    monkeypatch.setattr(forks, "_resets", [broken, *forks._resets])
+    engine = engines.create_engine(database_url)
+    with AdvisoryLock(engine=engine, key=keys.make_key(namespace, "parent")):
+        pass  # the parent now has a process session on this engine
+    assert process.open_process_session(engine) is not None
+
+    def work():
+        return process.open_process_session(engine) is None
+
+    assert "ok" == in_forked_child(threading.Lock(), work)

@@ -23,7 +23,7 @@ from sqlalchemy import event
 from celery_pglock import AdvisoryLock, DatabaseError, LockBusy, LockSkipped, keys
 from celery_pglock import cli as cli_module
 from celery_pglock import signals as pglock_signals
-from celery_pglock.lock import periods
+from celery_pglock.task import periods
 from celery_pglock.testing import _support
 from tests.integration import test_fencing
 from tests.integration.task_support import (

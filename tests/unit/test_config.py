@@ -70,7 +70,7 @@ def test_task_option_beats_app_setting_beats_default(app):
         ({"lock_args": ("tenant_id", "tenant_id")}, ["at most once"]),
         (
             {"lock_key": lambda *a, **k: 1},
-            ["option 'lock_key' was removed", "lock_key_for"],
+            ["unknown option 'lock_key'", "Known options: lock_args"],
         ),
         ({"lock_id": 2**63}, ["lock_id", "64-bit"]),
         ({"lock_id": (42, 2**31)}, ["lock_id", "32-bit"]),
@@ -95,7 +95,7 @@ def test_task_option_beats_app_setting_beats_default(app):
         ({"lock_fencing": 1}, ["lock_fencing=1", "True or False"]),
         (
             {"lock_skip_result": "skipped"},
-            ["'skipped' was removed", "'failure' or 'success'", "skipped-results.md"],
+            ["lock_skip_result='skipped'", "'failure', 'success'"],
         ),
         ({"lock_db_timeout": 0}, ["lock_db_timeout=0", "positive number"]),
         ({"lock_period": 0}, ["lock_period=0", "positive number of seconds"]),
@@ -143,23 +143,19 @@ def test_fencing_is_off_by_default_and_set_per_task_or_app_wide(app):
 
 
 @pytest.mark.parametrize(
-    ("option", "fragment"),
-    [
-        ("on_error", "autoretry_for=(celery_pglock.DatabaseError,)"),
-        ("error_retries", "max_retries"),
-        ("error_backoff", "retry_backoff"),
-        ("check_timeout", "renamed lock_db_timeout"),
-    ],
+    ("option", "hint"),
+    [("error_retries", None), ("check_timeout", "lock_db_timeout")],
 )
-def test_removed_options_and_settings_are_refused_with_their_replacement(
-    app, option, fragment
-):
-    """A removed lock_* option or pglock_* setting fails at registration, naming what
-    replaces it, never silently ignored."""
+def test_names_of_pre_release_options_are_unknown_options(app, option, hint):
+    """Option names dropped before the first release are plain unknown names (the
+    package was never released: there is no table of replacements), refused at
+    registration as a task option and as an app setting, never silently ignored."""
     with pytest.raises(ConfigurationError) as caught:
         register(app, **{f"lock_{option}": 5})
-    assert f"'lock_{option}' was removed" in str(caught.value)
-    assert fragment in str(caught.value)
+    message = str(caught.value)
+    assert f"unknown option 'lock_{option}'" in message
+    assert "Known options: lock_args" in message
+    assert hint == caught.value.suggestion
     app.conf[f"pglock_{option}"] = 5
 
     def other():
@@ -167,8 +163,29 @@ def test_removed_options_and_settings_are_refused_with_their_replacement(
 
     with pytest.raises(ConfigurationError) as caught:
         register(app, other)
-    assert f"'pglock_{option}' was removed" in str(caught.value)
-    assert fragment in str(caught.value)
+    assert f"Unknown setting 'pglock_{option}'" in str(caught.value)
+
+
+def test_until_started_implies_wait_only_when_lock_on_busy_is_unset(app):
+    """lock_enqueue='until_started' makes an unset lock_on_busy 'wait', and the config
+    says it was implied (what `pglock check` shows); a set one, task or app-wide, wins."""
+    options = register(app, lock_enqueue="until_started").lock_config
+    assert (OnBusy.WAIT, True) == (options.on_busy, options.on_busy_implied)
+
+    def skipping():
+        return None
+
+    options = register(
+        app, skipping, lock_enqueue="until_started", lock_on_busy="skip"
+    ).lock_config
+    assert (OnBusy.SKIP, False) == (options.on_busy, options.on_busy_implied)
+    app.conf.pglock_on_busy = "retry"
+
+    def retrying():
+        return None
+
+    options = register(app, retrying, lock_enqueue="until_started").lock_config
+    assert (OnBusy.RETRY, False) == (options.on_busy, options.on_busy_implied)
 
 
 def test_lock_period_is_per_task_and_off_by_default(app):
@@ -468,13 +485,12 @@ def test_a_custom_metrics_sink_is_installed(app):
         metrics.install(metrics.NullMetrics())
 
 
-def test_the_removed_session_mode_setting_is_refused_with_a_pointer():
-    """pglock_session_mode was removed: setting it names it and says what replaced it."""
+def test_an_unknown_setting_is_refused_naming_the_known_ones():
+    """pglock_session_mode (dropped before the first release) is an unknown setting."""
     with pytest.raises(ConfigurationError) as caught:
         config_module.check_unknown_settings({"pglock_session_mode": "per_lock"})
-    assert "'pglock_session_mode' was removed" in str(caught.value)
-    assert "always use the process's lock session" in str(caught.value)
-    assert "pooled connection per lock" in str(caught.value)
+    assert "Unknown setting 'pglock_session_mode'" in str(caught.value)
+    assert "Known settings: pglock_namespace" in str(caught.value)
 
 
 def test_on_misconfigured_database_is_checked_at_worker_start(app):

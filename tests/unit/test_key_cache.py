@@ -9,6 +9,7 @@ import pytest
 from celery import Celery
 
 from celery_pglock import SingletonTask, keys
+from celery_pglock.keys import lock_keys
 
 
 @pytest.fixture
@@ -31,7 +32,7 @@ def memo(task):
 
 
 @pytest.mark.parametrize(
-    "value", [7, -(2**63), 2**64 - 1, True, None, "x" * keys.MEMO_MAX_CHARS]
+    "value", [7, -(2**63), 2**64 - 1, True, None, "x" * lock_keys.MEMO_MAX_CHARS]
 )
 def test_small_scalars_are_memoised(task, value):
     first = task.lock_key_for(value)
@@ -40,7 +41,7 @@ def test_small_scalars_are_memoised(task, value):
 
 
 @pytest.mark.parametrize(
-    "value", [2**64, -(2**63) - 1, "x" * (keys.MEMO_MAX_CHARS + 1), 1.5, [1]]
+    "value", [2**64, -(2**63) - 1, "x" * (lock_keys.MEMO_MAX_CHARS + 1), 1.5, [1]]
 )
 def test_big_or_non_scalar_arguments_are_not_memoised(task, value):
     assert task.lock_key_for(value) == task.lock_key_for(value)
@@ -72,6 +73,6 @@ def test_twenty_5_mb_arguments_leave_nothing_behind(task):
 
 
 def test_memoised_and_fresh_keys_agree(task):
-    value = "t" * keys.MEMO_MAX_CHARS
+    value = "t" * lock_keys.MEMO_MAX_CHARS
     memoised = task.lock_key_for(value)
     assert keys.make_key("default", "cache.export", {"tenant": value}) == memoised

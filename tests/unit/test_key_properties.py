@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from celery_pglock import keys
 from celery_pglock.exceptions import LockKeyError
+from celery_pglock.keys import key_material, lock_keys
 
 BOUNDED = settings(
     max_examples=150,
@@ -360,7 +361,9 @@ def test_streamed_json_is_exactly_the_key_text(value):
     """The streamed encoder writes exactly key_text()'s JSON, so a long key text is
     hashed to the same key it would get if it were built."""
     canonical_value = keys.canonical(value)
-    streamed = "".join(keys.json_chunks(["celery_pglock/1", "n", "t", canonical_value]))
+    streamed = "".join(
+        key_material.json_chunks(["celery_pglock/1", "n", "t", canonical_value])
+    )
     assert keys.key_text("n", "t", canonical_value) == streamed
 
 
@@ -385,7 +388,7 @@ def test_keys_just_under_the_text_limit_keep_their_text():
     assert keys.key_from_text(lock_key.text) == lock_key.ids[0]
 
 
-#: What the per-task fast path (keys.ScalarKeys) keys: exact str, int, bool or None.
+#: What the per-task fast path (lock_keys.ScalarKeys) keys: exact str, int, bool or None.
 FAST_SCALARS = (
     st.none()
     | st.booleans()
@@ -404,10 +407,10 @@ FAST_SCALARS = (
 def test_the_scalar_fast_path_gives_exactly_the_general_key(
     names, data, namespace, lock_name
 ):
-    """keys.ScalarKeys writes the key text by hand: it must be key_text's, byte for
+    """lock_keys.ScalarKeys writes the key text by hand: it must be key_text's, byte for
     byte, or two workers (or a psql session) would disagree on the key."""
     values = tuple(data.draw(FAST_SCALARS) for _ in names)
-    fast = keys.ScalarKeys(namespace, lock_name, names).key(values)
+    fast = lock_keys.ScalarKeys(namespace, lock_name, names).key(values)
     try:
         material = {
             name: keys.canonical(value)

@@ -13,6 +13,7 @@ import pytest
 
 from celery_pglock import keys
 from celery_pglock.exceptions import ConfigurationError, LockKeyError
+from celery_pglock.keys import lock_keys
 
 #: Frozen vectors: if one of these changes, the key format changed. That is a
 #: rolling-deploy hazard (old and new workers would not exclude each other), so it needs a
@@ -97,9 +98,9 @@ def test_vectors(namespace, name, material, text, key):
     ],
 )
 def test_vectors_through_the_lock_args_path(namespace, name, material, text, key):
-    """A task's lock_args build the key without the JSON encoder (keys.ScalarKeys), from
+    """A task's lock_args build the key without the JSON encoder (lock_keys.ScalarKeys), from
     the arguments in signature order: the same text and key, names sorted."""
-    lock_key = keys.ScalarKeys(namespace, name, list(material)).key(
+    lock_key = lock_keys.ScalarKeys(namespace, name, list(material)).key(
         tuple(material.values())
     )
     assert lock_key is not None

@@ -12,7 +12,7 @@ import prometheus_client
 import pytest
 
 from celery_pglock import ConfigurationError, metrics
-from celery_pglock.task import metrics_endpoint
+from celery_pglock.metrics import server as metrics_server
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 METRIC = re.compile(r"\bcelery_pglock_[a-z_]+")
@@ -63,17 +63,17 @@ def test_a_taken_port_is_reported_and_changes_nothing(monkeypatch, tmp_path):
     memory; tasks are unaffected)."""
     import socket
 
-    monkeypatch.delenv(metrics_endpoint.MULTIPROC_ENV, raising=False)
+    monkeypatch.delenv(metrics_server.MULTIPROC_ENV, raising=False)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(ConfigurationError, match=f"pglock_metrics_port={port}"):
-            metrics_endpoint.serve(
+            metrics_server.serve(
                 {"pglock_metrics_port": port, "pglock_metrics_address": "127.0.0.1"}
             )
-    assert metrics_endpoint.MULTIPROC_ENV not in os.environ
+    assert metrics_server.MULTIPROC_ENV not in os.environ
     assert [] == list(tmp_path.iterdir())
 
 

@@ -8,13 +8,12 @@ import celery
 from django.apps import AppConfig
 from django.core import checks
 
-from celery_pglock import config, exceptions, metrics
+from celery_pglock import celery_compat, config, exceptions, metrics
 from celery_pglock.db import engines
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
-TAG = "celery_pglock"
 #: The task name config.resolve's messages get for the app-wide defaults (then removed).
 _DEFAULTS = "app-wide defaults"
 
@@ -25,7 +24,7 @@ class PgLockConfig(AppConfig):
     verbose_name = "celery-pglock"
 
     def ready(self) -> None:
-        checks.register(check_settings, TAG)
+        checks.register(check_settings, "celery_pglock")
 
 
 def check_settings(
@@ -69,7 +68,7 @@ def _resolve_defaults(conf: Mapping[str, Any]) -> None:
 
 
 def _spelling_hint(conf: Any) -> str:
-    prefix = getattr(conf, "prefix", None) or ""
+    prefix = celery_compat.conf_prefix(conf)
     if not prefix:
         return "Fix the setting the message names (app.conf.pglock_*)."
     return (

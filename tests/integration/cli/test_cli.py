@@ -33,7 +33,7 @@ from celery_pglock import (
 )
 from celery_pglock.db import engines
 from celery_pglock.lock import sessions
-from celery_pglock.testing import EmbeddedPostgres, _support
+from celery_pglock.testing import EmbeddedPostgres, _support, lock_state
 from celery_pglock.watch import loss_watcher
 from tests.integration.loss_support import make_app, wait_for
 
@@ -256,14 +256,14 @@ def test_locks_held_is_how_long_the_lock_has_been_held(cli_app, database_url, sc
     later = AdvisoryLock(engine=engine, key=keys.make_key("cli", "held", 2), label="t")
     try:
         assert first.acquire()
-        loss_watcher.watch(first, lambda cause: None, options)
-        checks = loss_watcher.checks_run
-        assert _support.wait_until(
-            lambda: time.monotonic() - first.acquired_at > 2.5, timeout=5
-        )
-        with AdvisoryLock(engine=engine, key=keys.make_key("cli", "held", 3)):
-            pass  # a statement of another lock on the process session, just now
-        assert loss_watcher.checks_run > checks + 5  # the watcher checked meanwhile
+        with lock_state.watcher_checks() as checks:
+            loss_watcher.watch(first, lambda cause: None, options)
+            assert _support.wait_until(
+                lambda: time.monotonic() - first.acquired_at > 2.5, timeout=5
+            )
+            with AdvisoryLock(engine=engine, key=keys.make_key("cli", "held", 3)):
+                pass  # a statement of another lock on the process session, just now
+        assert checks() > 5  # the watcher checked meanwhile
         held = _entry(cli_app, str(first.key))["held_seconds"]
         assert 2.5 <= held < 4.5, held
         loss_watcher.unwatch(first)
@@ -643,6 +643,47 @@ def test_check_names_the_closest_option_for_a_typo(database_url):
     )
     assert "FAIL  configuration" in output
     assert "fix: rename 'lock_arg' to 'lock_args', the closest valid name" in output
+
+
+def test_check_shows_each_busy_policy_a_task_runs_as_and_why(database_url):
+    """Where a busy run does other than its lock_on_busy reads (lock_enqueue=
+    'until_started' implies 'wait' and re-queues a wait that runs out; a direct call
+    raises; lock_shadow runs the body), `check` says so per task, without failing."""
+    output = run(
+        "--app",
+        f"{LAYOUTS}.busy_app:app",
+        "--database-url",
+        database_url,
+        "check",
+    )
+    module = f"{LAYOUTS}.busy_app"
+    lines = {  # this app's tasks (another app's shared tasks join every app)
+        line.split(": ", 1)[0].split()[-1]: " ".join(line.split())
+        for line in output.splitlines()
+        if line.startswith(f"INFO  busy policy   {module}.")
+    }
+    assert {f"{module}.{name}" for name in ("follow_up", "retried", "shadowed")} == set(
+        lines
+    ), output
+    follow_up = lines[f"{module}.follow_up"]
+    assert (
+        "lock_on_busy='skip' (the default) runs as 'wait' because "
+        "lock_enqueue='until_started'" in follow_up
+    )
+    assert (
+        "a 'wait' that runs out (lock_wait_timeout 10s) runs as 'retry' "
+        "(lock_retry_delay 30s), not 'raise'" in follow_up
+    )
+    assert "a direct call" not in follow_up  # a direct call waits, as configured
+    assert (
+        "a direct call (task(...), not through a worker) runs 'retry' as 'raise' "
+        "(no message to skip or re-queue)" in lines[f"{module}.retried"]
+    )
+    assert (
+        "lock_on_busy='skip' is only reported: lock_shadow=True runs a busy run's "
+        "body anyway" in lines[f"{module}.shadowed"]
+    )
+    assert "FAIL" not in output
 
 
 @pytest.mark.parametrize(

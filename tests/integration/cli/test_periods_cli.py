@@ -13,7 +13,7 @@ from sqlalchemy.engine import make_url
 
 from celery_pglock import cli
 from celery_pglock.db import engines
-from celery_pglock.lock import periods
+from celery_pglock.task import periods
 from celery_pglock.testing import _support
 
 APP = "tests.integration.cli_app:app"  # its longest lock_period: 3600 s (throttled)

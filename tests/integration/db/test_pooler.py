@@ -22,7 +22,7 @@ import pytest
 from celery_pglock import AdvisoryLock, ConfigurationError, DatabaseError, keys
 from celery_pglock.db import driver_errors, server_probe
 from celery_pglock.db import engines as db_engines
-from celery_pglock.testing import _support
+from celery_pglock.testing import _support, lock_state
 
 MODES = ("session", "transaction", "statement")
 POOLING = {
@@ -180,7 +180,7 @@ def test_default_options_work_through_pgbouncer(
         for lock in locks:
             # The session settings the refused options carried were set by a statement
             # at connect instead (source 'session': not the server's default).
-            cursor = lock._hold.connection.cursor()
+            cursor = lock_state.holding_connection(lock).cursor()
             cursor.execute(
                 "SELECT setting, source FROM pg_settings "
                 "WHERE name = 'idle_session_timeout'"

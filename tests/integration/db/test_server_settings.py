@@ -23,6 +23,7 @@ import pytest
 from celery_pglock import AdvisoryLock, LockBusy, SingletonTask, current_lock, keys
 from celery_pglock.db import engines
 from celery_pglock.lock import sessions
+from celery_pglock.testing import lock_state
 from celery_pglock.testing.postgres import EmbeddedPostgres
 from tests.integration.loss_support import dsn, make_app
 
@@ -319,7 +320,7 @@ def test_lock_sessions_carry_their_settings(role_url, namespace, conf):
         with AdvisoryLock(
             engine=engine, key=keys.make_key(namespace, "settings")
         ) as lock:
-            cursor = lock._hold.connection.cursor()
+            cursor = lock_state.holding_connection(lock).cursor()
             cursor.execute(
                 "SELECT current_setting('idle_session_timeout'), "
                 "current_setting('tcp_keepalives_idle'), "

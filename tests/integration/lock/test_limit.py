@@ -238,9 +238,9 @@ def test_runs_of_one_process_never_reenter_a_slot(
     backends = {lock.backend_pid for lock in locks}
     assert 3 == sum(held(observer, pid, slots) for pid in backends)
     sent = []
-    real = sessions._try_slots
+    real = sessions.base.try_slots
     monkeypatch.setattr(
-        sessions, "_try_slots", lambda *a, **k: sent.append(a) or real(*a, **k)
+        sessions.base, "try_slots", lambda *a, **k: sent.append(a) or real(*a, **k)
     )
     fourth = slotted(engine, slots)
     assert not fourth.acquire()
@@ -264,9 +264,9 @@ def test_a_wait_polls_the_slots_and_times_out_bounded(
     assert all(lock.acquire() for lock in holders)
     waiter = slotted(engine_factory(), slots)
     tries = []
-    real = sessions._try_slots
+    real = sessions.base.try_slots
     monkeypatch.setattr(
-        sessions, "_try_slots", lambda *a, **k: tries.append(a) or real(*a, **k)
+        sessions.base, "try_slots", lambda *a, **k: tries.append(a) or real(*a, **k)
     )
     started = time.monotonic()
     assert not waiter.acquire(timeout=0.6)

@@ -23,6 +23,7 @@ from celery_pglock import (
 )
 from celery_pglock.db import engines as db_module
 from celery_pglock.lock import sessions
+from celery_pglock.testing import lock_state
 
 from ...unit.test_keys import VECTORS
 
@@ -86,7 +87,7 @@ def test_a_try_refused_by_postgresql_leaves_the_key_free_in_the_process(
         with other.connect() as holder:
             holder.exec_driver_sql("SELECT pg_advisory_lock(%s)", key.ids)
             assert not AdvisoryLock(engine=lock_engine, key=key).acquire()
-            assert not sessions.for_lock(lock_engine).claims.held(key.ids)
+            assert not lock_state.claimed(lock_engine, key.ids)
             holder.exec_driver_sql("SELECT pg_advisory_unlock(%s)", key.ids)
         again = AdvisoryLock(engine=lock_engine, key=key)
         assert again.acquire()
@@ -122,7 +123,9 @@ def test_idle_connection_is_relabelled_after_release(
     connection says idle; the process's session holds no advisory lock (it keeps the
     task's name: relabelling at every release would double the server's CPU per task)."""
     with AdvisoryLock(engine=single_engine, key=make_key(namespace)) as lock:
-        dbapi = lock._hold.connection  # pooled (per_lock) or the process's session
+        dbapi = lock_state.holding_connection(
+            lock
+        )  # pooled (per_lock) or the process's session
     with dbapi.cursor() as cursor:
         cursor.execute(
             "SELECT current_setting('application_name'), (SELECT count(*) FROM pg_locks "
@@ -252,8 +255,7 @@ def test_a_bounded_wait_is_tried_first_on_the_process_session(database_url, name
     try:
         free = AdvisoryLock(engine=engine, key=make_key(namespace, "free"))
         assert free.acquire(timeout=5)
-        session = sessions.process_session(engine)
-        assert [free._hold] == session.holds()
+        assert [free.key.ids] == lock_state.process_held_keys(engine)
         assert 0 == engine.pool.checkedout()
         busy_key = make_key(namespace, "busy")
         holder = AdvisoryLock(engine=engine, key=busy_key)
@@ -264,7 +266,7 @@ def test_a_bounded_wait_is_tried_first_on_the_process_session(database_url, name
         try:
             assert waiter.acquire(timeout=5)
             assert 1 == engine.pool.checkedout()  # the wait's own connection
-            assert waiter._hold not in session.holds()
+            assert busy_key.ids not in lock_state.process_held_keys(engine)
         finally:
             releaser.join()
             waiter.release()
@@ -292,7 +294,7 @@ def test_unlock_that_returns_false_closes_the_connection(
     other = AdvisoryLock(engine=lock_engine, key=make_key(namespace, {"k": 2}))
     assert lock.acquire()
     assert other.acquire()
-    dbapi = lock._hold.connection
+    dbapi = lock_state.holding_connection(lock)
     with dbapi.cursor() as cursor:  # someone unlocked behind our back
         cursor.execute("SELECT pg_advisory_unlock(%s)", lock.key.ids)
     with pytest.raises(LockNotOwnedError, match="no longer held"):
@@ -330,7 +332,7 @@ def test_closing_the_process_session_reports_its_holds_lost(database_url, namesp
         lock = AdvisoryLock(engine=engine, key=make_key(namespace))
         assert lock.acquire()
         session = sessions.process_session(engine)
-        assert [lock._hold] == session.holds()
+        assert [lock.key.ids] == lock_state.process_held_keys(engine)
         session.lose("terminated by a test")
         assert not lock.locked()
         with pytest.raises(LockNotOwnedError, match="terminated by a test"):
@@ -481,14 +483,14 @@ def test_dead_pooled_connection_is_replaced_transparently(
     """A lock session killed while idle (restart, idle timeout) costs no failed task."""
     key = make_key(namespace)
     with AdvisoryLock(engine=single_engine, key=key) as lock:
-        idle_pid = lock._hold.connection.info.backend_pid
+        idle_pid = lock_state.holding_connection(lock).info.backend_pid
     with lock_engine.connect() as connection:
         assert connection.exec_driver_sql(
             "SELECT pg_terminate_backend(%s)", (idle_pid,)
         ).scalar()
     lock = AdvisoryLock(engine=single_engine, key=key)
     assert lock.acquire()
-    assert idle_pid != lock._hold.connection.info.backend_pid
+    assert idle_pid != lock_state.holding_connection(lock).info.backend_pid
     lock.release()
 
 

@@ -25,7 +25,7 @@ from sqlalchemy import event
 from celery_pglock import AdvisoryLock, DatabaseError, keys
 from celery_pglock.db import driver_errors, engines
 from celery_pglock.lock import sessions
-from celery_pglock.testing import _support
+from celery_pglock.testing import _support, strategies
 from celery_pglock.testing import postgres as embedded
 
 if TYPE_CHECKING:
@@ -92,11 +92,11 @@ def lock_engine(
 ) -> Iterator[sa.Engine]:
     """``per_lock``: session-scope try-locks too on pooled connections of their own."""
     engine = engines.create_engine(url, conf)
-    sessions.use_per_lock_sessions(per_lock)
+    strategies.use_per_lock_sessions(per_lock)
     try:
         yield engine
     finally:
-        sessions.use_per_lock_sessions(False)
+        strategies.use_per_lock_sessions(False)
         sessions.close_for(engine)
         engine.dispose()
 

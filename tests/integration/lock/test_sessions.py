@@ -21,20 +21,23 @@ from celery_pglock import AdvisoryLock, keys
 from celery_pglock.db import engines as db_module
 from celery_pglock.db import sql_text
 from celery_pglock.lock import sessions
+from celery_pglock.testing import lock_state
 
 FORK_SCRIPT = textwrap.dedent(
     """
     import gc, json, os, sys
     from celery_pglock import AdvisoryLock, LockNotOwnedError, keys
+    from celery_pglock.testing import lock_state
     from celery_pglock.db import engines
     from celery_pglock.lock import sessions
+    from celery_pglock.testing import strategies
 
     database_url, namespace, mode, how = sys.argv[1:5]
-    sessions.use_per_lock_sessions(mode == "per_lock")
+    strategies.use_per_lock_sessions(mode == "per_lock")
     engine = engines.create_engine(database_url)
     lock = AdvisoryLock(engine=engine, key=keys.make_key(namespace, "it.fork"))
     assert lock.acquire()
-    parent_backend = lock._hold.connection.info.backend_pid
+    parent_backend = lock_state.holding_connection(lock).info.backend_pid
     read_end, write_end = os.pipe()
     child = os.fork()
     if child == 0:
@@ -46,7 +49,7 @@ FORK_SCRIPT = textwrap.dedent(
             report["release"] = "refused: " + str(error)
         own = AdvisoryLock(engine=engines.create_engine(database_url), key=keys.make_key(namespace, "it.child"))
         report["child_acquired"] = own.acquire()
-        report["child_backend"] = own._hold.connection.info.backend_pid
+        report["child_backend"] = lock_state.holding_connection(own).info.backend_pid
         own.release()
         os.write(write_end, json.dumps(report).encode())
         os.close(write_end)
@@ -68,7 +71,7 @@ FORK_SCRIPT = textwrap.dedent(
         report["parent_backend"] = parent_backend
         report["parent_still_owned"] = lock.owned()
         # The parent's session still answers, and still holds its lock.
-        with lock._hold.connection.cursor() as cursor:
+        with lock_state.holding_connection(lock).cursor() as cursor:
             cursor.execute(
                 "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted"
             )
@@ -120,14 +123,16 @@ def test_one_session_carries_many_locks_and_excludes_each_key_once(
             for i in range(5)
         ]
         assert all(lock.acquire() for lock in locks)
-        assert 1 == len({lock._hold.connection.info.backend_pid for lock in locks})
+        assert 1 == len(
+            {lock_state.holding_connection(lock).info.backend_pid for lock in locks}
+        )
         twin = AdvisoryLock(engine=engine, key=locks[0].key)
         assert not twin.acquire()  # re-entrant in PostgreSQL, refused in the process
         for lock in locks:
             lock.release()
         assert twin.acquire()
         twin.release()
-        assert [] == sessions.process_session(engine).holds()
+        assert [] == lock_state.process_held_keys(engine)
     finally:
         sessions.close_for(engine)
         engine.dispose()

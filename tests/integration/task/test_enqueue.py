@@ -22,8 +22,8 @@ from celery_pglock import (
     current_lock,
 )
 from celery_pglock.db import engines, sql_text
-from celery_pglock.lock import queued
-from celery_pglock.task import enqueue
+from celery_pglock.lock import rider
+from celery_pglock.task import enqueue, queued
 from tests.integration.task_support import current_engine, define, hold
 
 
@@ -110,6 +110,7 @@ def test_the_publish_statement_is_planned_once_per_connection(app, published):
         lock_enqueue="until_finished",
     )
     engine = current_engine(app)
+    enqueue.drain_writers()  # earlier tests' row changes: none may open a second
     engine.dispose()  # a pool of one: sequential sends all use the same connection
 
     def prepared():
@@ -149,6 +150,7 @@ def test_a_connection_reset_by_discard_all_prepares_the_claim_again(app, publish
 
     resets = make(app, "resets", use_the_connection, lock_scope="transaction")
     engine = current_engine(app)
+    enqueue.drain_writers()  # earlier tests' row changes: none may open a second
     engine.dispose()  # a pool of one: the send, the run and the send share it
     task.delay(1)
     enqueue.drain_writers()  # its confirmation, on the same pooled connection
@@ -185,11 +187,9 @@ def test_a_run_plans_its_row_changes_once_per_session(app, session_mode):
         lock, unlock = sql_text.TRY_LOCK_SESSION_RUN, sql_text.UNLOCK_SESSION_RUN
     expected = {
         sql_text.name_for(
-            queued.with_row_change(
-                lock[arity], queued.ON_START_FINISHED, "l.g IS NOT NULL"
-            )
+            rider.riding(lock[arity], queued.ON_START_FINISHED, "l.g IS NOT NULL")
         ),
-        sql_text.name_for(queued.with_row_change(unlock[arity], queued.ON_END)),
+        sql_text.name_for(rider.riding(unlock[arity], queued.ON_END)),
     }
     assert expected <= set().union(*sql_text._prepared.values())
 

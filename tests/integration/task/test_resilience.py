@@ -10,8 +10,9 @@ from celery import signals as celery_signals
 from celery_pglock import AdvisoryLock, DatabaseError, LockNotOwnedError, keys
 from celery_pglock.db import engines as db_module
 from celery_pglock.lock import sessions
-from celery_pglock.task import singleton_task
+from celery_pglock.task import runs, singleton_task
 from celery_pglock.task import worker_hooks as hooks
+from celery_pglock.testing import lock_state
 
 
 def make_key(namespace):
@@ -83,12 +84,12 @@ def test_worker_shutdown_releases_everything(database_url, namespace):
     engine = db_module.engine_for({"pglock_database_url": database_url})
     lock = AdvisoryLock(engine=engine, key=make_key(namespace))
     assert lock.acquire()
-    singleton_task._held.add(lock)  # as a running body's lock is registered
+    runs.held.add(lock)  # as a running body's lock is registered
     celery_signals.worker_process_shutdown.send(
         sender=None, pid=os.getpid(), exitcode=0
     )
     assert not lock.owned()
-    assert [] == singleton_task.held_locks()
+    assert [] == runs.held_locks()
     checker = AdvisoryLock(
         engine=db_module.engine_for({"pglock_database_url": database_url}), key=lock.key
     )
@@ -98,7 +99,7 @@ def test_worker_shutdown_releases_everything(database_url, namespace):
 def test_lock_sessions_carry_server_side_keepalives(lock_engine, namespace):
     """The server notices a vanished worker host in about a minute, not two hours."""
     with AdvisoryLock(engine=lock_engine, key=make_key(namespace)) as lock:
-        cursor = lock._hold.connection.cursor()
+        cursor = lock_state.holding_connection(lock).cursor()
         cursor.execute(
             "SELECT current_setting('tcp_keepalives_idle'), current_setting('tcp_keepalives_count')"
         )

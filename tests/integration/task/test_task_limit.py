@@ -79,9 +79,9 @@ def test_an_acks_late_run_takes_its_run_lock_in_the_slot_statement(app):
 def test_the_default_limit_sends_no_slot_statement(app, monkeypatch):
     """lock_limit=1 (the default) locks the key with the statements it always used."""
     sent = []
-    real = sessions._try_slots
+    real = sessions.base.try_slots
     monkeypatch.setattr(
-        sessions, "_try_slots", lambda *a, **k: sent.append(a) or real(*a, **k)
+        sessions.base, "try_slots", lambda *a, **k: sent.append(a) or real(*a, **k)
     )
     task = define(app, ran, lock_limit=1)
     assert "SUCCESS" == task.apply().state

@@ -18,6 +18,7 @@ from celery.app.trace import build_tracer
 from celery.result import AsyncResult
 
 from celery_pglock import DatabaseError, LockBusy, current_lock
+from celery_pglock.testing import lock_state
 from tests.integration.task_support import current_engine, define, hold, is_held, ran
 
 
@@ -141,9 +142,9 @@ def test_release_failure_is_reported_and_the_run_keeps_its_outcome(app, events):
 
     def lose_it():
         lock = current_lock()
-        with (
-            lock._hold.connection.cursor() as cursor
-        ):  # someone unlocks behind our back
+        with lock_state.holding_connection(
+            lock
+        ).cursor() as cursor:  # someone unlocks behind our back
             cursor.execute("SELECT pg_advisory_unlock(%s)", lock.key.ids)
         return "done"
 

@@ -117,21 +117,6 @@ def test_skip_result_success_returns_a_skip_record_and_runs_no_callback(app, eve
     assert [("lock_skipped", "skip")] == [(name, kw["action"]) for name, kw in events]
 
 
-def test_skip_result_skipped_is_refused_with_a_pointer(app):
-    """lock_skip_result='skipped' (removed: its state is not a ready state) fails when
-    the task binds, as a task option or app-wide, pointing at 'failure'/'success'."""
-    with pytest.raises(ConfigurationError, match="'skipped' was removed") as caught:
-        define(app, ran, lock_skip_result="skipped").lock_config  # noqa: B018
-    assert "docs/guide/skipped-results.md" in str(caught.value)
-    app.conf.pglock_skip_result = "skipped"
-
-    def other():
-        return None
-
-    with pytest.raises(ConfigurationError, match=r"app\.conf\.pglock_skip_result"):
-        define(app, other).lock_config  # noqa: B018
-
-
 def test_a_hot_keys_holder_is_looked_up_once_a_second_on_the_lock_session(
     app, session_mode, monkeypatch
 ):

@@ -29,6 +29,7 @@ from celery_pglock import (
 )
 from celery_pglock.db import engines as db_module
 from celery_pglock.lock import sessions
+from celery_pglock.testing import lock_state
 from celery_pglock.watch import loss_watcher
 from tests.integration.loss_support import (
     dsn,
@@ -99,11 +100,11 @@ def test_short_tasks_run_no_check(
     def short():
         return 1
 
-    before = loss_watcher.checks_run
-    for _ in range(50):
-        assert short.apply().get() == 1
-    time.sleep(1.5)  # past the default interval: nothing was due
-    assert loss_watcher.checks_run == before
+    with lock_state.watcher_checks() as checks:
+        for _ in range(50):
+            assert short.apply().get() == 1
+        time.sleep(1.5)  # past the default interval: nothing was due
+    assert checks() == 0
 
 
 def test_interval_zero_turns_checks_off(
@@ -232,8 +233,9 @@ _FORK_SCRIPT = textwrap.dedent(
     from celery_pglock import AdvisoryLock, LockNotOwnedError, keys
     from celery_pglock.db import engines
     from celery_pglock.lock import sessions
+    from celery_pglock.testing import lock_state, strategies
     database_url, namespace, mode, how = sys.argv[1:5]
-    sessions.use_per_lock_sessions(mode == "per_lock")
+    strategies.use_per_lock_sessions(mode == "per_lock")
     engine = engines.create_engine(database_url)
     idle = engine.raw_connection(); idle.close()  # an idle pooled session too
     lock = AdvisoryLock(engine=engine, key=keys.make_key(namespace, "fork"))
@@ -252,8 +254,8 @@ _FORK_SCRIPT = textwrap.dedent(
             del lock
             gc.collect()
         elif how == "close":  # a library closing the connections it inherited
-            lock._hold.connection.close()  # psycopg2: PQfinish sends Terminate
-            assert lock._hold.connection.closed
+            lock_state.holding_connection(lock).close()  # psycopg2: PQfinish sends Terminate
+            assert lock_state.holding_connection(lock).closed
         elif how == "dispose":  # SQLAlchemy's after-fork advice, then the pool is freed
             del lock
             engine.dispose(close=False)

@@ -4,17 +4,17 @@ Why each statement is shaped as it is: docs/guide/enqueue.md ("How it works").""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import exceptions, keys
-from celery_pglock.db import deadlines, driver_errors, engines, sql_text
-from celery_pglock.lock import fencing_tokens
+from celery_pglock import config, exceptions, keys
+from celery_pglock.db import deadlines, driver_errors, engines, own_tables, sql_text
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
+
+    from celery_pglock.lock import AdvisoryLock
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +45,8 @@ GRANT = (
 _ROW = "(q.classid, q.objid, q.objsubid) = (%(c)s::oid, %(o)s::oid, %(s)s::smallint)"
 _STALE_AT = "now() + make_interval(secs => %(stale)s)"
 
-#: Take the key's row or name its owner, in one statement. A row past ``stale_at`` whose
-#: run lock nobody holds is taken over; the probe is an xact lock, gone at commit. A retry
-#: (``force``) always takes the row: it is the key's waiting message from then on. A row
-#: of the same task id is not free: a reused id is a new send, not a retry.
-#: An empty result (or 'retry') is READ COMMITTED's race with a row committed after this
-#: statement's snapshot: the caller sends it again. 'took_over' names the row's old owner.
+#: Take the key's row or name its owner, in one statement (docs/guide/enqueue.md, How it
+#: works; the run lock's probe is an xact lock). No row (or 'retry'): sent again.
 CLAIM = f"""
 WITH ins AS (
   INSERT INTO celery_pglock_queued AS q
@@ -84,9 +80,8 @@ DELETE_MANY = (
     "WHERE (q.classid, q.objid, q.objsubid, q.task_id) = (d.c, d.o, d.s, d.id)"
 )
 
-#: A published message's row gets its real bound (``stale``: seconds past published_at);
-#: until then it was provisional (PUBLISH_GRACE). A started row has the worker's bound.
-#: Params: oid[], oid[], int2[], text[], float8[].
+#: A confirmed publish: its unstarted row's real bound (``stale``: seconds past
+#: published_at) replaces PUBLISH_GRACE. Params: oid[], oid[], int2[], text[], float8[].
 CONFIRM_MANY = (
     "WITH s AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true)) "
     "UPDATE celery_pglock_queued q "
@@ -96,22 +91,12 @@ CONFIRM_MANY = (
     "WHERE (q.classid, q.objid, q.objsubid, q.task_id) = (d.c, d.o, d.s, d.id) "
     "AND q.started_at IS NULL"
 )
-#: Seconds a row stays provisional: its producer confirms its publish within a batch
-#: (0.1 s), so only a producer that died (or stalled this long) leaves it unconfirmed.
+#: Seconds a row stays provisional (docs/guide/enqueue.md, How it works).
 PUBLISH_GRACE = 10.0
 
 
-def columns_of(
-    changes: list[tuple[str, tuple[int, int, int], str, float]],
-) -> list[list[Any]]:
-    """DELETE_MANY's or CONFIRM_MANY's array params for ``changes``."""
-    columns = [[*row, task_id, seconds] for _, row, task_id, seconds in changes]
-    arrays = [list(column) for column in zip(*columns, strict=True)]
-    return arrays if changes[0][0] == CONFIRM_MANY else arrays[:4]
-
-
-# Row changes sent in the same statement as the lock (sessions.py); ``{granted}`` reads the
-# lock's own value ``l.g``. Params after the lock's: [redeliver,] classid, objid, objsubid, id.
+# Sent in the lock's own statements (a lock.rider.Rider); ``{granted}`` reads the lock's
+# ``l.g``. Params after the lock's: [redeliver,] classid, objid, objsubid, id.
 _MINE = (
     "(q.classid, q.objid, q.objsubid) = (%s::oid, %s::oid, %s::smallint) "
     "AND q.task_id = %s"
@@ -130,47 +115,53 @@ ON_START_FINISHED = (
 ON_END = f"DELETE FROM celery_pglock_queued q WHERE {_MINE}"
 
 
-@functools.lru_cache(maxsize=64)
-def with_row_change(statement: str, change: str, granted: str = "true") -> str:
-    """``statement`` (one SELECT) and ``change`` as one statement, the change applied where
-    ``granted`` (SQL over ``l.g``, the statement's first column) is true. MATERIALIZED: the
-    lock functions run once; a data-modifying CTE always runs to completion."""
-    change = change.format(granted=granted)
-    # A crash may lose the last row changes: that frees keys early, never blocks one.
-    return (
-        f"WITH l(g) AS MATERIALIZED ({statement}), c AS ({change}), "
-        "s AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true)) "
-        "SELECT l.* FROM l, s"
-    )
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class Queued:
-    """What a run of a ``lock_enqueue`` message changes in its key's row."""
+    """What a run of a ``lock_enqueue`` message changes in its key's row: a
+    ``lock.rider.Rider``, sent with the grant and the release."""
 
     mode: str  #: UNTIL_FINISHED or UNTIL_STARTED
     row: tuple[int, int, int]  #: The key's pg_locks ids.
     task_id: str
-    redeliver: float = (
-        0.0  #: until_finished: seconds a dead run's message may come back
-    )
+    #: until_finished: seconds a dead run's message may come back.
+    redeliver: float = 0.0
 
-    def on_start(self) -> tuple[str, tuple[Any, ...]]:
+    def on_grant(self) -> tuple[str, tuple[Any, ...]]:
         if self.mode == UNTIL_STARTED:
             return ON_START_STARTED, (*self.row, self.task_id)
         return ON_START_FINISHED, (self.redeliver, *self.row, self.task_id)
 
-    def on_end(self) -> tuple[str, tuple[Any, ...]] | None:
+    def on_release(self) -> tuple[str, tuple[Any, ...]] | None:
         if self.mode == UNTIL_STARTED:
             return None
         return ON_END, (*self.row, self.task_id)
+
+
+def rider_for(
+    options: config.LockConfig, key: keys.LockKey, task_id: str, *, requeued: bool
+) -> Queued:
+    """The row changes of a run of ``task_id`` (``requeued``: a killed run's message
+    comes back, and its key waits for it, lock_enqueue_lost_after)."""
+    until_started = options.enqueue is config.Enqueue.UNTIL_STARTED
+    return Queued(
+        UNTIL_STARTED if until_started else UNTIL_FINISHED,
+        key.pg_locks_ids,
+        task_id,
+        options.enqueue_lost_after if requeued else 0.0,
+    )
+
+
+def row_of(lock: AdvisoryLock | None) -> Queued | None:
+    """``lock``'s queued row, if its rider is one (a lock_enqueue run)."""
+    rider = None if lock is None else lock.rider
+    return rider if isinstance(rider, Queued) else None
 
 
 FIX = (
     "create it with `celery -A <app> pglock sql --enqueue --apply` as a role that may, "
     "or GRANT this role what `pglock sql --enqueue` prints"
 )
-TABLE = fencing_tokens.OwnTable(
+TABLE = own_tables.OwnTable(
     "lock_enqueue table celery_pglock_queued",
     "SELECT to_regclass('celery_pglock_queued') IS NOT NULL",
     CREATE,
@@ -197,12 +188,8 @@ def claim(
     """Take ``key``'s row for ``task_id`` (always, for a ``retry``): ("new", id),
     ("took_over", the old owner's id) or ("queued", the owner's id)."""
     TABLE.ensure(engine, bound)
-    classid, objid, objsubid = key.pg_locks_ids
     params = {
-        "c": classid,
-        "o": objid,
-        "s": objsubid,
-        "id": task_id,
+        **_row_params(key, task_id),
         "name": task_name,
         "run": keys.run_key(task_id).ids[-1],
         "mode": mode,
@@ -213,8 +200,6 @@ def claim(
         began = time.monotonic()
         try:
             return _claim(engine, params, bound, key)
-        except exceptions.DatabaseError:
-            raise
         except Exception as exc:
             # A pooled connection the server closed meanwhile (a restart, an idle cut)
             # fails at once: one more try, on a fresh one. A frozen server used the bound.
@@ -249,16 +234,13 @@ def _claim(
 
 def give_back(engine: sa.Engine, key: keys.LockKey, task_id: str, bound: float) -> None:
     """Delete ``task_id``'s row of ``key``, if it still has it; logs, never raises."""
-    classid, objid, objsubid = key.pg_locks_ids
     try:
         with (
             engines.autocommit(engine) as dbapi,
             deadlines.bounded(dbapi, bound),
             dbapi.cursor() as cursor,
         ):
-            cursor.execute(
-                DELETE_ONE, {"c": classid, "o": objid, "s": objsubid, "id": task_id}
-            )
+            cursor.execute(DELETE_ONE, _row_params(key, task_id))
     except Exception:
         logger.warning(
             "Could not free the queued key %s of %s; `celery pglock queued clear %s` "
@@ -268,6 +250,12 @@ def give_back(engine: sa.Engine, key: keys.LockKey, task_id: str, bound: float) 
             task_id,
             exc_info=True,
         )
+
+
+def _row_params(key: keys.LockKey, task_id: str) -> dict[str, Any]:
+    """``task_id``'s row of ``key`` as the params of _ROW and ``%(id)s``."""
+    classid, objid, objsubid = key.pg_locks_ids
+    return {"c": classid, "o": objid, "s": objsubid, "id": task_id}
 
 
 def parse_header(value: object) -> tuple[int, int, int] | None:
@@ -282,3 +270,47 @@ def parse_header(value: object) -> tuple[int, int, int] | None:
 
 def header_of(key: keys.LockKey) -> str:
     return ":".join(str(part) for part in key.pg_locks_ids)
+
+
+#: `pglock locks` and `pglock queued`: the key as LockKey.__str__ writes it; "running": its
+#: run lock is held by a session.
+SUMMARY = f"""
+SELECT CASE WHEN q.objsubid = 1 THEN ((q.classid::bigint << 32) | q.objid::bigint)::text
+       ELSE q.classid::bigint::bit(32)::int || ',' || q.objid::bigint::bit(32)::int
+       END AS key,
+  q.task_name, q.task_id,
+  CASE q.mode WHEN 'f' THEN 'until_finished' ELSE 'until_started' END AS mode,
+  r.pid AS run_pid, a.application_name,
+  q.started_at IS NOT NULL AS started, q.stale_at < now() AS past_stale_at,
+  extract(epoch FROM now() - q.published_at)::float8 AS age_seconds,
+  extract(epoch FROM q.stale_at - now())::float8 AS stale_in_seconds
+FROM celery_pglock_queued q
+LEFT JOIN pg_locks r ON r.locktype = 'advisory' AND r.granted
+  AND r.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND r.classid = {keys.RUN_NAMESPACE} AND r.objid = q.run_objid::bit(32)::bigint::oid
+  AND r.objsubid = 2
+LEFT JOIN pg_stat_activity a ON a.pid = r.pid
+ORDER BY q.published_at
+"""
+
+
+def summary(engine: sa.Engine) -> list[dict[str, Any]] | None:
+    """The queued keys, oldest first; None when lock_enqueue never ran here (no table)."""
+    with engines.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
+        if not TABLE.present(cursor):
+            return None
+        cursor.execute(SUMMARY)
+        names = [column[0] for column in cursor.description]
+        rows = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+    for row in rows:
+        if row["run_pid"] is not None:
+            row["state"] = "running"
+        elif row["past_stale_at"]:
+            row["state"] = "stale"  # the next send of its key takes it over
+        else:
+            row["state"] = "started" if row["started"] else "queued"
+    return rows
+
+
+#: `pglock queued clear`: free the keys of these task ids. Params: text[].
+CLEAR_BY_TASK_ID = "DELETE FROM celery_pglock_queued WHERE task_id = ANY(%s)"

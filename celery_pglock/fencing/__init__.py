@@ -1,8 +1,6 @@
 """Fencing tokens: refuse the writes of a holder whose lock has already ended.
 
-Each locked run gets a token that only grows per key (:func:`issue_token`); a fenced
-write stores it beside the row and is refused where the row holds a newer one. How, when
-and why: docs/guide/fencing.md."""
+How, when and why: docs/guide/fencing.md."""
 
 from __future__ import annotations
 
@@ -12,8 +10,8 @@ from typing import TYPE_CHECKING
 import sqlalchemy as sa
 
 from celery_pglock import exceptions
-from celery_pglock.lock import fencing_tokens
-from celery_pglock.task import singleton_task
+from celery_pglock.fencing import tokens
+from celery_pglock.lock import identity
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -37,7 +35,7 @@ def issue_token(lock: AdvisoryLock) -> int:
         LockLostError: the key was lost since the grant; the lock was released.
         DatabaseError: the token could not be issued; the lock was released.
     """
-    return lock.issue_fencing_token()
+    return tokens.issue_token(lock)
 
 
 def fenced_update(
@@ -120,24 +118,24 @@ def fenced_upsert(
 
 def last_token(connection: sa.Connection, lock: AdvisoryLock) -> int | None:
     """The last token issued for ``lock``'s key (committed), or None: for operators and tests."""
-    params = fencing_tokens.key_params(lock.key)
-    row = connection.exec_driver_sql(fencing_tokens.LAST, params).first()
+    params = identity.key_params(lock.key)
+    row = connection.exec_driver_sql(tokens.LAST, params).first()
     return None if row is None else int(row[0])
 
 
 def create_sql(schema: str = "public") -> str:
     """The SQL that creates the fencing table and its sequence in ``schema``."""
-    return fencing_tokens.CREATE.format(schema=quote_identifier(schema) + ".")
+    return tokens.CREATE.format(schema=quote_identifier(schema) + ".")
 
 
 def drop_sql(schema: str = "public") -> str:
     """The SQL that drops them."""
-    return fencing_tokens.DROP.format(schema=quote_identifier(schema) + ".")
+    return tokens.DROP.format(schema=quote_identifier(schema) + ".")
 
 
 def grant_sql(role: str, schema: str = "public") -> str:
     """The GRANTs a least-privilege lock role needs to use fencing."""
-    return fencing_tokens.GRANT.format(
+    return tokens.GRANT.format(
         schema=quote_identifier(schema) + ".", role=quote_identifier(role)
     )
 
@@ -157,8 +155,7 @@ def _prepare(
 ) -> tuple[str, str | None, list[str], list[str], dict[str, object]]:
     """Check and quote a write's names; token column None: unfenced (a shadowed run)."""
     if token is None:
-        execution = singleton_task.current_execution()
-        if execution is None or execution.lock is None or not execution.lock.shadowed:
+        if not tokens.unfenced.get():
             raise exceptions.ConfigurationError(
                 "token=None: this run has no fencing token; set lock_fencing=True on the "
                 "task (or call celery_pglock.fencing.issue_token() after acquire)."

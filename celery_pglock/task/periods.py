@@ -4,16 +4,19 @@ Sent only by the key's holder, so starts of a key are serialised. Why: docs/guid
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import exceptions
-from celery_pglock.db import deadlines, driver_errors, engines, sql_text
-from celery_pglock.lock import fencing_tokens
+from celery_pglock import celery_compat, config, exceptions
+from celery_pglock.db import deadlines, driver_errors, engines, own_tables, sql_text
+from celery_pglock.lock import identity
+from celery_pglock.task import retries, runs
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
 
     from celery_pglock.lock import AdvisoryLock
+    from celery_pglock.task.singleton_task import SingletonTask
 
 #: ``{schema}``: a quoted name and a dot, or "". Locked: IF NOT EXISTS races itself.
 CREATE = """
@@ -34,15 +37,10 @@ DROP = "DROP TABLE IF EXISTS {schema}celery_pglock_periods;\n"
 #: What a least-privilege lock role needs; ``{role}`` is a quoted role name.
 GRANT = "GRANT SELECT, INSERT, UPDATE ON {schema}celery_pglock_periods TO {role};\n"
 
-# (started, seconds left, last start's task id). A retry or redelivery (``again``) of the
-# message that opened the period starts again and keeps its start while the period runs;
-# the same task id sent anew is a new start. A start later than clock_timestamp()
-# (not now(): a racing start may commit after this transaction began) means the server's
-# clock went back: taken over rather than blocking the key for that long. The read sees
-# the statement's snapshot, which may predate the start that refused this one. The INSERT
-# reads ``bounded`` first, so its settings apply before the row lock is waited for: the
-# server ends a wait on a locked row (a racing start, an operator's transaction) before
-# the client cuts the socket, which on the process session would end every lock on it.
+# (started, seconds left, last start's task id); the rules: docs/guide/period.md. Not
+# now(): a racing start may commit after this transaction began. The read sees the
+# statement's snapshot, which may predate the refusing start. ``bounded`` first: the
+# server's lock_timeout, not the client, ends a wait on a locked row.
 _START = """
 WITH bounded AS MATERIALIZED (
   SELECT set_config('synchronous_commit', 'on', true) AS durable,
@@ -75,7 +73,7 @@ FIX = (
 
 START_NAME = sql_text.versioned("celery_pglock_period", _START)
 
-TABLE = fencing_tokens.OwnTable(
+TABLE = own_tables.OwnTable(
     "lock_period table celery_pglock_periods",
     "SELECT to_regclass('celery_pglock_periods') IS NOT NULL",
     CREATE,
@@ -83,8 +81,7 @@ TABLE = fencing_tokens.OwnTable(
 )
 
 
-# A row whose period has passed decides nothing: the next start replaces it. Deleted in
-# batches that skip rows a start has locked, so no start waits on the prune for long.
+# In batches that skip rows a start has locked: no start waits on the prune for long.
 _PRUNE = """
 DELETE FROM celery_pglock_periods WHERE ctid = ANY(ARRAY(
   SELECT ctid FROM celery_pglock_periods
@@ -145,15 +142,14 @@ def start(
     lock: AdvisoryLock, task_id: str | None, period: float, *, again: bool = False
 ) -> Throttle | None:
     """Record a start of ``lock``'s key (held) unless one is within ``period``: None if
-    recorded, else the Throttle. ``again``: a retry or redelivery of ``task_id``'s message
-    (never the id alone: a reused id is a new message). One committed statement, on the lock's own session in
-    session scope, else on a pooled connection. Slots of a key (lock_limit) share its row."""
+    recorded, else the Throttle. ``again``: a retry or redelivery of ``task_id``'s message.
+    Sent on the lock's own session in session scope, else on a pooled connection."""
     engine = lock.engine
     TABLE.ensure(engine)
-    key = lock.slots[0]
+    key = lock.slots[0]  # the slots of a key (lock_limit) share its row
     bound = lock.round_trip_timeout
     params = {
-        **fencing_tokens.key_params(key),
+        **identity.key_params(key),
         "task_id": task_id,
         "period": period,
         "again": again,
@@ -167,8 +163,8 @@ def start(
             cursor.execute(statement, params)
         except Exception as exc:
             if driver_errors.sqlstate(exc) not in (
-                fencing_tokens.UNDEFINED_TABLE,
-                fencing_tokens.INSUFFICIENT_PRIVILEGE,
+                sql_text.UNDEFINED_TABLE,
+                sql_text.INSUFFICIENT_PRIVILEGE,
             ):
                 raise
             TABLE.forget(engine)
@@ -176,8 +172,7 @@ def start(
                 f"Could not {action}: celery_pglock_periods is missing or not "
                 f"writable by this role; {FIX}."
             ) from exc
-        row: tuple[Any, ...] = cursor.fetchone()
-        return row
+        return tuple(cursor.fetchone())
 
     with driver_errors.wrap_db_errors(action, engine):
         row = lock.on_holding_session(action, record)
@@ -194,3 +189,36 @@ def start(
     if left is None or left <= 0:  # the refusing start is not in the snapshot
         return Throttle(period, None)  # the whole period: the safe bound
     return Throttle(left, last)
+
+
+def start_run(
+    task: SingletonTask,
+    options: config.LockConfig,
+    lock: AdvisoryLock,
+    task_id: str | None,
+    direct: bool,
+) -> Throttle | None:
+    """Record a run's start (its lock held); a refused one releases the lock, unless
+    shadowed. Under 'wait', a period ending within lock_wait_timeout is waited out."""
+    period = options.period or 0.0  # set: only a lock_period task's run comes here
+    request = task.request
+    # The same message going on (a retry, a redelivery), never a reused id sent anew.
+    again = not direct and bool(request.retries or celery_compat.redelivered(request))
+    try:
+        throttle = start(lock, task_id, period, again=again)
+        if throttle and options.on_busy is config.OnBusy.WAIT and not options.shadow:
+            began = time.monotonic()
+            # One budget for both waits: the lock's, then the period's.
+            deadline = began + options.wait_timeout - (lock.wait_seconds or 0.0)
+            while throttle and throttle.seconds_left <= deadline - time.monotonic():
+                time.sleep(throttle.seconds_left)
+                throttle = start(lock, task_id, period, again=again)
+            lock.wait_seconds = (lock.wait_seconds or 0.0) + time.monotonic() - began
+    except BaseException as error:
+        runs.release_unrun(task, lock, task_id)  # nothing runs without the check
+        if isinstance(error, exceptions.DatabaseError):
+            retries.on_database_error(task, error, direct=direct)
+        raise
+    if throttle is not None and not options.shadow:
+        runs.release_unrun(task, lock, task_id)
+    return throttle

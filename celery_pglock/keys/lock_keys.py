@@ -1,24 +1,21 @@
-"""Lock keys: task name + arguments -> a PostgreSQL advisory key. Pure functions, no I/O.
-
-Why: docs/reference/keys.md (a contract with every process that locks, psql included)."""
+"""LockKey and every way one is made: from a key text, a task's call (``CallKeys``), a
+``lock_id``, a run lock or a slot. The format: docs/reference/keys.md."""
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import decimal
-import enum
 import functools
 import hashlib
 import inspect
-import json.encoder
-import math
-import re
-import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any
 
 from celery_pglock import exceptions
+from celery_pglock.keys import key_material
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from celery_pglock.keys.key_material import Json
 
 #: Changed only with a migration note: old and new workers would not exclude each other.
 KEY_FORMAT = "celery_pglock/1"
@@ -27,40 +24,29 @@ KEY_FORMAT = "celery_pglock/1"
 KEY_SQL = (
     "('x' || left(encode(sha256(convert_to(%s, 'UTF8')), 'hex'), 16))::bit(64)::bigint"
 )
+#: The SQL twin of slot ``i`` >= 1 of a key; params: ``str(key)`` ("1001", "42,1001"), ``i``.
+SLOT_KEY_SQL = (
+    "('x' || left(encode(sha256(convert_to('celery_pglock/1/slot', 'UTF8') || "
+    "decode('00', 'hex') || convert_to(%s, 'UTF8') || decode('00', 'hex') || "
+    "convert_to(%s::text, 'UTF8')), 'hex'), 16))::bit(64)::bigint"
+)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 #: Longest key text kept in :attr:`LockKey.text` (characters); longer ones are streamed.
 TEXT_MAX = 64 * 1024
-#: Characters encoded per piece (at most 256 KiB of UTF-8).
-CHUNK = 64 * 1024
+#: Most slots a ``lock_limit`` may ask for: the slot statement lists them all.
+SLOT_MAX = 64
 #: Per-task memo bounds (only small scalars are memoised): a memo stays under ~10 MiB.
 MEMO_ENTRIES = 4096
 MEMO_MAX_CHARS = 256
 _MEMO_SCALARS = frozenset({int, str, bool, type(None)})
-#: Deepest list/dict nesting accepted: far from the recursion limit, in any thread.
-MAX_DEPTH = 64
-#: Largest int accepted, in digits: under Python's int/str conversion limit (4300).
-MAX_INT_DIGITS = 4000
-_INT_LIMIT = 10**MAX_INT_DIGITS
-_DICT_KEY_NOTE = (
-    "dict keys are numbered in the dict's own order, from 0; their text is never shown"
-)
+_LITERALS = {None: "null", True: "true", False: "false"}
 
 #: The first int of every run lock (b"pglr"): reserved, refused in an explicit lock_id.
 RUN_NAMESPACE = 0x70676C72
 RUN_LOCK_NAME = "celery_pglock.run"
-
-#: JSON's string form as ``key_text`` writes it (``ensure_ascii`` off; C when available).
-_encode_string = json.encoder.encode_basestring
-#: Reused: ``json.dumps`` builds one per call; encode() is stateless, so threads share it.
-_ENCODER = json.JSONEncoder(
-    ensure_ascii=False, sort_keys=True, separators=(",", ":"), allow_nan=False
-)
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-Json: TypeAlias = "bool | int | float | str | list[Json] | dict[str, Json] | None"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -89,7 +75,7 @@ class LockKey:
 
 def key_text(namespace: str, name: str, material: Json) -> str:
     """Return the canonical key text for already-canonical material."""
-    return _ENCODER.encode([KEY_FORMAT, namespace, name, material])
+    return key_material.ENCODER.encode([KEY_FORMAT, namespace, name, material])
 
 
 def key_from_text(text: str) -> int:
@@ -111,14 +97,16 @@ def make_key(
     Raises:
         LockKeyError: ``material`` holds a value without a stable canonical form.
     """
-    return key_for_canonical(namespace, name, canonical(material, where))
+    return key_for_canonical(namespace, name, key_material.canonical(material, where))
 
 
 def key_for_canonical(namespace: str, name: str, canonical_material: Json) -> LockKey:
-    """:func:`make_key` for material :func:`canonical` already returned."""
-    if _longer_than(canonical_material, TEXT_MAX):
+    """:func:`make_key` for material ``key_material.canonical`` already returned."""
+    if key_material.longer_than(canonical_material, TEXT_MAX):
         hasher = hashlib.sha256()
-        for chunk in json_chunks([KEY_FORMAT, namespace, name, canonical_material]):
+        for chunk in key_material.json_chunks(
+            [KEY_FORMAT, namespace, name, canonical_material]
+        ):
             hasher.update(chunk.encode("utf-8"))
         return LockKey(name=name, ids=(_key_from_digest(hasher.digest()),))
     text = key_text(namespace, name, canonical_material)
@@ -134,7 +122,9 @@ class ScalarKeys:
         self.name = name
         self._head = key_text(namespace, name, None)[: -len("null]")]
         self._order = sorted(range(len(argument_names)), key=argument_names.__getitem__)
-        self._names = [_encode_string(argument_names[i]) for i in self._order]
+        self._names = [
+            key_material.encode_string(argument_names[i]) for i in self._order
+        ]
 
     def key(self, values: tuple[Any, ...]) -> LockKey | None:
         """For short, exact str/int/bool/None ``values``; None where canonical() refuses."""
@@ -142,15 +132,13 @@ class ScalarKeys:
         for encoded_name, index in zip(self._names, self._order, strict=True):
             value = values[index]
             if type(value) is str:
-                if not value.isascii() and _SURROGATE.search(value):
+                if not value.isascii() and key_material.SURROGATE.search(value):
                     return None
-                text = _encode_string(value)
-            elif value is None:
-                text = "null"
-            elif value is True or value is False:
-                text = "true" if value else "false"
-            else:
+                text = key_material.encode_string(value)
+            elif type(value) is int:
                 text = int.__repr__(value)
+            else:  # None, True or False
+                text = _LITERALS[value]
             parts.append(f"{encoded_name}:{text}")
         text = f"{self._head}{{{','.join(parts)}}}]"
         return LockKey(name=self.name, ids=(key_from_text(text),), text=text)
@@ -227,7 +215,9 @@ class CallKeys:
 
     def _make_key(self, values: tuple[Any, ...]) -> LockKey:
         material = {
-            name: canonical(value, f"Task {self.task_name!r}: argument {name!r}")
+            name: key_material.canonical(
+                value, f"Task {self.task_name!r}: argument {name!r}"
+            )
             for (name, *_), value in zip(self.arguments, values, strict=True)
         }
         return key_for_canonical(self.namespace, self.name, material)
@@ -297,18 +287,6 @@ def run_key(task_id: str) -> LockKey:
     )
 
 
-#: Most slots a ``lock_limit`` may ask for: the slot statement lists them all.
-SLOT_MAX = 64
-
-
-#: The SQL twin of slot ``i`` >= 1 of a key; params: ``str(key)`` ("1001", "42,1001"), ``i``.
-SLOT_KEY_SQL = (
-    "('x' || left(encode(sha256(convert_to('celery_pglock/1/slot', 'UTF8') || "
-    "decode('00', 'hex') || convert_to(%s, 'UTF8') || decode('00', 'hex') || "
-    "convert_to(%s::text, 'UTF8')), 'hex'), 16))::bit(64)::bigint"
-)
-
-
 def slot_keys(key: LockKey, limit: int) -> tuple[LockKey, ...]:
     """``key``'s ``limit`` slots, ``key`` first (docs/reference/keys.md, Slots)."""
     return (key, *_more_slots(key.name, str(key), limit))
@@ -317,181 +295,4 @@ def slot_keys(key: LockKey, limit: int) -> tuple[LockKey, ...]:
 @functools.lru_cache(maxsize=MEMO_ENTRIES)  # by ids only: never keeps a long key text
 def _more_slots(name: str, key: str, limit: int) -> tuple[LockKey, ...]:
     texts = (f"{KEY_FORMAT}/slot\0{key}\0{slot}" for slot in range(1, limit))
-    digests = (hashlib.sha256(text.encode()).digest() for text in texts)
-    return tuple(LockKey(name=name, ids=(_key_from_digest(d),)) for d in digests)
-
-
-def canonical(value: object, where: str = "value") -> Json:
-    """Return ``value`` as plain JSON data whose text form is stable across processes.
-
-    The rules: docs/reference/keys.md ("Canonical forms"). Also refused: nesting deeper
-    than :data:`MAX_DEPTH` and ints of more than :data:`MAX_INT_DIGITS` digits.
-
-    Raises:
-        LockKeyError: naming ``where``, the path (``[2]``, ``[key #0]``) and type, never a value.
-    """
-    try:
-        return _canonical(value, 0)
-    except _Refusal as refusal:
-        raise exceptions.LockKeyError(refusal.message(where)) from None
-    except RecursionError:  # MAX_DEPTH fits any sane stack; this one was nearly full
-        raise exceptions.LockKeyError(
-            f"{where} is nested too deeply for this thread's stack; it cannot be part "
-            "of a lock key."
-        ) from None
-
-
-class _Refusal(Exception):  # noqa: N818 - internal, never escapes canonical()
-    """Each _canonical level adds its path segment on the way out: success builds none."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.segments: list[str] = []  # innermost first
-
-    def message(self, where: str) -> str:
-        segments = self.segments[::-1]
-        if len(segments) > 12:
-            segments = [
-                *segments[:6],
-                f"...({len(segments) - 10} more)...",
-                *segments[-4:],
-            ]
-        if "key #" in self.reason or any(s.startswith("[key #") for s in segments):
-            return f"{where}{''.join(segments)} ({_DICT_KEY_NOTE}) {self.reason}"
-        return f"{where}{''.join(segments)} {self.reason}"
-
-
-def _unkeyable(reason: str) -> _Refusal:
-    return _Refusal(f"{reason}; it cannot be part of a lock key.")
-
-
-def _canonical(value: object, depth: int) -> Json:
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        if not -_INT_LIMIT < value < _INT_LIMIT:
-            raise _unkeyable(f"is an int of more than {MAX_INT_DIGITS} digits")
-        return int(value)
-    if isinstance(value, str):
-        # isascii() is O(1): the common case pays nothing for the surrogate check.
-        if not value.isascii() and _SURROGATE.search(value):
-            raise _unkeyable(
-                "is a string that is not valid Unicode text (it holds a lone surrogate)"
-            )
-        return str.__str__(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise _unkeyable("is a float that is not finite (NaN or infinity)")
-        return float(value)
-    if isinstance(value, (list, tuple, Mapping)) and depth >= MAX_DEPTH:
-        raise _unkeyable(
-            f"is nested more than {MAX_DEPTH} levels deep (or holds itself)"
-        )
-    if isinstance(value, (list, tuple)):
-        items: list[Json] = []
-        for index, item in enumerate(value):
-            try:
-                items.append(_canonical(item, depth + 1))
-            except _Refusal as refusal:
-                refusal.segments.append(f"[{index}]")
-                raise
-        return items
-    if isinstance(value, Mapping):
-        result: dict[str, Json] = {}
-        for position, (item_key, item) in enumerate(value.items()):
-            if not isinstance(item_key, str):
-                raise _Refusal(
-                    f"has a key of type {type(item_key).__qualname__} as key #{position}; "
-                    "only str keys are allowed in lock key material, so that {1: x} "
-                    "and {'1': x} cannot silently collide."
-                )
-            try:
-                result[str.__str__(item_key)] = _canonical(item, depth + 1)
-            except _Refusal as refusal:
-                refusal.segments.append(f"[key #{position}]")
-                raise
-        return result
-    if isinstance(value, uuid.UUID):
-        return str(value)
-    if isinstance(value, decimal.Decimal):
-        if not value.is_finite():
-            raise _unkeyable("is a Decimal that is not finite (NaN or infinity)")
-        return str(value)
-    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
-        return value.isoformat()
-    kind = (
-        "an enum member"
-        if isinstance(value, enum.Enum)
-        else f"a value of type {type(value).__qualname__}"  # no a/an to get wrong
-    )
-    raise _Refusal(
-        f"is {kind}, which has no stable text form for a lock key. Pass plain "
-        "data (str, int, float, bool, None, lists, dicts with str keys, UUID, Decimal, "
-        "date/time), or override lock_key_for in a SingletonTask subclass to return such data."
-    )
-
-
-def _longer_than(value: Json, limit: int) -> bool:
-    """Could ``value``'s JSON exceed ``limit`` characters? (Over-estimates are harmless.)"""
-    budget = limit
-    stack: list[Json] = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            budget -= len(item) + 2
-        elif isinstance(item, int):  # bool too: bit_length() 1, a slight over-estimate
-            budget -= item.bit_length() // 3 + 2  # digits, rounded up, and a sign
-        elif isinstance(item, dict):
-            budget -= len(item) + 1
-            for item_key, item_value in item.items():
-                budget -= len(item_key) + 3
-                stack.append(item_value)
-        elif isinstance(item, list):
-            budget -= len(item) + 1
-            stack.extend(item)
-        else:
-            budget -= 24  # a float's repr, or null
-        if budget < 0:
-            return True
-    return False
-
-
-def json_chunks(value: Json) -> Iterator[str]:
-    """:func:`key_text`'s JSON of a canonical value, in chunks."""
-    if value is None:
-        yield "null"
-    elif value is True:
-        yield "true"
-    elif value is False:
-        yield "false"
-    elif isinstance(value, int):
-        yield int.__repr__(value)
-    elif isinstance(value, float):
-        yield float.__repr__(value)
-    elif isinstance(value, str):
-        yield from string_chunks(value)
-    elif isinstance(value, list):
-        yield "["
-        for index, item in enumerate(value):
-            if index:
-                yield ","
-            yield from json_chunks(item)
-        yield "]"
-    else:
-        yield "{"
-        for index, item_key in enumerate(sorted(value)):
-            if index:
-                yield ","
-            yield from string_chunks(item_key)
-            yield ":"
-            yield from json_chunks(value[item_key])
-        yield "}"
-
-
-def string_chunks(text: str) -> Iterator[str]:
-    # JSON escapes per character: escaped slices join to the whole string's escape.
-    yield '"'
-    for start in range(0, len(text), CHUNK):
-        yield _encode_string(text[start : start + CHUNK])[1:-1]
-    yield '"'
+    return tuple(LockKey(name=name, ids=(key_from_text(text),)) for text in texts)

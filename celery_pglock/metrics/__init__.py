@@ -1,5 +1,5 @@
-"""Lock metrics: a Metrics protocol, a no-op default and a Prometheus adapter (extra).
-Each series, and serving /metrics: docs/operations/metrics.md."""
+"""Lock metrics: the Metrics protocol, a no-op default, a Prometheus adapter (extra), a
+producer's /metrics (a worker's: ``server.py``). Each series: docs/operations/metrics.md."""
 
 from __future__ import annotations
 
@@ -146,11 +146,24 @@ class PrometheusMetrics:
     def enqueued(self, task: str, outcome: str) -> None:
         self._child("enqueued", task, outcome).inc()
 
-    def declare_enqueued(self, tasks: Iterable[str]) -> None:
-        """Create each lock_enqueue task's ``published`` and ``duplicate`` series at zero."""
-        for task in tasks:
-            for outcome in ENQUEUED_DECLARED:
-                self._child("enqueued", task, outcome)
+
+#: Each series' help text, by its name after ``celery_pglock_``.
+_HELP = {
+    "acquired": "Runs that took their lock.",
+    "skipped": "Runs that did not get their lock (policy: the lock_on_busy action applied).",
+    "released": "Locks released, by the run's Celery state.",
+    "release_failed": "Releases that failed; PostgreSQL no longer held the lock.",
+    "lost": "Locks lost while their body ran.",
+    "enqueued": "lock_enqueue sends, by outcome (published, duplicate, took_over, unchecked_*).",
+    "wait_seconds": "Time a run spent asking for its lock.",
+    "held_seconds": "Time a lock was held.",
+    "held_locks": "Locks held now.",
+    "oldest_held_start_time_seconds": "Unix time the oldest lock held now was taken; 0 if none.",
+    "oldest_held_seconds": "Seconds the oldest lock held now has been held; 0 if none.",
+    "info": "Always 1: this process serves celery-pglock metrics.",
+}
+#: The raw form of the held-lock age; the age itself is computed when collected.
+OLDEST_START = "celery_pglock_oldest_held_start_time_seconds"
 
 
 def _create_collectors(registry: Any) -> dict[str, Any]:
@@ -158,68 +171,38 @@ def _create_collectors(registry: Any) -> dict[str, Any]:
 
     made: dict[str, Any] = {}
 
-    def new(kind: Any, name: str, doc: str, *labels: str, **options: Any) -> None:
+    def new(kind: Any, name: str, *labels: str, **options: Any) -> None:
         options = ({} if registry is None else {"registry": registry}) | options
-        made[name] = kind(f"celery_pglock_{name}", doc, labels or ["task"], **options)
+        made[name] = kind(
+            f"celery_pglock_{name}", _HELP[name], labels or ["task"], **options
+        )
 
-    counter, histogram, gauge = prom.Counter, prom.Histogram, prom.Gauge
-    new(counter, "acquired", "Runs that took their lock.")
-    skipped = (
-        "Runs that did not get their lock (policy: the lock_on_busy action applied)."
-    )
-    new(counter, "skipped", skipped, "task", "policy")
-    new(
-        counter,
-        "released",
-        "Locks released, by the run's Celery state.",
-        "task",
-        "state",
-    )
-    new(
-        counter,
-        "release_failed",
-        "Releases that failed; PostgreSQL no longer held the lock.",
-    )
-    new(counter, "lost", "Locks lost while their body ran.")
-    new(
-        counter,
-        "enqueued",
-        "lock_enqueue sends, by outcome (published, duplicate, took_over, unchecked_*).",
-        "task",
-        "outcome",
-    )
-    new(
-        histogram,
-        "wait_seconds",
-        "Time a run spent asking for its lock.",
-        buckets=WAIT_BUCKETS,
-    )
-    new(histogram, "held_seconds", "Time a lock was held.", buckets=HELD_BUCKETS)
+    new(prom.Counter, "acquired")
+    new(prom.Counter, "skipped", "task", "policy")
+    new(prom.Counter, "released", "task", "state")
+    new(prom.Counter, "release_failed")
+    new(prom.Counter, "lost")
+    new(prom.Counter, "enqueued", "task", "outcome")
+    new(prom.Histogram, "wait_seconds", buckets=WAIT_BUCKETS)
+    new(prom.Histogram, "held_seconds", buckets=HELD_BUCKETS)
     # Multiprocess: the sum over live processes (a dead child holds nothing).
-    new(gauge, "held_locks", "Locks held now.", multiprocess_mode="livesum")
-    # Registered in multiprocess mode only, where the endpoint turns it into OLDEST_HELD.
+    new(prom.Gauge, "held_locks", multiprocess_mode="livesum")
+    # Registered in multiprocess mode only, where the endpoint turns it into the age.
     new(
-        gauge,
-        OLDEST_START.removeprefix("celery_pglock_"),
-        "Unix time the oldest lock held now was taken; 0 if none.",
+        prom.Gauge,
+        "oldest_held_start_time_seconds",
         multiprocess_mode="liveall",
         **({} if multiprocess() else {"registry": None}),
     )
-    info = "Always 1: this process serves celery-pglock metrics."
-    new(gauge, "info", info, "version", multiprocess_mode="max")
+    new(prom.Gauge, "info", "version", multiprocess_mode="max")
     return made
-
-
-#: The raw form of the held-lock age, and the age itself (computed when collected).
-OLDEST_START = "celery_pglock_oldest_held_start_time_seconds"
-OLDEST_HELD = "celery_pglock_oldest_held_seconds"
-OLDEST_HELD_HELP = "Seconds the oldest lock held now has been held; 0 if none."
 
 
 def oldest_held_family(ages: Mapping[str, float]) -> Any:
     from prometheus_client.core import GaugeMetricFamily
 
-    family = GaugeMetricFamily(OLDEST_HELD, OLDEST_HELD_HELP, labels=["task"])
+    name = "oldest_held_seconds"
+    family = GaugeMetricFamily(f"celery_pglock_{name}", _HELP[name], labels=["task"])
     for task, age in sorted(ages.items()):
         family.add_metric([task], max(age, 0.0) if math.isfinite(age) else 0.0)
     return family
@@ -276,11 +259,9 @@ def from_conf(conf: Mapping[str, Any], *, require: bool = True) -> Metrics | str
             f"pglock_metrics_address={address!r} is invalid; expected an address to bind "
             f"/metrics to, such as {DEFAULT_ADDRESS!r} or '127.0.0.1'."
         )
-    if value is None:
-        if port is None:
-            return None
-        value = "prometheus"
-    if value == "prometheus":
+    if value is None and port is None:
+        return None
+    if value is None or value == "prometheus":
         if require:
             _require_prometheus()
         return "prometheus"
@@ -300,26 +281,14 @@ def from_conf(conf: Mapping[str, Any], *, require: bool = True) -> Metrics | str
     return value  # type: ignore[no-any-return]
 
 
-#: The enqueued_total outcomes a producer serves at zero before its first send.
-ENQUEUED_DECLARED = ("published", "duplicate")
-
-
 def producer_registry(app: Any) -> Any:
     """Count this process's ``lock_enqueue`` sends in Prometheus; the registry to serve.
 
-    For a process that sends tasks (a web app calling ``delay()``): the sends' outcomes,
-    ``celery_pglock_enqueued_total``, are counted where they happen, which no worker serves.
-    Serve the returned registry on your own ``/metrics`` (``prometheus_client.make_wsgi_app``
-    or ``make_asgi_app``), or call :func:`serve_producer`. Idempotent.
+    Mount it on your own ``/metrics``, or call :func:`serve_producer`. Idempotent. What it
+    returns (multiprocess mode too), and why: docs/operations/metrics.md ("Producers").
 
     Args:
-        app: The Celery app whose ``lock_enqueue`` tasks this process sends; each one's
-            ``published`` and ``duplicate`` series are served at 0 from now on.
-
-    Returns:
-        ``prometheus_client.REGISTRY`` in one process; in multiprocess mode
-        (``PROMETHEUS_MULTIPROC_DIR`` set, as under gunicorn), a registry collecting every
-        process's files. See docs/operations/metrics.md ("Producers").
+        app: The Celery app whose ``lock_enqueue`` tasks this process sends.
     """
     _require_prometheus()
     import prometheus_client as prom
@@ -332,20 +301,18 @@ def producer_registry(app: Any) -> Any:
         if getattr(getattr(task, "lock_config", None), "enqueue", None) is not None
     )
     installed = current()
-    # NullMetrics itself counts nothing (the default); a subclass of it is a custom sink.
-    if (
-        not isinstance(installed, PrometheusMetrics)
-        and type(installed) is not NullMetrics
-    ):
+    if type(installed) is NullMetrics:  # the default; a subclass is a custom sink
+        installed = PrometheusMetrics()
+        install(installed)
+    if not isinstance(installed, PrometheusMetrics):
         raise exceptions.ConfigurationError(
             f"pglock_metrics={installed!r} counts outcomes in a custom sink, so there is "
             "nothing for Prometheus to serve; expected pglock_metrics unset or "
             "'prometheus' in a process that serves producer metrics."
         )
-    if not isinstance(installed, PrometheusMetrics):
-        installed = PrometheusMetrics()
-        install(installed)
-    installed.declare_enqueued(names)
+    for name in names:  # each series at zero, for absent()
+        for outcome in ("published", "duplicate"):
+            installed._child("enqueued", name, outcome)
     if not multiprocess():
         return prom.REGISTRY
     registry = prom.CollectorRegistry()
@@ -375,9 +342,8 @@ def serve_producer(
 ) -> ProducerEndpoint:
     """Serve this process's ``lock_enqueue`` outcomes on ``http://<address>:<port>/metrics``.
 
-    For a producer that runs no exporter of its own; one that does mounts
-    :func:`producer_registry` instead. One port per process: under a web server with
-    several worker processes, mount the registry in multiprocess mode instead.
+    For a producer with no exporter of its own, one port per process; otherwise mount
+    :func:`producer_registry`.
 
     Args:
         app: The Celery app whose ``lock_enqueue`` tasks this process sends.

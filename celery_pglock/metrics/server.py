@@ -1,4 +1,5 @@
-"""The worker's /metrics endpoint. Why: docs/operations/metrics.md (Prefork)."""
+"""The worker's /metrics endpoint, started by task/worker_hooks.py before the pool forks;
+imports only the bottom and ``metrics``. Why: docs/operations/metrics.md (Prefork)."""
 
 from __future__ import annotations
 
@@ -21,15 +22,13 @@ if TYPE_CHECKING:
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-@dataclasses.dataclass
-class Server:
-    httpd: Any
+@dataclasses.dataclass(frozen=True)
+class Server(metrics.ProducerEndpoint):
     directory: str  #: The PROMETHEUS_MULTIPROC_DIR in use.
     owned: bool  #: serve() created the directory: close() removes it.
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().close()
         if self.owned:
             shutil.rmtree(self.directory, ignore_errors=True)
             if os.environ.get(MULTIPROC_ENV) == self.directory:

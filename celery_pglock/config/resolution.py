@@ -1,0 +1,168 @@
+"""A task's options resolved once, at bind: each value checked (options.py), then the
+rules between options. Each option: docs/reference/options.md."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from celery_pglock import exceptions, keys
+from celery_pglock.config import options, peers, settings
+
+if TYPE_CHECKING:
+    import inspect
+    from collections.abc import Mapping, Sequence
+
+#: Soonest the server's keepalives free a cut-off client's lock; the margin kept under it.
+SERVER_KEEPALIVE_DEADLINE = 10.0 * 3
+LOSS_MARGIN = 5.0
+
+
+def resolve(
+    *,
+    task_name: str,
+    attributes: Mapping[str, Any],
+    conf: Mapping[str, Any],
+    parameters: Sequence[inspect.Parameter],
+) -> options.LockConfig:
+    """One task's options: attribute, else app setting, else default (or ConfigurationError)."""
+    for attribute in attributes:
+        if attribute in peers.PEER_OPTIONS:
+            raise peers.peer_refusal(task_name, attribute, attributes[attribute])
+        if attribute not in options.TASK_OPTIONS:
+            raise settings.unknown_name(
+                f"Task {task_name!r}: ", "option", attribute, options.TASK_OPTIONS
+            )
+    settings.check_unknown_settings(conf)
+
+    fail = functools.partial(_fail, task_name)
+    values: dict[str, Any] = {}
+    source: dict[str, str] = {}  # how to name each option in an error
+    for field, check in options.CHECKS.items():
+        name, setting = f"lock_{field}", f"pglock_{field}"
+        where, value = name, getattr(options.DEFAULTS, field)
+        if name in attributes:
+            value = attributes[name]
+        elif field not in options.PER_TASK and conf.get(setting) is not None:
+            where, value = f"{name} (from app.conf.{setting})", conf[setting]
+        source[field] = where
+        try:
+            values[field] = check(value)
+        except ValueError as exc:
+            raise fail(where, value, str(exc)) from None
+    lock_name = attributes.get("lock_name", task_name)
+    if not isinstance(lock_name, str) or not lock_name:
+        raise fail("lock_name", lock_name, "a non-empty string")
+    if values["shadow"] and values["scope"] is options.LockScope.TRANSACTION:
+        raise fail(
+            source["shadow"],
+            True,
+            "False with lock_scope='transaction' (a shadowed busy run has no lock "
+            "transaction to lend its body): set lock_shadow=False on this task, or "
+            "shadow it with lock_scope='session' first",
+        )
+    limit = attributes.get("lock_limit", 1)
+    if type(limit) is not int or not 1 <= limit <= keys.SLOT_MAX:
+        expected = f"an int from 1 to {keys.SLOT_MAX} (runs of one key at once)"
+        raise fail("lock_limit", limit, expected)
+    if limit > 1 and values["fencing"]:
+        raise fail(
+            source["fencing"],
+            True,
+            f"False with lock_limit={limit} (a fencing token orders the holders of one "
+            "key, and lock_limit lets several hold it at once): set lock_fencing=False on "
+            "this task, or lock_limit=1",
+        )
+    enqueue = values["enqueue"]
+    if enqueue is not None and limit > 1:
+        raise fail(
+            "lock_limit",
+            limit,
+            "1 with lock_enqueue (a queued row belongs to one running message; "
+            "several slots of one key would share it)",
+        )
+    if enqueue is not None and values["scope"] is options.LockScope.TRANSACTION:
+        raise fail(
+            source["enqueue"],
+            enqueue.value,
+            "None with lock_scope='transaction' (the queued row would change with the "
+            "body's transaction, and every send of the key would wait for it): use "
+            "lock_scope='session' for a task with lock_enqueue",
+        )
+    if enqueue is not None and values["shadow"]:
+        raise fail(
+            source["shadow"],
+            True,
+            "False with lock_enqueue (a shadowed task must publish every send to "
+            "report what the lock would do): set lock_shadow=False on this task, or "
+            "shadow the run lock first and add lock_enqueue after",
+        )
+    user_set = "lock_on_busy" in attributes or conf.get("pglock_on_busy") is not None
+    implied = options.implied_on_busy(enqueue)
+    if implied is not None and not user_set:
+        values["on_busy"], values["on_busy_implied"] = implied, True
+    interval, timeout = values["watch_interval"], values["db_timeout"]
+    if (
+        interval
+        and conf.get("pglock_server_keepalives", True)
+        and interval + timeout + LOSS_MARGIN > SERVER_KEEPALIVE_DEADLINE
+    ):
+        raise exceptions.ConfigurationError(  # docs/operations/lock-loss.md
+            f"Task {task_name!r}: {source['watch_interval']}={interval!r} plus "
+            f"{source['db_timeout']}={timeout!r} is too long: a holder cut off from the "
+            f"server learns it after up to {interval + timeout:g}s, but the server may "
+            f"free its lock {SERVER_KEEPALIVE_DEADLINE:g}s after the link breaks. "
+            "Expected lock_watch_interval + lock_db_timeout <= "
+            f"{SERVER_KEEPALIVE_DEADLINE - LOSS_MARGIN:g}."
+        )
+
+    if "lock_args" in attributes and "lock_id" in attributes:
+        raise exceptions.ConfigurationError(
+            f"Task {task_name!r}: set only one of lock_args and lock_id; each one "
+            "defines the whole key."
+        )
+    lock_args = _valid_lock_args(task_name, attributes.get("lock_args", ()), parameters)
+    fixed_key: keys.LockKey | None = None
+    if "lock_id" in attributes:
+        fixed_key = keys.explicit_key(
+            lock_name, attributes["lock_id"], where=f"Task {task_name!r}: lock_id"
+        )
+    elif not lock_args:
+        fixed_key = keys.make_key(values["namespace"], lock_name)
+    return options.LockConfig(
+        task_name=task_name,
+        name=lock_name,
+        lock_args=lock_args,
+        fixed_key=fixed_key,
+        limit=limit,
+        **values,
+    )
+
+
+def _fail(
+    task_name: str, option: str, value: object, expected: str
+) -> exceptions.ConfigurationError:
+    return exceptions.ConfigurationError(
+        f"Task {task_name!r}: {option}={value!r} is invalid; expected {expected}."
+    )
+
+
+def _valid_lock_args(
+    task_name: str, value: object, parameters: Sequence[inspect.Parameter]
+) -> tuple[str, ...]:
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)):
+        expected = "a parameter name or a tuple of parameter names"
+        raise _fail(task_name, "lock_args", value, expected)
+    by_name = {parameter.name: parameter for parameter in parameters}
+    for name in names:
+        parameter = by_name.get(name) if isinstance(name, str) else None
+        if parameter is None:
+            expected = f"names of the task's parameters ({', '.join(by_name) or 'it takes none'}); {name!r} is not one of them"
+            raise _fail(task_name, "lock_args", value, expected)
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            expected = f"named parameters; {name!r} is a *args/**kwargs catch-all, (override lock_key_for for keys that are not plain arguments)"
+            raise _fail(task_name, "lock_args", value, expected)
+    if len(set(names)) != len(names):
+        raise _fail(task_name, "lock_args", value, "each parameter name at most once")
+    return tuple(names)

@@ -1,0 +1,237 @@
+"""Per-lock sessions: a pooled connection pinned to each hold from acquire to release,
+for waits and transaction scope. Why: docs/design.md ("One lock session per process")."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+from celery_pglock import exceptions
+from celery_pglock.config import LockScope
+from celery_pglock.db import (
+    deadlines,
+    driver_errors,
+    engines,
+    server_probe,
+    sql_text,
+    startup_options,
+)
+from celery_pglock.lock import identity
+from celery_pglock.lock.sessions import base
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+
+    from celery_pglock.keys import LockKey
+
+logger = logging.getLogger(__name__)
+
+_IDENTITY = "celery_pglock_identity"  #: pooled.info key: who its session is.
+
+
+class PerLockSessions(base.LockSessions):
+    """A pooled connection per held lock, pinned from acquire to release."""
+
+    _claims_wait = True
+
+    def __init__(self, engine: sa.Engine, claims: base.Claims) -> None:
+        super().__init__(engine, claims)
+        self.waits = self
+
+    def acquire(self, request: base.AcquireRequest) -> base.Hold | None:
+        scope = LockScope.TRANSACTION if request.transaction else LockScope.SESSION
+        # Probed once per engine, before a wait's deadline starts counting.
+        server_probe.check(self.engine, scope, request.slots[0].name)
+        return super().acquire(request)
+
+    def _take(
+        self,
+        request: base.AcquireRequest,
+        free: list[base.Hold],
+        deadline: float | None,
+    ) -> base.Hold | None:
+        for hold in free:
+            hold.idle_name = self._name("idle")
+            # str(key): the ids only (the key text may be megabytes, kept by the cache).
+            hold.holding_name = self._name(str(request.slots[hold.slot]), request.label)
+        timeout_ms = request.timeout_ms
+        if deadline is not None:
+            # What the wait in the process left, never 0 (lock_timeout 0: unbounded).
+            timeout_ms = max(1, math.ceil((deadline - time.monotonic()) * 1000))
+        # The key (or the first free slot) on a pooled connection pinned to its hold.
+        transaction, bound, key = request.transaction, request.bound, request.slots[0]
+        run_ids = None if request.run is None else request.run.ids
+        action = f"acquire lock {key.name!r}"
+        with driver_errors.wrap_db_errors(action, self.engine, connecting=True):
+            owner: Any = (
+                self.engine.connect() if transaction else self.engine.raw_connection()
+            )
+        pooled: Any = None
+        lock_transaction: Any = None
+        hold = free[0]
+        try:
+            pooled = owner.connection if transaction else owner
+            dbapi: Any = pooled.dbapi_connection
+            dbapi.autocommit = not transaction
+            if transaction:
+                lock_transaction = owner.begin()
+            with dbapi.cursor() as cursor:
+                if len(request.slots) == 1:
+                    granted, run_granted, discard = base.lock_or_wait(
+                        cursor, key, hold, transaction, timeout_ms, bound, run_ids
+                    )
+                else:
+                    with deadlines.bounded(dbapi, bound):
+                        chosen, run_granted = base.try_slots(
+                            cursor, free, True, run_ids, transaction
+                        )
+                    granted, discard, hold = chosen is not None, False, chosen or hold
+            if not granted:
+                if transaction:
+                    lock_transaction.rollback()
+                elif discard:
+                    owner.invalidate()
+                owner.close()
+                return None
+        except BaseException as exc:
+            # Unknown state (interrupted mid-statement): closing is the only safe release.
+            self._retire_if_dead(pooled, exc)
+            owner.invalidate()
+            owner.close()
+            self._raise(exc, action)
+        if transaction:
+            hold.sa_connection, hold.transaction = owner, lock_transaction
+        else:
+            engines.held_keys(pooled.info)[hold.ids] += 1
+            pooled.info[engines.IDLE_NAME] = hold.idle_name
+        hold.pooled, hold.connection = pooled, dbapi
+        # A transaction-level run lock ends with the transaction: nothing to release.
+        hold.run_ids = run_ids if run_granted else None
+        # From here a pinned connection nobody knows is unlocked at check-in.
+        if request.on_granted is not None:
+            request.on_granted(hold)
+        return hold
+
+    def identity(
+        self, hold: base.Hold, key: LockKey, *, bound: float
+    ) -> identity.Identity | None:
+        connection = hold.connection
+        if not _pinned_alive(hold):
+            return None
+        try:
+            with deadlines.bounded(connection, bound), connection.cursor() as cursor:
+                if hold.sa_connection is not None:  # which transaction: each time
+                    return identity.of_transaction(cursor, key)
+                info = hold.pooled.info  # who the session is: once per connection
+                if _IDENTITY not in info:
+                    info[_IDENTITY] = identity.of_session(cursor)
+                found: identity.Identity = info[_IDENTITY]
+                return found
+        except BaseException as exc:
+            if connection.closed or driver_errors.is_disconnect(exc):
+                return None  # its session ended; the release says so
+            self._raise(exc, f"issue a fencing token for lock {key.name!r}")
+
+    def on_holder(
+        self, hold: base.Hold, action: str, bound: float, work: base.Work
+    ) -> tuple[Any, ...] | None:
+        """As ProcessSession.on_holder, on the pinned connection; session scope only."""
+        connection = hold.connection
+        if hold.transaction is not None or not _pinned_alive(hold):
+            return None
+        with deadlines.bounded(connection, bound), connection.cursor() as cursor:
+            return work(connection, cursor)
+
+    def release(
+        self, hold: base.Hold, key: LockKey, commit: bool, timeout: float
+    ) -> None:
+        """Unlock or end the transaction; the connection is closed after any failure."""
+        transaction = hold.transaction
+        owner: Any = hold.pooled if transaction is None else transaction.connection
+        bound: deadlines.Bound | None = None
+        try:
+            if transaction is None:
+                statement, params = sql_text.UNLOCK_SESSION, (*key.ids, hold.idle_name)
+                if hold.run_ids is not None:
+                    statement = sql_text.UNLOCK_SESSION_RUN
+                    params = (*params, *hold.run_ids)
+                with (
+                    deadlines.bounded(hold.connection, timeout) as bound,
+                    hold.connection.cursor() as cursor,
+                ):
+                    base.execute(
+                        cursor, statement[len(key.ids)], params, hold.rider, end=True
+                    )
+                    row = cursor.fetchone()
+                held = engines.held_keys(hold.pooled.info)
+                held[key.ids] -= 1
+                if held[key.ids] <= 0:
+                    del held[key.ids]
+                if not (row and row[0]):
+                    raise exceptions.LockNotOwnedError(
+                        f"PostgreSQL says the session no longer held lock {key.name!r} (key {key}) "
+                        "at release; the connection was closed instead of being pooled.",
+                        key=str(key),
+                        name=key.name,
+                    )
+            else:
+                if not transaction.is_active:
+                    raise exceptions.LockLostError(
+                        f"The transaction of lock {key.name!r} (key {key}) was ended before "
+                        "release (committed or rolled back by the task?), so the lock ended early.",
+                        key=str(key),
+                        name=key.name,
+                    )
+                # A late answer still counts: the transaction ended, releasing the lock.
+                with deadlines.bounded(
+                    hold.connection, timeout, late_answer_fails=False
+                ) as bound:
+                    if commit:
+                        transaction.commit()
+                    else:
+                        transaction.rollback()
+                if bound.fired:
+                    owner.invalidate()  # the socket was shut down: the session ends
+                elif hold.lent:
+                    self._discard_all(hold, owner, timeout)
+        except BaseException as exc:
+            if transaction is None:
+                engines.held_keys(hold.pooled.info).clear()
+                verb = "release"
+            else:
+                verb = "commit" if commit else "roll back"
+            self._retire_if_dead(hold.pooled, exc)
+            owner.invalidate()  # the session's end frees whatever it held
+            self._raise(exc, f"{verb} lock {key.name!r}{deadlines.explain(bound)}")
+        finally:
+            try:
+                owner.close()
+            finally:  # the run has ended, whatever became of its lock
+                self.claims.release(hold)
+
+    def _discard_all(
+        self, hold: base.Hold, connection: sa.Connection, timeout: float
+    ) -> None:
+        """DISCARD ALL (docs/guide/scopes.md); a failure only costs the connection."""
+        try:
+            with deadlines.bounded(hold.connection, timeout):
+                hold.connection.autocommit = True
+                with hold.connection.cursor() as cursor:
+                    sql_text.forget_prepared(hold.connection)
+                    cursor.execute(sql_text.DISCARD_ALL)
+                fallback = startup_options.fallback_of(self.engine)
+                if fallback is None or not fallback.carries_settings():
+                    # DISCARD ALL restores startup values; ours were SET (startup_options).
+                    startup_options.apply_session_settings(hold.connection)
+        except Exception as exc:
+            logger.debug("DISCARD ALL after lock %s failed", hold.ids, exc_info=True)
+            self._retire_if_dead(hold.pooled, exc)
+            connection.invalidate()
+
+
+def _pinned_alive(hold: base.Hold) -> bool:
+    """A per-lock hold whose pinned connection has not ended (as far as we know)."""
+    connection = hold.connection
+    return hold.lost is None and connection is not None and not connection.closed

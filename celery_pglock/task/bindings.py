@@ -1,0 +1,108 @@
+"""What a SingletonTask class is bound to, once, when Celery binds it to its app (its
+options, key binder and lock engine), and the checks that refuse a bad binding."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+from typing import TYPE_CHECKING, Any
+
+from celery_pglock import celery_compat, config, exceptions, keys
+from celery_pglock.db import engines
+
+if TYPE_CHECKING:
+    from collections.abc import Set as AbstractSet
+
+    import celery
+    import sqlalchemy as sa
+
+    from celery_pglock.config import LockConfig
+    from celery_pglock.keys import CallKeys
+
+
+@dataclasses.dataclass(slots=True)
+class Binding:
+    config: LockConfig
+    conf: Any
+    keys: CallKeys
+    custom_key: bool  #: A subclass overrides lock_key_for.
+    engine_of_pid: tuple[int, sa.Engine] | None = None
+
+    def engine(self) -> sa.Engine:
+        cached = self.engine_of_pid
+        if cached is not None and cached[0] == os.getpid():
+            return cached[1]
+        engine = engines.engine_for(self.conf)
+        self.engine_of_pid = (os.getpid(), engine)
+        return engine
+
+
+def bind(
+    cls: Any, app: celery.Celery, *, custom_key: bool, reserved: AbstractSet[str]
+) -> Binding:
+    """``cls``'s binding to ``app``; a bad option or signature raises ConfigurationError."""
+    try:
+        parameters = celery_compat.run_parameters(cls)
+    except (TypeError, ValueError) as exc:
+        raise exceptions.ConfigurationError(
+            f"Task {cls.name!r}: cannot read its signature ({exc})."
+        ) from exc
+    # Set lock_* and peer options, unwrapped (``reserved``: the class's own ``lock_*``
+    # members that are not options); config.resolve() refuses the peers'.
+    attributes: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        for name in vars(klass):
+            if (
+                name.startswith("lock_")
+                and (name in config.TASK_OPTIONS or name not in reserved)
+            ) or name in config.PEER_OPTIONS:
+                value = inspect.getattr_static(cls, name)
+                if isinstance(value, staticmethod):
+                    value = value.__func__
+                if value is not None:
+                    attributes[name] = value
+                else:
+                    attributes.pop(name, None)
+    options = config.resolve(
+        task_name=cls.name, attributes=attributes, conf=app.conf, parameters=parameters
+    )
+    call_keys = keys.CallKeys(
+        options.task_name,
+        options.namespace,
+        options.name,
+        parameters,
+        options.lock_args,
+        options.fixed_key,
+    )
+    return Binding(options, app.conf, call_keys, custom_key)
+
+
+def refuse_a_shared_queue(name: str, binding: Binding, app: celery.Celery) -> None:
+    """Refuse two lock_enqueue tasks sharing one key's queued row (ConfigurationError)."""
+    queue = _queue_of(binding)
+    if queue is None:
+        return
+    mine = binding.config
+    for other in list(celery_compat.task_registry(app).values()):
+        theirs = getattr(type(other), "_pglock", None)
+        if (
+            isinstance(theirs, Binding)
+            and other.name != name
+            and _queue_of(theirs) == queue
+        ):
+            raise exceptions.ConfigurationError(
+                f"Tasks {other.name!r} and {name!r} both use lock_enqueue on lock "
+                f"{mine.name!r} (namespace {mine.namespace!r}): a send of one would "
+                "return the other's queued message, and its own work would never run. "
+                "Give each task its own lock_name, or set lock_enqueue on one of them "
+                "only (docs/guide/enqueue.md)."
+            )
+
+
+def _queue_of(binding: Binding) -> tuple[Any, ...] | None:
+    """Where a lock_enqueue task's rows are keyed; None without, or with custom keys."""
+    options = binding.config
+    if options.enqueue is None or binding.custom_key:
+        return None
+    return options.namespace, options.name, options.fixed_key
