@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Ignore
@@ -21,6 +22,15 @@ if TYPE_CHECKING:
 SKIPPED = "SKIPPED"
 #: The key marking a skip record (the result value under ``lock_skip_result='success'``).
 SKIP_MARKER = "celery_pglock"
+#: What a busy redelivery that stored nothing adds to its INFO line.
+REDELIVERY_IGNORED = (
+    " The message was a redelivery whose first delivery is still running, "
+    "so no result was stored."
+)
+#: Seconds before a held run lock is looked at again: a worker that lost its child (SIGKILL,
+#: OOM) re-queues the message at once, and the redelivery can arrive before PostgreSQL has
+#: seen the child's connection close and freed its locks.
+KILLED_HOLDER_GRACE = 0.25
 
 
 def apply_policy(
@@ -43,13 +53,10 @@ def apply_policy(
         and not direct
         and task.acks_late
         and celery_compat.redelivered(request)
-        and lock.run_alive(keys.run_key(task_id)) is not False
+        and first_delivery_alive(lock, task_id, patience=options.db_timeout)
     )
     if first_delivery_runs:
-        message += (
-            " The message was a redelivery whose first delivery is still running, "
-            "so no result was stored."
-        )
+        message += REDELIVERY_IGNORED
     outcomes.skipped(
         task,
         task_id,
@@ -79,6 +86,26 @@ def apply_policy(
         countdown = options.retry_delay if throttle is None else throttle.seconds_left
         raise task.retry(countdown=countdown, exc=busy)
     raise busy
+
+
+def first_delivery_alive(lock: AdvisoryLock, task_id: str, *, patience: float) -> bool:
+    """Does the first delivery of a redelivered ``task_id`` still run (hold its run lock)?
+
+    Unknown counts as yes, but only after looking again: a failed lookup (a database
+    restart) for up to ``patience`` seconds, a held run lock once after KILLED_HOLDER_GRACE.
+    """
+    run = keys.run_key(task_id)
+    give_up = time.monotonic() + patience
+    pause = 0.1
+    alive = lock.run_alive(run)
+    while alive is None and time.monotonic() + pause < give_up:
+        time.sleep(pause)
+        pause = min(pause * 2, 1.0)
+        alive = lock.run_alive(run)
+    if alive:
+        time.sleep(KILLED_HOLDER_GRACE)
+        alive = lock.run_alive(run)
+    return alive is not False
 
 
 def busy_action(options: LockConfig, *, direct: bool) -> OnBusy:

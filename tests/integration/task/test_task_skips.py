@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import uuid
 
+import psycopg2
 import pytest
 import sqlalchemy as sa
 from celery.result import AsyncResult
@@ -25,6 +27,7 @@ from celery_pglock import (
 )
 from celery_pglock.db import engines as db_module
 from celery_pglock.lock import holder_lookup, sessions
+from celery_pglock.task import busy_policy
 from tests.integration.task_support import (
     current_engine,
     define,
@@ -184,6 +187,66 @@ def test_a_redelivery_whose_first_delivery_died_stores_its_skip(app):
     stored = AsyncResult(task_id, app=app)
     assert "FAILURE" == stored.state
     assert isinstance(stored.result, LockSkipped)
+
+
+def test_a_redelivery_whose_first_delivery_was_killed_a_moment_ago_stores_its_skip(
+    app, database_url
+):
+    """A worker re-queues a killed child's message at once: the redelivery can find the
+    child's run lock still held until PostgreSQL sees its connection close. It looks
+    again after busy_policy.KILLED_HOLDER_GRACE and stores its skip."""
+    task = define(app, ran, acks_late=True)
+    task_id = str(uuid.uuid4())
+    other = hold(task)  # another run holds the key
+    killed_child = psycopg2.connect(
+        sa.make_url(database_url)
+        .set(drivername="postgresql")
+        .render_as_string(hide_password=False)
+    )
+    killed_child.autocommit = True
+    with killed_child.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_lock(%s, %s)", keys.run_key(task_id).ids)
+    closing = threading.Timer(busy_policy.KILLED_HOLDER_GRACE / 3, killed_child.close)
+    closing.start()
+    try:
+        trace_delivery(task, task_id, redelivered=True)
+    finally:
+        closing.join()
+        other.release()
+    stored = AsyncResult(task_id, app=app)
+    assert "FAILURE" == stored.state
+    assert isinstance(stored.result, LockSkipped)
+
+
+@pytest.mark.parametrize("failed_lookups", [1, 100])
+def test_a_redelivery_whose_run_lock_lookup_fails_looks_again(
+    app, monkeypatch, failed_lookups
+):
+    """A failed run-lock lookup (a database restart) is tried again for up to
+    lock_db_timeout: a first delivery found dead then gets the skip stored; one never
+    known stores nothing (docs/guide/skipped-results.md)."""
+    task = define(app, ran, acks_late=True, lock_db_timeout=0.5)
+    task_id = str(uuid.uuid4())
+    lookups = []
+    real = AdvisoryLock.run_alive
+
+    def flaky(lock, run_key):
+        lookups.append(run_key)
+        return None if len(lookups) <= failed_lookups else real(lock, run_key)
+
+    monkeypatch.setattr(AdvisoryLock, "run_alive", flaky)
+    other = hold(task)
+    try:
+        trace_delivery(task, task_id, redelivered=True)
+    finally:
+        other.release()
+    stored = AsyncResult(task_id, app=app)
+    if failed_lookups == 1:
+        assert 2 == len(lookups)
+        assert isinstance(stored.result, LockSkipped)
+    else:
+        assert 3 <= len(lookups) < failed_lookups  # 0.1 + 0.2 s pauses within 0.5 s
+        assert "PENDING" == stored.state
 
 
 @pytest.mark.parametrize(
