@@ -11,7 +11,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import event
 
-from celery_pglock.db import sql_text
+from celery_pglock.db import forks, sql_text
 
 #: The server frees a vanished worker's locks in 30-60 s: docs/operations/lock-loss.md.
 SERVER_KEEPALIVES: tuple[tuple[str, str], ...] = (
@@ -60,6 +60,7 @@ class OptionsFallback:
         #: Those of ours the server takes: less what it does not know, none if a pooler
         #: refused the options parameter itself.
         self.kept: list[tuple[str, str]] = _SETTING.findall(ours or "")
+        self._learning = forks.safe_lock()  # a forked child finds it free
 
     def current(self) -> str | None:
         return " ".join(f"-c {name}={value}" for name, value in self.kept) or None
@@ -75,8 +76,15 @@ class OptionsFallback:
         # ``ours`` holds them all; current() drops only the unknown ones.
         return self.current() is not None
 
-    def learn(self, error: BaseException) -> bool:
-        """Remember what ``error`` refused; True if a retry without it may succeed."""
+    def learn(self, error: BaseException, sent: str | None = None) -> bool:
+        """Remember what ``error`` refused; True if a retry without it may succeed.
+        ``sent``: the options of ours the refused connect sent, if known."""
+        with self._learning:
+            if sent is not None and sent != self.current():
+                return True  # another connect learnt meanwhile: retry with what it left
+            return self._learn(error)
+
+    def _learn(self, error: BaseException) -> bool:
         if self.current() is None:
             return False
         text = str(error)
@@ -115,7 +123,7 @@ class OptionsFallback:
             try:
                 connection = dialect.connect(*cargs, **cparams)
             except dialect.loaded_dbapi.OperationalError as exc:
-                if ours and self.learn(exc):
+                if ours and self.learn(exc, cparams.get("options")):
                     continue
                 raise
             if not (ours and self.carries_settings()):

@@ -191,6 +191,8 @@ def _check_worker_config(sender: Any = None, **_: Any) -> None:
 
 
 def _release_everything(**_: Any) -> None:
+    # A prefork child ends in os._exit, which runs no atexit hook: drain here.
+    enqueue.drain_writers()
     for lock in runs.held_locks():
         if lock.owned():
             runs.release_leftover(lock, "worker shutdown")

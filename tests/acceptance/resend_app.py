@@ -4,10 +4,17 @@ custom task ids, retries, a lock_period start with a reused id, shared lock name
 
 from __future__ import annotations
 
+import os
+
 from celery_pglock import SingletonTask
+from celery_pglock.task import enqueue
 from tests.acceptance.app import _body, app, recorder
 
 __all__ = ["app", "recorder"]
+
+if "PGLOCK_TEST_WRITER_BATCH_WAIT" in os.environ:
+    # A row change still pending when a pool child exits (test_resends.py).
+    enqueue._RowWriter.BATCH_WAIT = float(os.environ["PGLOCK_TEST_WRITER_BATCH_WAIT"])
 
 
 @app.task(
@@ -46,3 +53,9 @@ def retrying(self, run: str, key: str, tries: int = 0, countdown: float = 1.0) -
 )
 def periodic(self, run: str) -> str:
     return _body(self, run, "periodic", 0.0, None)
+
+
+@app.task(shared=False)
+def publish_finished(run: str, key: str, queue: str) -> str:
+    """Sends ``finished`` from inside a worker child (a task that fans out)."""
+    return str(finished.apply_async((run, key), queue=queue).id)

@@ -19,6 +19,8 @@ from celery_pglock.testing import DATABASE_URL_ENV, WorkerProcess, _support
 from .conftest import wait_until
 
 APP = "tests.acceptance.resend_app"
+#: A confirmed row holds its key lock_enqueue_lost_after (an hour), far past PUBLISH_GRACE.
+CONFIRMED = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -288,6 +290,51 @@ def test_a_published_message_keeps_its_key_past_the_grace(
             )
     finally:
         connection.close()
+
+
+def test_a_child_that_exits_after_publishing_confirms_its_publish_first(
+    resend_app, run, start_workers
+):
+    """A prefork child ends in os._exit, skipping atexit: the publish confirmation its
+    task queued is written at worker_process_shutdown, so the key is held past
+    PUBLISH_GRACE. Here the child exits after each task (--max-tasks-per-child=1), and
+    its writer gathers changes for 2 s, so the confirmation is still pending then."""
+    inbox, nobody = f"pglock-exit-{run}", f"pglock-nobody-{run}"
+    start_workers(
+        1,
+        app=APP,
+        concurrency=1,
+        queues=[inbox],
+        extra_args=["--max-tasks-per-child=1"],
+        env={"PGLOCK_TEST_WRITER_BATCH_WAIT": "2"},
+    )
+    sent = resend_app.publish_finished.apply_async((run, "k", nobody), queue=inbox)
+    published = sent.get(timeout=30)
+    database_url = os.environ[DATABASE_URL_ENV]
+    connection = _support.connect(database_url, application_name="resend test")
+    try:
+        with connection.cursor() as cursor:
+            held_for = None
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:  # the exiting child writes it
+                cursor.execute(
+                    "SELECT extract(epoch FROM stale_at - published_at) "
+                    "FROM celery_pglock_queued WHERE task_id = %s",
+                    (published,),
+                )
+                held_for = float(cursor.fetchone()[0])
+                if held_for > CONFIRMED:
+                    break
+                time.sleep(0.2)
+            cursor.execute(
+                "DELETE FROM celery_pglock_queued WHERE task_id = %s", (published,)
+            )
+    finally:
+        connection.close()
+    with resend_app.app.connection_for_write() as broker:
+        broker.default_channel.queue_purge(nobody)
+    assert held_for is not None
+    assert held_for > CONFIRMED
 
 
 def test_a_group_of_one_key_is_published_whole_and_meets_the_run_lock(

@@ -6,6 +6,8 @@ records every connect and refuses as those servers do.
 
 from __future__ import annotations
 
+import threading
+
 import psycopg2
 import pytest
 
@@ -104,3 +106,36 @@ def test_the_users_own_options_are_never_dropped():
     with pytest.raises(psycopg2.OperationalError, match="work_mem"):
         fallback(dialect, None, [], {"options": "-c work_mem=8MB"})
     assert ["-c work_mem=8MB"] == dialect.connects
+
+
+def test_two_connects_refused_at_once_both_retry():
+    """Two threads' first connects meet the same refusal before either has learnt from
+    it: the second to learn finds the setting already dropped and retries too."""
+    fallback = startup_options.OptionsFallback("db", startup_options.SERVER_OPTIONS)
+    refused = threading.Barrier(2, timeout=10)
+
+    class RefusingTogether(FakeDialect):
+        def connect(self, *cargs: object, **cparams: object) -> FakeConnection:
+            try:
+                return super().connect(*cargs, **cparams)
+            except psycopg2.OperationalError:
+                refused.wait()  # both refused before either learns
+                raise
+
+    dialect = RefusingTogether({"idle_session_timeout"})
+    errors: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            _connect(fallback, dialect)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=connect) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert [] == errors
+    assert 4 == len(dialect.connects)  # two refused, two retried without the setting
+    assert all("idle_session_timeout" not in str(sent) for sent in dialect.connects[2:])
