@@ -20,10 +20,7 @@ from celery_pglock.cli import (
     sql_verb,
 )
 
-__all__ = ["Target", "celery_command", "main", "standalone_command"]
-
-#: The app and lock database a verb acts on (defined with the verbs' other helpers).
-Target = shared.Target
+__all__ = ["celery_command", "main", "standalone_command"]
 
 
 def _build(*, standalone: bool) -> click.Group:

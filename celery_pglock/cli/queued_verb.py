@@ -84,7 +84,7 @@ def clear(
         else:
             chosen = rows
         running = [r for r in chosen if r["state"] == "running"]
-        with engines.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
+        with engines.autocommit_cursor(engine) as cursor:
             cursor.execute(
                 queued_rows.CLEAR_BY_TASK_ID,
                 ([r["task_id"] for r in chosen],),

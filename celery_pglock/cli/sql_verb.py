@@ -127,8 +127,7 @@ def sql(
     # Autocommit: one simple query is one transaction unless it has BEGIN/COMMIT (fencing's).
     with (
         target.database(action) as engine,
-        engines.autocommit(engine) as dbapi,
-        dbapi.cursor() as cursor,
+        engines.autocommit_cursor(engine) as cursor,
     ):
         cursor.execute(text)
     click.echo(f"{done} {made}.")

@@ -23,6 +23,7 @@ from sqlalchemy.engine import make_url
 
 from celery_pglock import config, exceptions
 from celery_pglock.db import (
+    deadlines,
     driver_errors,
     forks,
     redact,
@@ -306,9 +307,7 @@ def _unlock_leftovers(dbapi_connection: Any, record: Any) -> None:
         record.invalidate()
 
 
-def mark_pool_stale(
-    engine: sa.Engine, pooled: Any, exc: BaseException | None = None
-) -> None:
+def mark_pool_stale(engine: sa.Engine, pooled: Any) -> None:
     """``pooled`` (or None) was found dead: replace its older siblings at next checkout.
     Checked-out ones keep their locks (unlike dispose()); the caller invalidates ``pooled``."""
     before = _stale_before.get(engine)
@@ -360,8 +359,20 @@ def autocommit(engine: sa.Engine) -> Iterator[Any]:
         yield pooled.dbapi_connection
     except BaseException as exc:
         if driver_errors.is_disconnect(exc):
-            mark_pool_stale(engine, pooled, exc)
+            mark_pool_stale(engine, pooled)
         pooled.invalidate()
         raise
     finally:
         pooled.close()
+
+
+@contextlib.contextmanager
+def autocommit_cursor(engine: sa.Engine, bound: float | None = None) -> Iterator[Any]:
+    """A cursor on an :func:`autocommit` connection (``cursor.connection``), each round
+    trip bounded by ``bound`` seconds (deadlines.bounded) if given."""
+    with (
+        autocommit(engine) as dbapi,
+        contextlib.nullcontext() if bound is None else deadlines.bounded(dbapi, bound),
+        dbapi.cursor() as cursor,
+    ):
+        yield cursor

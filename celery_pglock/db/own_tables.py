@@ -3,12 +3,11 @@ Why created lazily, and the least-privilege path: docs/operations/security.md.""
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import exceptions
-from celery_pglock.db import deadlines, driver_errors, engines, forks, sql_text
+from celery_pglock.db import driver_errors, engines, forks, sql_text
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -31,11 +30,7 @@ class OwnTable:
                 return
             with (
                 driver_errors.wrap_db_errors(f"set up the {self.what}", engine),
-                engines.autocommit(engine) as dbapi,
-                contextlib.nullcontext()
-                if bound is None
-                else deadlines.bounded(dbapi, bound),
-                dbapi.cursor() as cursor,
+                engines.autocommit_cursor(engine, bound) as cursor,
             ):
                 if not self.present(cursor):
                     try:

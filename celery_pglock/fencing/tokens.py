@@ -9,7 +9,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from celery_pglock import exceptions
-from celery_pglock.db import deadlines, driver_errors, engines, own_tables, sql_text
+from celery_pglock.db import driver_errors, engines, own_tables, sql_text
 from celery_pglock.lock import identity
 
 if TYPE_CHECKING:
@@ -95,9 +95,7 @@ def _issue(
     action = f"issue a fencing token for lock {key.name!r}"
     with (
         driver_errors.wrap_db_errors(action, engine),
-        engines.autocommit(engine) as dbapi,
-        deadlines.bounded(dbapi, bound),
-        dbapi.cursor() as cursor,
+        engines.autocommit_cursor(engine, bound) as cursor,
     ):
         try:
             cursor.execute(

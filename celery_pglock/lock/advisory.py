@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery_pglock import exceptions
 from celery_pglock.config import LockScope
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from celery_pglock.lock.sessions import base
 
 logger = logging.getLogger(__name__)
+LockErrorT = TypeVar("LockErrorT", bound=exceptions.LockError)
 
 #: lock_limit's wait polls: the first pause and the longest (docs/guide/limits.md).
 SLOT_POLL_FIRST, SLOT_POLL_MAX = 0.05, 1.0
@@ -81,7 +82,7 @@ class AdvisoryLock:
         """
         if self.owned():
             raise exceptions.PgLockError(
-                f"Lock {self.key.name!r} (key {self.key}) is already held by this AdvisoryLock; "
+                f"Lock {self._about} is already held by this AdvisoryLock; "
                 "use a new AdvisoryLock for a nested hold."
             )
         timeout_ms: int | None = None
@@ -144,17 +145,15 @@ class AdvisoryLock:
         """
         hold, self._hold = self._hold, None
         if hold is None:
-            raise exceptions.LockNotOwnedError(
-                f"Cannot release lock {self.key.name!r} (key {self.key}): it is not held by this AdvisoryLock.",
-                key=str(self.key),
-                name=self.key.name,
+            raise self._error(
+                exceptions.LockNotOwnedError,
+                f"Cannot release lock {self._about}: it is not held by this AdvisoryLock.",
             )
         if hold.pid != os.getpid():
-            raise exceptions.LockNotOwnedError(
-                f"Lock {self.key.name!r} (key {self.key}) belongs to process {hold.pid}, "
-                f"not to this one ({os.getpid()}, a fork?); its session was left untouched.",
-                key=str(self.key),
-                name=self.key.name,
+            raise self._error(
+                exceptions.LockNotOwnedError,
+                f"Lock {self._about} belongs to process {hold.pid}, not to this one "
+                f"({os.getpid()}, a fork?); its session was left untouched.",
             )
         try:
             hold.session.release(hold, self.key, commit, self.round_trip_timeout)
@@ -171,9 +170,7 @@ class AdvisoryLock:
         """
         hold = self._hold
         if hold is None:
-            raise exceptions.PgLockError(
-                f"Lock {self.key.name!r} (key {self.key}) is not held."
-            )
+            raise exceptions.PgLockError(f"Lock {self._about} is not held.")
         return hold.session.identity(hold, self.key, bound=self.round_trip_timeout)
 
     def on_holding_session(
@@ -215,10 +212,9 @@ class AdvisoryLock:
         if self.shadowed:
             return  # shadow mode promises to run the body whatever the lock says
         if not self.owned() or self.owner_pid != os.getpid():
-            raise exceptions.LockNotOwnedError(
-                f"Lock {self.key.name!r} (key {self.key}) is not held by this process.",
-                key=str(self.key),
-                name=self.key.name,
+            raise self._error(
+                exceptions.LockNotOwnedError,
+                f"Lock {self._about} is not held by this process.",
             )
 
     @property
@@ -243,11 +239,9 @@ class AdvisoryLock:
         return True
 
     def lost_error(self) -> exceptions.LockLostError:
-        return exceptions.LockLostError(
-            f"Lock {self.key.name!r} (key {self.key}) was lost while its body ran: "
-            f"{self.lost_cause}.",
-            key=str(self.key),
-            name=self.key.name,
+        return self._error(
+            exceptions.LockLostError,
+            f"Lock {self._about} was lost while its body ran: {self.lost_cause}.",
         )
 
     def locked(self) -> bool:
@@ -277,18 +271,14 @@ class AdvisoryLock:
             )
         hold = self._hold
         if hold is None or hold.sa_connection is None:
-            raise exceptions.PgLockError(
-                f"Lock {self.key.name!r} (key {self.key}) is not held."
-            )
+            raise exceptions.PgLockError(f"Lock {self._about} is not held.")
         hold.lent = True
         return hold.sa_connection
 
     def __enter__(self) -> AdvisoryLock:
         if not self.acquire():
-            raise exceptions.LockBusy(
-                f"Lock {self.key.name!r} (key {self.key}) is held by another session.",
-                key=str(self.key),
-                name=self.key.name,
+            raise self._error(
+                exceptions.LockBusy, f"Lock {self._about} is held by another session."
             )
         return self
 
@@ -314,10 +304,10 @@ class AdvisoryLock:
             None if polled else self.rider,  # not sent with the slots' statement
             self._granted_slot if polled else self._granted,
         )
+        # on_granted records the hold; one a failed first attempt recorded is gone.
+        self._hold = None
         if not polled:
-            hold = self._session.acquire(request)
-            self._hold = hold
-            return hold is not None
+            return self._session.acquire(request) is not None
         self.key = slots[0]
         deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
         pause = SLOT_POLL_FIRST
@@ -329,6 +319,14 @@ class AdvisoryLock:
                 return False
             time.sleep(min(pause, remaining))
             pause = min(pause * 2, SLOT_POLL_MAX)
+
+    @property
+    def _about(self) -> str:
+        """How messages name this lock."""
+        return f"{self.key.name!r} (key {self.key})"
+
+    def _error(self, kind: type[LockErrorT], message: str) -> LockErrorT:
+        return kind(message, key=str(self.key), name=self.key.name)
 
     def _granted(self, hold: sessions.Hold) -> None:
         self._hold = hold

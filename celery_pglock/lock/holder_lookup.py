@@ -8,7 +8,7 @@ import itertools
 import re
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from celery_pglock.lock import AdvisoryLock
@@ -30,14 +30,6 @@ class Holder:
     backend_pid: int  #: ``pg_stat_activity.pid``
     process: str | None = None  #: The worker's ``host:pid``; None if not our session.
     task: str | None = None  #: Its task (lock label), if application_name shows one.
-
-    def as_details(self) -> dict[str, Any]:
-        """The holder fields of a skip record (see ``LockSkipped.details``)."""
-        return {
-            "holder": self.process,
-            "holder_pid": self.backend_pid,
-            "holder_task": self.task,
-        }
 
 
 def parse_application_name(

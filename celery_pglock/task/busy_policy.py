@@ -195,7 +195,11 @@ def report(
     details.update(holder=None, holder_pid=None, holder_task=None)
     by = "another session"
     if holder is not None:
-        details.update(holder.as_details())
+        details.update(
+            holder=holder.process,
+            holder_pid=holder.backend_pid,
+            holder_task=holder.task,
+        )
         by = f"PostgreSQL backend {holder.backend_pid} (not a celery-pglock session)"
     if holder is not None and holder.process is not None:
         running = f"{holder.task}, " if holder.task else ""

@@ -16,7 +16,7 @@ from celery.utils.time import maybe_iso8601
 
 from celery_pglock import celery_compat, config, exceptions
 from celery_pglock.config import Enqueue, OnDuplicate, OnEnqueueError
-from celery_pglock.db import deadlines, engines, forks
+from celery_pglock.db import engines, forks
 from celery_pglock.task import outcomes, queued
 
 if TYPE_CHECKING:
@@ -212,11 +212,7 @@ class _RowWriter(threading.Thread):
                 time.sleep(self.RETRY_EVERY)
 
     def _send(self, batch: list[_Change]) -> None:
-        with (
-            engines.autocommit(self.engine) as dbapi,
-            deadlines.bounded(dbapi, self.bound),
-            dbapi.cursor() as cursor,
-        ):
+        with engines.autocommit_cursor(self.engine, self.bound) as cursor:
             # Array params per column: DELETE_MANY takes 4, CONFIRM_MANY all 5.
             for statement, width in ((queued.DELETE_MANY, 4), (queued.CONFIRM_MANY, 5)):
                 rows = [

@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import celery_compat, config, exceptions
-from celery_pglock.db import deadlines, driver_errors, engines, own_tables, sql_text
+from celery_pglock.db import driver_errors, engines, own_tables, sql_text
 from celery_pglock.lock import identity
 from celery_pglock.task import retries, runs
 
@@ -107,7 +107,7 @@ class Summary:
 
 def summary(engine: sa.Engine, older_than: float | None) -> Summary | None:
     """The table's rows and ages; None when it does not exist (no lock_period start)."""
-    with engines.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
+    with engines.autocommit_cursor(engine) as cursor:
         if not TABLE.present(cursor):
             return None
         cursor.execute(_SUMMARY, (older_than,))
@@ -119,7 +119,7 @@ def prune(engine: sa.Engine, older_than: float, batch: int = PRUNE_BATCH) -> int
     """Delete the rows started more than ``older_than`` seconds ago (at least the longest
     lock_period that uses the table, or periods reopen early): how many; None when the
     table does not exist."""
-    with engines.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
+    with engines.autocommit_cursor(engine) as cursor:
         if not TABLE.present(cursor):
             return None
         deleted = 0
@@ -177,12 +177,8 @@ def start(
     with driver_errors.wrap_db_errors(action, engine):
         row = lock.on_holding_session(action, record)
         if row is None:
-            with (
-                engines.autocommit(engine) as dbapi,
-                deadlines.bounded(dbapi, bound),
-                dbapi.cursor() as cursor,
-            ):
-                row = record(dbapi, cursor)
+            with engines.autocommit_cursor(engine, bound) as cursor:
+                row = record(cursor.connection, cursor)
     started, left, last = row
     if started:
         return None

@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import config, exceptions, keys
-from celery_pglock.db import deadlines, driver_errors, engines, own_tables, sql_text
+from celery_pglock.db import driver_errors, engines, own_tables, sql_text
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -215,12 +215,8 @@ def claim(
 def _claim(
     engine: sa.Engine, params: dict[str, Any], bound: float, key: keys.LockKey
 ) -> tuple[str, str]:
-    with (
-        engines.autocommit(engine) as dbapi,
-        deadlines.bounded(dbapi, bound),
-        dbapi.cursor() as cursor,
-    ):
-        statement = sql_text.prepared(dbapi, cursor, CLAIM_NAME, CLAIM)
+    with engines.autocommit_cursor(engine, bound) as cursor:
+        statement = sql_text.prepared(cursor.connection, cursor, CLAIM_NAME, CLAIM)
         for _ in range(CLAIM_TRIES):
             cursor.execute(statement, params)
             row = cursor.fetchone()
@@ -235,11 +231,7 @@ def _claim(
 def give_back(engine: sa.Engine, key: keys.LockKey, task_id: str, bound: float) -> None:
     """Delete ``task_id``'s row of ``key``, if it still has it; logs, never raises."""
     try:
-        with (
-            engines.autocommit(engine) as dbapi,
-            deadlines.bounded(dbapi, bound),
-            dbapi.cursor() as cursor,
-        ):
+        with engines.autocommit_cursor(engine, bound) as cursor:
             cursor.execute(DELETE_ONE, _row_params(key, task_id))
     except Exception:
         logger.warning(
@@ -296,7 +288,7 @@ ORDER BY q.published_at
 
 def summary(engine: sa.Engine) -> list[dict[str, Any]] | None:
     """The queued keys, oldest first; None when lock_enqueue never ran here (no table)."""
-    with engines.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
+    with engines.autocommit_cursor(engine) as cursor:
         if not TABLE.present(cursor):
             return None
         cursor.execute(SUMMARY)

@@ -174,11 +174,7 @@ class LockSessions:
     ) -> tuple[Any, ...] | None:
         """The row; None on failure (DEBUG log: a lookup adds detail, never decides)."""
         try:
-            with (
-                engines.autocommit(self.engine) as dbapi,
-                deadlines.bounded(dbapi, bound),
-                dbapi.cursor() as cursor,
-            ):
+            with engines.autocommit_cursor(self.engine, bound) as cursor:
                 cursor.execute(statement, params)
                 row: tuple[Any, ...] | None = cursor.fetchone()
         except Exception:
@@ -188,7 +184,7 @@ class LockSessions:
 
     def _retire_if_dead(self, pooled: Any, exc: BaseException) -> None:
         if driver_errors.is_disconnect(exc):
-            engines.mark_pool_stale(self.engine, pooled, exc)
+            engines.mark_pool_stale(self.engine, pooled)
 
     def _name(self, *parts: str) -> str:
         name = self._names.get(parts)

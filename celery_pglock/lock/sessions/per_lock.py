@@ -36,10 +36,6 @@ class PerLockSessions(base.LockSessions):
 
     _claims_wait = True
 
-    def __init__(self, engine: sa.Engine, claims: base.Claims) -> None:
-        super().__init__(engine, claims)
-        self.waits = self
-
     def acquire(self, request: base.AcquireRequest) -> base.Hold | None:
         scope = LockScope.TRANSACTION if request.transaction else LockScope.SESSION
         # Probed once per engine, before a wait's deadline starts counting.

@@ -337,7 +337,7 @@ class ProcessSession(base.LockSessions):
         """Under the mutex: end the session; a dead one retires the pool's connections."""
         self._close(cause)
         if driver_errors.is_disconnect(exc):
-            engines.mark_pool_stale(self.engine, None, exc)
+            engines.mark_pool_stale(self.engine, None)
 
     def _close(self, cause: str) -> list[base.Hold]:
         """Under the mutex: end the session; its holds are lost but stay claimed."""
