@@ -150,7 +150,10 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         task_id = None if direct else request.id
         execution = Execution(task_id)
         token = runs.current.set(execution)
-        fenced = fencing_tokens.unfenced.set(False)  # a run in a shadowed body fences
+        unfenced = fencing_tokens.unfenced
+        outer_unfenced = unfenced.get()  # True in a shadowed body: a run in it fences
+        if outer_unfenced:
+            unfenced.set(False)
         if not direct:
             request.pglock_execution = execution  # type: ignore[attr-defined]
         options = binding.config
@@ -184,10 +187,11 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                     options, execution, lock, args, kwargs, task_id is None
                 )
             lock.shadowed = True  # ensure_held() lets the body go on
-            fencing_tokens.unfenced.set(True)  # its fenced writes apply, token=None
+            unfenced.set(True)  # its fenced writes apply, token=None
             return self._body(task_id is None)(*args, **kwargs)
         finally:
-            fencing_tokens.unfenced.reset(fenced)
+            if unfenced.get() is not outer_unfenced:
+                unfenced.set(outer_unfenced)
             runs.current.reset(token)
 
     def _new_lock(

@@ -503,6 +503,23 @@ def test_token_none_is_refused_outside_a_shadowed_body(app, reports):
     assert len(refused) == 1
     assert says in refused[0]
 
+    def quiet(tenant):
+        return tenant
+
+    quiet_task = define(app, quiet, lock_args=("tenant",), lock_shadow=True)
+    held = hold(quiet_task, 2)
+    try:
+        quiet_task.apply((2,)).get()  # shadowed, calling nothing
+    finally:
+        held.release()
+    with (  # the shadowed run has ended: outside any run again
+        engines.engine_for(app.conf).begin() as connection,
+        pytest.raises(ConfigurationError, match=says),
+    ):
+        fencing.fenced_update(
+            connection, reports, key={"tenant": 1}, values={"body": "x"}, token=None
+        )
+
 
 def test_upsert_inserts_a_missing_row_and_update_reports_it(lock_engine, reports):
     """fenced_upsert creates the row; fenced_update on a missing row applies nothing."""

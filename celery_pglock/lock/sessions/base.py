@@ -128,23 +128,27 @@ class LockSessions:
 
     def acquire(self, request: AcquireRequest) -> Hold | None:
         """The hold of the key (or of the first free slot), or None if busy."""
-        holds = [
-            Hold(self, key.ids, rider=request.rider, slot=slot)  # type: ignore[arg-type]
-            for slot, key in enumerate(request.slots)
-        ]
+        slots, claims = request.slots, self.claims
+        if len(slots) == 1:  # the everyday case, without the slots' lists
+            holds: Sequence[Hold] = (Hold(self, slots[0].ids, rider=request.rider),)  # type: ignore[arg-type]
+        else:
+            holds = [
+                Hold(self, key.ids, rider=request.rider, slot=slot)  # type: ignore[arg-type]
+                for slot, key in enumerate(slots)
+            ]
         deadline = None  # monotonic: until when a claim of another run is waited for
         if self._claims_wait and request.timeout_ms is not None:
             deadline = time.monotonic() + request.timeout_ms / 1000
         granted = None
         try:
             # In the try: a soft time limit after a claim must not orphan the key.
-            free = [hold for hold in holds if self.claims.claim(hold, deadline)]
+            free = [hold for hold in holds if claims.claim(hold, deadline)]
             if free:  # else all are claimed here: busy without a round trip
                 granted = self._take(request, free, deadline)
         finally:
             for hold in holds:
                 if hold is not granted and not self._recorded(hold):
-                    self.claims.release(hold)  # a no-op if its claim was refused
+                    claims.release(hold)  # a no-op if its claim was refused
         return granted
 
     def _take(
