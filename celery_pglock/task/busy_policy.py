@@ -53,7 +53,7 @@ def apply_policy(
         and not direct
         and task.acks_late
         and celery_compat.redelivered(request)
-        and first_delivery_alive(lock, task_id, patience=options.db_timeout)
+        and lock.run_alive(keys.run_key(task_id)) is not False
     )
     if first_delivery_runs:
         message += REDELIVERY_IGNORED
@@ -88,16 +88,26 @@ def apply_policy(
     raise busy
 
 
-def first_delivery_alive(lock: AdvisoryLock, task_id: str, *, patience: float) -> bool:
-    """Does the first delivery of a redelivered ``task_id`` still run (hold its run lock)?
-
-    Unknown counts as yes, but only after looking again: a failed lookup (a database
-    restart) for up to ``patience`` seconds, a held run lock once after KILLED_HOLDER_GRACE.
-    """
+def first_delivery_ended(
+    task: LockedTask, lock: AdvisoryLock, task_id: str | None, *, direct: bool
+) -> bool:
+    """A busy redelivery: did its first delivery end just now? It may have held the key
+    itself, so the key is worth one more try. Its run lock, held or unknown at first, is
+    looked at again: after KILLED_HOLDER_GRACE if held, for up to ``lock_db_timeout`` if
+    the lookup failed (a database restart)."""
+    if (
+        direct
+        or task_id is None
+        or not task.acks_late
+        or not celery_compat.redelivered(task.request)
+    ):
+        return False
     run = keys.run_key(task_id)
-    give_up = time.monotonic() + patience
-    pause = 0.1
     alive = lock.run_alive(run)
+    if alive is False:
+        return False
+    give_up = time.monotonic() + task.lock_config.db_timeout
+    pause = 0.1
     while alive is None and time.monotonic() + pause < give_up:
         time.sleep(pause)
         pause = min(pause * 2, 1.0)
@@ -105,7 +115,7 @@ def first_delivery_alive(lock: AdvisoryLock, task_id: str, *, patience: float) -
     if alive:
         time.sleep(KILLED_HOLDER_GRACE)
         alive = lock.run_alive(run)
-    return alive is not False
+    return alive is False
 
 
 def busy_action(options: LockConfig, *, direct: bool) -> OnBusy:

@@ -160,7 +160,12 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         try:
             lock = self._new_lock(binding, execution, args, kwargs)
             throttle = None
-            if self._acquire(options, lock, task_id, direct):
+            granted = self._acquire(options, lock, task_id, direct)
+            if not granted and busy_policy.first_delivery_ended(
+                self, lock, task_id, direct=direct
+            ):
+                granted = self._acquire(options, lock, task_id, direct)
+            if granted:
                 if options.period is not None:
                     throttle = periods.start_run(self, options, lock, task_id, direct)
                 if throttle is None:
