@@ -6,6 +6,7 @@ redelivered message, the run lock of acks_late tasks, and shadow mode.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
@@ -189,6 +190,28 @@ def test_a_redelivery_whose_first_delivery_died_stores_its_skip(app):
     assert isinstance(stored.result, LockSkipped)
 
 
+@contextlib.contextmanager
+def killed_a_moment_ago(database_url, *held):
+    """A first delivery's session holding the ``held`` keys, which ends (as PostgreSQL
+    sees a killed child's connection close) a third of KILLED_HOLDER_GRACE from now."""
+    session = psycopg2.connect(
+        sa.make_url(database_url)
+        .set(drivername="postgresql")
+        .render_as_string(hide_password=False)
+    )
+    session.autocommit = True
+    with session.cursor() as cursor:
+        for key in held:
+            ids = ", ".join(["%s"] * len(key.ids))
+            cursor.execute(f"SELECT pg_advisory_lock({ids})", key.ids)
+    closing = threading.Timer(busy_policy.KILLED_HOLDER_GRACE / 3, session.close)
+    closing.start()
+    try:
+        yield
+    finally:
+        closing.join()
+
+
 def test_a_redelivery_whose_first_delivery_was_killed_a_moment_ago_stores_its_skip(
     app, database_url
 ):
@@ -198,20 +221,10 @@ def test_a_redelivery_whose_first_delivery_was_killed_a_moment_ago_stores_its_sk
     task = define(app, ran, acks_late=True)
     task_id = str(uuid.uuid4())
     other = hold(task)  # another run holds the key
-    killed_child = psycopg2.connect(
-        sa.make_url(database_url)
-        .set(drivername="postgresql")
-        .render_as_string(hide_password=False)
-    )
-    killed_child.autocommit = True
-    with killed_child.cursor() as cursor:
-        cursor.execute("SELECT pg_advisory_lock(%s, %s)", keys.run_key(task_id).ids)
-    closing = threading.Timer(busy_policy.KILLED_HOLDER_GRACE / 3, killed_child.close)
-    closing.start()
     try:
-        trace_delivery(task, task_id, redelivered=True)
+        with killed_a_moment_ago(database_url, keys.run_key(task_id)):
+            trace_delivery(task, task_id, redelivered=True)
     finally:
-        closing.join()
         other.release()
     stored = AsyncResult(task_id, app=app)
     assert "FAILURE" == stored.state
@@ -226,21 +239,9 @@ def test_a_redelivery_whose_first_delivery_held_the_key_and_was_killed_runs(
     own dead delivery)."""
     task = define(app, ran, acks_late=True)
     task_id = str(uuid.uuid4())
-    killed_child = psycopg2.connect(
-        sa.make_url(database_url)
-        .set(drivername="postgresql")
-        .render_as_string(hide_password=False)
-    )
-    killed_child.autocommit = True
-    with killed_child.cursor() as cursor:
-        cursor.execute("SELECT pg_advisory_lock(%s)", task.lock_key_for().ids)
-        cursor.execute("SELECT pg_advisory_lock(%s, %s)", keys.run_key(task_id).ids)
-    closing = threading.Timer(busy_policy.KILLED_HOLDER_GRACE / 3, killed_child.close)
-    closing.start()
-    try:
+    held = (task.lock_key_for(), keys.run_key(task_id))
+    with killed_a_moment_ago(database_url, *held):
         trace_delivery(task, task_id, redelivered=True)
-    finally:
-        closing.join()
     stored = AsyncResult(task_id, app=app)
     assert "SUCCESS" == stored.state
 
