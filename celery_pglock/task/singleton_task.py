@@ -160,11 +160,19 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         try:
             lock = self._new_lock(binding, execution, args, kwargs)
             throttle = None
-            granted = self._acquire(options, lock, task_id, direct)
-            if not granted and busy_policy.first_delivery_ended(
-                self, lock, task_id, direct=direct
+            # A retry waits (bounded) for its predecessor's lock (docs/guide/retries.md).
+            waits = not options.shadow and bool(
+                options.on_busy is OnBusy.WAIT
+                or (request.retries and not direct and not request.is_eager)
+            )
+            granted = self._acquire(options, lock, task_id, direct, waits)
+            # A wait gave a killed first delivery's key time to be freed; a try did not.
+            if (
+                not granted
+                and not waits
+                and busy_policy.first_delivery_ended(self, lock, task_id, direct=direct)
             ):
-                granted = self._acquire(options, lock, task_id, direct)
+                granted = self._acquire(options, lock, task_id, direct, waits)
             if granted:
                 if options.period is not None:
                     throttle = periods.start_run(self, options, lock, task_id, direct)
@@ -244,17 +252,12 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         lock: AdvisoryLock,
         task_id: str | None,
         direct: bool,
+        waits: bool,
     ) -> bool:
-        """Take the lock (and its fencing token); False when another run holds it."""
-        request = self.request
-        # A retry waits (bounded) for its predecessor's lock (docs/guide/retries.md).
-        waits = options.on_busy is OnBusy.WAIT or (
-            request.retries and not direct and not request.is_eager
-        )
+        """Take the lock (and its fencing token), waiting for it if ``waits``; False
+        when another run holds it."""
         try:
-            granted = lock.acquire(
-                timeout=options.wait_timeout if waits and not options.shadow else None
-            )
+            granted = lock.acquire(timeout=options.wait_timeout if waits else None)
             if granted and options.fencing:
                 fencing_tokens.issue_token(lock)  # releases the lock if it cannot
         except exceptions.DatabaseError as error:

@@ -191,9 +191,10 @@ def test_a_redelivery_whose_first_delivery_died_stores_its_skip(app):
 
 
 @contextlib.contextmanager
-def killed_a_moment_ago(database_url, *held):
-    """A first delivery's session holding the ``held`` keys, which ends (as PostgreSQL
-    sees a killed child's connection close) a third of KILLED_HOLDER_GRACE from now."""
+def killed_when_looked_at(monkeypatch, database_url, *held):
+    """A first delivery's session holding the ``held`` keys. It ends (as PostgreSQL sees
+    a killed child's connection close) a third of KILLED_HOLDER_GRACE after the
+    redelivery first looks at its run lock. Yields what each look found."""
     session = psycopg2.connect(
         sa.make_url(database_url)
         .set(drivername="postgresql")
@@ -205,15 +206,27 @@ def killed_a_moment_ago(database_url, *held):
             ids = ", ".join(["%s"] * len(key.ids))
             cursor.execute(f"SELECT pg_advisory_lock({ids})", key.ids)
     closing = threading.Timer(busy_policy.KILLED_HOLDER_GRACE / 3, session.close)
-    closing.start()
+    seen = []
+    real = AdvisoryLock.run_alive
+
+    def looking(lock, run_key):
+        alive = real(lock, run_key)
+        if not seen:
+            closing.start()
+        seen.append(alive)
+        return alive
+
+    monkeypatch.setattr(AdvisoryLock, "run_alive", looking)
     try:
-        yield
+        yield seen
     finally:
-        closing.join()
+        if closing.is_alive():
+            closing.join()
+        session.close()
 
 
 def test_a_redelivery_whose_first_delivery_was_killed_a_moment_ago_stores_its_skip(
-    app, database_url
+    app, database_url, monkeypatch
 ):
     """A worker re-queues a killed child's message at once: the redelivery can find the
     child's run lock still held until PostgreSQL sees its connection close. It looks
@@ -222,17 +235,19 @@ def test_a_redelivery_whose_first_delivery_was_killed_a_moment_ago_stores_its_sk
     task_id = str(uuid.uuid4())
     other = hold(task)  # another run holds the key
     try:
-        with killed_a_moment_ago(database_url, keys.run_key(task_id)):
+        run_lock = keys.run_key(task_id)
+        with killed_when_looked_at(monkeypatch, database_url, run_lock) as seen:
             trace_delivery(task, task_id, redelivered=True)
     finally:
         other.release()
+    assert [True, False] == seen[:2]  # held, then freed within the grace
     stored = AsyncResult(task_id, app=app)
     assert "FAILURE" == stored.state
     assert isinstance(stored.result, LockSkipped)
 
 
 def test_a_redelivery_whose_first_delivery_held_the_key_and_was_killed_runs(
-    app, database_url
+    app, database_url, monkeypatch
 ):
     """The killed first delivery held the key itself: once PostgreSQL frees its locks,
     the redelivery takes the key and runs the body (the message is not skipped by its
@@ -240,10 +255,36 @@ def test_a_redelivery_whose_first_delivery_held_the_key_and_was_killed_runs(
     task = define(app, ran, acks_late=True)
     task_id = str(uuid.uuid4())
     held = (task.lock_key_for(), keys.run_key(task_id))
-    with killed_a_moment_ago(database_url, *held):
+    with killed_when_looked_at(monkeypatch, database_url, *held) as seen:
         trace_delivery(task, task_id, redelivered=True)
+    assert [True, False] == seen  # the key was busy: its first try failed
     stored = AsyncResult(task_id, app=app)
     assert "SUCCESS" == stored.state
+
+
+def test_a_redelivery_that_waited_for_its_key_waits_once(
+    app, database_url, monkeypatch
+):
+    """A wait (lock_on_busy='wait') gave a killed holder's key time to be freed: a busy
+    redelivery does not wait a second time when its run lock is then found free."""
+    task = define(app, ran, acks_late=True, lock_on_busy="wait", lock_wait_timeout=0.3)
+    task_id = str(uuid.uuid4())
+    other = hold(task)  # another run holds the key throughout
+    waits = []
+    real = AdvisoryLock.acquire
+
+    def acquire(lock, *, timeout=None):
+        waits.append(timeout)
+        return real(lock, timeout=timeout)
+
+    monkeypatch.setattr(AdvisoryLock, "acquire", acquire)
+    try:
+        run_lock = keys.run_key(task_id)
+        with killed_when_looked_at(monkeypatch, database_url, run_lock):
+            trace_delivery(task, task_id, redelivered=True)
+    finally:
+        other.release()
+    assert [0.3] == waits
 
 
 @pytest.mark.parametrize("failed_lookups", [1, 100])
@@ -274,7 +315,7 @@ def test_a_redelivery_whose_run_lock_lookup_fails_looks_again(
         assert 3 == len(lookups)
         assert isinstance(stored.result, LockSkipped)
     else:
-        assert 4 <= len(lookups) < failed_lookups  # 0.1 + 0.2 s pauses within 0.5 s
+        assert 3 <= len(lookups) < failed_lookups  # 0.1 (+ 0.2) s pauses within 0.5 s
         assert "PENDING" == stored.state
 
 
