@@ -50,9 +50,7 @@ def apply_policy(
     first_delivery_runs = (
         throttle is None
         and task_id is not None
-        and not direct
-        and task.acks_late
-        and celery_compat.redelivered(request)
+        and _acks_late_redelivery(task, direct)
         and lock.run_alive(keys.run_key(task_id)) is not False
     )
     if first_delivery_runs:
@@ -95,12 +93,7 @@ def first_delivery_ended(
     itself, so the key is worth one more try. Its run lock, held or unknown at first, is
     looked at again: after KILLED_HOLDER_GRACE if held, for up to ``lock_db_timeout`` if
     the lookup failed (a database restart)."""
-    if (
-        direct
-        or task_id is None
-        or not task.acks_late
-        or not celery_compat.redelivered(task.request)
-    ):
+    if task_id is None or not _acks_late_redelivery(task, direct):
         return False
     run = keys.run_key(task_id)
     alive = lock.run_alive(run)
@@ -116,6 +109,12 @@ def first_delivery_ended(
         time.sleep(KILLED_HOLDER_GRACE)
         alive = lock.run_alive(run)
     return alive is False
+
+
+def _acks_late_redelivery(task: LockedTask, direct: bool) -> bool:
+    """A worker's run of an ``acks_late`` message the broker delivered before: its first
+    delivery holds a run lock while it runs (docs/guide/skipped-results.md)."""
+    return not direct and task.acks_late and celery_compat.redelivered(task.request)
 
 
 def busy_action(options: LockConfig, *, direct: bool) -> OnBusy:
