@@ -53,10 +53,9 @@ from contenders import (  # noqa: E402
     BASELINE_ROW,
     CONTENDERS,
     DISTINCT_ONLY,
-    PERIOD_FLOOR,
+    FLOORS,
     PLAIN,
     ROUND_TRIPS,
-    ROW_FLOOR,
     SKIP_SUCCESS_ROW,
     TENANTS,
     WORKLOADS,
@@ -284,7 +283,7 @@ class Bench:
                 task.once_backend.redis.ping()
             elif contender.task == bench_app.SINGLETON:
                 task.singleton_backend.redis.ping()
-            elif contender.task == bench_app.PLAIN_ROW_WRITES:
+            elif contender.task in bench_app.QUEUED_FLOOR_TABLES:
                 bench_app.raw_connection()
             elif contender.enqueue:
                 from celery_pglock.task import queued
@@ -354,7 +353,7 @@ class Bench:
         return samples
 
     def close(self) -> None:
-        if {ROW_FLOOR, PERIOD_FLOOR} & set(self.args.contenders):
+        if set(FLOORS) & set(self.args.contenders):
             # The floors' rows of this run (its keys start with the run id); the two
             # small tables stay, shared with other runs.
             bench_app.forget_floor_rows(f"{self.run_id}-%")

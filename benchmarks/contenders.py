@@ -38,12 +38,15 @@ PERIOD_ROW = "SingletonTask session + lock_period"
 #: Issue 18's floors (bench_app): the rows the designs prescribe, written by hand with no
 #: library; what any implementation of the design pays at least. Distinct keys only.
 ROW_FLOOR = "plain + queued row by hand (floor)"
+UNLOGGED_ROW_FLOOR = "plain + unlogged queued row by hand (floor)"
 PERIOD_FLOOR = "plain + 2 round trips + period row (floor)"
-DISTINCT_ONLY = (LIMIT_ROW, PERIOD_ROW, ROW_FLOOR, PERIOD_FLOOR)
+FLOORS = (ROW_FLOOR, UNLOGGED_ROW_FLOOR, PERIOD_FLOOR)
+DISTINCT_ONLY = (LIMIT_ROW, PERIOD_ROW, *FLOORS)
 CONTENDERS = {
     "plain": Contender("plain", bench_app.PLAIN),
     "plain + 2 round trips": Contender("plain", bench_app.PLAIN_ROUND_TRIPS),
     ROW_FLOOR: Contender("plain", bench_app.PLAIN_ROW_WRITES),
+    UNLOGGED_ROW_FLOOR: Contender("plain", bench_app.PLAIN_UNLOGGED_ROW_WRITES),
     PERIOD_FLOOR: Contender("plain", bench_app.PLAIN_PERIOD_WRITE),
     "SingletonTask session": Contender("pglock", bench_app.SESSION),
     "SingletonTask transaction": Contender("pglock", bench_app.TRANSACTION),

@@ -22,10 +22,14 @@ UNTIL_FINISHED, UNTIL_STARTED = "f", "s"  #: The ``mode`` column.
 HEADER = "pglock_q"  #: Message header: ``"<classid>:<objid>:<objsubid>"`` of the row.
 
 #: ``{schema}``: a quoted name and a dot, or "". Locked: IF NOT EXISTS races itself.
+#: UNLOGGED: no WAL for its rows; a crash or a failover empties it (docs/guide/enqueue.md,
+#: How it works). SET UNLOGGED converts a table an earlier version created. Committed
+#: durably, whatever the server's synchronous_commit: a crash loses the rows, not the table.
 CREATE = """
 BEGIN;
+SET LOCAL synchronous_commit = on;
 SELECT pg_advisory_xact_lock(hashtext('celery_pglock.queued'));
-CREATE TABLE IF NOT EXISTS {schema}celery_pglock_queued (
+CREATE UNLOGGED TABLE IF NOT EXISTS {schema}celery_pglock_queued (
   classid oid NOT NULL, objid oid NOT NULL, objsubid smallint NOT NULL,
   task_id text NOT NULL, task_name text NOT NULL,
   run_objid integer NOT NULL, mode "char" NOT NULL,
@@ -33,6 +37,7 @@ CREATE TABLE IF NOT EXISTS {schema}celery_pglock_queued (
   stale_at timestamptz NOT NULL,
   PRIMARY KEY (classid, objid, objsubid)
 ) WITH (fillfactor = 80);
+ALTER TABLE {schema}celery_pglock_queued SET UNLOGGED;
 COMMENT ON TABLE {schema}celery_pglock_queued IS
   'celery-pglock lock_enqueue: the one message queued or running per advisory key';
 COMMIT;
@@ -203,12 +208,17 @@ def claim(
         except Exception as exc:
             # A pooled connection the server closed meanwhile (a restart, an idle cut)
             # fails at once: one more try, on a fresh one. A frozen server used the bound.
+            # A table dropped since this process checked it is created again first.
+            dropped = driver_errors.sqlstate(exc) == sql_text.UNDEFINED_TABLE
             if (
-                not driver_errors.is_disconnect(exc)
+                not (dropped or driver_errors.is_disconnect(exc))
                 or time.monotonic() - began >= bound
             ):
                 raise
             logger.info("Lock database connection was closed; checking %s again", key)
+            if dropped:
+                TABLE.forget(engine)
+                TABLE.ensure(engine, bound)
         return _claim(engine, params, bound, key)
 
 

@@ -83,7 +83,8 @@ def test_clear_by_key_stale_and_all(database_url, task):
 
 def test_sql_enqueue_prints_the_table_and_its_grants(database_url):
     text = run(database_url, "sql", "--enqueue")
-    assert "CREATE TABLE IF NOT EXISTS" in text
+    assert "CREATE UNLOGGED TABLE IF NOT EXISTS" in text
+    assert "SET UNLOGGED" in text
     assert '"public".celery_pglock_queued' in text
     assert "-- GRANT SELECT, INSERT, UPDATE, DELETE" in text
     assert "DROP TABLE" in run(database_url, "sql", "--enqueue", "--uninstall")
