@@ -13,9 +13,9 @@ back, in an order that rotates); ratios to plain with the same body and CPU over
 paired per repetition; CPU per message of the worker's processes and of the
 PostgreSQL backends of its lock sessions; RSS of the largest task process; lock
 connections. Then a threads worker at concurrency 64 (lock connections sampled while
-64 bodies run) and a memory-flat run (a worker skips N messages, then runs N). It
-prints the table and PASS/FAIL for each target of issue 7, and writes the table into
-the generated section of ``docs/benchmarks.md``.
+64 bodies run), a memory-flat run (a worker skips N messages, then runs N) and
+``publish_path.py``. It prints the tables and PASS/FAIL for each target of issues 7, 18
+and 35, and writes them into the generated sections of ``docs/benchmarks.md``.
 
 Services come from :func:`celery_pglock.testing.start_services` (configured servers, or
 embedded ones started and stopped here). Every wait is bounded; workers are always
@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -361,6 +362,23 @@ class Bench:
         self.redis.close()
 
 
+def publish_path(
+    services: Any, args: argparse.Namespace
+) -> dict[str, list[dict[str, float | None]]]:
+    """publish_path.py's figures, measured now on the same services (a process of its
+    own: its producer is alone in it); it rewrites its section of the docs page too."""
+    print("publish path: benchmarks/publish_path.py --calls 500 --reps 7", flush=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "publish.json"
+        command = [sys.executable, str(HERE / "publish_path.py"), "--json", str(out)]
+        command += ["--no-docs"] if args.no_docs else ["--docs", str(args.docs)]
+        subprocess.run(
+            command, env={**os.environ, **services.env()}, check=True, timeout=600
+        )
+        results: dict[str, list[dict[str, float | None]]] = json.loads(out.read_text())
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--messages", type=int, default=2000, help="messages per drain")
@@ -397,6 +415,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--no-threads", action="store_true", help="skip the threads-64 run"
+    )
+    parser.add_argument(
+        "--no-publish-path",
+        action="store_true",
+        help="skip publish_path.py (run after the drains, on the same services)",
     )
     parser.add_argument(
         "--profile",
@@ -452,10 +475,12 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
                 flat = compare_runs.flat(bench)
+            publish = None if args.no_publish_path else publish_path(services, args)
         finally:
             bench.close()
     checks = compare_report.verdicts(rows, connections, flat, args)
     checks18 = compare_report.issue18_verdicts(samples)
+    checks35 = compare_report.issue35_verdicts(samples, publish)
     elapsed = time.monotonic() - started
     markdown = "\n".join(
         [
@@ -484,6 +509,13 @@ def main(argv: list[str] | None = None) -> int:
                 for name, value, ok in checks18
             ),
             "",
+            "| target (issue 35) | measured | verdict |",
+            "|---|---|---|",
+            *(
+                f"| {name} | {value} | {'PASS' if ok else 'FAIL'} |"
+                for name, value, ok in checks35
+            ),
+            "",
             f"`{command.strip()}` — {elapsed / 60:.0f} min on {os.cpu_count()} CPUs, "
             f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end; "
             f"PostgreSQL {services.postgres_version}, Redis broker. Medians over "
@@ -510,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
                     "connections": connections,
                     "checks": checks,
                     "checks_issue_18": checks18,
+                    "checks_issue_35": checks35,
+                    "publish_path": publish,
                     "samples": {
                         f"{k[0]} | {k[1]}": [dataclasses.asdict(s) for s in v]
                         for k, v in samples.items()
@@ -518,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
                 indent=2,
             )
         )
-    return 0 if all(ok for _, _, ok in [*checks, *checks18]) else 1
+    return 0 if all(ok for _, _, ok in [*checks, *checks18, *checks35]) else 1
 
 
 if __name__ == "__main__":
