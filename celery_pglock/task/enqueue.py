@@ -215,14 +215,16 @@ class _RowWriter(threading.Thread):
         with engines.autocommit_cursor(self.engine, self.bound) as cursor:
             # Array params per column: DELETE_MANY takes 4, CONFIRM_MANY all 5.
             for statement, width in ((queued.DELETE_MANY, 4), (queued.CONFIRM_MANY, 5)):
-                rows = [
-                    [*row, task_id, seconds]
-                    for sql, row, task_id, seconds in batch
-                    if sql == statement
-                ]
+                rows = [(*row, i, n) for sql, row, i, n in batch if sql == statement]
                 if rows:
-                    columns = [list(column) for column in zip(*rows, strict=True)]
-                    cursor.execute(statement, columns[:width])
+                    c, o, s, ids, stale = zip(*rows, strict=True)
+                    params = [_array(c), _array(o), _array(s), list(ids), _array(stale)]
+                    cursor.execute(statement, params[:width])
+
+
+def _array(numbers: tuple[float, ...]) -> str:
+    # One array literal: psycopg2 adapts a list item by item, ~2 µs each (the sender's CPU).
+    return "{" + ",".join(map(repr, numbers)) + "}"
 
 
 _writers: dict[Any, _RowWriter] = {}
