@@ -3,23 +3,14 @@ Why each statement is shaped as it is: docs/guide/enqueue.md ("How it works").""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import logging
-import threading
 import time
-import weakref
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import config, exceptions, keys
-from celery_pglock.db import (
-    deadlines,
-    driver_errors,
-    engines,
-    forks,
-    own_tables,
-    sql_text,
-)
+from celery_pglock.db import driver_errors, engines, own_tables, sql_text
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -206,9 +197,10 @@ def claim(
         "stale": max(0.0, stale),
         "force": retry,
     }
+    claim_it = functools.partial(_claim, params, key)
     began = time.monotonic()
     try:
-        return _claim(engine, params, bound, key)
+        return engines.on_kept(engine, bound, claim_it)
     except Exception as exc:  # wrapped here only: a send that succeeds pays no wrapper
         with driver_errors.wrap_db_errors(
             f"check the queue of lock {key.name!r}", engine
@@ -221,54 +213,10 @@ def claim(
             ):
                 raise
             logger.info("Lock database connection was closed; checking %s again", key)
-            return _claim(engine, params, bound, key)
+            return engines.on_kept(engine, bound, claim_it)
 
 
-class _Kept:
-    """The claim's connection, kept per pool: a send pays no pool checkout. Detached, it
-    is never reset at check-in nor counted in the pool's size; ``busy``: a thread's."""
-
-    def __init__(self, engine: sa.Engine) -> None:
-        self.pooled = engine.raw_connection()
-        self.pooled.detach()
-        dbapi: Any = self.pooled.dbapi_connection
-        dbapi.autocommit = True
-        self.dbapi, self.cursor = dbapi, dbapi.cursor()
-        self.busy = threading.Lock()
-
-
-#: By pool: dispose() makes a new one, and the old one's connection closes with it.
-_kept = weakref.WeakKeyDictionary[Any, _Kept]()
-forks.reset_in_child(_kept.clear)  # after the engines' reset neutered their sockets
-
-
-def _claim(
-    engine: sa.Engine, params: dict[str, Any], bound: float, key: keys.LockKey
-) -> tuple[str, str]:
-    # Opened outside any lock (a dead server costs each thread its own bound only); a
-    # racing thread's spare is closed by the garbage collector.
-    kept = _kept.get(engine.pool) or _kept.setdefault(engine.pool, _Kept(engine))
-    if not kept.busy.acquire(blocking=False):  # another thread's claim: a pooled one
-        with engines.autocommit_cursor(engine, bound) as cursor:
-            return _claim_on(cursor, params, key)
-    try:
-        with deadlines.bounded(kept.dbapi, bound):
-            return _claim_on(kept.cursor, params, key)
-    except BaseException as exc:
-        # As the pool invalidates a connection after an error: the next claim opens anew.
-        _kept.pop(engine.pool, None)
-        if driver_errors.is_disconnect(exc):
-            engines.mark_pool_stale(engine, kept.pooled)
-        with contextlib.suppress(Exception):  # a dead socket may complain
-            kept.pooled.close()
-        raise
-    finally:
-        kept.busy.release()
-
-
-def _claim_on(
-    cursor: Any, params: dict[str, Any], key: keys.LockKey
-) -> tuple[str, str]:
+def _claim(params: dict[str, Any], key: keys.LockKey, cursor: Any) -> tuple[str, str]:
     statement = sql_text.prepared(cursor.connection, cursor, CLAIM_NAME, CLAIM)
     for _ in range(CLAIM_TRIES):
         cursor.execute(statement, params)

@@ -138,14 +138,14 @@ def test_a_forked_child_sends_on_its_own_claim_connection(app):
     sends on one of its own; the parent's kept connection still answers afterwards."""
     task = define(app, _fork_sent, lock_args=("tenant",), lock_enqueue="until_finished")
     first = task.delay(1)
-    kept = queued._kept[current_engine(task.app).pool]
+    kept = engines._kept[current_engine(task.app).pool]
 
     def work():
-        return task.delay(2).id and queued._kept[current_engine(app).pool] is not kept
+        return task.delay(2).id and engines._kept[current_engine(app).pool] is not kept
 
     assert "ok" == in_forked_child(kept.busy, work)
     assert first.id == task.delay(1).id  # a duplicate, told on the same connection
-    assert queued._kept[current_engine(task.app).pool] is kept
+    assert engines._kept[current_engine(task.app).pool] is kept
 
 
 def _fork_sent(tenant):

@@ -112,7 +112,7 @@ def test_the_publish_statement_is_planned_once_per_connection(app, published):
     engine = current_engine(app)
 
     def prepared():
-        cursor = queued._kept[engine.pool].cursor  # no send runs meanwhile
+        cursor = engines._kept[engine.pool].cursor  # no send runs meanwhile
         cursor.execute(
             "SELECT name, generic_plans + custom_plans FROM pg_prepared_statements "
             "WHERE statement LIKE '%celery_pglock_queued%'"
@@ -148,7 +148,7 @@ def test_a_connection_reset_by_discard_all_prepares_the_claim_again(app, publish
     enqueue.drain_writers()  # earlier tests' row changes: none may open a second
     engine.dispose()  # a pool of one: the send, the run and the send share it
     task.delay(0)  # the claim's kept connection, out of the pool
-    with queued._kept[engine.pool].busy:  # another thread's claim: sends take the pool
+    with engines._kept[engine.pool].busy:  # another thread's claim: sends take the pool
         task.delay(1)
         enqueue.drain_writers()  # its confirmation, on the same pooled connection
         resets.apply().get()
@@ -169,14 +169,14 @@ def test_a_send_after_its_claim_connection_was_closed_checks_again(app, publishe
     )
     engine = current_engine(app)
     task.delay(1)
-    kept = queued._kept[engine.pool]
+    kept = engines._kept[engine.pool]
     kept.cursor.execute("SELECT pg_backend_pid()")
     (pid,) = kept.cursor.fetchone()
     with engines.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
         cursor.execute("SELECT pg_terminate_backend(%s)", (pid,))
     task.delay(2)
     assert 2 == len(published)
-    assert queued._kept[engine.pool] is not kept
+    assert engines._kept[engine.pool] is not kept
 
 
 def test_a_run_plans_its_row_changes_once_per_session(app, session_mode):
