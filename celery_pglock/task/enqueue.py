@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import logging
 import queue
 import threading
@@ -212,14 +213,18 @@ class _RowWriter(threading.Thread):
                 time.sleep(self.RETRY_EVERY)
 
     def _send(self, batch: list[_Change]) -> None:
-        with engines.autocommit_cursor(self.engine, self.bound) as cursor:
-            # Array params per column: DELETE_MANY takes 4, CONFIRM_MANY all 5.
-            for statement, width in ((queued.DELETE_MANY, 4), (queued.CONFIRM_MANY, 5)):
-                rows = [(*row, i, n) for sql, row, i, n in batch if sql == statement]
-                if rows:
-                    c, o, s, ids, stale = zip(*rows, strict=True)
-                    params = [_array(c), _array(o), _array(s), list(ids), _array(stale)]
-                    cursor.execute(statement, params[:width])
+        # On the claim's kept connection when free: a producer keeps one connection.
+        engines.on_kept(self.engine, self.bound, functools.partial(_write, batch))
+
+
+def _write(batch: list[_Change], cursor: Any) -> None:
+    # Array params per column: DELETE_MANY takes 4, CONFIRM_MANY all 5.
+    for statement, width in ((queued.DELETE_MANY, 4), (queued.CONFIRM_MANY, 5)):
+        rows = [(*row, i, n) for sql, row, i, n in batch if sql == statement]
+        if rows:
+            c, o, s, ids, stale = zip(*rows, strict=True)
+            params = [_array(c), _array(o), _array(s), list(ids), _array(stale)]
+            cursor.execute(statement, params[:width])
 
 
 def _array(numbers: tuple[float, ...]) -> str:

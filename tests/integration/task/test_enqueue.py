@@ -112,18 +112,21 @@ def test_the_publish_statement_is_planned_once_per_connection(app, published):
     engine = current_engine(app)
 
     def prepared():
-        cursor = engines._kept[engine.pool].cursor  # no send runs meanwhile
-        cursor.execute(
-            "SELECT name, generic_plans + custom_plans FROM pg_prepared_statements "
-            "WHERE statement LIKE '%celery_pglock_queued%'"
-        )
-        return cursor.fetchall()
+        enqueue.drain_writers()  # the confirmations, on the same kept connection
+        kept = engines._kept[engine.pool]
+        with kept.busy:
+            kept.cursor.execute(
+                "SELECT name, generic_plans + custom_plans FROM pg_prepared_statements "
+                "WHERE statement LIKE '%celery_pglock_queued%'"
+            )
+            return kept.cursor.fetchall()
 
     task.delay(-1)  # the table, the connection
     before = prepared()
     sends = 8
     for tenant in range(sends):
         task.delay(tenant)
+        enqueue.drain_writers()  # never busy with a confirmation at the next send
     assert 1 + sends == len(published)
     assert [(queued.CLAIM_NAME, before[0][1] + sends)] == prepared()
 
