@@ -415,7 +415,8 @@ def on_kept(engine: sa.Engine, bound: float, work: Callable[[Any], _T]) -> _T:
         _kept.pop(engine.pool, None)
         if driver_errors.is_disconnect(exc):
             mark_pool_stale(engine, kept.pooled)
-        kept.pooled.close()  # the pool logs, never raises, a failed close
+        with contextlib.suppress(Exception):  # not the pool's close: it logs an ERROR
+            kept.dbapi.close()
         raise
     finally:
         kept.busy.release()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import functools
 import logging
 import queue
 import threading
@@ -190,7 +189,10 @@ class _RowWriter(threading.Thread):
         warned = False
         while True:
             try:
-                self._send(batch)
+                # On the claim's kept connection when free: a producer keeps one.
+                engines.on_kept(
+                    self.engine, self.bound, lambda c: _write_rows(batch, c)
+                )
                 if warned:
                     logger.info("Wrote %d queued key change(s) after all", len(batch))
                 return
@@ -212,12 +214,8 @@ class _RowWriter(threading.Thread):
                 warned = True
                 time.sleep(self.RETRY_EVERY)
 
-    def _send(self, batch: list[_Change]) -> None:
-        # On the claim's kept connection when free: a producer keeps one connection.
-        engines.on_kept(self.engine, self.bound, functools.partial(_write, batch))
 
-
-def _write(batch: list[_Change], cursor: Any) -> None:
+def _write_rows(batch: list[_Change], cursor: Any) -> None:
     # Array params per column: DELETE_MANY takes 4, CONFIRM_MANY all 5.
     for statement, width in ((queued.DELETE_MANY, 4), (queued.CONFIRM_MANY, 5)):
         rows = [(*row, i, n) for sql, row, i, n in batch if sql == statement]

@@ -4,7 +4,6 @@ Why each statement is shaped as it is: docs/guide/enqueue.md ("How it works").""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -197,23 +196,18 @@ def claim(
         "stale": max(0.0, stale),
         "force": retry,
     }
-    claim_it = functools.partial(_claim, params, key)
-    began = time.monotonic()
+    deadline = time.monotonic() + bound
     try:
-        return engines.on_kept(engine, bound, claim_it)
+        return engines.on_kept(engine, bound, lambda c: _claim(params, key, c))
     except Exception as exc:  # wrapped here only: a send that succeeds pays no wrapper
-        with driver_errors.wrap_db_errors(
-            f"check the queue of lock {key.name!r}", engine
-        ):
+        what = f"check the queue of lock {key.name!r}"
+        with driver_errors.wrap_db_errors(what, engine):
             # A connection the server closed meanwhile (a restart, an idle cut) fails
             # at once: one more try, on a fresh one. A frozen server used the bound.
-            if (
-                not driver_errors.is_disconnect(exc)
-                or time.monotonic() - began >= bound
-            ):
+            if not driver_errors.is_disconnect(exc) or time.monotonic() >= deadline:
                 raise
             logger.info("Lock database connection was closed; checking %s again", key)
-            return engines.on_kept(engine, bound, claim_it)
+            return engines.on_kept(engine, bound, lambda c: _claim(params, key, c))
 
 
 def _claim(params: dict[str, Any], key: keys.LockKey, cursor: Any) -> tuple[str, str]:

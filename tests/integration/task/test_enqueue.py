@@ -160,9 +160,11 @@ def test_a_connection_reset_by_discard_all_prepares_the_claim_again(app, publish
     assert 3 == len(published)
 
 
-def test_a_send_after_its_claim_connection_was_closed_checks_again(app, published):
+def test_a_send_after_its_claim_connection_was_closed_checks_again(
+    app, published, caplog
+):
     """The server closed the kept claim connection (a restart, an idle cut): the next
-    send fails at once on it and is checked again on a fresh one."""
+    send fails at once on it and is checked again on a fresh one, logging no error."""
     task = make(
         app,
         "reconnects",
@@ -180,6 +182,7 @@ def test_a_send_after_its_claim_connection_was_closed_checks_again(app, publishe
     task.delay(2)
     assert 2 == len(published)
     assert engines._kept[engine.pool] is not kept
+    assert [] == [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
 
 
 def test_a_run_plans_its_row_changes_once_per_session(app, session_mode):
