@@ -10,11 +10,12 @@ import math
 import os
 import re
 import socket
+import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -193,6 +194,7 @@ def engine_info(engine: sa.Engine) -> dict[str, str]:
 
 def _install_hooks(engine: sa.Engine, ours: str | None) -> None:
     event.listen(engine, "checkin", _unlock_leftovers)
+    event.listen(engine, "engine_disposed", _close_kept)
     event.listen(engine, "connect", adopt)
 
     def retire(dbapi_connection: Any, record: Any, proxy: Any) -> None:
@@ -348,6 +350,7 @@ def _after_fork_in_child() -> None:
     if null >= 0:
         os.close(null)
     _forget_engines_after_fork()
+    _kept.clear()  # the parent's, neutered above
 
 
 @contextlib.contextmanager
@@ -376,3 +379,53 @@ def autocommit_cursor(engine: sa.Engine, bound: float | None = None) -> Iterator
         dbapi.cursor() as cursor,
     ):
         yield cursor
+
+
+class _Kept:
+    """A connection kept out of the pool for one hot statement (the lock_enqueue claim):
+    no checkout per call. Detached: never reset at check-in nor counted in the pool."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.pooled = engine.raw_connection()
+        self.pooled.detach()
+        dbapi: Any = self.pooled.dbapi_connection
+        dbapi.autocommit = True
+        self.dbapi, self.cursor = dbapi, dbapi.cursor()
+        self.busy = threading.Lock()
+        self.pid = os.getpid()
+
+
+_kept = weakref.WeakKeyDictionary[sa.Engine, _Kept]()
+_T = TypeVar("_T")
+
+
+def _close_kept(engine: sa.Engine) -> None:
+    """engine_disposed: close its kept connection with the pool's (never a parent's)."""
+    kept = _kept.pop(engine, None)
+    if kept is not None and kept.pid == os.getpid():
+        with contextlib.suppress(Exception):
+            kept.dbapi.close()
+
+
+def on_kept(engine: sa.Engine, bound: float, work: Callable[[Any], _T]) -> _T:
+    """``work(cursor)`` on the engine's kept autocommit connection, bounded; on a pooled
+    one (:func:`autocommit_cursor`) while another thread uses it. An error closes it."""
+    # Opened outside any lock (a dead server costs each thread its own bound only); a
+    # racing thread's spare is closed by the garbage collector.
+    kept = _kept.get(engine) or _kept.setdefault(engine, _Kept(engine))
+    if not kept.busy.acquire(blocking=False):
+        with autocommit_cursor(engine, bound) as cursor:
+            return work(cursor)
+    try:
+        with deadlines.bounded(kept.dbapi, bound):
+            return work(kept.cursor)
+    except BaseException as exc:
+        # As autocommit() invalidates a pooled one: the next call opens a fresh one.
+        _kept.pop(engine, None)
+        if driver_errors.is_disconnect(exc):
+            mark_pool_stale(engine, kept.pooled)
+        with contextlib.suppress(Exception):  # not the pool's close: it logs an ERROR
+            kept.dbapi.close()
+        raise
+    finally:
+        kept.busy.release()

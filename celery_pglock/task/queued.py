@@ -201,37 +201,34 @@ def claim(
         "stale": max(0.0, stale),
         "force": retry,
     }
-    with driver_errors.wrap_db_errors(f"check the queue of lock {key.name!r}", engine):
-        began = time.monotonic()
-        try:
-            return _claim(engine, params, bound, key)
-        except Exception as exc:
-            # A pooled connection the server closed meanwhile (a restart, an idle cut)
-            # fails at once: one more try, on a fresh one. A frozen server used the bound.
+    deadline = time.monotonic() + bound
+    try:
+        return engines.on_kept(engine, bound, lambda c: _claim(params, key, c))
+    except Exception as exc:  # wrapped here only: a send that succeeds pays no wrapper
+        what = f"check the queue of lock {key.name!r}"
+        with driver_errors.wrap_db_errors(what, engine):
+            # A connection the server closed meanwhile (a restart, an idle cut) fails
+            # at once: one more try, on a fresh one. A frozen server used the bound.
             # A table dropped since this process checked it is created again first.
             dropped = driver_errors.sqlstate(exc) == sql_text.UNDEFINED_TABLE
-            if (
-                not (dropped or driver_errors.is_disconnect(exc))
-                or time.monotonic() - began >= bound
+            if not (dropped or driver_errors.is_disconnect(exc)) or (
+                time.monotonic() >= deadline
             ):
                 raise
             logger.info("Lock database connection was closed; checking %s again", key)
             if dropped:
                 TABLE.forget(engine)
                 TABLE.ensure(engine, bound)
-        return _claim(engine, params, bound, key)
+            return engines.on_kept(engine, bound, lambda c: _claim(params, key, c))
 
 
-def _claim(
-    engine: sa.Engine, params: dict[str, Any], bound: float, key: keys.LockKey
-) -> tuple[str, str]:
-    with engines.autocommit_cursor(engine, bound) as cursor:
-        statement = sql_text.prepared(cursor.connection, cursor, CLAIM_NAME, CLAIM)
-        for _ in range(CLAIM_TRIES):
-            cursor.execute(statement, params)
-            row = cursor.fetchone()
-            if row is not None and row[0] != "retry":
-                return str(row[0]), str(row[1])
+def _claim(params: dict[str, Any], key: keys.LockKey, cursor: Any) -> tuple[str, str]:
+    statement = sql_text.prepared(cursor.connection, cursor, CLAIM_NAME, CLAIM)
+    for _ in range(CLAIM_TRIES):
+        cursor.execute(statement, params)
+        row = cursor.fetchone()
+        if row is not None and row[0] != "retry":
+            return str(row[0]), str(row[1])
     raise exceptions.DatabaseError(
         f"Could not check the queue of lock {key.name!r} (key {key}): its row kept "
         f"changing under {CLAIM_TRIES} tries."

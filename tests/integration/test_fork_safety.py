@@ -133,6 +133,25 @@ def test_the_enqueue_writers_guard_is_free_in_a_forked_child(app):
             queued.give_back(current_engine(task.app), key, sent.id, 5)
 
 
+def test_a_forked_child_sends_on_its_own_claim_connection(app):
+    """engines._kept: a child forked while another thread's claim uses the kept connection
+    sends on one of its own; the parent's kept connection still answers afterwards."""
+    task = define(app, _fork_sent, lock_args=("tenant",), lock_enqueue="until_finished")
+    first = task.delay(1)
+    kept = engines._kept[current_engine(task.app)]
+
+    def work():
+        return task.delay(2).id and engines._kept[current_engine(app)] is not kept
+
+    assert "ok" == in_forked_child(kept.busy, work)
+    assert first.id == task.delay(1).id  # a duplicate, told on the same connection
+    assert engines._kept[current_engine(task.app)] is kept
+
+
+def _fork_sent(tenant):
+    return tenant
+
+
 def _fork_freed(tenant):
     return tenant
 

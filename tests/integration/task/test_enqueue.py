@@ -100,8 +100,8 @@ def test_until_finished_publishes_once_until_the_run_ends(app, published):
 
 
 def test_the_publish_statement_is_planned_once_per_connection(app, published):
-    """Each send reuses one prepared statement on the pooled connection instead of
-    planning CLAIM anew (both drivers bind on the client)."""
+    """Each send reuses one prepared statement on the claim's kept connection instead
+    of planning CLAIM anew (both drivers bind on the client)."""
     task = make(
         app,
         "planned",
@@ -110,25 +110,23 @@ def test_the_publish_statement_is_planned_once_per_connection(app, published):
         lock_enqueue="until_finished",
     )
     engine = current_engine(app)
-    enqueue.drain_writers()  # earlier tests' row changes: none may open a second
-    engine.dispose()  # a pool of one: sequential sends all use the same connection
 
     def prepared():
-        enqueue.drain_writers()  # the confirmations, on the same pooled connection
-        assert 1 == engine.pool.checkedin()
-        with engines.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
-            cursor.execute(
+        enqueue.drain_writers()  # the confirmations, on the same kept connection
+        kept = engines._kept[engine]
+        with kept.busy:
+            kept.cursor.execute(
                 "SELECT name, generic_plans + custom_plans FROM pg_prepared_statements "
                 "WHERE statement LIKE '%celery_pglock_queued%'"
             )
-            return cursor.fetchall()
+            return kept.cursor.fetchall()
 
     task.delay(-1)  # the table, the connection
     before = prepared()
     sends = 8
     for tenant in range(sends):
         task.delay(tenant)
-        enqueue.drain_writers()
+        enqueue.drain_writers()  # never busy with a confirmation at the next send
     assert 1 + sends == len(published)
     assert [(queued.CLAIM_NAME, before[0][1] + sends)] == prepared()
 
@@ -136,7 +134,7 @@ def test_the_publish_statement_is_planned_once_per_connection(app, published):
 def test_a_connection_reset_by_discard_all_prepares_the_claim_again(app, published):
     """A transaction-scope body that used its lock's connection gets it reset with
     DISCARD ALL, which drops the session's prepared statements: the next send on that
-    pooled connection prepares CLAIM again instead of failing."""
+    pooled connection (the kept one busy) prepares CLAIM again instead of failing."""
     task = make(
         app,
         "after_reset",
@@ -152,12 +150,39 @@ def test_a_connection_reset_by_discard_all_prepares_the_claim_again(app, publish
     engine = current_engine(app)
     enqueue.drain_writers()  # earlier tests' row changes: none may open a second
     engine.dispose()  # a pool of one: the send, the run and the send share it
+    task.delay(0)  # the claim's kept connection, out of the pool
+    with engines._kept[engine].busy:  # another thread's claim: sends take the pool
+        task.delay(1)
+        enqueue.drain_writers()  # its confirmation, on the same pooled connection
+        resets.apply().get()
+        assert 1 == engine.pool.checkedin()
+        task.delay(2)
+    assert 3 == len(published)
+
+
+def test_a_send_after_its_claim_connection_was_closed_checks_again(
+    app, published, caplog
+):
+    """The server closed the kept claim connection (a restart, an idle cut): the next
+    send fails at once on it and is checked again on a fresh one, logging no error."""
+    task = make(
+        app,
+        "reconnects",
+        lambda tenant: None,
+        lock_args=("tenant",),
+        lock_enqueue="until_finished",
+    )
+    engine = current_engine(app)
     task.delay(1)
-    enqueue.drain_writers()  # its confirmation, on the same pooled connection
-    resets.apply().get()
-    assert 1 == engine.pool.checkedin()
+    kept = engines._kept[engine]
+    kept.cursor.execute("SELECT pg_backend_pid()")
+    (pid,) = kept.cursor.fetchone()
+    with engines.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(%s)", (pid,))
     task.delay(2)
     assert 2 == len(published)
+    assert engines._kept[engine] is not kept
+    assert [] == [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
 
 
 def test_a_run_plans_its_row_changes_once_per_session(app, session_mode):
@@ -531,3 +556,24 @@ def test_two_enqueue_tasks_sharing_a_lock_name_are_refused_at_registration(app):
         )
     assert "'it.enqueue_first' and 'it.enqueue_second'" in str(raised.value)
     assert "lock_name" in str(raised.value)
+
+
+def test_dispose_closes_the_claim_connection(app, published):
+    """engine.dispose() closes the kept claim connection with the pool's, and the next
+    send opens a new one."""
+    task = make(
+        app,
+        "disposed",
+        lambda tenant: None,
+        lock_args=("tenant",),
+        lock_enqueue="until_finished",
+    )
+    engine = current_engine(app)
+    task.delay(1)
+    enqueue.drain_writers()
+    kept = engines._kept[engine]
+    engine.dispose()
+    assert kept.dbapi.closed
+    task.delay(2)
+    assert engines._kept[engine] is not kept
+    assert 2 == len(published)
