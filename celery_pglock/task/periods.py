@@ -38,8 +38,9 @@ DROP = "DROP TABLE IF EXISTS {schema}celery_pglock_periods;\n"
 GRANT = "GRANT SELECT, INSERT, UPDATE ON {schema}celery_pglock_periods TO {role};\n"
 
 # (started, seconds left, last start's task id); the rules: docs/guide/period.md. Not
-# now(): a racing start may commit after this transaction began. The read sees the
-# statement's snapshot, which may predate the refusing start. ``bounded`` first: the
+# now(): a racing start may commit after this transaction began. The row is read only for
+# a refusal (a one-time filter: a recorded start skips the scan), in the statement's
+# snapshot, which may predate the refusing start (no row then). ``bounded`` first: the
 # server's lock_timeout, not the client, ends a wait on a locked row.
 _START = """
 WITH bounded AS MATERIALIZED (
@@ -59,11 +60,13 @@ started AS (
      OR t.started_at <= EXCLUDED.started_at - make_interval(secs => %(period)s)
      OR t.started_at > clock_timestamp()
   RETURNING 1)
-SELECT EXISTS (SELECT 1 FROM started),
+SELECT true, NULL::float8, NULL::text FROM started
+UNION ALL
+SELECT false,
   extract(epoch FROM p.started_at - clock_timestamp())::float8 + %(period)s, p.task_id
-FROM bounded
-LEFT JOIN celery_pglock_periods p ON p.classid = %(classid)s::oid
-  AND p.objid = %(objid)s::oid AND p.objsubid = %(objsubid)s::smallint"""
+FROM celery_pglock_periods p WHERE NOT EXISTS (SELECT 1 FROM started)
+  AND p.classid = %(classid)s::oid AND p.objid = %(objid)s::oid
+  AND p.objsubid = %(objsubid)s::smallint"""
 
 FIX = (
     "create it once as its owner with `celery -A proj pglock sql --periods --apply` "
@@ -172,7 +175,9 @@ def start(
                 f"Could not {action}: celery_pglock_periods is missing or not "
                 f"writable by this role; {FIX}."
             ) from exc
-        return tuple(cursor.fetchone())
+        return tuple(
+            cursor.fetchone() or (False, None, None)
+        )  # no row: not in the snapshot
 
     with driver_errors.wrap_db_errors(action, engine):
         row = lock.on_holding_session(action, record)
