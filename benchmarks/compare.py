@@ -394,6 +394,7 @@ def publish_path(
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "publish.json"
         command = [sys.executable, str(HERE / "publish_path.py"), "--json", str(out)]
+        command += ["--calls", "500", "--reps", "7"]
         command += ["--no-docs"] if args.no_docs else ["--docs", str(args.docs)]
         subprocess.run(
             command, env={**os.environ, **services.env()}, check=True, timeout=600

@@ -12,6 +12,8 @@ PostgreSQL costs no instructions: the two round trips count what psycopg2 and th
 interface do in this process, not the server's work or the time asleep.
 
 Needs ``valgrind`` on the PATH and PostgreSQL (as hot_path.py). About 25 s per case.
+``--publish`` counts ``delay()`` instead: publish_path.py's cases (a new key per call, or
+a duplicate) for plain Celery, lock_enqueue and celery-once, in the calling thread only.
 """
 
 from __future__ import annotations
@@ -37,6 +39,16 @@ CASES = {
     "trace lock_limit=3, distinct keys": "SingletonTask lock_limit=3, distinct keys",
     "trace lock_period, distinct keys": "SingletonTask lock_period, distinct keys",
     "  SQL: SELECT 1 (one statement)": "one round trip alone (SELECT 1)",
+}
+#: ``delay()`` cases (``--publish``): a new key per call, or one key already queued.
+#: Only the calling thread is counted: not lock_enqueue's background confirmations.
+PUBLISH_CASES = {
+    "plain": "delay(), plain Celery",
+    "until_finished": "delay(), until_finished, new key",
+    "until_finished duplicate": "delay(), until_finished, duplicate",
+    "until_started": "delay(), until_started, new key",
+    "celery-once": "delay(), celery-once, new key",
+    "celery-once duplicate": "delay(), celery-once, duplicate",
 }
 _COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
 
@@ -71,6 +83,9 @@ def count(case: str, calls: int) -> float:
 def child(case: str, calls: int) -> None:
     """Run ``case`` ``calls`` times inside functools.reduce (what callgrind counts)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if case in PUBLISH_CASES:
+        publish_child(case, calls)
+        return
     import hot_path
 
     with hot_path.database() as url:
@@ -80,10 +95,72 @@ def child(case: str, calls: int) -> None:
         functools.reduce(lambda _, __: call(), range(calls), None)
 
 
+def publish_child(case: str, calls: int) -> None:
+    """``delay()`` of publish_path.py's tasks to a queue nobody consumes."""
+    import os
+    import time
+    import uuid
+
+    os.environ.setdefault("BENCH_CONTENDER", "all")
+    import bench_app
+    import publish_path
+
+    from celery_pglock.testing import start_services
+
+    run = uuid.uuid4().hex[:8]
+    with start_services() as services:
+        app = bench_app.app
+        app.conf.update(
+            broker_url=services.broker_url,
+            pglock_database_url=services.database_url,
+            pglock_namespace=f"instructions-{run}",
+            ONCE={
+                "backend": "celery_once.backends.Redis",
+                "settings": {"url": services.broker_url, "default_timeout": 600},
+            },
+        )
+        app.finalize()
+        name = case.removesuffix(" duplicate")
+        task = app.tasks[
+            {
+                "plain": bench_app.PLAIN,
+                "until_finished": bench_app.UNTIL_FINISHED,
+                "until_started": bench_app.UNTIL_STARTED,
+                "celery-once": bench_app.ONCE,
+            }[name]
+        ]
+        queue = f"instructions-{run}"
+        send = publish_path.Case(
+            case, task, queue, f"{run}-dup" if name != case else None
+        )
+        with app.producer_or_acquire() as producer:
+            send.producer = producer
+            for _ in range(30):  # warm: the connections, the table, the duplicate's key
+                send()
+            time.sleep(0.3)  # the confirmations written: the writer idle
+            functools.reduce(lambda _, __: send(), range(calls), None)
+        import redis
+        import sqlalchemy as sa
+
+        publish_path.cleanup(
+            app,
+            redis.Redis.from_url(services.broker_url),
+            run,
+            queue,
+            [send],
+            sa.create_engine(services.database_url),
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--json")
+    parser.add_argument(
+        "--publish",
+        action="store_true",
+        help="count delay() instead (publish_path.py's cases; needs Redis too)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -91,6 +168,8 @@ def main() -> int:
         return 0
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (apt-get install valgrind).")
+    if args.publish:
+        return publish(args.calls, args.json)
     counts = {label: count(case, args.calls) for case, label in CASES.items()}
     plain = counts[CASES["trace plain, hooks connected"]]
     print(f"instructions per call, {args.calls} calls per case (callgrind)")
@@ -114,6 +193,21 @@ def main() -> int:
         )
     if args.json:
         Path(args.json).write_text(json.dumps(counts, indent=2) + "\n")
+    return 0
+
+
+def publish(calls: int, json_path: str | None) -> int:
+    counts = {label: count(case, calls) for case, label in PUBLISH_CASES.items()}
+    plain = counts[PUBLISH_CASES["plain"]]
+    print(
+        f"instructions per delay(), {calls} calls per case (callgrind, calling thread)"
+    )
+    print(f"{'case':<44} {'k instr':>9} {'vs plain':>9}")
+    for label, value in counts.items():
+        extra = "" if value == plain else f"{(value - plain) / 1000:+9.1f}"
+        print(f"{label:<44} {value / 1000:>9.1f} {extra:>9}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(counts, indent=2) + "\n")
     return 0
 
 

@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     print(summary)
     print(table)
     if not args.no_docs:
-        command = " ".join(["benchmarks/publish_path.py", *(argv or sys.argv[1:])])
+        command = f"benchmarks/publish_path.py --calls {args.calls} --reps {args.reps}"
         compare_report.write_docs(
             args.docs,
             f"{table}\n\n`{command}` — {summary[len('publish path: ') :]}.",
