@@ -109,17 +109,7 @@ def publish_child(case: str, calls: int) -> None:
 
     run = uuid.uuid4().hex[:8]
     with start_services() as services:
-        app = bench_app.app
-        app.conf.update(
-            broker_url=services.broker_url,
-            pglock_database_url=services.database_url,
-            pglock_namespace=f"instructions-{run}",
-            ONCE={
-                "backend": "celery_once.backends.Redis",
-                "settings": {"url": services.broker_url, "default_timeout": 600},
-            },
-        )
-        app.finalize()
+        app = publish_path.configure(services, run)
         name = case.removesuffix(" duplicate")
         task = app.tasks[
             {

@@ -152,6 +152,24 @@ def cleanup(
         )
 
 
+def configure(services: Any, run: str) -> Any:
+    """bench_app's app pointed at ``services``, its keys and the peers' of run ``run``."""
+    app = bench_app.app
+    app.conf.update(
+        broker_url=services.broker_url,
+        pglock_database_url=services.database_url,
+        pglock_namespace=f"publish-path-{run}",
+        ONCE={
+            "backend": "celery_once.backends.Redis",
+            "settings": {"url": services.broker_url, "default_timeout": 600},
+        },
+        singleton_backend_url=services.broker_url,
+        singleton_key_prefix=f"bench-singleton-{run}-",
+    )
+    app.finalize()
+    return app
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--calls", type=int, default=500, help="calls per repetition")
@@ -168,19 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     run = uuid.uuid4().hex[:8]
     queue = f"publish-path-{run}"
     with start_services() as services:
-        app = bench_app.app
-        app.conf.update(
-            broker_url=services.broker_url,
-            pglock_database_url=services.database_url,
-            pglock_namespace=f"publish-path-{run}",
-            ONCE={
-                "backend": "celery_once.backends.Redis",
-                "settings": {"url": services.broker_url, "default_timeout": 600},
-            },
-            singleton_backend_url=services.broker_url,
-            singleton_key_prefix=f"bench-singleton-{run}-",
-        )
-        app.finalize()
+        app = configure(services, run)
         finished: Any = app.tasks[bench_app.UNTIL_FINISHED]
         engine = finished._binding().engine()
         sa.event.listen(
