@@ -421,7 +421,8 @@ def on_kept(engine: sa.Engine, bound: float, work: Callable[[Any], _T]) -> _T:
             return work(kept.cursor)
     except BaseException as exc:
         # As autocommit() invalidates a pooled one: the next call opens a fresh one.
-        _kept.pop(engine, None)
+        if _kept.get(engine) is kept:
+            del _kept[engine]
         if driver_errors.is_disconnect(exc):
             mark_pool_stale(engine, kept.pooled)
         with contextlib.suppress(Exception):  # not the pool's close: it logs an ERROR

@@ -175,9 +175,8 @@ def start(
                 f"Could not {action}: celery_pglock_periods is missing or not "
                 f"writable by this role; {FIX}."
             ) from exc
-        return tuple(
-            cursor.fetchone() or (False, None, None)
-        )  # no row: not in the snapshot
+        # No row at all: the refusing start is not in the statement's snapshot.
+        return tuple(cursor.fetchone() or (False, None, None))
 
     with driver_errors.wrap_db_errors(action, engine):
         row = lock.on_holding_session(action, record)

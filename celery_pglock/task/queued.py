@@ -215,10 +215,14 @@ def claim(
                 time.monotonic() >= deadline
             ):
                 raise
-            logger.info("Lock database connection was closed; checking %s again", key)
             if dropped:
+                logger.info("%s was dropped; creating it again for %s", TABLE.what, key)
                 TABLE.forget(engine)
                 TABLE.ensure(engine, bound)
+            else:
+                logger.info(
+                    "Lock database connection was closed; checking %s again", key
+                )
             return engines.on_kept(engine, bound, lambda c: _claim(params, key, c))
 
 
