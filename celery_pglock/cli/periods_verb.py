@@ -11,23 +11,24 @@ import click
 from celery_pglock.cli import shared
 from celery_pglock.task import periods as period_rows
 
-_NO_TABLE = "No lock_period table: no lock_period task has started on this database."
+_NO_TABLE = "No lock_period table: no lock_rate or lock_period task has started on this database."
 
 
 def _longest(target: shared.Target) -> tuple[float, str] | None:
-    """The longest lock_period of the app's tasks, and whose; None without one."""
+    """The longest period (lock_period, or lock_rate's window) of the app's tasks, and
+    whose; None without one."""
     found = [
-        (task.lock_config.period, str(task.name))
+        (rate.window, str(task.name))
         for task in target.singleton_tasks
-        if task.lock_config.period is not None
+        if (rate := task.lock_config.rate) is not None
     ]
     return max(found) if found else None
 
 
 @click.group(
     invoke_without_command=True,
-    help="The lock_period table: its rows and their ages; `periods prune` deletes the "
-    "rows whose period has passed.",
+    help="The table of lock_rate and lock_period: its rows and their ages; `periods "
+    "prune` deletes the rows whose period (lock_period, or lock_rate's window) has passed.",
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @click.pass_context
@@ -59,25 +60,25 @@ def periods(ctx: click.Context, as_json: bool) -> None:
     )
     if longest is None:
         click.echo(
-            "No task of this app has lock_period (pass --app): the rows a prune may "
-            "delete are unknown."
+            "No task of this app has lock_rate or lock_period (pass --app): the rows a "
+            "prune may delete are unknown."
         )
     else:
         click.echo(
-            f"{found.older} row(s) past the longest lock_period of the app's tasks "
+            f"{found.older} row(s) past the longest period of the app's tasks "
             f"({longest[0]:g} s, {longest[1]}): `periods prune` deletes them."
         )
 
 
 @periods.command(
-    help="Delete the rows started longer ago than the longest lock_period of the app's "
+    help="Delete the rows started longer ago than the longest period of the app's "
     "tasks (or --older-than SECONDS, never less than that period)."
 )
 @click.option(
     "--older-than",
     type=float,
     metavar="SECONDS",
-    help="Delete rows older than this; at least the longest lock_period of every app "
+    help="Delete rows older than this; at least the longest period of every app "
     "that shares the table (required without --app).",
 )
 @click.pass_obj
@@ -86,9 +87,9 @@ def prune(target: shared.Target, older_than: float | None) -> None:
     if older_than is None:
         if longest is None:
             raise click.UsageError(
-                "No task of the app has lock_period, so the period a row may outlive is "
-                "unknown: pass --app (the app whose tasks use lock_period), or "
-                "--older-than SECONDS, at least the longest lock_period of every app "
+                "No task of the app has lock_rate or lock_period, so the period a row "
+                "may outlive is unknown: pass --app (the app whose tasks use them), or "
+                "--older-than SECONDS, at least the longest period of every app "
                 "that shares this database."
             )
         older_than = longest[0]
@@ -98,7 +99,7 @@ def prune(target: shared.Target, older_than: float | None) -> None:
         )
     if longest is not None and older_than < longest[0]:
         raise click.UsageError(
-            f"--older-than {older_than:g} is shorter than the lock_period of "
+            f"--older-than {older_than:g} is shorter than the period of "
             f"{longest[1]} ({longest[0]:g} s): rows still within their period would "
             "be deleted, and those keys could start again early."
         )

@@ -13,6 +13,7 @@ from celery_pglock.config.options import (
     OnDuplicate,
     OnEnqueueError,
     OnLost,
+    Rate,
     SkipResult,
     implied_on_busy,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "OnEnqueueError",
     "OnLost",
     "OnMisconfiguredDatabase",
+    "Rate",
     "SkipResult",
     "app_seconds",
     "check_unknown_settings",

@@ -82,6 +82,44 @@ def seconds(value: object) -> float:
     return float(value)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Rate:
+    """At most ``starts`` starts of a key in any ``window`` seconds (lock_rate)."""
+
+    starts: int
+    window: float
+
+    def __str__(self) -> str:
+        return f"{self.starts}/{self.window:g}s"
+
+
+RATE_MAX = 1000  #: Starts per window: a key's row keeps its last N starts.
+#: lock_rate's units: "10/m" is 10 per minute, "3/10s" 3 per 10 seconds.
+_RATE_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_RATE_EXPECTED = (
+    "'N/unit' (unit s, m, h or d, optionally with a count: '10/m', '3/10s') or a pair "
+    "(N starts, window seconds), N an int from 1 to 1000"
+)
+
+
+def rate(value: object) -> Rate:
+    """``value`` ("10/m", "3/10s" or (3, 10.0)) as a Rate, or ValueError."""
+    starts: object
+    if isinstance(value, str):
+        count, _, per = value.replace(" ", "").partition("/")
+        unit = _RATE_UNITS.get(per[-1:])
+        if unit is None or not count.isdigit() or not (per[:-1] or "1").isdigit():
+            raise ValueError(_RATE_EXPECTED)
+        starts, window = int(count), int(per[:-1] or "1") * unit
+    elif isinstance(value, (tuple, list)) and len(value) == 2:
+        starts, window = value
+    else:
+        raise ValueError(_RATE_EXPECTED)
+    if type(starts) is not int or not 1 <= starts <= RATE_MAX:
+        raise ValueError(_RATE_EXPECTED)
+    return Rate(starts, seconds(window))
+
+
 def choice(enum_cls: type[enum.Enum]) -> Callable[[object], Any]:
     """A check that turns a value into a member of ``enum_cls``, or ValueError listing them."""
 
@@ -133,7 +171,7 @@ CHECKS: dict[str, Callable[[object], Any]] = {
     "enqueue_on_duplicate": choice(OnDuplicate),
     "enqueue_on_error": choice(OnEnqueueError),
     "enqueue_lost_after": seconds,
-    "period": _optional(seconds),
+    "rate": _optional(rate),
 }
 
 
@@ -160,14 +198,19 @@ class LockConfig:
     enqueue_on_error: OnEnqueueError = OnEnqueueError.RAISE  #: Database down at send.
     enqueue_lost_after: float = 3600.0  #: A never-started message's hold past due (s).
     limit: int = 1  #: Runs of one key at once (lock_limit): its slots.
-    period: float | None = None  #: At most one start per key per this many seconds.
+    rate: Rate | None = (
+        None  #: At most N starts per key in any window (lock_period: N=1).
+    )
     lock_args: tuple[str, ...] = ()  #: Parameter names whose values form the key.
     fixed_key: keys.LockKey | None = None  #: The key when it never varies per call.
 
 
 DEFAULTS = LockConfig(task_name="", name="")  #: Each option's default, by field.
-#: Options without an app-wide setting -> why (lock_period: per key, not per app).
-PER_TASK = {"period": "a period of its own for each task that needs one"}
+#: Options without an app-wide setting -> why (lock_rate: per key, not per app).
+PER_TASK = {
+    "rate": "a rate of its own for each task that needs one",
+    "period": "a period of its own for each task that needs one",
+}
 APP_SETTINGS = {f"lock_{f}": f"pglock_{f}" for f in CHECKS if f not in PER_TASK}
 TASK_OPTIONS = (
     "lock_args",
@@ -175,5 +218,6 @@ TASK_OPTIONS = (
     "lock_limit",
     "lock_name",
     "lock_period",
+    "lock_rate",
     *APP_SETTINGS,
 )

@@ -61,6 +61,18 @@ def resolve(
             "transaction to lend its body): set lock_shadow=False on this task, or "
             "shadow it with lock_scope='session' first",
         )
+    if "lock_period" in attributes:  # lock_rate's one-start case
+        period = attributes["lock_period"]
+        if "lock_rate" in attributes:
+            raise fail(
+                "lock_period",
+                period,
+                "None with lock_rate (lock_period=P is lock_rate=(1, P)): set one",
+            )
+        try:
+            values["rate"] = options.Rate(1, options.seconds(period))
+        except ValueError as exc:
+            raise fail("lock_period", period, str(exc)) from None
     limit = attributes.get("lock_limit", 1)
     if type(limit) is not int or not 1 <= limit <= keys.SLOT_MAX:
         expected = f"an int from 1 to {keys.SLOT_MAX} (runs of one key at once)"

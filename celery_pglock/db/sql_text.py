@@ -143,6 +143,7 @@ LOCK_NOT_AVAILABLE = "55P03"  #: "Not granted in time", not "the database failed
 QUERY_CANCELED = "57014"
 #: A feature's table is missing, or the lock role may not use (or create) it.
 UNDEFINED_TABLE, INSUFFICIENT_PRIVILEGE = "42P01", "42501"
+UNDEFINED_COLUMN = "42703"  #: A feature's table made by an older version.
 
 #: A key's pg_locks ids as named params (keys.LockKey.pg_locks_ids, lock.identity).
 KEY_IS = (

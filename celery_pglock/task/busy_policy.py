@@ -174,7 +174,7 @@ def report(
     options = task.lock_config
     key = lock.key
     details: dict[str, Any] = {
-        "reason": "lock_busy" if throttle is None else "period",
+        "reason": _reason(options, throttle),
         "task": task.name,
         "lock": key.name,
         "key": str(key),
@@ -187,16 +187,20 @@ def report(
             if action is OnBusy.WAIT
             else ""
         )
-        # The period records a start, not a holder: that run may have ended long ago.
+        # The row records starts, not holders: those runs may have ended long ago.
         last = throttle.last_task_id
-        started = (
-            f"run {last} started"
-            if last
-            else "a run started (a direct call, or one whose id is unknown)"
-        )
+        rate = options.rate or config.Rate(1, 0.0)  # set: a throttle is lock_rate's
+        if rate.starts == 1:
+            what = (
+                f"run {last} started"
+                if last
+                else "a run started (a direct call, or one whose id is unknown)"
+            ) + f" less than lock_period {rate.window:g}s ago"
+        else:
+            earliest = f"run {last}" if last else "one whose id is unknown"
+            what = f"{rate.starts} runs started within lock_rate {rate}, the earliest {earliest}"
         message = (
-            f"Lock {key.name!r} (key {key}): {started} less than lock_period "
-            f"{options.period:g}s ago, {left:.1f}s left{too_long}; "
+            f"Lock {key.name!r} (key {key}): {what}, {left:.1f}s left{too_long}; "
             f"{outcomes.run_name(task, task_id)} did not run."
         )
         return message, {**details, "seconds_left": left, "last_task": last}
@@ -227,6 +231,13 @@ def report(
         f"{outcomes.run_name(task, task_id)} did not run."
     )
     return message, details
+
+
+def _reason(options: LockConfig, throttle: Throttle | None) -> str:
+    """The skip's reason label: lock_period keeps its own ("period")."""
+    if throttle is None:
+        return "lock_busy"
+    return "period" if options.rate is None or options.rate.starts == 1 else "rate"
 
 
 def skip_info(outcome: object) -> dict[str, Any] | None:

@@ -71,6 +71,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     lock_shadow: ClassVar[bool | None] = None
     lock_fencing: ClassVar[bool | None] = None
     lock_period: ClassVar[float | None] = None
+    lock_rate: ClassVar[str | tuple[int, float] | None] = None
     lock_on_lost: ClassVar[OnLost | str | None] = None
     lock_watch_interval: ClassVar[float | None] = None
     lock_db_timeout: ClassVar[float | None] = None
@@ -174,7 +175,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             ):
                 granted = self._acquire(options, lock, task_id, direct, waits)
             if granted:
-                if options.period is not None:
+                if options.rate is not None:
                     throttle = periods.start_run(self, options, lock, task_id, direct)
                 if throttle is None:
                     return self._run(options, execution, lock, args, kwargs, direct)

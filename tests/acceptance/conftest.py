@@ -122,3 +122,37 @@ def outcomes(results) -> list[str]:
 @pytest.fixture
 def recorder(acceptance) -> OverlapRecorder:
     return acceptance.recorder
+
+
+@pytest.fixture
+def outage_workers(acceptance_env, private_postgres, tmp_path):
+    """Start N workers (-c 2 each) of tests.acceptance.outage_app, whose lock database is
+    ``private_postgres`` (the test stops and starts it); returns the app's module."""
+    import tests.acceptance.outage_app as outage_app
+
+    env = {
+        **acceptance_env,
+        outage_app.LOCK_DB_ENV: private_postgres.url(),
+        outage_app.QUEUE_ENV: f"pglock-outage-{uuid.uuid4().hex[:8]}",
+    }
+    # The module read its settings when first imported: set them here, for this test.
+    outage_app.app.conf.pglock_database_url = env[outage_app.LOCK_DB_ENV]
+    outage_app.app.conf.task_default_queue = env[outage_app.QUEUE_ENV]
+    started: list[WorkerProcess] = []
+
+    def start(count: int) -> Any:
+        for index in range(count):
+            worker = WorkerProcess(
+                "tests.acceptance.outage_app",
+                env=env,
+                concurrency=2,
+                queues=[env[outage_app.QUEUE_ENV]],
+                log_path=tmp_path / f"outage-worker-{index}.log",
+            )
+            started.append(worker)
+            worker.start(timeout=90)
+        return outage_app
+
+    yield start
+    for worker in started:
+        worker.stop(timeout=20)

@@ -51,3 +51,21 @@ def retried(self, run: str, key: str) -> str:
 def failed(self, run: str, key: str) -> str:
     """No retry: a message due while the database is down fails unrun."""
     return _body(self, run, key, 0.0, None)
+
+
+#: lock_rate of ``rated``: 3 starts per 10 s (tests/acceptance/test_rate.py).
+RATE = (3, 10.0)
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    lock_args=("run", "key"),
+    lock_rate=RATE,
+    autoretry_for=(DatabaseError,),
+    retry_kwargs={"countdown": 1},
+    max_retries=60,
+)
+def rated(self, run: str, key: str) -> str:
+    """At most 3 starts per 10 s; re-queued while the lock database is down."""
+    return _body(self, run, key, 0.0, None)

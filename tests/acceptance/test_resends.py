@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 
 import pytest
 from celery import signals as celery_signals
 
 from celery_pglock import SingletonTask
-from celery_pglock.testing import DATABASE_URL_ENV, WorkerProcess, _support
+from celery_pglock.testing import DATABASE_URL_ENV, _support
 
 from .conftest import wait_until
 
@@ -164,29 +163,9 @@ def test_a_message_no_worker_knows_gives_its_key_back(resend_app, worker, run):
 
 
 @pytest.fixture
-def outage(acceptance_env, private_postgres, tmp_path, monkeypatch):
-    """tests.acceptance.outage_app with its lock database on ``private_postgres``, and a
-    worker for it; the test stops and starts that server."""
-    import tests.acceptance.outage_app as outage_app
-
-    env = {
-        **acceptance_env,
-        outage_app.LOCK_DB_ENV: private_postgres.url(),
-        outage_app.QUEUE_ENV: f"pglock-outage-{uuid.uuid4().hex[:8]}",
-    }
-    # The module read its settings when first imported: set them here, for this test.
-    outage_app.app.conf.pglock_database_url = env[outage_app.LOCK_DB_ENV]
-    outage_app.app.conf.task_default_queue = env[outage_app.QUEUE_ENV]
-    started = WorkerProcess(
-        "tests.acceptance.outage_app",
-        env=env,
-        concurrency=2,
-        queues=[env[outage_app.QUEUE_ENV]],
-        log_path=tmp_path / "outage-worker.log",
-    )
-    started.start(timeout=90)
-    yield outage_app
-    started.stop(timeout=20)
+def outage(outage_workers):
+    """tests.acceptance.outage_app and one worker for it (-c 2)."""
+    return outage_workers(1)
 
 
 def test_messages_due_while_the_lock_database_is_down_give_their_keys_back(

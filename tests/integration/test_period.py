@@ -20,7 +20,14 @@ from celery import Celery, signals
 from click.testing import CliRunner
 from sqlalchemy import event
 
-from celery_pglock import AdvisoryLock, DatabaseError, LockBusy, LockSkipped, keys
+from celery_pglock import (
+    AdvisoryLock,
+    DatabaseError,
+    LockBusy,
+    LockSkipped,
+    config,
+    keys,
+)
 from celery_pglock import cli as cli_module
 from celery_pglock import signals as pglock_signals
 from celery_pglock.task import periods
@@ -172,14 +179,15 @@ def test_the_start_is_one_statement_on_the_session_holding_the_key(
     assert 2 == len(ran)
 
 
-def test_racing_starts_of_one_key_record_exactly_one(lock_engine, namespace):
+@pytest.mark.parametrize("starts", [1, 3])
+def test_racing_starts_of_one_key_record_exactly_n(lock_engine, namespace, starts):
     """Eight sessions send the start at once for one key (without the advisory lock
     that normally serialises them), in four rounds: on no row, then three times on an
-    expired one. Each round records exactly one start, and every other start is
-    refused naming it. The row lock decides, not the snapshot."""
-    key = keys.make_key(namespace, "race")
+    expired one. Each round records exactly ``starts`` (lock_rate's N), and every other
+    start is refused naming one of them. The row lock decides, not the snapshot."""
+    key = keys.make_key(namespace, f"race{starts}")
     locks = [AdvisoryLock(engine=lock_engine, key=key) for _ in range(8)]
-    period = 0.3
+    rate = config.Rate(starts, 0.3)
     for round_ in range(4):
         barrier = threading.Barrier(len(locks))
         outcomes: dict[str, periods.Throttle | None] = {}
@@ -187,7 +195,7 @@ def test_racing_starts_of_one_key_record_exactly_one(lock_engine, namespace):
         def start(index, round_=round_, barrier=barrier, outcomes=outcomes):
             task_id = f"r{round_}t{index}"
             barrier.wait(timeout=10)
-            outcomes[task_id] = periods.start(locks[index], task_id, period)
+            outcomes[task_id] = periods.start(locks[index], task_id, rate)
 
         threads = [threading.Thread(target=start, args=(i,)) for i in range(8)]
         for thread in threads:
@@ -196,12 +204,94 @@ def test_racing_starts_of_one_key_record_exactly_one(lock_engine, namespace):
             thread.join(timeout=30)
         assert len(locks) == len(outcomes)
         winners = [task for task, throttle in outcomes.items() if throttle is None]
-        assert 1 == len(winners), (round_, outcomes)
+        assert starts == len(winners), (round_, outcomes)
         refused = [throttle for throttle in outcomes.values() if throttle is not None]
-        # A start committed after a loser's snapshot reads as none: the whole period.
-        assert all(0 < throttle.seconds_left <= period for throttle in refused), refused
-        assert all(t.last_task_id in (winners[0], None) for t in refused), refused
-        time.sleep(period)  # the period's end: the next round races an expired row
+        # A start committed after a loser's snapshot reads as none: the whole window.
+        assert all(0 < t.seconds_left <= rate.window for t in refused), refused
+        assert all(t.last_task_id in (*winners, None) for t in refused), refused
+        time.sleep(rate.window)  # the window's end: the next round races an expired row
+
+
+def test_a_rate_starts_n_per_window_and_names_the_start_whose_slot_opens_next(
+    app, skips
+):
+    """lock_rate=(3, 1.5): three starts run, the fourth is skipped (reason 'rate') with
+    the time until the earliest start leaves the window and that start's id; once it has,
+    one more starts, and the next is refused until the second one leaves."""
+    task, ran = body_counter(app, lock_rate=(3, 1.5))
+    first = task.apply()
+    time.sleep(0.5)  # the second's slot opens 0.5 s after the first's
+    second, third = task.apply(), task.apply()
+    assert ["ran"] * 3 == [first.get(), second.get(), third.get()]
+    fourth = task.apply()
+    skip = fourth.result
+    assert isinstance(skip, LockSkipped)
+    details = skip.details
+    assert ("rate", first.id) == (details["reason"], details["last_task"])
+    assert 0.0 < details["seconds_left"] <= 1.0
+    assert (
+        f"3 runs started within lock_rate 3/1.5s, the earliest run {first.id}, "
+        in str(skip)
+    )
+    assert [("skip", "rate")] == [(s["action"], s["reason"]) for s in skips]
+    time.sleep(details["seconds_left"])
+    fifth = task.apply()
+    assert "ran" == fifth.get()
+    sixth = task.apply()
+    assert isinstance(sixth.result, LockSkipped)
+    assert second.id == sixth.result.details["last_task"]
+    assert [first.id, second.id, third.id, fifth.id] == ran
+
+
+def test_a_retry_of_any_start_within_the_window_runs_without_a_new_start(
+    app, database_url
+):
+    """lock_rate=(2, 60): a retry of the earlier of two starts runs and records nothing;
+    a new message is refused; so is a retry of a start whose slot the window has left
+    behind, which counts as a new start."""
+    task, ran = body_counter(app, lock_rate=(2, 60))
+    task.apply(task_id="a")
+    task.apply(task_id="b")
+    recorded = row(task, database_url)
+    assert "ran" == task.apply(task_id="a", retries=1).get()
+    assert recorded == row(task, database_url)
+    assert isinstance(task.apply().result, LockSkipped)
+    assert isinstance(task.apply(task_id="c", retries=1).result, LockSkipped)
+    assert ["a", "b", "a"] == ran
+
+
+def test_a_table_made_before_lock_rate_is_brought_up_to_date(app, database_url):
+    """A celery_pglock_periods without lock_rate's columns (an older version made it):
+    the first start adds them, and the row it held counts as the key's one start."""
+    connection = _support.connect(database_url, application_name="period test")
+    connection.autocommit = True
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TABLE IF EXISTS celery_pglock_periods")
+            cursor.execute(
+                "CREATE TABLE celery_pglock_periods (classid oid NOT NULL, "
+                "objid oid NOT NULL, objsubid smallint NOT NULL, started_at timestamptz "
+                "NOT NULL, task_id text, PRIMARY KEY (classid, objid, objsubid))"
+            )
+            task, ran = body_counter(app, lock_rate=(2, 60))
+            cursor.execute(
+                "INSERT INTO celery_pglock_periods VALUES (%s, %s, %s, now(), 'old')",
+                task.lock_key_for().pg_locks_ids,
+            )
+            periods.TABLE.forget(current_engine(app))
+            assert "ran" == task.apply(task_id="new").get()
+            skip = task.apply().result
+            assert isinstance(skip, LockSkipped)
+            assert "old" == skip.details["last_task"]
+            cursor.execute(
+                "SELECT earlier_ids, task_id FROM celery_pglock_periods "
+                "WHERE (classid, objid, objsubid) = (%s, %s, %s)",
+                task.lock_key_for().pg_locks_ids,
+            )
+            assert (["old"], "new") == cursor.fetchone()
+    finally:
+        connection.close()
+    assert ["new"] == ran
 
 
 def test_the_slots_of_a_key_share_its_period(app):

@@ -17,6 +17,7 @@ from celery_pglock import (
     metrics,
 )
 from celery_pglock import config as config_module
+from celery_pglock.config import Rate
 
 
 @pytest.fixture
@@ -103,6 +104,20 @@ def test_task_option_beats_app_setting_beats_default(app):
         ({"lock_period": "5"}, ["lock_period='5'", "positive number of seconds"]),
         ({"lock_period": True}, ["lock_period=True", "positive number of seconds"]),
         ({"lock_period": float("inf")}, ["lock_period=inf", "finite number"]),
+        ({"lock_rate": "3"}, ["lock_rate='3'", "'N/unit' (unit s, m, h or d"]),
+        ({"lock_rate": "3/w"}, ["lock_rate='3/w'", "'10/m', '3/10s'"]),
+        ({"lock_rate": "0/m"}, ["lock_rate='0/m'", "N an int from 1 to 1000"]),
+        ({"lock_rate": "1001/h"}, ["lock_rate='1001/h'", "from 1 to 1000"]),
+        ({"lock_rate": (3, 0)}, ["lock_rate=(3, 0)", "positive number of seconds"]),
+        ({"lock_rate": (2.5, 10)}, ["lock_rate=(2.5, 10)", "N an int"]),
+        ({"lock_rate": 10}, ["lock_rate=10", "or a pair (N starts, window seconds)"]),
+        (
+            {"lock_rate": "3/10s", "lock_period": 10},
+            [
+                "lock_period=10",
+                "None with lock_rate (lock_period=P is lock_rate=(1, P))",
+            ],
+        ),
         (
             {"lock_arg": ("tenant_id",)},
             ["unknown option 'lock_arg'", "did you mean 'lock_args'"],
@@ -188,26 +203,46 @@ def test_until_started_implies_wait_only_when_lock_on_busy_is_unset(app):
     assert (OnBusy.RETRY, False) == (options.on_busy, options.on_busy_implied)
 
 
-def test_lock_period_is_per_task_and_off_by_default(app):
-    """lock_period: None by default, seconds as a float per task; an app-wide
-    pglock_period is refused as a setting that does not exist, saying to set it on the
-    task."""
-    assert None is register(app).lock_config.period
+def test_lock_period_is_lock_rate_of_one_per_task_and_off_by_default(app):
+    """lock_rate and lock_period: None by default; "N/unit", "N/<count><unit>" or a pair
+    per task; lock_period=P is lock_rate=(1, P). An app-wide pglock_rate or pglock_period
+    is refused as a setting that does not exist, saying to set it on the task."""
+    assert None is register(app).lock_config.rate
 
     def ticks():
         return None
 
-    assert 5.0 == register(app, ticks, lock_period=5).lock_config.period
-    app.conf.pglock_period = 60
+    assert Rate(1, 5.0) == register(app, ticks, lock_period=5).lock_config.rate
+    for index, (spelled, rate) in enumerate(
+        [
+            ("10/m", Rate(10, 60.0)),
+            ("3/10s", Rate(3, 10.0)),
+            ("1/h", Rate(1, 3600.0)),
+            ("2/3d", Rate(2, 3 * 86400.0)),
+            ((3, 0.5), Rate(3, 0.5)),
+        ]
+    ):
 
-    def other():
-        return None
+        def rated():
+            return None
 
-    with pytest.raises(ConfigurationError) as caught:
-        register(app, other)
-    assert "'pglock_period' is not a setting: set lock_period on the task" in str(
-        caught.value
-    )
+        rated.__name__ = f"rated{index}"
+        assert rate == register(app, rated, lock_rate=spelled).lock_config.rate
+    assert "3/10s" == str(Rate(3, 10.0))
+    for setting in ("pglock_period", "pglock_rate"):
+        app = Celery("unit", broker="memory://", set_as_current=False)
+        app.conf.update({"pglock_database_url": "postgresql://h/db", setting: 60})
+
+        def other():
+            return None
+
+        other.__name__ = f"other_{setting}"
+        with pytest.raises(ConfigurationError) as caught:
+            register(app, other)
+        option = setting.replace("pglock_", "lock_")
+        assert f"{setting!r} is not a setting: set {option} on the task" in str(
+            caught.value
+        )
 
 
 def test_db_timeout_resolves_from_the_task_or_app_wide(app):

@@ -79,11 +79,11 @@ def test_prune_deletes_only_rows_past_the_longest_period(cli_app, connection):
     )
     assert summary["rows"] >= 4
     assert summary["prunable"] >= 2
-    assert "past the longest lock_period" in run("--app", APP, "periods")
+    assert "past the longest period" in run("--app", APP, "periods")
 
     # Shorter than the app's longest period: refused, nothing deleted.
     refused = run("--app", APP, "periods", "prune", "--older-than", "60", expect=2)
-    assert "lock_period of tests.integration.cli_app.throttled (3600 s)" in refused
+    assert "period of tests.integration.cli_app.throttled (3600 s)" in refused
     assert [30, 1800, 7200, 864000] == ages(connection, rows)
 
     assert "Deleted " in run("--app", APP, "periods", "prune")
