@@ -24,7 +24,7 @@ def key(
     kwargs_json: str,
     as_json: bool,
 ) -> None:
-    task, lock_key = shared.key_of_call(
+    task, lock_key, limit = shared.key_of_call(
         target, task_name, args_json, kwargs_json, verb="key"
     )
     namespace = task.lock_config.namespace
@@ -44,7 +44,7 @@ def key(
         ),
         "key_sql": None,
         # lock_limit: slot i's key (0: the key itself), docs/reference/keys.md (Slots).
-        "slots": list(map(str, keys.slot_keys(lock_key, task.lock_config.limit))),
+        "slots": list(map(str, keys.slot_keys(lock_key, limit))),
     }
     if lock_key.text is not None:
         material = json.dumps(json.loads(lock_key.text)[3], ensure_ascii=False)

@@ -52,7 +52,7 @@ def release(
     if (task_name is None) == (key_text is None):
         raise click.UsageError("Name the lock: a TASK (with --args/--kwargs) or --key.")
     if task_name is not None:
-        _, lock_key = shared.key_of_call(
+        _, lock_key, _ = shared.key_of_call(
             target, task_name, args_json, kwargs_json, verb="release"
         )
     else:

@@ -15,7 +15,7 @@ from sqlalchemy.pool import NullPool
 from celery_pglock import config, exceptions, keys
 from celery_pglock.db import driver_errors, engines
 from celery_pglock.lock import holder_lookup
-from celery_pglock.task import worker_hooks
+from celery_pglock.task import bindings, worker_hooks
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping, Sequence
@@ -97,7 +97,8 @@ KWARGS = click.option(
 
 def key_of_call(
     target: Target, task_name: str, args_json: str, kwargs_json: str, *, verb: str
-) -> tuple[Any, keys.LockKey]:
+) -> tuple[Any, keys.LockKey, int]:
+    """The task, the key a call of it locks and that key's limit (lock_limit_for)."""
     if target.app is None:
         raise click.UsageError(
             f"`{verb}` TASK needs the app: celery -A proj pglock {verb} ..., or --app."
@@ -119,7 +120,8 @@ def key_of_call(
             "--args must be a JSON array and --kwargs a JSON object."
         )
     try:
-        return task, task.lock_key_for(*args, **kwargs)
+        limit = bindings.limit_of(task, task.lock_config, args, kwargs)
+        return task, task.lock_key_for(*args, **kwargs), limit
     except exceptions.PgLockError as error:
         raise click.ClickException(str(error)) from None
 
@@ -170,9 +172,11 @@ def read_locks(target: Target, engine: sa.Engine) -> list[dict[str, Any]]:
     for task in singletons:
         options = task.lock_config
         if options.fixed_key is not None:
-            slots = keys.slot_keys(options.fixed_key, options.limit)
+            per_key = bindings.per_key_limit(task)
+            count, shown = (keys.SLOT_MAX, "*") if per_key else (options.limit, None)
+            slots = keys.slot_keys(options.fixed_key, count)
             for slot, key in enumerate(slots):
-                of = f"{slot}/{options.limit}" if options.limit > 1 else None
+                of = f"{slot}/{shown or count}" if count > 1 else None
                 base = str(slots[0]) if slot else None
                 fixed[str(key)] = (task.name, options.name, of, base)
 
@@ -232,27 +236,32 @@ def read_locks(target: Target, engine: sa.Engine) -> list[dict[str, Any]]:
 def _name_argument_slots(by_key: dict[str, dict[str, Any]], singletons: Any) -> None:
     """Per-argument lock_limit slots: slot i > 0 cannot be turned back into slot 0's key,
     so it is named only when slot 0 is held too; else "?/N" (docs/operations/cli.md)."""
+    # Task name -> (options, slots to look for, N as shown: "*" is lock_limit_for's own).
     limited = {
-        task.name: task.lock_config
+        task.name: (options, keys.SLOT_MAX, "*")
+        if bindings.per_key_limit(task)
+        else (options, options.limit, str(options.limit))
         for task in singletons
-        if task.lock_config.limit > 1 and task.lock_config.fixed_key is None
+        if ((options := task.lock_config).limit > 1 or bindings.per_key_limit(task))
+        and options.fixed_key is None
     }
     for entry in list(by_key.values()):
-        options = limited.get(entry["task"] or "")
-        if options is None or entry["slot"] or "," in entry["key"]:
+        found = limited.get(entry["task"] or "")
+        if found is None or entry["slot"] or "," in entry["key"]:
             continue
+        options, count, of = found
         base = keys.LockKey(name=options.name, ids=(int(entry["key"]),))
-        for slot, key in enumerate(keys.slot_keys(base, options.limit)[1:], start=1):
+        for slot, key in enumerate(keys.slot_keys(base, count)[1:], start=1):
             held = by_key.get(str(key))
             if held is not None and held["backend_pid"] is not None:
-                held["slot"] = f"{slot}/{options.limit}"
+                held["slot"] = f"{slot}/{of}"
                 held["slot_of"], held["lock_name"] = entry["key"], options.name
                 held["task"] = entry["task"]
-                entry["slot"], entry["lock_name"] = f"0/{options.limit}", options.name
+                entry["slot"], entry["lock_name"] = f"0/{of}", options.name
     for entry in by_key.values():
-        options = limited.get(entry["task"] or "")
-        if options is not None and not entry["slot"]:
-            entry["slot"] = f"?/{options.limit}"
+        found = limited.get(entry["task"] or "")
+        if found is not None and not entry["slot"]:
+            entry["slot"] = f"?/{found[2]}"
 
 
 def holder_name(session: Mapping[str, Any], unknown: str = "?") -> str:

@@ -27,6 +27,7 @@ class Binding:
     conf: Any
     keys: CallKeys
     custom_key: bool  #: A subclass overrides lock_key_for.
+    custom_limit: bool = False  #: A subclass overrides lock_limit_for.
     engine_of_pid: tuple[int, sa.Engine] | None = None
 
     def engine(self) -> sa.Engine:
@@ -39,7 +40,12 @@ class Binding:
 
 
 def bind(
-    cls: Any, app: celery.Celery, *, custom_key: bool, reserved: AbstractSet[str]
+    cls: Any,
+    app: celery.Celery,
+    *,
+    custom_key: bool,
+    reserved: AbstractSet[str],
+    custom_limit: bool = False,
 ) -> Binding:
     """``cls``'s binding to ``app``; a bad option or signature raises ConfigurationError."""
     try:
@@ -75,7 +81,40 @@ def bind(
         options.lock_args,
         options.fixed_key,
     )
-    return Binding(options, app.conf, call_keys, custom_key)
+    if custom_limit:
+        _refuse_per_key_limits(options)
+    return Binding(options, app.conf, call_keys, custom_key, custom_limit)
+
+
+def _refuse_per_key_limits(options: LockConfig) -> None:
+    """lock_limit_for may give any key several slots: refuse what lock_limit > 1 refuses."""
+    clash = "lock_fencing=True" if options.fencing else None
+    if options.enqueue is not None:
+        clash = f"lock_enqueue={options.enqueue.value!r}"
+    if clash is not None:
+        raise exceptions.ConfigurationError(
+            f"Task {options.task_name!r} overrides lock_limit_for, which may give a key "
+            f"several slots, and sets {clash}, which needs one run per key "
+            "(docs/guide/limits.md): drop one of them."
+        )
+
+
+def per_key_limit(task: Any) -> bool:
+    """``task`` (a SingletonTask) overrides lock_limit_for."""
+    binding = type(task)._pglock
+    return isinstance(binding, Binding) and binding.custom_limit
+
+
+def limit_of(task: Any, options: LockConfig, args: Any, kwargs: Any) -> int:
+    """The key's limit from the task's lock_limit_for, or ConfigurationError: a bad
+    answer never runs the body without its lock."""
+    limit = task.lock_limit_for(*args, **kwargs)
+    if type(limit) is not int or not 1 <= limit <= keys.SLOT_MAX:
+        raise exceptions.ConfigurationError(
+            f"Task {options.task_name!r}: lock_limit_for returned {limit!r}; expected an "
+            f"int from 1 to {keys.SLOT_MAX} (runs of the call's key at once)."
+        )
+    return limit
 
 
 def refuse_a_shared_queue(name: str, binding: Binding, app: celery.Celery) -> None:

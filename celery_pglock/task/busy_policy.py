@@ -224,8 +224,8 @@ def report(
         else ""
     )
     held = f"is held by {by}"
-    if options.limit > 1:
-        held = f"has all {options.limit} slots (lock_limit) held, one by {by}"
+    if len(lock.slots) > 1:
+        held = f"has all {len(lock.slots)} slots (lock_limit) held, one by {by}"
     message = (
         f"Lock {key.name!r} (key {key}) {held}{waited}; "
         f"{outcomes.run_name(task, task_id)} did not run."

@@ -96,8 +96,13 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
 
     @classmethod
     def _bind(cls, app: celery.Celery) -> bindings.Binding:
-        custom_key = cls.lock_key_for is not SingletonTask.lock_key_for
-        return bindings.bind(cls, app, custom_key=custom_key, reserved=_RESERVED)
+        return bindings.bind(
+            cls,
+            app,
+            custom_key=cls.lock_key_for is not SingletonTask.lock_key_for,
+            custom_limit=cls.lock_limit_for is not SingletonTask.lock_limit_for,
+            reserved=_RESERVED,
+        )
 
     @property
     def lock_config(self) -> config.LockConfig:
@@ -118,6 +123,11 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         """The key a call with these arguments locks (no I/O); override it for keys that
         are not plain arguments (docs/guide/keys.md)."""
         return self._binding().keys.key(args, kwargs)
+
+    def lock_limit_for(self, *args: Any, **kwargs: Any) -> int:
+        """How many runs of the call's key may run at once (no I/O): ``lock_limit``;
+        override it for limits that differ per key, such as tiers (docs/guide/limits.md)."""
+        return self.lock_config.limit
 
     def apply_async(
         self,
@@ -231,8 +241,11 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             label=options.task_name,
         )
         lock.round_trip_timeout = options.db_timeout
-        if options.limit > 1:
-            lock.slots = keys.slot_keys(key, options.limit)
+        limit = options.limit
+        if binding.custom_limit:
+            limit = bindings.limit_of(self, options, args, kwargs)
+        if limit > 1:
+            lock.slots = keys.slot_keys(key, limit)
         # Before the grant: if a time limit lands before the body, task_postrun frees it.
         execution.lock = lock
         task_id = execution.task_id

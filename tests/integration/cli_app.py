@@ -49,3 +49,16 @@ def often():
 @app.task(base=SingletonTask, shared=False, lock_args=("tenant_id",), lock_limit=3)
 def tenant_batch(tenant_id):
     return tenant_id
+
+
+class _Tiered(SingletonTask):
+    abstract = True
+
+    def lock_limit_for(self, tenant_id):
+        return 3 if tenant_id == 7 else 1
+
+
+# Tenant 7 may run three at once, others one (lock_limit_for): `pglock locks` shows "*".
+@app.task(base=_Tiered, shared=False, lock_args=("tenant_id",))
+def tiered_batch(tenant_id):
+    return tenant_id

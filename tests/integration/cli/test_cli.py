@@ -204,12 +204,19 @@ def test_locks_and_key_show_the_slots_of_a_lock_limit_task(cli_app, database_url
         engine.dispose()
 
 
-def test_locks_names_the_slots_of_a_per_argument_lock_limit_task(cli_app, database_url):
+@pytest.mark.parametrize(("name", "of"), [("tenant_batch", "3"), ("tiered_batch", "*")])
+def test_locks_names_the_slots_of_a_per_argument_lock_limit_task(
+    cli_app, database_url, name, of
+):
     """A lock_limit=3 task with lock_args: `pglock locks` names slot 1 of a tenant's key as
     1/3 of that key (slot 0), with its task; once slot 0 is released, the slot left is
-    "?/3" (a slot key cannot be turned back into the key it was derived from)."""
-    task = cli_app.tenant_batch
+    "?/3" (a slot key cannot be turned back into the key it was derived from). With
+    lock_limit_for (3 for tenant 7), N is the key's own: "1/*", "?/*"; `pglock key`
+    prints the call's own slots."""
+    task = getattr(cli_app, name)
     base = task.lock_key_for(7)
+    forms = json.loads(run("--app", APP, "key", task.name, "--args", "[7]", "--json"))
+    assert 3 == len(forms["slots"])
     slots = keys.slot_keys(base, 3)
     engine = engines.create_engine(database_url)
     locks = [AdvisoryLock(engine=engine, key=base, label=task.name) for _ in range(2)]
@@ -218,21 +225,21 @@ def test_locks_names_the_slots_of_a_per_argument_lock_limit_task(cli_app, databa
             lock.slots = slots
             assert lock.acquire()
         first, second = _entry(cli_app, str(slots[0])), _entry(cli_app, str(slots[1]))
-        assert ("0/3", None, task.name) == (
+        assert (f"0/{of}", None, task.name) == (
             first["slot"],
             first["slot_of"],
             first["task"],
         )
-        assert ("1/3", str(base), task.name, task.name) == (
+        assert (f"1/{of}", str(base), task.name, task.name) == (
             second["slot"],
             second["slot_of"],
             second["task"],
             second["lock_name"],
         )
         table = run("--app", APP, "locks")
-        assert f" 1/3 of {base} " in table, table
+        assert f" 1/{of} of {base} " in table, table
         locks[0].release()
-        assert "?/3" == _entry(cli_app, str(slots[1]))["slot"]
+        assert f"?/{of}" == _entry(cli_app, str(slots[1]))["slot"]
     finally:
         for lock in locks:
             if lock.owned():

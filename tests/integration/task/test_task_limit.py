@@ -8,7 +8,14 @@ import uuid
 
 import pytest
 
-from celery_pglock import AdvisoryLock, LockSkipped, current_lock, keys
+from celery_pglock import (
+    AdvisoryLock,
+    ConfigurationError,
+    LockSkipped,
+    SingletonTask,
+    current_lock,
+    keys,
+)
 from celery_pglock.db import engines
 from celery_pglock.lock import sessions
 from tests.integration.task_support import current_engine, define, ran, trace_delivery
@@ -113,3 +120,86 @@ def test_shadow_mode_runs_the_body_when_every_slot_is_taken(app, events):
         for lock in locks:
             lock.release()
     assert ["lock_skipped"] == [name for name, _ in events if name != "lock_completed"]
+
+
+class Tiered(SingletonTask):
+    """Two runs at once for the tenant "gold", one for any other (lock_limit_for)."""
+
+    abstract = True
+
+    def lock_limit_for(self, tenant, answer=None):
+        return answer if answer is not None else (2 if tenant == "gold" else 1)
+
+
+def tiered(app):
+    def report(tenant, answer=None):
+        return current_lock().key
+
+    task = app.task(base=Tiered, name="it.tiered", shared=False, lock_args=("tenant",))
+    app.finalize(auto=True)
+    return app.tasks[task(report).name]
+
+
+def hold_key_slots(task, tenant, count, limit):
+    slots = keys.slot_keys(task.lock_key_for(tenant), limit)
+    locks = []
+    for _ in range(count):
+        lock = AdvisoryLock(engine=current_engine(task.app), key=slots[0])
+        lock.slots = slots
+        assert lock.acquire()
+        locks.append(lock)
+    return slots, locks
+
+
+def test_lock_limit_for_gives_each_key_its_own_limit(app):
+    """lock_limit_for: "gold" has 2 slots, "free" 1. With one gold slot held a gold run
+    takes the second; with both held it is skipped naming 2 slots; a free run finds its
+    one key held and is skipped as a plain busy key."""
+    task = tiered(app)
+    slots, locks = hold_key_slots(task, "gold", 1, 2)
+    try:
+        assert slots[1] == task.apply(("gold",)).get()
+        locks += hold_key_slots(task, "gold", 1, 2)[1]
+        skip = task.apply(("gold",)).result
+        assert isinstance(skip, LockSkipped)
+        assert "has all 2 slots (lock_limit) held" in str(skip)
+        _, free = hold_key_slots(task, "free", 1, 1)
+        locks += free
+        skip = task.apply(("free",)).result
+        assert isinstance(skip, LockSkipped)
+        assert "slots" not in str(skip)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+@pytest.mark.parametrize("answer", [0, 65, "2", 2.0, True])
+def test_a_bad_lock_limit_for_answer_fails_the_run_unrun(app, answer):
+    """An answer that is not an int from 1 to 64 fails the run with ConfigurationError
+    naming lock_limit_for and the value: never a run without its lock."""
+    task = tiered(app)
+    result = task.apply(("gold",), {"answer": answer})
+    assert "FAILURE" == result.state
+    assert isinstance(result.result, ConfigurationError)
+    assert f"lock_limit_for returned {answer!r}; expected an int from 1 to 64" in str(
+        result.result
+    )
+
+
+@pytest.mark.parametrize(
+    ("option", "clash"),
+    [
+        ({"lock_fencing": True}, "lock_fencing=True"),
+        ({"lock_enqueue": "until_finished"}, "lock_enqueue='until_finished'"),
+    ],
+)
+def test_lock_limit_for_with_one_run_per_key_options_is_refused(app, option, clash):
+    """lock_limit_for may give a key several slots: with fencing or lock_enqueue (one
+    run per key) the task is refused when it is bound."""
+
+    def report(tenant):
+        return tenant
+
+    app.task(base=Tiered, name="it.refused", shared=False, **option)(report)
+    with pytest.raises(ConfigurationError, match=f"overrides lock_limit_for.*{clash}"):
+        app.finalize(auto=True)
