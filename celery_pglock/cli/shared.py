@@ -15,7 +15,7 @@ from sqlalchemy.pool import NullPool
 from celery_pglock import config, exceptions, keys
 from celery_pglock.db import driver_errors, engines
 from celery_pglock.lock import holder_lookup
-from celery_pglock.task import bindings, worker_hooks
+from celery_pglock.task import bindings, groups, worker_hooks
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping, Sequence
@@ -167,10 +167,21 @@ def read_locks(target: Target, engine: sa.Engine) -> list[dict[str, Any]]:
         target.conf().get("pglock_application_name") or engines.DEFAULT_APPLICATION_NAME
     ) + " "
     singletons = target.singleton_tasks
-    #: key -> task, lock, slot "i/N", the key slot i belongs to (slot 0's)
-    fixed: dict[str, tuple[str, str, str | None, str | None]] = {}
+    #: key -> task (None: a group's, shared), lock, slot "i/N", slot 0's key
+    fixed: dict[str, tuple[str | None, str, str | None, str | None]] = {}
     for task in singletons:
         options = task.lock_config
+        if options.group is not None:
+            group = groups.group_key(options.namespace, options.group)
+            limit = options.group_limit
+            for slot, key in enumerate(keys.slot_keys(group, limit)):
+                first = str(group) if slot else None
+                fixed[str(key)] = (
+                    None,
+                    f"group {options.group}",
+                    f"{slot}/{limit}",
+                    first,
+                )
         if options.fixed_key is not None:
             per_key = bindings.per_key_limit(task)
             count, shown = (keys.SLOT_MAX, "*") if per_key else (options.limit, None)
@@ -226,9 +237,10 @@ def read_locks(target: Target, engine: sa.Engine) -> list[dict[str, Any]]:
             continue
         entry.update(session, held_seconds=seconds)
         if row["key"] in fixed:  # a key independent of arguments names its task
-            entry["task"], entry["lock_name"], entry["slot"], entry["slot_of"] = fixed[
+            task, entry["lock_name"], entry["slot"], entry["slot_of"] = fixed[
                 row["key"]
             ]
+            entry["task"] = task or entry["task"]
     _name_argument_slots(by_key, singletons)
     return list(by_key.values())
 

@@ -172,6 +172,7 @@ CHECKS: dict[str, Callable[[object], Any]] = {
     "enqueue_on_error": choice(OnEnqueueError),
     "enqueue_lost_after": seconds,
     "rate": _optional(rate),
+    "group": _optional(_text),
 }
 
 
@@ -198,9 +199,9 @@ class LockConfig:
     enqueue_on_error: OnEnqueueError = OnEnqueueError.RAISE  #: Database down at send.
     enqueue_lost_after: float = 3600.0  #: A never-started message's hold past due (s).
     limit: int = 1  #: Runs of one key at once (lock_limit): its slots.
-    rate: Rate | None = (
-        None  #: At most N starts per key in any window (lock_period: N=1).
-    )
+    rate: Rate | None = None  #: At most N starts per key per window (lock_period: N=1).
+    group: str | None = None  #: lock_group: a limit shared by every task naming it.
+    group_limit: int = 1  #: Runs of the whole group at once (lock_group_limit).
     lock_args: tuple[str, ...] = ()  #: Parameter names whose values form the key.
     fixed_key: keys.LockKey | None = None  #: The key when it never varies per call.
 
@@ -210,6 +211,7 @@ DEFAULTS = LockConfig(task_name="", name="")  #: Each option's default, by field
 PER_TASK = {
     "rate": "a rate of its own for each task that needs one",
     "period": "a period of its own for each task that needs one",
+    "group": "each task says which group it belongs to",
 }
 APP_SETTINGS = {f"lock_{f}": f"pglock_{f}" for f in CHECKS if f not in PER_TASK}
 TASK_OPTIONS = (
@@ -219,5 +221,7 @@ TASK_OPTIONS = (
     "lock_name",
     "lock_period",
     "lock_rate",
+    "lock_group",
+    "lock_group_limit",
     *APP_SETTINGS,
 )

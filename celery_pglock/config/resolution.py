@@ -85,6 +85,19 @@ def resolve(
             "key, and lock_limit lets several hold it at once): set lock_fencing=False on "
             "this task, or lock_limit=1",
         )
+    group_limit = attributes.get("lock_group_limit")
+    if (group_limit is None) is not (values["group"] is None):
+        raise fail(
+            "lock_group_limit" if values["group"] is None else "lock_group",
+            group_limit if values["group"] is None else values["group"],
+            "lock_group and lock_group_limit set together (a group and its limit)",
+        )
+    if group_limit is not None and (
+        type(group_limit) is not int or not 1 <= group_limit <= keys.SLOT_MAX
+    ):
+        expected = f"an int from 1 to {keys.SLOT_MAX} (runs of the whole group at once)"
+        raise fail("lock_group_limit", group_limit, expected)
+    values["group_limit"] = group_limit or 1
     enqueue = values["enqueue"]
     if enqueue is not None and limit > 1:
         raise fail(

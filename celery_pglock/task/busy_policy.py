@@ -40,15 +40,18 @@ def apply_policy(
     *,
     direct: bool,
     throttle: Throttle | None = None,
+    group: AdvisoryLock | None = None,
 ) -> Any:
-    """Raise a busy (or throttled) run's outcome, or return its skip record."""
+    """Raise a busy (or throttled, or group-full) run's outcome, or return its skip
+    record. ``lock`` is the run's key; ``group``, its group's lock when that was full."""
     options = task.lock_config
     request = task.request
     action = busy_action(options, direct=direct)
-    message, details = report(task, lock, task_id, action, throttle)
+    message, details = report(task, lock, task_id, action, throttle, group)
     # Its first delivery may still run: store nothing (docs/guide/skipped-results.md).
     first_delivery_runs = (
         throttle is None
+        and group is None
         and task_id is not None
         and _acks_late_redelivery(task, direct)
         and lock.run_alive(keys.run_key(task_id)) is not False
@@ -169,12 +172,13 @@ def report(
     task_id: str | None,
     action: OnBusy,
     throttle: Throttle | None = None,
+    group: AdvisoryLock | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """The sentence and the record (names and numbers, never arguments) of a busy run."""
     options = task.lock_config
     key = lock.key
     details: dict[str, Any] = {
-        "reason": _reason(options, throttle),
+        "reason": "group" if group is not None else _reason(options, throttle),
         "task": task.name,
         "lock": key.name,
         "key": str(key),
@@ -204,7 +208,7 @@ def report(
             f"{outcomes.run_name(task, task_id)} did not run."
         )
         return message, {**details, "seconds_left": left, "last_task": last}
-    holder = holder_lookup.find(lock)
+    holder = holder_lookup.find(group or lock)
     details.update(holder=None, holder_pid=None, holder_task=None)
     by = "another session"
     if holder is not None:
@@ -226,10 +230,14 @@ def report(
     held = f"is held by {by}"
     if len(lock.slots) > 1:
         held = f"has all {len(lock.slots)} slots (lock_limit) held, one by {by}"
-    message = (
-        f"Lock {key.name!r} (key {key}) {held}{waited}; "
-        f"{outcomes.run_name(task, task_id)} did not run."
-    )
+    what = f"Lock {key.name!r} (key {key})"
+    if group is not None:
+        details["group"] = options.group
+        held = (
+            f"is free, but its group {options.group!r} has all {len(group.slots)} "
+            f"slots (lock_group_limit) held, one by {by}"
+        )
+    message = f"{what} {held}{waited}; {outcomes.run_name(task, task_id)} did not run."
     return message, details
 
 

@@ -23,6 +23,7 @@ from celery_pglock.task import (
     bindings,
     busy_policy,
     enqueue,
+    groups,
     outcomes,
     periods,
     queued,
@@ -46,6 +47,7 @@ class Execution:
 
     task_id: str | None
     lock: AdvisoryLock | None = None
+    group_lock: AdvisoryLock | None = None  #: lock_group: the group's slot, held.
     release_at_postrun: bool = False  #: A retry was published: release at task_postrun.
     ended_with: BaseException | None = None  #: The body's exception (None: returned).
 
@@ -72,6 +74,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     lock_fencing: ClassVar[bool | None] = None
     lock_period: ClassVar[float | None] = None
     lock_rate: ClassVar[str | tuple[int, float] | None] = None
+    lock_group: ClassVar[str | None] = None
+    lock_group_limit: ClassVar[int | None] = None
     lock_on_lost: ClassVar[OnLost | str | None] = None
     lock_watch_interval: ClassVar[float | None] = None
     lock_db_timeout: ClassVar[float | None] = None
@@ -92,6 +96,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         if cls.name:  # an abstract base has no name and no real run() yet
             cls._pglock = cls._bind(app)
             bindings.refuse_a_shared_queue(cls.name, cls._pglock, app)
+            groups.refuse_another_limit(cls.name, cls._pglock.config, app)
             metrics.configure(app.conf)
 
     @classmethod
@@ -170,7 +175,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         options = binding.config
         try:
             lock = self._new_lock(binding, execution, args, kwargs)
-            throttle = None
+            throttle = group = None
             # A retry waits (bounded) for its predecessor's lock (docs/guide/retries.md).
             waits = not options.shadow and bool(
                 options.on_busy is OnBusy.WAIT
@@ -187,14 +192,19 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             if granted:
                 if options.rate is not None:
                     throttle = periods.start_run(self, options, lock, task_id, direct)
-                if throttle is None:
+                if throttle is None and options.group is not None:
+                    group, in_group = groups.take(
+                        self, options, execution, lock, direct=direct, waits=waits
+                    )
+                    group = None if in_group else group
+                if throttle is None and group is None:
                     return self._run(options, execution, lock, args, kwargs, direct)
             if not options.shadow:
                 return busy_policy.apply_policy(
-                    self, lock, task_id, direct=direct, throttle=throttle
+                    self, lock, task_id, direct=direct, throttle=throttle, group=group
                 )
             message, details = busy_policy.report(
-                self, lock, task_id, options.on_busy, throttle
+                self, lock, task_id, options.on_busy, throttle, group
             )
             outcomes.skipped(
                 self,
@@ -206,7 +216,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 celery_logs=False,
                 shadow=True,
             )
-            if throttle is not None:  # the lock is held: only the period is shadowed
+            if throttle or group:  # the key is held: only the rate or group is shadowed
                 return self._run(
                     options, execution, lock, args, kwargs, task_id is None
                 )
@@ -299,6 +309,11 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             loss_watcher.watch(
                 lock, functools.partial(outcomes.lost, self, task_id, lock), options
             )
+            group = execution.group_lock
+            if group is not None and group.backend_pid != lock.backend_pid:
+                # A group slot on a session of its own (per-lock, transaction scope).
+                lost = functools.partial(outcomes.lost, self, task_id, group)
+                loss_watcher.watch(group, lost, options)
             retval = self._body(direct)(*args, **kwargs)
         except BaseException as exc:
             self._end(execution, lock, exc)
@@ -336,12 +351,13 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         exc: BaseException | None,
     ) -> None:
         """Finish now, or at task_postrun after a retry (docs/guide/retries.md)."""
-        try:
-            loss_watcher.unwatch(lock)  # first: no loss interrupts the body any more
-        except exceptions.LockLostError as interrupted:
-            # Interrupted as it returned: it ends as interrupted, lock released below.
-            exc = exc if exc is not None else interrupted
-            loss_watcher.unwatch(lock)
+        for watched in filter(None, (lock, execution.group_lock)):
+            try:
+                loss_watcher.unwatch(watched)  # first: no loss interrupts the body now
+            except exceptions.LockLostError as interrupted:
+                # Interrupted as it returned: it ends as interrupted, released below.
+                exc = exc if exc is not None else interrupted
+                loss_watcher.unwatch(watched)
         if execution.release_at_postrun:
             execution.ended_with = exc
             return
@@ -358,18 +374,23 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         task_id = execution.task_id
         # Lost: fails the run; a body's own error is kept, a bare LockLostError replaced.
         lost_error: exceptions.LockLostError | None = None
-        if lock.lost and (exc is None or type(exc) is exceptions.LockLostError):
-            lost_error = lock.lost_error()
+        group = execution.group_lock
+        lost = (
+            lock if lock.lost else group if group is not None and group.lost else None
+        )
+        if lost is not None and (exc is None or type(exc) is exceptions.LockLostError):
+            lost_error = lost.lost_error()
         release_error: exceptions.PgLockError | None = None
         if lock.owned():
             with runs.held_guard:
                 runs.held.discard(lock)
             try:
-                lock.release(commit=exc is None and not lock.lost)
+                lock.release(commit=exc is None and lost is None)
             except exceptions.PgLockError as error:
                 if not lock.lost:  # a lost lock's release fails; lock_lost said it all
                     outcomes.release_failed(self, task_id, lock, error)
                 release_error = error
+        groups.release(self, execution)
         # The outcome per scope: docs/operations/failure-modes.md (Release fails).
         failed = (
             exc is not None
@@ -426,3 +447,4 @@ def after_task(task: Any = None, retval: Any = None, **_: Any) -> None:
             task._finish_run(execution, lock, execution.ended_with)
     elif lock is not None and lock.owned():
         runs.release_leftover(lock, f"task_postrun of {execution.task_id}")
+    groups.release_leftover(execution)

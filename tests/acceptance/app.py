@@ -171,6 +171,30 @@ def limited(
     return _body(self, run, key, hold, gate)
 
 
+#: The group of ``grouped``: at most two of its runs at once, whatever their keys.
+GROUP_LIMIT = 2
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    shared=False,
+    lock_args=("run", "key"),
+    lock_group="acceptance-exports",
+    lock_group_limit=GROUP_LIMIT,
+    lock_on_busy="retry",
+    lock_retry_delay=0.2,
+    max_retries=400,
+)
+def grouped(
+    self, run: str, key: str, hold: float = 0.0, gate: str | None = None
+) -> str:
+    """One run per key and two in the group at once (recorded as key "group" too);
+    re-queued while busy."""
+    with recorder.record(run, "group", self.request.id):
+        return _body(self, run, key, hold, gate)
+
+
 @app.task(base=SingletonTask, bind=True, lock_args=("run",), max_retries=3)
 def retries_once(self, run: str) -> int:
     """Call self.retry() on the first attempt; the retry must run and take the lock again."""

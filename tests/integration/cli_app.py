@@ -62,3 +62,16 @@ class _Tiered(SingletonTask):
 @app.task(base=_Tiered, shared=False, lock_args=("tenant_id",))
 def tiered_batch(tenant_id):
     return tenant_id
+
+
+# Two of the whole group "exports" at once, whatever the tenant: `pglock locks` names
+# the group's slots.
+@app.task(
+    base=SingletonTask,
+    shared=False,
+    lock_args=("tenant_id",),
+    lock_group="exports",
+    lock_group_limit=2,
+)
+def grouped_export(tenant_id):
+    return tenant_id

@@ -33,6 +33,7 @@ from celery_pglock import (
 )
 from celery_pglock.db import engines
 from celery_pglock.lock import sessions
+from celery_pglock.task import groups
 from celery_pglock.testing import EmbeddedPostgres, _support, lock_state
 from celery_pglock.watch import loss_watcher
 from tests.integration.loss_support import make_app, wait_for
@@ -244,6 +245,39 @@ def test_locks_names_the_slots_of_a_per_argument_lock_limit_task(
         for lock in locks:
             if lock.owned():
                 lock.release()
+        sessions.close_for(engine)
+        engine.dispose()
+
+
+def test_locks_names_the_slots_of_a_group(cli_app, database_url):
+    """lock_group: `pglock locks` names a held group slot "group exports", i/2, slot 0's
+    key for the others, with the task its holder ran."""
+    task = cli_app.grouped_export
+    options = task.lock_config
+    slots = keys.slot_keys(groups.group_key(options.namespace, "exports"), 2)
+    engine = engines.create_engine(database_url)
+    locks = [
+        AdvisoryLock(engine=engine, key=slots[0], label=task.name) for _ in range(2)
+    ]
+    try:
+        for lock in locks:
+            lock.slots = slots
+            assert lock.acquire()
+        first, second = _entry(cli_app, str(slots[0])), _entry(cli_app, str(slots[1]))
+        assert ("group exports", "0/2", None, task.name) == (
+            first["lock_name"],
+            first["slot"],
+            first["slot_of"],
+            first["task"],
+        )
+        assert ("group exports", "1/2", str(slots[0])) == (
+            second["lock_name"],
+            second["slot"],
+            second["slot_of"],
+        )
+    finally:
+        for lock in locks:
+            lock.release()
         sessions.close_for(engine)
         engine.dispose()
 

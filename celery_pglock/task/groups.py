@@ -1,0 +1,110 @@
+"""lock_group: at most lock_group_limit runs at once of every task naming the group, beside
+each key's own limit. The group's slots are advisory keys like lock_limit's, taken after
+the key on a lock of their own. Why: docs/guide/limits.md ("Limits across keys")."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from celery_pglock import celery_compat, exceptions, keys
+from celery_pglock.lock import AdvisoryLock
+from celery_pglock.task import retries, runs
+
+if TYPE_CHECKING:
+    import celery
+
+    from celery_pglock import config
+    from celery_pglock.task.singleton_task import Execution, SingletonTask
+
+#: Hashed with the namespace into a group's key: no task's lock_name is a group's.
+_GROUP_NAME = "celery_pglock.group:{}"
+
+
+def group_key(namespace: str, group: str) -> keys.LockKey:
+    """The group's key (its slot 0); the same in every task and process naming it."""
+    return keys.make_key(namespace, _GROUP_NAME.format(group))
+
+
+def take(
+    task: SingletonTask,
+    options: config.LockConfig,
+    execution: Execution,
+    key_lock: AdvisoryLock,
+    *,
+    direct: bool,
+    waits: bool,
+) -> tuple[AdvisoryLock, bool]:
+    """The group's lock, and whether one of its slots is held (``execution.group_lock``)
+    beside the run's key. When every slot is taken the key is released, unless shadowed.
+    A wait shares one budget, lock_wait_timeout, with the key's."""
+    key = group_key(options.namespace, options.group or "")  # set: a lock_group run
+    lock = AdvisoryLock(
+        engine=key_lock.engine, key=key, scope=options.scope, label=options.task_name
+    )
+    lock.round_trip_timeout = options.db_timeout
+    lock.slots = keys.slot_keys(key, options.group_limit)
+    timeout = None
+    if waits:
+        left = options.wait_timeout - (key_lock.wait_seconds or 0.0)
+        timeout = left if left > 0 else None
+    began = time.monotonic()
+    try:
+        granted = lock.acquire(timeout=timeout)
+    except BaseException as error:
+        runs.release_unrun(task, key_lock, execution.task_id)
+        if isinstance(error, exceptions.DatabaseError):
+            retries.on_database_error(task, error, direct=direct)
+        raise
+    key_lock.wait_seconds = (key_lock.wait_seconds or 0.0) + time.monotonic() - began
+    if granted:
+        execution.group_lock = lock
+        with runs.held_guard:  # the worker's shutdown net releases it too
+            runs.held.add(lock)
+    elif not options.shadow:
+        runs.release_unrun(task, key_lock, execution.task_id)
+    return lock, granted
+
+
+def release(task: SingletonTask, execution: Execution) -> None:
+    """Give the run's group slot back (a failure is reported, never raised)."""
+    lock = execution.group_lock
+    execution.group_lock = None
+    if lock is None:
+        return
+    with runs.held_guard:
+        runs.held.discard(lock)
+    if lock.owned():
+        runs.release_unrun(task, lock, execution.task_id)
+
+
+def release_leftover(execution: Execution) -> None:
+    """task_postrun's net: a group slot still held where its run ended, released loudly."""
+    lock, execution.group_lock = execution.group_lock, None
+    if lock is not None and lock.owned():
+        runs.release_leftover(lock, f"task_postrun of {execution.task_id}")
+
+
+def refuse_another_limit(
+    name: str, options: config.LockConfig, app: celery.Celery
+) -> None:
+    """Refuse two tasks of ``app`` naming one group with two limits (ConfigurationError):
+    each would count the slots up to its own limit, and the smaller would not hold."""
+    if options.group is None:
+        return
+    for other in list(celery_compat.task_registry(app).values()):
+        theirs: Any = getattr(type(other), "_pglock", None)
+        config_of = getattr(theirs, "config", None)
+        if (
+            other.name != name
+            and config_of is not None
+            and config_of.group == options.group
+            and config_of.namespace == options.namespace
+            and config_of.group_limit != options.group_limit
+        ):
+            raise exceptions.ConfigurationError(
+                f"Tasks {other.name!r} and {name!r} both use lock_group "
+                f"{options.group!r} with lock_group_limit {config_of.group_limit} and "
+                f"{options.group_limit}: a group has one limit. Give both the same "
+                "lock_group_limit (docs/guide/limits.md)."
+            )
