@@ -31,12 +31,11 @@ def take(
     options: config.LockConfig,
     execution: Execution,
     key_lock: AdvisoryLock,
-    *,
     direct: bool,
     waits: bool,
-) -> tuple[AdvisoryLock, bool]:
-    """The group's lock, and whether one of its slots is held (``execution.group_lock``)
-    beside the run's key. When every slot is taken the key is released, unless shadowed.
+) -> AdvisoryLock | None:
+    """None once a slot of the group is held (``execution.group_lock``) beside the run's
+    key; else the group's lock, every slot taken, and the key released unless shadowed.
     A wait shares one budget, lock_wait_timeout, with the key's."""
     key = group_key(options.namespace, options.group or "")  # set: a lock_group run
     lock = AdvisoryLock(
@@ -61,9 +60,10 @@ def take(
         execution.group_lock = lock
         with runs.held_guard:  # the worker's shutdown net releases it too
             runs.held.add(lock)
-    elif not options.shadow:
+        return None
+    if not options.shadow:
         runs.release_unrun(task, key_lock, execution.task_id)
-    return lock, granted
+    return lock
 
 
 def release(task: SingletonTask, execution: Execution) -> None:

@@ -193,10 +193,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 if options.rate is not None:
                     throttle = periods.start_run(self, options, lock, task_id, direct)
                 if throttle is None and options.group is not None:
-                    group, in_group = groups.take(
-                        self, options, execution, lock, direct=direct, waits=waits
-                    )
-                    group = None if in_group else group
+                    # The full group's lock, or None: a slot is held beside the key.
+                    group = groups.take(self, options, execution, lock, direct, waits)
                 if throttle is None and group is None:
                     return self._run(options, execution, lock, args, kwargs, direct)
             if not options.shadow:
@@ -390,7 +388,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 if not lock.lost:  # a lost lock's release fails; lock_lost said it all
                     outcomes.release_failed(self, task_id, lock, error)
                 release_error = error
-        groups.release(self, execution)
+        if group is not None:
+            groups.release(self, execution)
         # The outcome per scope: docs/operations/failure-modes.md (Release fails).
         failed = (
             exc is not None
@@ -447,4 +446,5 @@ def after_task(task: Any = None, retval: Any = None, **_: Any) -> None:
             task._finish_run(execution, lock, execution.ended_with)
     elif lock is not None and lock.owned():
         runs.release_leftover(lock, f"task_postrun of {execution.task_id}")
-    groups.release_leftover(execution)
+    if execution.group_lock is not None:
+        groups.release_leftover(execution)
