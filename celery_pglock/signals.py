@@ -12,3 +12,5 @@ lock_failed = Signal(name="lock_failed")  #: The body raised.
 #: Releasing went wrong; the connection was closed, so the lock is free.
 lock_release_failed = Signal(name="lock_release_failed")
 lock_lost = Signal(name="lock_lost")  #: The lock was lost while the body ran.
+#: A lock_enqueue send: published, or returned as a duplicate of a queued message.
+lock_enqueued = Signal(name="lock_enqueued")

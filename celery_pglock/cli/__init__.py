@@ -18,6 +18,7 @@ from celery_pglock.cli import (
     release_verb,
     shared,
     sql_verb,
+    why_verb,
 )
 
 __all__ = ["celery_command", "main", "standalone_command"]
@@ -27,7 +28,7 @@ def _build(*, standalone: bool) -> click.Group:
     @click.group(
         name="celery-pglock" if standalone else "pglock",
         help="Inspect celery-pglock advisory locks: locks, queued, periods, key, release, "
-        "check, sql.",
+        "check, sql, why.",
         commands=[
             locks_verb.locks,
             queued_verb.queued,
@@ -36,6 +37,7 @@ def _build(*, standalone: bool) -> click.Group:
             release_verb.release,
             check_verb.check,
             sql_verb.sql,
+            why_verb.why,
         ],
     )
     @click.option(

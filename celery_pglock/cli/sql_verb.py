@@ -7,7 +7,7 @@ import click
 from celery_pglock import fencing
 from celery_pglock.cli import shared
 from celery_pglock.db import engines
-from celery_pglock.task import periods, queued
+from celery_pglock.task import history, periods, queued
 
 # celery_pglock_canonical() writes jsonb as the key format does: docs/operations/cli.md.
 INSTALL = (
@@ -60,7 +60,7 @@ DROP FUNCTION IF EXISTS {schema}.celery_pglock_canonical(jsonb);
 @click.command(
     help="Print (or --apply) the SQL key function celery_pglock_key() and the view "
     "celery_pglock_locks; with --fencing, the fencing-token table instead; with "
-    "--periods, the lock_period table."
+    "--periods, the lock_period table; with --history, pglock_history's."
 )
 @click.option("--apply", "apply_", is_flag=True, help="Run it on the lock database.")
 @click.option("--uninstall", is_flag=True, help="The DROP statements instead.")
@@ -85,6 +85,12 @@ DROP FUNCTION IF EXISTS {schema}.celery_pglock_canonical(jsonb);
     is_flag=True,
     help="The table of lock_period (run as its owner; see the GRANT printed).",
 )
+@click.option(
+    "--history",
+    "history_",
+    is_flag=True,
+    help="The table of pglock_history (run as its owner; see the GRANT printed).",
+)
 @click.pass_obj
 def sql(
     target: shared.Target,
@@ -94,9 +100,12 @@ def sql(
     fencing_: bool,
     periods_: bool,
     enqueue_: bool,
+    history_: bool,
 ) -> None:
-    if sum((fencing_, periods_, enqueue_)) > 1:
-        raise click.UsageError("Give one of --fencing, --periods and --enqueue.")
+    if sum((fencing_, periods_, enqueue_, history_)) > 1:
+        raise click.UsageError(
+            "Give one of --fencing, --periods, --enqueue and --history."
+        )
     quoted = fencing.quote_identifier(schema)
     prefix = quoted + "."
     done = "Dropped" if uninstall else "Created (if missing)"
@@ -104,6 +113,10 @@ def sql(
         text = (periods.DROP if uninstall else periods.CREATE).format(schema=prefix)
         grants = periods.GRANT.format(schema=prefix, role='"<lock role>"')
         action, made = "set up the lock_period table", f"{schema}.celery_pglock_periods"
+    elif history_:
+        text = (history.DROP if uninstall else history.CREATE).format(schema=prefix)
+        grants = history.GRANT.format(schema=prefix, role='"<lock role>"')
+        action, made = "set up the history table", f"{schema}.celery_pglock_history"
     elif enqueue_:
         text = (queued.DROP if uninstall else queued.CREATE).format(schema=prefix)
         grants = queued.GRANT.format(schema=prefix, role="<lock role>")

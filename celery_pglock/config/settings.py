@@ -37,6 +37,7 @@ KNOWN_SETTINGS = (
     "pglock_metrics",
     "pglock_metrics_port",
     "pglock_metrics_address",
+    "pglock_history",
     ON_MISCONFIGURED_DATABASE_SETTING,
 )
 

@@ -75,15 +75,17 @@ def publish(
                 "publish unchecked when the lock database fails (the run lock still "
                 "keeps runs single)."
             ) from error
-        _unchecked(task, "db_error", f"the lock database failed ({error})")
+        _unchecked(
+            task, "db_error", f"the lock database failed ({error})", task_id, key
+        )
         if retry:
             headers[queued.HEADER] = queued.header_of(key)
         return send(args, kwargs, task_id, headers=headers, **options)
     if outcome == "queued":
         if any(options.get(name) for name in _CONTINUATIONS):
-            _unchecked(task, "canvas", f"it is part of a canvas ({key})")
+            _unchecked(task, "canvas", f"it is part of a canvas ({key})", task_id, key)
             return send(args, kwargs, task_id, headers=headers, **options)
-        outcomes.enqueued(task, "duplicate")
+        outcomes.enqueued(task, "duplicate", task_id, key, owner)
         if settings.enqueue_on_duplicate is OnDuplicate.RAISE:
             raise exceptions.AlreadyQueued(
                 f"{task.name}: key {key} already has message {owner} queued or "
@@ -97,7 +99,10 @@ def publish(
         outcome = "new"
     elif outcome == "took_over":
         logger.info("%s: took over stale queued key %s from %s", task.name, key, owner)
-    outcomes.enqueued(task, "published" if outcome == "new" else outcome)
+    outcome = "published" if outcome == "new" else outcome
+    outcomes.enqueued(
+        task, outcome, task_id, key, None if outcome == "published" else owner
+    )
     headers[queued.HEADER] = queued.header_of(key)
     try:
         result = send(args, kwargs, task_id, headers=headers, **options)
@@ -131,8 +136,8 @@ def _seconds_until(when: Any) -> float:
     return float((when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
 
 
-def _unchecked(task: LockedTask, reason: str, why: str) -> None:
-    outcomes.enqueued(task, f"unchecked_{reason}")
+def _unchecked(task: LockedTask, reason: str, why: str, task_id: str, key: Any) -> None:
+    outcomes.enqueued(task, f"unchecked_{reason}", task_id, key)
     now = time.monotonic()
     if now - _warned.get((task.name, reason), -_WARN_EVERY) >= _WARN_EVERY:
         _warned[(task.name, reason)] = now

@@ -62,6 +62,7 @@ def skipped(
             holder=holder,
             shadow=shadow,
             reason=details.get("reason"),
+            details=details,
         )
     level = logging.DEBUG if celery_logs else logging.INFO
     if logger.isEnabledFor(level):
@@ -172,10 +173,25 @@ def database_error(
     )
 
 
-def enqueued(task: LockedTask, outcome: str) -> None:
+def enqueued(
+    task: LockedTask,
+    outcome: str,
+    task_id: str,
+    key: object,
+    queued_task_id: str | None = None,
+) -> None:
     # Optional in a custom Metrics (added after the protocol was published).
     if metrics.sink is not None and hasattr(metrics.sink, "enqueued"):
         _count("enqueued", task.name, outcome)
+    if signals.lock_enqueued.receivers:
+        signals.lock_enqueued.send(
+            sender=task,
+            task_id=task_id,
+            task_name=task.name,
+            key=key,
+            outcome=outcome,
+            queued_task_id=queued_task_id,
+        )
 
 
 def _count(event: str, *args: Any) -> None:

@@ -24,6 +24,7 @@ from celery_pglock.task import (
     busy_policy,
     enqueue,
     groups,
+    history,
     outcomes,
     periods,
     queued,
@@ -98,6 +99,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             bindings.refuse_a_shared_queue(cls.name, cls._pglock, app)
             groups.refuse_another_limit(cls.name, cls._pglock.config, app)
             metrics.configure(app.conf)
+            history.configure(app.conf)
 
     @classmethod
     def _bind(cls, app: celery.Celery) -> bindings.Binding:

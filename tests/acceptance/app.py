@@ -59,6 +59,8 @@ app.conf.update(
     pglock_metrics_port=int(os.environ["PGLOCK_TEST_METRICS_PORT"])
     if os.environ.get("PGLOCK_TEST_METRICS_PORT")
     else None,
+    # PGLOCK_TEST_HISTORY: a worker keeping pglock_history (tests/acceptance/test_why.py).
+    pglock_history=3600 if os.environ.get("PGLOCK_TEST_HISTORY") else None,
 )
 
 recorder = OverlapRecorder(database_url)

@@ -1,0 +1,87 @@
+"""``pglock why``, as its help says; docs/guide/why.md."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from celery_pglock.task import history
+
+if TYPE_CHECKING:
+    from celery_pglock.cli import shared
+
+_UNKNOWN = (
+    "unknown: nothing is recorded for this id. pglock_history may be off (unset, or "
+    "unset in the process that sent or ran it), the events may be older than its "
+    "retention or not written yet (up to a second), or the id is not a SingletonTask "
+    "message."
+)
+
+
+@click.command(
+    help="What became of a SingletonTask message, from pglock_history: sent, returned "
+    "as a duplicate, skipped (why, by whom), started (where, after what wait), ended, "
+    "lost its lock."
+)
+@click.argument("task_id")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@click.pass_obj
+def why(target: shared.Target, task_id: str, as_json: bool) -> None:
+    with target.database("read pglock_history") as engine:
+        found = history.events(engine, task_id) or []
+    verdict = _verdict(found)
+    if as_json:
+        document = {
+            "task_id": task_id,
+            "verdict": verdict,
+            "events": [
+                {"at": _iso(at), "event": event, **detail}
+                for at, event, detail in found
+            ],
+        }
+        click.echo(json.dumps(document, indent=2, default=str))
+        return
+    for at, event, detail in found:
+        said = ", ".join(f"{name} {value}" for name, value in detail.items())
+        click.echo(f"{_iso(at)}  {event:<8} {said}")
+    click.echo(f"{task_id}: {verdict}")
+
+
+def _verdict(found: list[tuple[float, str, dict[str, Any]]]) -> str:
+    """One sentence: the last thing that became of the message."""
+    if not found:
+        return _UNKNOWN
+    _, event, detail = found[-1]
+    if event == "sent" and detail.get("outcome") == "duplicate":
+        return (
+            f"returned as a duplicate of {detail.get('queued')}, which was queued or "
+            "running: nothing was published (pglock why that id)."
+        )
+    if event == "sent":
+        return f"queued ({detail.get('outcome')}), not started yet."
+    if event == "skipped":
+        by = detail.get("holder") or detail.get("last_task") or "unknown"
+        retried = (
+            " (re-queued: more events follow)"
+            if detail.get("policy") == "retry"
+            else ""
+        )
+        return f"did not run: {detail.get('reason')}, held by {by}, policy {detail.get('policy')}{retried}."
+    if event == "started":
+        return f"running on {detail.get('on')} (or ended without a word: killed)."
+    if event == "lost":
+        return f"lost its lock while running: {detail.get('cause')}."
+    started: dict[str, Any] = next(
+        (d for _, e, d in reversed(found) if e == "started"), {}
+    )
+    held = detail.get("held")
+    took = f" after {held:.3f}s" if isinstance(held, float) else ""
+    return f"ran on {started.get('on', '?')}, ended {detail.get('state')}{took}."
+
+
+def _iso(at: float) -> str:
+    moment = datetime.datetime.fromtimestamp(at, tz=datetime.timezone.utc)
+    return moment.isoformat(timespec="milliseconds")
