@@ -64,6 +64,7 @@ PLAIN_ROUND_TRIPS = "bench.plain_round_trips"
 PLAIN_ROW_WRITES = "bench.plain_row_writes"
 PLAIN_UNLOGGED_ROW_WRITES = "bench.plain_unlogged_row_writes"
 PLAIN_PERIOD_WRITE = "bench.plain_period_write"
+PLAIN_GROUP_SLOT = "bench.plain_group_slot"
 SESSION = "bench.session"
 #: SingletonTask session with lock_skip_result="success": a skip ends like a run.
 SKIP_SUCCESS = "bench.session_skip_success"
@@ -72,6 +73,10 @@ UNTIL_FINISHED = "bench.until_finished"
 UNTIL_STARTED = "bench.until_started"
 LIMIT = "bench.limit"
 PERIOD = "bench.period"
+RATE = "bench.rate"
+GROUP = "bench.group"
+#: SingletonTask session in a worker whose app keeps pglock_history.
+HISTORY = "pglock-history"
 ONCE = "bench.once"
 SINGLETON = "bench.singleton"
 
@@ -208,6 +213,16 @@ _FLOOR_STATEMENTS = {
         )
         for table in QUEUED_FLOOR_TABLES.values()
     },
+    # lock_group's floor: the key and a group slot taken in one statement, both released
+    # in one (the design issue 34 asks for; the library sends two more round trips).
+    "floor_group_start": (
+        "text",
+        "SELECT pg_try_advisory_lock(hashtext($1)), pg_try_advisory_lock(hashtext('g'))",
+    ),
+    "floor_group_end": (
+        "text",
+        "SELECT pg_advisory_unlock(hashtext($1)), pg_advisory_unlock(hashtext('g'))",
+    ),
     "floor_period": (
         "text, text",
         "INSERT INTO bench_floor_periods (k, started_at, task_id) VALUES ($1, now(), $2) "
@@ -257,6 +272,15 @@ def plain_unlogged_row_writes(key: str, body: float = 0.0) -> None:
     _row_writes(QUEUED_FLOOR_TABLES[PLAIN_UNLOGGED_ROW_WRITES], key, body)
 
 
+@app.task(name=PLAIN_GROUP_SLOT)
+def plain_group_slot(key: str, body: float = 0.0) -> None:
+    """lock_group's floor: the key and one group slot in the lock's two round trips."""
+    with raw_connection().cursor() as cursor:
+        _floor(cursor, "floor_group_start", key)
+        _body(body)
+        _floor(cursor, "floor_group_end", key)
+
+
 @app.task(name=PLAIN_PERIOD_WRITE)
 def plain_period_write(key: str, body: float = 0.0) -> None:
     """lock_period's floor: plain + 2 round trips plus the period's row, written durably
@@ -270,9 +294,11 @@ def plain_period_write(key: str, body: float = 0.0) -> None:
         cursor.fetchone()
 
 
-if contender in ("pglock", UNAWAITED, BASELINE, "all"):
+if contender in ("pglock", UNAWAITED, BASELINE, HISTORY, "all"):
     from celery_pglock import SingletonTask
 
+    if contender == HISTORY:
+        app.conf.pglock_history = 3600
     app.conf.update(
         pglock_database_url=os.environ.get(DATABASE_URL_ENV),
         pglock_namespace=os.environ.get(NAMESPACE_ENV, "bench"),
@@ -336,6 +362,21 @@ if contender in (
     # Distinct keys only: each key's first run, so each message runs (and is timed).
     @app.task(name=PERIOD, base=SingletonTask, lock_args=("key",), lock_period=3600)
     def period(key: str, body: float = 0.0) -> None:
+        _body(body)
+
+    @app.task(name=RATE, base=SingletonTask, lock_args=("key",), lock_rate=(3, 3600))
+    def rate(key: str, body: float = 0.0) -> None:
+        _body(body)
+
+    # A group no drain fills (64 slots, 2 children): the cost of taking and giving back a slot.
+    @app.task(
+        name=GROUP,
+        base=SingletonTask,
+        lock_args=("key",),
+        lock_group="bench",
+        lock_group_limit=64,
+    )
+    def group(key: str, body: float = 0.0) -> None:
         _body(body)
 
 
@@ -515,7 +556,7 @@ def _quiet_task_logs(**_: Any) -> None:
 
 def _warm_up() -> None:
     """Open what the first task would open (lock session, Redis), then say so."""
-    if contender in ("pglock", UNAWAITED):
+    if contender in ("pglock", UNAWAITED, HISTORY):
         from celery_pglock import AdvisoryLock, keys
         from celery_pglock.db import engines
 

@@ -286,7 +286,8 @@ class Bench:
                     "SELECT quote_ident(relname) FROM pg_class WHERE relkind = 'r' AND "
                     "relname IN ('celery_pglock_queued', 'celery_pglock_periods', "
                     "'celery_pglock_fencing', 'bench_floor_queued', "
-                    "'bench_floor_queued_unlogged', 'bench_floor_periods') "
+                    "'bench_floor_queued_unlogged', 'bench_floor_periods', "
+                    "'celery_pglock_history') "
                     "AND pg_table_is_visible(oid)"
                 )
                 tables = [row[0] for row in cursor.fetchall()]

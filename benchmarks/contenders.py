@@ -35,19 +35,26 @@ ENQUEUE_ROWS = (UNTIL_FINISHED_ROW, UNTIL_STARTED_ROW)
 #: runs, so the row is the cost of the run's extra statement.
 LIMIT_ROW = "SingletonTask session + lock_limit=3"
 PERIOD_ROW = "SingletonTask session + lock_period"
+#: Issue 34's features, distinct keys only: a rate's first start per key (its floor is the
+#: period's), a slot of a group no drain fills, and the history of every outcome.
+RATE_ROW = "SingletonTask session + lock_rate=3/h"
+GROUP_ROW = "SingletonTask session + lock_group"
+HISTORY_ROW = "SingletonTask session + pglock_history"
 #: Issue 18's floors (bench_app): the rows the designs prescribe, written by hand with no
 #: library; what any implementation of the design pays at least. Distinct keys only.
 ROW_FLOOR = "plain + queued row by hand (floor)"
 UNLOGGED_ROW_FLOOR = "plain + unlogged queued row by hand (floor)"
 PERIOD_FLOOR = "plain + 2 round trips + period row (floor)"
-FLOORS = (ROW_FLOOR, UNLOGGED_ROW_FLOOR, PERIOD_FLOOR)
-DISTINCT_ONLY = (LIMIT_ROW, PERIOD_ROW, *FLOORS)
+GROUP_FLOOR = "plain + key and group slot by hand (floor)"
+FLOORS = (ROW_FLOOR, UNLOGGED_ROW_FLOOR, PERIOD_FLOOR, GROUP_FLOOR)
+DISTINCT_ONLY = (LIMIT_ROW, PERIOD_ROW, RATE_ROW, GROUP_ROW, HISTORY_ROW, *FLOORS)
 CONTENDERS = {
     "plain": Contender("plain", bench_app.PLAIN),
     "plain + 2 round trips": Contender("plain", bench_app.PLAIN_ROUND_TRIPS),
     ROW_FLOOR: Contender("plain", bench_app.PLAIN_ROW_WRITES),
     UNLOGGED_ROW_FLOOR: Contender("plain", bench_app.PLAIN_UNLOGGED_ROW_WRITES),
     PERIOD_FLOOR: Contender("plain", bench_app.PLAIN_PERIOD_WRITE),
+    GROUP_FLOOR: Contender("plain", bench_app.PLAIN_GROUP_SLOT),
     "SingletonTask session": Contender("pglock", bench_app.SESSION),
     "SingletonTask transaction": Contender("pglock", bench_app.TRANSACTION),
     SKIP_SUCCESS_ROW: Contender("pglock", bench_app.SKIP_SUCCESS),
@@ -57,6 +64,9 @@ CONTENDERS = {
     UNTIL_STARTED_ROW: Contender("pglock", bench_app.UNTIL_STARTED, True, True),
     LIMIT_ROW: Contender("pglock", bench_app.LIMIT),
     PERIOD_ROW: Contender("pglock", bench_app.PERIOD),
+    RATE_ROW: Contender("pglock", bench_app.RATE),
+    GROUP_ROW: Contender("pglock", bench_app.GROUP),
+    HISTORY_ROW: Contender(bench_app.HISTORY, bench_app.SESSION),
     "celery-once 3.0.1": Contender("once", bench_app.ONCE, True),
     "celery-singleton 0.3.1": Contender("singleton", bench_app.SINGLETON, True),
 }

@@ -8,8 +8,9 @@ import inspect
 import os
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import celery_compat, config, exceptions, keys
+from celery_pglock import celery_compat, config, exceptions, keys, metrics
 from celery_pglock.db import engines
+from celery_pglock.task import groups, history
 
 if TYPE_CHECKING:
     from collections.abc import Set as AbstractSet
@@ -115,6 +116,15 @@ def limit_of(task: Any, options: LockConfig, args: Any, kwargs: Any) -> int:
             f"int from 1 to {keys.SLOT_MAX} (runs of the call's key at once)."
         )
     return limit
+
+
+def settle(name: str, binding: Binding, app: celery.Celery) -> None:
+    """Once bound: refuse what clashes with the app's other tasks, and set up what the
+    app's settings ask of this process (metrics, pglock_history)."""
+    refuse_a_shared_queue(name, binding, app)
+    groups.refuse_another_limit(name, binding.config, app)
+    metrics.configure(app.conf)
+    history.configure(app.conf)
 
 
 def refuse_a_shared_queue(name: str, binding: Binding, app: celery.Celery) -> None:

@@ -3,11 +3,8 @@ Why: docs/guide/enqueue.md."""
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import logging
-import queue
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +13,7 @@ from celery.utils.time import maybe_iso8601
 
 from celery_pglock import celery_compat, config, exceptions
 from celery_pglock.config import Enqueue, OnDuplicate, OnEnqueueError
-from celery_pglock.db import engines, forks
+from celery_pglock.db import engines, row_writer
 from celery_pglock.task import outcomes, queued
 
 if TYPE_CHECKING:
@@ -154,73 +151,7 @@ def _unchecked(task: LockedTask, reason: str, why: str, task_id: str, key: Any) 
 _Change = tuple[str, tuple[int, int, int], str, float]
 
 
-class _RowWriter(threading.Thread):
-    """Sends row changes (publish confirmations, deletes of unrun messages' rows) off
-    the caller's thread, batched; retried until the rows are stale (``give_up_after``)."""
-
-    BATCH_WAIT = 0.1  #: Seconds to gather a batch: one statement for a burst of sends.
-    RETRY_EVERY = 1.0  #: Seconds between tries while the database fails.
-
-    def __init__(self, engine: sa.Engine, bound: float, give_up_after: float) -> None:
-        super().__init__(name="celery-pglock-queued-writer", daemon=True)
-        self.engine, self.bound, self.give_up_after = engine, bound, give_up_after
-        self.pending: queue.SimpleQueue[_Change] = queue.SimpleQueue()
-        self.unwritten = 0  #: Put and not yet written (or given up): see :meth:`drain`.
-        self.written = threading.Condition()
-
-    def put(self, change: _Change) -> None:
-        with self.written:
-            self.unwritten += 1
-        self.pending.put(change)
-
-    def drain(self, timeout: float) -> bool:
-        """Wait until every change put so far is written (at exit): False on timeout."""
-        with self.written:
-            return self.written.wait_for(lambda: self.unwritten == 0, timeout)
-
-    def run(self) -> None:
-        while True:
-            batch = [self.pending.get()]
-            time.sleep(self.BATCH_WAIT)
-            while not self.pending.empty():
-                batch.append(self.pending.get())
-            self._write(batch)
-            with self.written:
-                self.unwritten -= len(batch)
-                self.written.notify_all()
-
-    def _write(self, batch: list[_Change]) -> None:
-        give_up = time.monotonic() + self.give_up_after
-        warned = False
-        while True:
-            try:
-                # On the claim's kept connection when free: a producer keeps one.
-                engines.on_kept(
-                    self.engine, self.bound, lambda c: _write_rows(batch, c)
-                )
-                if warned:
-                    logger.info("Wrote %d queued key change(s) after all", len(batch))
-                return
-            except Exception:
-                if not warned or time.monotonic() >= give_up:
-                    logger.warning(
-                        "Could not write %d queued key change(s) (%s); %s",
-                        len(batch),
-                        ", ".join(task_id for _, _, task_id, _ in batch),
-                        "each key frees itself once stale, or clear it with `celery "
-                        "pglock queued clear <task id>`"
-                        if warned
-                        else "trying again until the lock database answers",
-                        exc_info=not warned,
-                        extra={"action": "enqueue_free_failed"},
-                    )
-                if time.monotonic() >= give_up:
-                    return
-                warned = True
-                time.sleep(self.RETRY_EVERY)
-
-
-def _write_rows(batch: list[_Change], cursor: Any) -> None:
+def _write_rows(engine: sa.Engine, cursor: Any, batch: list[_Change]) -> None:
     # Array params per column: DELETE_MANY takes 4, CONFIRM_MANY all 5.
     for statement, width in ((queued.DELETE_MANY, 4), (queued.CONFIRM_MANY, 5)):
         rows = [(*row, i, n) for sql, row, i, n in batch if sql == statement]
@@ -235,8 +166,15 @@ def _array(numbers: tuple[float, ...]) -> str:
     return "{" + ",".join(map(repr, numbers)) + "}"
 
 
-_writers: dict[Any, _RowWriter] = {}
-_writers_guard = forks.safe_lock(_writers)  # a child has no writer thread
+#: Publish confirmations and deletes of unrun messages' rows, retried until the rows are
+#: stale; unsent at exit, a confirmation frees its key for a second send after the grace.
+QUEUED_ROWS = row_writer.Purpose(
+    "queued",
+    _write_rows,
+    lambda batch: ", ".join(task_id for _, _, task_id, _ in batch),
+    "each key frees itself once stale, or clear it with `celery pglock queued clear "
+    f"<task id>` (an unconfirmed one after {queued.PUBLISH_GRACE:g}s)",
+)
 
 
 def free_later(task: LockedTask, row: tuple[int, int, int], task_id: str) -> None:
@@ -251,28 +189,13 @@ def _write_later(task: LockedTask, change: _Change) -> None:
     ).put(change)
 
 
-def _writer_for(engine: sa.Engine, bound: float, give_up_after: float) -> _RowWriter:
-    with _writers_guard:
-        writer = _writers.get(engine)
-        if writer is None or not writer.is_alive():
-            writer = _writers[engine] = _RowWriter(engine, bound, give_up_after)
-            writer.start()
-        return writer
+def _writer_for(
+    engine: sa.Engine, bound: float, give_up_after: float
+) -> row_writer.RowWriter[_Change]:
+    return row_writer.writer_for(engine, QUEUED_ROWS, bound, give_up_after)
 
 
-@atexit.register
-def drain_writers() -> None:
-    """At exit, write what is pending (each writer bounded by its round trip): an unsent
-    confirmation frees its key for a second send after PUBLISH_GRACE."""
-    with _writers_guard:
-        writers = [writer for writer in _writers.values() if writer.is_alive()]
-    for writer in writers:
-        if not writer.drain(writer.BATCH_WAIT + writer.bound):
-            logger.warning(
-                "Exiting with queued key changes unwritten: their keys may take a "
-                "second message after %gs (docs/guide/enqueue.md)",
-                queued.PUBLISH_GRACE,
-            )
+drain_writers = row_writer.drain_all  #: At exit, and where a test needs rows written.
 
 
 def _enqueues(task: object) -> bool:

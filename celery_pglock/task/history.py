@@ -1,19 +1,17 @@
 """pglock_history: what became of each message of a SingletonTask (``pglock why``), kept for
-a bounded time. Fed by the outcome signals, written off the run's thread in batches: with
-the setting unset no receiver is connected and nothing is sent. docs/guide/why.md."""
+a bounded time. Fed by the outcome signals, written off the run's thread (db.row_writer):
+with the setting unset no receiver is connected and nothing is sent. docs/guide/why.md."""
 
 from __future__ import annotations
 
 import json
 import logging
-import queue
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import exceptions, signals
 from celery_pglock.config.options import seconds
-from celery_pglock.db import engines, forks, own_tables
+from celery_pglock.db import engines, own_tables, row_writer
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -106,9 +104,11 @@ def _record(sender: Any, task_id: str | None, event: str, **detail: Any) -> None
         if keep is None:  # another app of this process keeps history, not this one
             return
         engine = sender.locks_engine()
+        _retention_of[engine] = keep
         detail = {k: v for k, v in detail.items() if v is not None}
         text = json.dumps(detail, default=str)
-        _writer_for(engine, keep).pending.put((task_id, time.time(), event, text))
+        writer = row_writer.writer_for(engine, EVENTS_ROWS, 10.0, 10.0)
+        writer.put((task_id, time.time(), event, text))
     except Exception:  # history never fails a run
         logger.debug("pglock_history: could not record %s", event, exc_info=True)
 
@@ -163,55 +163,23 @@ _RECEIVERS = {
 }
 
 
-class _Writer(threading.Thread):
-    """Inserts a process's events in batches, and prunes what is past retention."""
-
-    BATCH_WAIT = 0.2  #: Seconds to gather a batch.
-
-    def __init__(self, engine: sa.Engine, keep: float) -> None:
-        super().__init__(name="celery-pglock-history", daemon=True)
-        self.engine, self.keep = engine, keep
-        self.pending: queue.SimpleQueue[_Event] = queue.SimpleQueue()
-        self.pruned_at = 0.0
-
-    def run(self) -> None:
-        while True:
-            batch = [self.pending.get()]
-            time.sleep(self.BATCH_WAIT)
-            while not self.pending.empty():
-                batch.append(self.pending.get())
-            try:
-                self._write(batch)
-            except Exception:  # history is best effort: a lost batch, never a run
-                logger.warning(
-                    "pglock_history: could not write %d event(s)",
-                    len(batch),
-                    exc_info=True,
-                    extra={"action": "history_write_failed"},
-                )
-
-    def _write(self, batch: list[_Event]) -> None:
-        TABLE.ensure(self.engine)
-        with engines.autocommit_cursor(self.engine, 10.0) as cursor:
-            cursor.execute(
-                _INSERT, [list(column) for column in zip(*batch, strict=True)]
-            )
-            if time.monotonic() - self.pruned_at >= PRUNE_EVERY:
-                self.pruned_at = time.monotonic()
-                cursor.execute(_PRUNE, (self.keep,))
+def _write_events(engine: sa.Engine, cursor: Any, batch: list[_Event]) -> None:
+    TABLE.ensure(engine)
+    cursor.execute(_INSERT, [list(column) for column in zip(*batch, strict=True)])
+    if time.monotonic() - _pruned_at.get(engine, -PRUNE_EVERY) >= PRUNE_EVERY:
+        _pruned_at[engine] = time.monotonic()
+        cursor.execute(_PRUNE, (_retention_of.get(engine, 0.0),))
 
 
-_writers: dict[Any, _Writer] = {}
-_writers_guard = forks.safe_lock(_writers)  # a child has no writer thread
-
-
-def _writer_for(engine: sa.Engine, keep: float) -> _Writer:
-    with _writers_guard:
-        writer = _writers.get(engine)
-        if writer is None or not writer.is_alive():
-            writer = _writers[engine] = _Writer(engine, keep)
-            writer.start()
-        return writer
+_pruned_at: dict[Any, float] = {}  #: engine -> when this process last pruned
+_retention_of: dict[Any, float] = {}  #: engine -> its app's pglock_history
+#: Best effort: a batch the database refuses for 10 s is dropped, never a run failed.
+EVENTS_ROWS = row_writer.Purpose(
+    "history",
+    _write_events,
+    lambda batch: f"{len({task_id for task_id, *_ in batch})} message(s)",
+    "those events are lost (pglock why tells less of those messages)",
+)
 
 
 def events(

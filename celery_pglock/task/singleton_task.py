@@ -15,7 +15,7 @@ import celery
 from celery import states
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_pglock import celery_compat, config, exceptions, keys, metrics
+from celery_pglock import celery_compat, config, exceptions, keys
 from celery_pglock.config import Enqueue, LockScope, OnBusy, OnLost, SkipResult
 from celery_pglock.fencing import tokens as fencing_tokens
 from celery_pglock.lock import AdvisoryLock
@@ -24,7 +24,6 @@ from celery_pglock.task import (
     busy_policy,
     enqueue,
     groups,
-    history,
     outcomes,
     periods,
     queued,
@@ -96,10 +95,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             cls.throws = (*cls.throws, exceptions.LockSkipped)
         if cls.name:  # an abstract base has no name and no real run() yet
             cls._pglock = cls._bind(app)
-            bindings.refuse_a_shared_queue(cls.name, cls._pglock, app)
-            groups.refuse_another_limit(cls.name, cls._pglock.config, app)
-            metrics.configure(app.conf)
-            history.configure(app.conf)
+            bindings.settle(cls.name, cls._pglock, app)
 
     @classmethod
     def _bind(cls, app: celery.Celery) -> bindings.Binding:

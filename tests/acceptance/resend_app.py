@@ -7,14 +7,14 @@ from __future__ import annotations
 import os
 
 from celery_pglock import SingletonTask
-from celery_pglock.task import enqueue
+from celery_pglock.db import row_writer
 from tests.acceptance.app import _body, app, recorder
 
 __all__ = ["app", "recorder"]
 
 if "PGLOCK_TEST_WRITER_BATCH_WAIT" in os.environ:
     # A row change still pending when a pool child exits (test_resends.py).
-    enqueue._RowWriter.BATCH_WAIT = float(os.environ["PGLOCK_TEST_WRITER_BATCH_WAIT"])
+    row_writer.RowWriter.BATCH_WAIT = float(os.environ["PGLOCK_TEST_WRITER_BATCH_WAIT"])
 
 
 @app.task(

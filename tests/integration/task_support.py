@@ -52,6 +52,18 @@ def current_engine(app):
     return db_module.engine_for(app.conf)
 
 
+def hold_slots(app, slots, count):
+    """Hold ``count`` of ``slots`` (keys.slot_keys) from other sessions, the first free
+    ones, as running duplicates would: the locks."""
+    locks = []
+    for _ in range(count):
+        lock = AdvisoryLock(engine=current_engine(app), key=slots[0])
+        lock.slots = slots
+        assert lock.acquire()
+        locks.append(lock)
+    return locks
+
+
 def trace_delivery(task, task_id, *, redelivered):
     """Run ``task`` the way a worker's pool runs a message (Celery's tracer, results
     stored), with the broker's ``redelivered`` flag as given."""

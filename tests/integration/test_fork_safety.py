@@ -16,7 +16,7 @@ import time
 import traceback
 import warnings
 
-from celery_pglock.db import engines, server_probe
+from celery_pglock.db import engines, row_writer, server_probe
 from celery_pglock.fencing import tokens as fencing_tokens
 from celery_pglock.task import enqueue, queued, runs
 from tests.integration.task_support import current_engine, define
@@ -92,8 +92,8 @@ def test_the_server_probe_guard_is_free_in_a_forked_child(database_url):
     assert "ok" == in_forked_child(server_probe._probing, work)
 
 
-def test_the_enqueue_writers_guard_is_free_in_a_forked_child(app):
-    """enqueue._writers_guard: a child forked while another thread starts a writer starts
+def test_the_row_writers_guard_is_free_in_a_forked_child(app):
+    """row_writer._writers_guard: a child forked while another thread starts a writer starts
     its own (the parent's thread is not in the child), which frees the dropped row."""
     task = define(
         app,
@@ -127,7 +127,7 @@ def test_the_enqueue_writers_guard_is_free_in_a_forked_child(app):
         return queued_row() is None
 
     try:
-        assert "ok" == in_forked_child(enqueue._writers_guard, work)
+        assert "ok" == in_forked_child(row_writer._writers_guard, work)
     finally:
         with contextlib.suppress(Exception):
             queued.give_back(current_engine(task.app), key, sent.id, 5)

@@ -132,8 +132,11 @@ def test_rows_past_retention_are_pruned_by_the_next_write(app, database_url):
                 "(%s, now() - interval '700 seconds', 'sent', '{}')",
                 (old,),
             )
-        writer = history._Writer(engine, 600.0)
-        writer._write([(f"new-{uuid.uuid4()}", time.time(), "sent", "{}")])
+        history._pruned_at.pop(engine, None)  # as in a process yet to write
+        history._retention_of[engine] = 600.0
+        with engines.autocommit_cursor(engine) as cursor:
+            batch = [(f"new-{uuid.uuid4()}", time.time(), "sent", "{}")]
+            history._write_events(engine, cursor, batch)
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT count(*) FROM celery_pglock_history WHERE task_id = %s", (old,)

@@ -21,7 +21,13 @@ from celery_pglock import (
 )
 from celery_pglock.task import groups, runs
 from celery_pglock.testing import _support
-from tests.integration.task_support import current_engine, define, hold, is_held
+from tests.integration.task_support import (
+    current_engine,
+    define,
+    hold,
+    hold_slots,
+    is_held,
+)
 
 
 def group_slots(task):
@@ -32,14 +38,7 @@ def group_slots(task):
 
 def fill(task, count):
     """Hold ``count`` of the group's slots from other sessions (running group members)."""
-    slots = group_slots(task)
-    locks = []
-    for _ in range(count):
-        lock = AdvisoryLock(engine=current_engine(task.app), key=slots[0])
-        lock.slots = slots
-        assert lock.acquire()
-        locks.append(lock)
-    return locks
+    return hold_slots(task.app, group_slots(task), count)
 
 
 def held_slots(task):

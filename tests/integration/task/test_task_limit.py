@@ -18,19 +18,14 @@ from celery_pglock import (
 )
 from celery_pglock.db import engines
 from celery_pglock.lock import sessions
+from tests.integration import task_support
 from tests.integration.task_support import current_engine, define, ran, trace_delivery
 
 
-def hold_slots(task, count):
-    """Hold the first ``count`` slots of the task's key, as running duplicates would."""
-    slots = keys.slot_keys(task.lock_key_for(), task.lock_config.limit)
-    locks = []
-    for _ in range(count):
-        lock = AdvisoryLock(engine=current_engine(task.app), key=slots[0])
-        lock.slots = slots
-        assert lock.acquire()
-        locks.append(lock)
-    return slots, locks
+def hold_key_slots(task, count, *args, limit=None):
+    """Hold ``count`` slots of the call's key (of ``limit``, else lock_limit)."""
+    slots = keys.slot_keys(task.lock_key_for(*args), limit or task.lock_config.limit)
+    return slots, task_support.hold_slots(task.app, slots, count)
 
 
 def test_a_run_takes_a_free_slot_and_a_full_key_is_skipped_naming_a_holder(app):
@@ -42,7 +37,7 @@ def test_a_run_takes_a_free_slot_and_a_full_key_is_skipped_naming_a_holder(app):
         seen.append(current_lock().key)
 
     task = define(app, report, lock_limit=2)
-    slots, locks = hold_slots(task, 2)
+    slots, locks = hold_key_slots(task, 2)
     try:
         result = task.apply()
         assert "FAILURE" == result.state
@@ -74,7 +69,7 @@ def test_an_acks_late_run_takes_its_run_lock_in_the_slot_statement(app):
         during.append(AdvisoryLock(engine=current_engine(app), key=run).locked())
 
     task = define(app, report, lock_limit=3, acks_late=True)
-    _, locks = hold_slots(task, 1)
+    _, locks = hold_key_slots(task, 1)
     try:
         trace_delivery(task, task_id, redelivered=False)
     finally:
@@ -103,7 +98,7 @@ def test_the_watcher_checks_the_granted_slot(app, lost_events):
         time.sleep(1.0)
 
     task = define(app, slow, lock_limit=2, lock_watch_interval=0.2)
-    _, locks = hold_slots(task, 1)
+    _, locks = hold_key_slots(task, 1)
     try:
         assert "SUCCESS" == task.apply().state
     finally:
@@ -113,7 +108,7 @@ def test_the_watcher_checks_the_granted_slot(app, lost_events):
 
 def test_shadow_mode_runs_the_body_when_every_slot_is_taken(app, events):
     task = define(app, ran, lock_limit=2, lock_shadow=True)
-    _, locks = hold_slots(task, 2)
+    _, locks = hold_key_slots(task, 2)
     try:
         assert "ran" == task.apply().get(timeout=5)
     finally:
@@ -140,30 +135,19 @@ def tiered(app):
     return app.tasks[task(report).name]
 
 
-def hold_key_slots(task, tenant, count, limit):
-    slots = keys.slot_keys(task.lock_key_for(tenant), limit)
-    locks = []
-    for _ in range(count):
-        lock = AdvisoryLock(engine=current_engine(task.app), key=slots[0])
-        lock.slots = slots
-        assert lock.acquire()
-        locks.append(lock)
-    return slots, locks
-
-
 def test_lock_limit_for_gives_each_key_its_own_limit(app):
     """lock_limit_for: "gold" has 2 slots, "free" 1. With one gold slot held a gold run
     takes the second; with both held it is skipped naming 2 slots; a free run finds its
     one key held and is skipped as a plain busy key."""
     task = tiered(app)
-    slots, locks = hold_key_slots(task, "gold", 1, 2)
+    slots, locks = hold_key_slots(task, 1, "gold", limit=2)
     try:
         assert slots[1] == task.apply(("gold",)).get()
-        locks += hold_key_slots(task, "gold", 1, 2)[1]
+        locks += hold_key_slots(task, 1, "gold", limit=2)[1]
         skip = task.apply(("gold",)).result
         assert isinstance(skip, LockSkipped)
         assert "has all 2 slots (lock_limit) held" in str(skip)
-        _, free = hold_key_slots(task, "free", 1, 1)
+        _, free = hold_key_slots(task, 1, "free", limit=1)
         locks += free
         skip = task.apply(("free",)).result
         assert isinstance(skip, LockSkipped)
