@@ -47,7 +47,9 @@ class NullMetrics:
     def _nothing(self, *args: object, **kwargs: object) -> None:
         pass
 
-    acquired = skipped = released = release_failed = lost = enqueued = _nothing
+    acquired = skipped = released = release_failed = lost = enqueued = throttled = (
+        _nothing
+    )
 
 
 class PrometheusMetrics:
@@ -146,6 +148,9 @@ class PrometheusMetrics:
     def enqueued(self, task: str, outcome: str) -> None:
         self._child("enqueued", task, outcome).inc()
 
+    def throttled(self, task: str, reason: str) -> None:
+        self._child("throttled", task, reason).inc()
+
 
 #: Each series' help text, by its name after ``celery_pglock_``.
 _HELP = {
@@ -155,6 +160,8 @@ _HELP = {
     "release_failed": "Releases that failed; PostgreSQL no longer held the lock.",
     "lost": "Locks lost while their body ran.",
     "enqueued": "lock_enqueue sends, by outcome (published, duplicate, took_over, unchecked_*).",
+    "throttled": "Skipped runs whose key was free: refused by lock_rate or lock_period "
+    "(period, rate) or a full lock_group (group).",
     "wait_seconds": "Time a run spent asking for its lock.",
     "held_seconds": "Time a lock was held.",
     "held_locks": "Locks held now.",
@@ -183,6 +190,7 @@ def _create_collectors(registry: Any) -> dict[str, Any]:
     new(prom.Counter, "release_failed")
     new(prom.Counter, "lost")
     new(prom.Counter, "enqueued", "task", "outcome")
+    new(prom.Counter, "throttled", "task", "reason")
     new(prom.Histogram, "wait_seconds", buckets=WAIT_BUCKETS)
     new(prom.Histogram, "held_seconds", buckets=HELD_BUCKETS)
     # Multiprocess: the sum over live processes (a dead child holds nothing).

@@ -52,8 +52,12 @@ def skipped(
     """``celery_logs``: Celery's task line carries ``message``, so ours is DEBUG;
     ``shadow``: a would-be skip, the body runs anyway."""
     wait = lock.wait_seconds or 0.0
+    reason = details.get("reason")
     if metrics.sink is not None:
         _count("skipped", task.name, action, wait)
+        # Optional in a custom Metrics (added after the protocol was published).
+        if reason != "lock_busy" and hasattr(metrics.sink, "throttled"):
+            _count("throttled", task.name, reason)
     holder = details.get("holder")
     if signals.lock_skipped.receivers:
         signals.lock_skipped.send(
@@ -61,7 +65,7 @@ def skipped(
             action=action,
             holder=holder,
             shadow=shadow,
-            reason=details.get("reason"),
+            reason=reason,
             details=details,
         )
     level = logging.DEBUG if celery_logs else logging.INFO

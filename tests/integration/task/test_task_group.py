@@ -18,6 +18,7 @@ from celery_pglock import (
     LockSkipped,
     SingletonTask,
     keys,
+    metrics,
 )
 from celery_pglock.task import groups, runs
 from celery_pglock.testing import _support
@@ -229,3 +230,37 @@ def test_a_group_slot_lost_mid_body_fails_the_run(app, database_url):
     assert "celery_pglock.group:exports" in str(result.result)
     assert [False, False] == held_slots(task)
     assert not is_held(task, 1)
+
+
+def test_a_full_group_counts_as_skipped_and_throttled(app):
+    """The metrics: a group-full skip is in celery_pglock_skipped_total (its policy) and
+    in celery_pglock_throttled_total with reason "group"; a busy key is not throttled."""
+    import prometheus_client  # the dev extra's
+
+    registry = prometheus_client.CollectorRegistry()
+    metrics.install(metrics.PrometheusMetrics(registry))
+    try:
+        task, _ = exporter(app, "counted")
+        locks = fill(task, 2)
+        try:
+            task.apply((1,))
+        finally:
+            for lock in locks:
+                lock.release()
+        key = hold(task, 2)
+        try:
+            task.apply((2,))
+        finally:
+            key.release()
+    finally:
+        metrics.install(metrics.NullMetrics())
+    labels = {"task": task.name}
+    assert 2 == registry.get_sample_value(
+        "celery_pglock_skipped_total", {**labels, "policy": "skip"}
+    )
+    assert 1 == registry.get_sample_value(
+        "celery_pglock_throttled_total", {**labels, "reason": "group"}
+    )
+    assert None is registry.get_sample_value(
+        "celery_pglock_throttled_total", {**labels, "reason": "lock_busy"}
+    )
