@@ -48,6 +48,11 @@ def test_short_chaos_run(acceptance_env, tmp_path):
     assert figures["overlaps_unexplained"] == []
     assert figures["partition_overlaps"] == 0
     assert figures["advisory_locks_left"] == 0
+    flow = figures["flow"]
+    assert 0 == flow["not_run"], flow["not_run_ids"]
+    assert 0 == flow["overlaps"]
+    assert flow["group_peak"] <= flow["group_limit"]
+    assert 0 == flow["rate_exceeded"]
     failed = [what for what, ok in figures["checks"].items() if not ok]
     assert failed == [], output[-5000:]
     assert process.returncode == 0, output[-5000:]

@@ -121,3 +121,62 @@ until_started = app.task(
     lock_retry_delay=0.5,
     max_retries=50,
 )(_enqueued)
+
+
+#: The flow phase (tests/chaos/flow_phase.py): a group of GROUP_LIMIT runs at most, one per
+#: key; a rate of RATE[0] starts per RATE[1] seconds per key.
+GROUP_LIMIT = 2
+RATE = (2, 2.0)
+
+
+def _heartbeating(
+    run: str, keys: tuple[str, ...], task_id: str, seconds: float
+) -> None:
+    """Record an interval per key in ``keys``, each refreshed as the body runs."""
+    rows = [
+        recorder.begin(run if n == 0 else f"{run}-group", key, task_id)
+        for n, key in enumerate(keys)
+    ]
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        for row_id in rows:
+            recorder.heartbeat(row_id)
+        time.sleep(min(left, HEARTBEAT))
+    for row_id in rows:
+        recorder.end(row_id)
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    name="chaos.grouped",
+    lock_args=("run", "key"),
+    lock_group="chaos",
+    lock_group_limit=GROUP_LIMIT,
+    lock_on_busy="retry",
+    lock_retry_delay=0.2,
+    max_retries=None,
+    acks_late=True,
+    reject_on_worker_lost=True,
+)
+def grouped(self: Any, run: str, key: str, seconds: float) -> str:
+    """One run per key and GROUP_LIMIT in the group (recorded under ``<run>-group``)."""
+    _heartbeating(run, (key, "group"), self.request.id, seconds)
+    return "ran"
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    name="chaos.rated",
+    lock_args=("run", "key"),
+    lock_rate=RATE,
+    lock_on_busy="retry",
+    max_retries=None,
+    acks_late=True,
+    reject_on_worker_lost=True,
+)
+def rated(self: Any, run: str, key: str, seconds: float) -> str:
+    """At most RATE[0] starts of a key per RATE[1] seconds; re-queued until a start frees."""
+    _heartbeating(run, (key,), self.request.id, seconds)
+    return "ran"

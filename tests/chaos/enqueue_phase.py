@@ -85,7 +85,7 @@ def run(chaos: Chaos) -> dict[str, Any]:
             )
             never_published.add(lost_id)
         for _ in range(2):
-            killed_children += _kill_a_running_child(chaos, run_id)
+            killed_children += kill_a_running_child(chaos, run_id)
             time.sleep(SECONDS / 6)
         for producer in producers:
             producer.wait(timeout=SECONDS + 60)
@@ -152,7 +152,7 @@ def _lost_with_its_child(result: Any) -> bool:
     return False
 
 
-def _kill_a_running_child(chaos: Chaos, run_id: str) -> int:
+def kill_a_running_child(chaos: Chaos, run_id: str) -> int:
     """SIGKILL a prefork child running an enqueued body (0 if none was found in 3 s)."""
     children = {
         pid

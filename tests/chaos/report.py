@@ -86,6 +86,7 @@ def collect(chaos: Chaos, started: float) -> dict[str, Any]:
         advisory_locks_left=left,
         wall_seconds=round(time.time() - started, 1),
         enqueue=chaos.enqueue_figures,
+        flow=chaos.flow_figures,
         **_from_logs(chaos),
     )
     return figures
@@ -216,7 +217,7 @@ def checks(figures: dict[str, Any], plan: Plan) -> list[tuple[str, bool]]:
         and loss["detected_after_s"] > DETECTION_BOUND[loss["fault"].split(" (")[0]]
     ]
     kinds = [f["fault"] for f in figures["faults"]]
-    enqueue = figures["enqueue"]
+    enqueue, flow = figures["enqueue"], figures["flow"]
     return [
         ("0 unaccounted", figures["unaccounted"] == 0),
         ("0 unexplained overlaps", not figures["overlaps_unexplained"]),
@@ -249,6 +250,14 @@ def checks(figures: dict[str, Any], plan: Plan) -> list[tuple[str, bool]]:
         ("enqueue: 0 revoked messages ran", enqueue["revoked_that_ran"] == 0),
         ("enqueue: 0 overlaps", enqueue["overlaps"] == 0),
         ("enqueue: producers and children killed", enqueue["children_killed"] > 0),
+        ("flow: every message ran", flow["not_run"] == 0),
+        ("flow: 0 overlaps of a key", flow["overlaps"] == 0),
+        (
+            "flow: the group never above its limit",
+            flow["group_peak"] <= flow["group_limit"],
+        ),
+        ("flow: no rate exceeded", flow["rate_exceeded"] == 0),
+        ("flow: children killed", flow["children_killed"] > 0),
     ]
 
 
@@ -330,6 +339,16 @@ def render(figures: dict[str, Any], results: list[tuple[str, bool]]) -> str:
             "",
             f"enqueue: unaccounted {enqueue['unaccounted_ids']}, blocked {enqueue['blocked_rows']}",
         ]
+    lines += [
+        "",
+        "| flow phase | count |",
+        "|---|---|",
+        *(
+            f"| {name} | {value} |"
+            for name, value in figures["flow"].items()
+            if not name.endswith("_ids")
+        ),
+    ]
     lines += ["", "| check | result |", "|---|---|"]
     lines += [f"| {what} | {'ok' if ok else 'FAILED'} |" for what, ok in results]
     if figures["overlaps_unexplained"]:

@@ -15,6 +15,7 @@ Three phases, one after the other, so that each overlap has one possible cause:
    the server as its keepalives would, and the duplicates run.
 3. *Enqueue*: lock_enqueue under producer and pool-child kills, revokes, a purge and rows
    never published (tests/chaos/enqueue_phase.py).
+4. *Flow*: lock_group and lock_rate under pool-child kills (tests/chaos/flow_phase.py).
 
 The overlap recorder and the loss events live on the shared test database, which the chaos
 never touches. Every wait has a deadline; every process is stopped in ``finally``.
@@ -37,7 +38,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tests.chaos import enqueue_phase, faults
+from tests.chaos import enqueue_phase, faults, flow_phase
 from tests.chaos import report as reporting
 from tests.chaos.plan import (
     CHECK_TIMEOUT,
@@ -77,6 +78,7 @@ class Chaos:
         self.sent_at: dict[str, float] = {}
         self.t0 = time.time()  #: Fault times are printed from the main phase's start.
         self.enqueue_figures: dict[str, Any] = {}
+        self.flow_figures: dict[str, Any] = {}
 
     # -- processes --------------------------------------------------------------------
 
@@ -164,6 +166,7 @@ class Chaos:
             self._main_phase()
             self._partition_phase(proxy)
             self.enqueue_figures = enqueue_phase.run(self)
+            self.flow_figures = flow_phase.run(self)
             report = reporting.collect(self, started)
         finally:
             for worker in reversed(self.workers):
