@@ -120,8 +120,8 @@ def key_of_call(
             "--args must be a JSON array and --kwargs a JSON object."
         )
     try:
-        limit = bindings.limit_of(task, task.lock_config, args, kwargs)
-        return task, task.lock_key_for(*args, **kwargs), limit
+        lock_key = task.lock_key_for(*args, **kwargs)  # first: its error names the args
+        return task, lock_key, bindings.limit_of(task, task.lock_config, args, kwargs)
     except exceptions.PgLockError as error:
         raise click.ClickException(str(error)) from None
 

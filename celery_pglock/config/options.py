@@ -88,6 +88,8 @@ class Rate:
 
     starts: int
     window: float
+    #: Set as lock_period: refusals say "period", as they always did.
+    period: bool = dataclasses.field(default=False, compare=False)
 
     def __str__(self) -> str:
         return f"{self.starts}/{self.window:g}s"
@@ -108,7 +110,8 @@ def rate(value: object) -> Rate:
     if isinstance(value, str):
         count, _, per = value.replace(" ", "").partition("/")
         unit = _RATE_UNITS.get(per[-1:])
-        if unit is None or not count.isdigit() or not (per[:-1] or "1").isdigit():
+        digits = count + (per[:-1] or "1")
+        if unit is None or not (digits.isascii() and digits.isdigit() and count):
             raise ValueError(_RATE_EXPECTED)
         starts, window = int(count), int(per[:-1] or "1") * unit
     elif isinstance(value, (tuple, list)) and len(value) == 2:
@@ -117,7 +120,10 @@ def rate(value: object) -> Rate:
         raise ValueError(_RATE_EXPECTED)
     if type(starts) is not int or not 1 <= starts <= RATE_MAX:
         raise ValueError(_RATE_EXPECTED)
-    return Rate(starts, seconds(window))
+    try:
+        return Rate(starts, seconds(window))
+    except ValueError as exc:
+        raise ValueError(f"{_RATE_EXPECTED}; the window: {exc}") from None
 
 
 def choice(enum_cls: type[enum.Enum]) -> Callable[[object], Any]:

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 #: Soonest the server's keepalives free a cut-off client's lock; the margin kept under it.
 SERVER_KEEPALIVE_DEADLINE = 10.0 * 3
+#: Lock names the library's own keys use (lock_group's: "celery_pglock.group:<name>").
+RESERVED_NAMES = "celery_pglock."
 LOSS_MARGIN = 5.0
 
 
@@ -53,6 +55,11 @@ def resolve(
     lock_name = attributes.get("lock_name", task_name)
     if not isinstance(lock_name, str) or not lock_name:
         raise fail("lock_name", lock_name, "a non-empty string")
+    if lock_name.startswith(RESERVED_NAMES):
+        expected = (
+            f"a name not starting with {RESERVED_NAMES!r} (the library's own keys)"
+        )
+        raise fail("lock_name", lock_name, expected)
     if values["shadow"] and values["scope"] is options.LockScope.TRANSACTION:
         raise fail(
             source["shadow"],
@@ -70,7 +77,7 @@ def resolve(
                 "None with lock_rate (lock_period=P is lock_rate=(1, P)): set one",
             )
         try:
-            values["rate"] = options.Rate(1, options.seconds(period))
+            values["rate"] = options.Rate(1, options.seconds(period), period=True)
         except ValueError as exc:
             raise fail("lock_period", period, str(exc)) from None
     limit = attributes.get("lock_limit", 1)

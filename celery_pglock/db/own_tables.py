@@ -42,8 +42,9 @@ class OwnTable:
                         cursor.execute(sql_text.ROLLBACK)  # autocommit: end the BEGIN
                         raise exceptions.DatabaseError(
                             f"The {self.what} does not exist on "
-                            f"{engines.engine_info(engine)['masked_url']} and this role "
-                            f"may not create it; {self.fix}."
+                            f"{engines.engine_info(engine)['masked_url']} (or an older "
+                            "version made it without what this one needs) and this role "
+                            f"may not create or update it; {self.fix}."
                         ) from exc
             self._ready.add(engine)
 

@@ -31,11 +31,15 @@ class Purpose(Generic[ItemT]):
         write: Callable[[sa.Engine, Any, list[ItemT]], None],
         describe: Callable[[list[ItemT]], str],
         if_given_up: str,
+        *,
+        kept: bool = True,
     ) -> None:
         self.name, self.write, self.describe = name, write, describe
-        self.if_given_up = (
-            if_given_up  #: Said when a batch is dropped, or left at exit.
-        )
+        #: Said when a batch is dropped, or left unwritten at exit.
+        self.if_given_up = if_given_up
+        #: Written on the engine's kept connection when free (engines.on_kept, which
+        #: closes it on any error), else on a pooled one.
+        self.kept = kept
 
 
 class RowWriter(threading.Thread, Generic[ItemT]):
@@ -85,10 +89,13 @@ class RowWriter(threading.Thread, Generic[ItemT]):
         warned = False
         while True:
             try:
-                # On the kept connection when free: a producer keeps one for its claims.
-                engines.on_kept(
-                    self.engine, self.bound, lambda c: write(self.engine, c, batch)
-                )
+                if self.purpose.kept:  # a producer keeps one for its claims
+                    engines.on_kept(
+                        self.engine, self.bound, lambda c: write(self.engine, c, batch)
+                    )
+                else:
+                    with engines.autocommit_cursor(self.engine, self.bound) as cursor:
+                        write(self.engine, cursor, batch)
                 if warned:
                     logger.info("Wrote %d %s after all", len(batch), what)
                 return

@@ -89,13 +89,15 @@ def bind(
 
 def _refuse_per_key_limits(options: LockConfig) -> None:
     """lock_limit_for may give any key several slots: refuse what lock_limit > 1 refuses."""
-    clash = "lock_fencing=True" if options.fencing else None
+    clash: str | None = None
+    if options.fencing:
+        clash = "lock_fencing=True (on the task or app.conf.pglock_fencing)"
     if options.enqueue is not None:
         clash = f"lock_enqueue={options.enqueue.value!r}"
     if clash is not None:
         raise exceptions.ConfigurationError(
             f"Task {options.task_name!r} overrides lock_limit_for, which may give a key "
-            f"several slots, and sets {clash}, which needs one run per key "
+            f"several slots, and has {clash}, which needs one run per key "
             "(docs/guide/limits.md): drop one of them."
         )
 

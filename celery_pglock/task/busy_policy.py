@@ -194,7 +194,7 @@ def report(
         # The row records starts, not holders: those runs may have ended long ago.
         last = throttle.last_task_id
         rate = options.rate or config.Rate(1, 0.0)  # set: a throttle is lock_rate's
-        if rate.starts == 1:
+        if rate.period:
             what = (
                 f"run {last} started"
                 if last
@@ -202,7 +202,8 @@ def report(
             ) + f" less than lock_period {rate.window:g}s ago"
         else:
             earliest = f"run {last}" if last else "one whose id is unknown"
-            what = f"{rate.starts} runs started within lock_rate {rate}, the earliest {earliest}"
+            runs = "1 run" if rate.starts == 1 else f"{rate.starts} runs"
+            what = f"{runs} started within lock_rate {rate}, the earliest {earliest}"
         message = (
             f"Lock {key.name!r} (key {key}): {what}, {left:.1f}s left{too_long}; "
             f"{outcomes.run_name(task, task_id)} did not run."
@@ -245,7 +246,7 @@ def _reason(options: LockConfig, throttle: Throttle | None) -> str:
     """The skip's reason label: lock_period keeps its own ("period")."""
     if throttle is None:
         return "lock_busy"
-    return "period" if options.rate is None or options.rate.starts == 1 else "rate"
+    return "period" if options.rate is None or options.rate.period else "rate"
 
 
 def skip_info(outcome: object) -> dict[str, Any] | None:

@@ -4,12 +4,15 @@ the key on a lock of their own. Why: docs/guide/limits.md ("Limits across keys")
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import celery_compat, exceptions, keys
+from celery_pglock.config import OnBusy
 from celery_pglock.lock import AdvisoryLock
-from celery_pglock.task import retries, runs
+from celery_pglock.task import outcomes, retries, runs
+from celery_pglock.watch import loss_watcher
 
 if TYPE_CHECKING:
     import celery
@@ -32,38 +35,54 @@ def take(
     execution: Execution,
     key_lock: AdvisoryLock,
     direct: bool,
-    waits: bool,
 ) -> AdvisoryLock | None:
     """None once a slot of the group is held (``execution.group_lock``) beside the run's
     key; else the group's lock, every slot taken, and the key released unless shadowed.
-    A wait shares one budget, lock_wait_timeout, with the key's."""
+    Only lock_on_busy='wait' waits, within one budget, lock_wait_timeout, with the key's."""
     key = group_key(options.namespace, options.group or "")  # set: a lock_group run
     lock = AdvisoryLock(
         engine=key_lock.engine, key=key, scope=options.scope, label=options.task_name
     )
     lock.round_trip_timeout = options.db_timeout
     lock.slots = keys.slot_keys(key, options.group_limit)
+    # Recorded first: a time limit landing after the grant finds it (release_leftover).
+    execution.group_lock = lock
     timeout = None
-    if waits:
+    if options.on_busy is OnBusy.WAIT and not options.shadow:
         left = options.wait_timeout - (key_lock.wait_seconds or 0.0)
         timeout = left if left > 0 else None
     began = time.monotonic()
     try:
         granted = lock.acquire(timeout=timeout)
     except BaseException as error:
+        release(task, execution)
         runs.release_unrun(task, key_lock, execution.task_id)
         if isinstance(error, exceptions.DatabaseError):
             retries.on_database_error(task, error, direct=direct)
         raise
     key_lock.wait_seconds = (key_lock.wait_seconds or 0.0) + time.monotonic() - began
     if granted:
-        execution.group_lock = lock
         with runs.held_guard:  # the worker's shutdown net releases it too
             runs.held.add(lock)
         return None
+    execution.group_lock = None
     if not options.shadow:
         runs.release_unrun(task, key_lock, execution.task_id)
     return lock
+
+
+def watch(
+    task: SingletonTask,
+    execution: Execution,
+    key_lock: AdvisoryLock,
+    options: config.LockConfig,
+) -> None:
+    """A slot on a session of its own (per-lock sessions, transaction scope) is watched
+    as its key is: lost mid-body, it ends the run the same way."""
+    lock = execution.group_lock
+    if lock is not None and lock.backend_pid != key_lock.backend_pid:
+        lost = functools.partial(outcomes.lost, task, execution.task_id, lock)
+        loss_watcher.watch(lock, lost, options)
 
 
 def release(task: SingletonTask, execution: Execution) -> None:
@@ -76,6 +95,14 @@ def release(task: SingletonTask, execution: Execution) -> None:
         runs.held.discard(lock)
     if lock.owned():
         runs.release_unrun(task, lock, execution.task_id)
+
+
+def release_unrun(task: SingletonTask, execution: Execution) -> None:
+    """The run's slot given back if its key no longer is held: its start was refused (a
+    full rate) or failed. A run going on (its body, or a retry kept to task_postrun) keeps it."""
+    key = execution.lock
+    if key is None or not key.owned():
+        release(task, execution)
 
 
 def release_leftover(execution: Execution) -> None:

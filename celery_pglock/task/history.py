@@ -59,13 +59,15 @@ _INSERT = (
 _PRUNE = """
 DELETE FROM celery_pglock_history WHERE ctid = ANY(ARRAY(
   SELECT ctid FROM celery_pglock_history WHERE at < now() - make_interval(secs => %s)
-  LIMIT 1000 FOR UPDATE SKIP LOCKED))"""
+  LIMIT 1000 FOR UPDATE SKIP LOCKED))"""  # PRUNE_BATCH
 #: ``pglock why``: one message's events, oldest first.
 EVENTS = (
     "SELECT extract(epoch FROM at)::float8, event, detail FROM celery_pglock_history "
     "WHERE task_id = %s ORDER BY at, event"
 )
 PRUNE_EVERY = 60.0  #: Seconds between a process's prunes of the rows past retention.
+PRUNE_FOR = 2.0  #: Longest a prune goes on, in batches of PRUNE_BATCH rows.
+PRUNE_BATCH = 1000
 
 _Event = tuple[str, float, str, str]  # task id, epoch seconds, event, JSON detail
 
@@ -106,7 +108,8 @@ def _record(sender: Any, task_id: str | None, event: str, **detail: Any) -> None
         engine = sender.locks_engine()
         _retention_of[engine] = keep
         detail = {k: v for k, v in detail.items() if v is not None}
-        text = json.dumps(detail, default=str)
+        # jsonb refuses a NUL character (one in an error's text would lose the batch).
+        text = json.dumps(detail, default=str).replace("\\u0000", "")
         writer = row_writer.writer_for(engine, EVENTS_ROWS, 10.0, 10.0)
         writer.put((task_id, time.time(), event, text))
     except Exception:  # history never fails a run
@@ -168,7 +171,11 @@ def _write_events(engine: sa.Engine, cursor: Any, batch: list[_Event]) -> None:
     cursor.execute(_INSERT, [list(column) for column in zip(*batch, strict=True)])
     if time.monotonic() - _pruned_at.get(engine, -PRUNE_EVERY) >= PRUNE_EVERY:
         _pruned_at[engine] = time.monotonic()
-        cursor.execute(_PRUNE, (_retention_of.get(engine, 0.0),))
+        stop = time.monotonic() + PRUNE_FOR  # several processes share the backlog
+        while time.monotonic() < stop:
+            cursor.execute(_PRUNE, (_retention_of.get(engine, 0.0),))
+            if cursor.rowcount < PRUNE_BATCH:
+                break
 
 
 _pruned_at: dict[Any, float] = {}  #: engine -> when this process last pruned
@@ -179,6 +186,7 @@ EVENTS_ROWS = row_writer.Purpose(
     _write_events,
     lambda batch: f"{len({task_id for task_id, *_ in batch})} message(s)",
     "those events are lost (pglock why tells less of those messages)",
+    kept=False,  # a failing history never closes the producer's claim connection
 )
 
 

@@ -188,11 +188,10 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             ):
                 granted = self._acquire(options, lock, task_id, direct, waits)
             if granted:
-                if options.rate is not None:
+                if options.group is not None:  # first: a full group records no start
+                    group = groups.take(self, options, execution, lock, direct)
+                if group is None and options.rate is not None:
                     throttle = periods.start_run(self, options, lock, task_id, direct)
-                if throttle is None and options.group is not None:
-                    # The full group's lock, or None: a slot is held beside the key.
-                    group = groups.take(self, options, execution, lock, direct, waits)
                 if throttle is None and group is None:
                     return self._run(options, execution, lock, args, kwargs, direct)
             if not options.shadow:
@@ -220,6 +219,10 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             unfenced.set(True)  # its fenced writes apply, token=None
             return self._body(task_id is None)(*args, **kwargs)
         finally:
+            if (
+                execution.group_lock is not None
+            ):  # a slot whose run may not have started
+                groups.release_unrun(self, execution)
             if unfenced.get() is not outer_unfenced:
                 unfenced.set(outer_unfenced)
             runs.current.reset(token)
@@ -305,11 +308,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             loss_watcher.watch(
                 lock, functools.partial(outcomes.lost, self, task_id, lock), options
             )
-            group = execution.group_lock
-            if group is not None and group.backend_pid != lock.backend_pid:
-                # A group slot on a session of its own (per-lock, transaction scope).
-                lost = functools.partial(outcomes.lost, self, task_id, group)
-                loss_watcher.watch(group, lost, options)
+            if execution.group_lock is not None:
+                groups.watch(self, execution, lock, options)
             retval = self._body(direct)(*args, **kwargs)
         except BaseException as exc:
             self._end(execution, lock, exc)

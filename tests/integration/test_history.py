@@ -127,10 +127,10 @@ def test_rows_past_retention_are_pruned_by_the_next_write(app, database_url):
     connection.autocommit = True
     try:
         with connection.cursor() as cursor:
-            cursor.execute(
-                "INSERT INTO celery_pglock_history VALUES "
-                "(%s, now() - interval '700 seconds', 'sent', '{}')",
-                (old,),
+            cursor.execute(  # more than one prune batch: all of them go
+                "INSERT INTO celery_pglock_history SELECT %s, "
+                "now() - interval '700 seconds', 'sent', '{}' FROM generate_series(1, %s)",
+                (old, 2 * history.PRUNE_BATCH + 500),
             )
         history._pruned_at.pop(engine, None)  # as in a process yet to write
         history._retention_of[engine] = 600.0

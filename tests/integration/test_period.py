@@ -243,6 +243,17 @@ def test_a_rate_starts_n_per_window_and_names_the_start_whose_slot_opens_next(
     assert [first.id, second.id, third.id, fifth.id] == ran
 
 
+def test_lock_rate_of_one_start_says_rate_not_period(app):
+    """lock_rate="1/m" is lock_period=60 in effect, but its refusal is named as the task
+    set it: reason "rate", "1 run started within lock_rate 1/60s"."""
+    task, _ = body_counter(app, lock_rate="1/m")
+    first = task.apply()
+    skip = task.apply().result
+    assert "rate" == skip.details["reason"]
+    message = f"1 run started within lock_rate 1/60s, the earliest run {first.id}, "
+    assert message in str(skip)
+
+
 def test_a_retry_of_any_start_within_the_window_runs_without_a_new_start(
     app, database_url
 ):

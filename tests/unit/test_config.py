@@ -108,7 +108,15 @@ def test_task_option_beats_app_setting_beats_default(app):
         ({"lock_rate": "3/w"}, ["lock_rate='3/w'", "'10/m', '3/10s'"]),
         ({"lock_rate": "0/m"}, ["lock_rate='0/m'", "N an int from 1 to 1000"]),
         ({"lock_rate": "1001/h"}, ["lock_rate='1001/h'", "from 1 to 1000"]),
-        ({"lock_rate": (3, 0)}, ["lock_rate=(3, 0)", "positive number of seconds"]),
+        (
+            {"lock_rate": (3, 0)},
+            ["lock_rate=(3, 0)", "the window: a positive number of seconds"],
+        ),
+        ({"lock_rate": "²/m"}, ["lock_rate='²/m'", "'N/unit'"]),
+        (
+            {"lock_name": "celery_pglock.group:exports"},
+            ["lock_name='celery_pglock.group:exports'", "not starting with"],
+        ),
         ({"lock_rate": (2.5, 10)}, ["lock_rate=(2.5, 10)", "N an int"]),
         ({"lock_rate": 10}, ["lock_rate=10", "or a pair (N starts, window seconds)"]),
         (

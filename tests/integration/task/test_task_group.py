@@ -264,3 +264,23 @@ def test_a_full_group_counts_as_skipped_and_throttled(app):
     assert None is registry.get_sample_value(
         "celery_pglock_throttled_total", {**labels, "reason": "lock_busy"}
     )
+
+
+def test_a_full_group_records_no_start_and_a_refused_start_frees_its_slot(app):
+    """lock_group with lock_period=60: the group is taken first, so a run the full group
+    skips uses no period (the next one runs); a run the period refuses gives its group
+    slot back with its key."""
+    task, seen = exporter(app, "periodic", lock_group_limit=1, lock_period=60)
+    locks = fill(task, 1)
+    try:
+        skip = task.apply((1,)).result
+        assert "group" == skip.details["reason"]
+    finally:
+        for lock in locks:
+            lock.release()
+    assert 1 == task.apply((1,)).get()  # no period was used by the skip
+    skip = task.apply((1,)).result
+    assert "period" == skip.details["reason"]
+    assert [False] == held_slots(task)
+    assert not is_held(task, 1)
+    assert [[True]] == seen
