@@ -64,9 +64,9 @@ def hold_slots(app, slots, count):
     return locks
 
 
-def trace_delivery(task, task_id, *, redelivered):
+def trace_delivery(task, task_id, *, redelivered, args=(), retries=0):
     """Run ``task`` the way a worker's pool runs a message (Celery's tracer, results
-    stored), with the broker's ``redelivered`` flag as given."""
+    stored), with the broker's ``redelivered`` flag and Celery's ``retries`` as given."""
     tracer = build_tracer(task.name, task, app=task.app)
     request = {
         "id": task_id,
@@ -79,8 +79,9 @@ def trace_delivery(task, task_id, *, redelivered):
             "routing_key": "q",
             "redelivered": redelivered,
         },
+        "retries": retries,
     }
-    return tracer(task_id, [], {}, request)
+    return tracer(task_id, list(args), {}, request)
 
 
 def is_held(task, *args):

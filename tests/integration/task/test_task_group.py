@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 import pytest
 from celery import Celery
@@ -28,6 +29,7 @@ from tests.integration.task_support import (
     hold,
     hold_slots,
     is_held,
+    trace_delivery,
 )
 
 
@@ -284,3 +286,23 @@ def test_a_full_group_records_no_start_and_a_refused_start_frees_its_slot(app):
     assert [False] == held_slots(task)
     assert not is_held(task, 1)
     assert [[True]] == seen
+
+
+def test_a_retried_message_is_requeued_not_kept_waiting_by_a_full_group(app):
+    """lock_on_busy='retry': a retry of a message (Celery's retries 1) waits for its
+    predecessor's key, but not for a group slot: with the group full it is re-queued at
+    once instead of holding a worker for lock_wait_timeout."""
+    task, seen = exporter(
+        app, "requeued", lock_on_busy="retry", lock_retry_delay=30, lock_wait_timeout=5
+    )
+    locks = fill(task, 2)
+    try:
+        task_id = str(uuid.uuid4())
+        asked = time.monotonic()
+        trace_delivery(task, task_id, redelivered=False, args=(1,), retries=1)
+        assert time.monotonic() - asked < 2
+        assert "RETRY" == task.AsyncResult(task_id).state
+    finally:
+        for lock in locks:
+            lock.release()
+    assert [] == seen
