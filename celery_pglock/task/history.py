@@ -68,6 +68,8 @@ EVENTS = (
 PRUNE_EVERY = 60.0  #: Seconds between a process's prunes of the rows past retention.
 PRUNE_FOR = 2.0  #: Longest a prune goes on, in batches of PRUNE_BATCH rows.
 PRUNE_BATCH = 1000
+#: Seconds a batch's round trip may take, and how long a failing batch is tried again.
+WRITE_BOUND = 10.0
 
 _Event = tuple[str, float, str, str]  # task id, epoch seconds, event, JSON detail
 
@@ -88,14 +90,15 @@ def retention(conf: Mapping[str, Any]) -> float | None:
 
 def configure(conf: Mapping[str, Any]) -> None:
     """At task bind: with pglock_history set, connect the receivers (once)."""
+    global _connected
     if retention(conf) is None or _connected:
         return
     for signal, receiver in _RECEIVERS.items():
         signal.connect(receiver, weak=False)
-    _connected.append(True)
+    _connected = True
 
 
-_connected: list[bool] = []
+_connected = False
 
 
 def _record(sender: Any, task_id: str | None, event: str, **detail: Any) -> None:
@@ -110,7 +113,7 @@ def _record(sender: Any, task_id: str | None, event: str, **detail: Any) -> None
         detail = {k: v for k, v in detail.items() if v is not None}
         # jsonb refuses a NUL character (one in an error's text would lose the batch).
         text = json.dumps(detail, default=str).replace("\\u0000", "")
-        writer = row_writer.writer_for(engine, EVENTS_ROWS, 10.0, 10.0)
+        writer = row_writer.writer_for(engine, EVENTS_ROWS, WRITE_BOUND, WRITE_BOUND)
         writer.put((task_id, time.time(), event, text))
     except Exception:  # history never fails a run
         logger.debug("pglock_history: could not record %s", event, exc_info=True)

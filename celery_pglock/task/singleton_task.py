@@ -219,9 +219,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             unfenced.set(True)  # its fenced writes apply, token=None
             return self._body(task_id is None)(*args, **kwargs)
         finally:
-            if (
-                execution.group_lock is not None
-            ):  # a slot whose run may not have started
+            if execution.group_lock is not None:  # its run may not have started
                 groups.release_unrun(self, execution)
             if unfenced.get() is not outer_unfenced:
                 unfenced.set(outer_unfenced)
