@@ -23,6 +23,7 @@ from celery_pglock.exceptions import (
     LockNotOwnedError,
     LockSkipped,
     PgLockError,
+    TaskReplaced,
 )
 from celery_pglock.keys import KEY_FORMAT, LockKey, make_key
 from celery_pglock.lock import AdvisoryLock
@@ -53,6 +54,7 @@ __all__ = [
     "PgLockError",
     "SingletonTask",
     "SkipResult",
+    "TaskReplaced",
     "current_lock",
     "fencing",
     "make_key",

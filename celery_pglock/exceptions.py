@@ -126,6 +126,26 @@ class AlreadyQueued(LockError):  # noqa: N818 - celery-once's name, for migratio
         self.task_id = task_id  #: The queued (or running) message of the key.
 
 
+class TaskReplaced(LockError):  # noqa: N818 - what a caller reads: the task was replaced
+    """Latest wins (``lock_enqueue_on_duplicate='replace'``): a later send of the key
+    replaced this message before it started; its body never runs. ``replaced_by`` is that
+    send's task id (which may itself be replaced: follow it, or ``pglock why`` it)."""
+
+    def __init__(
+        self, message: str | None = None, replaced_by: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.replaced_by = replaced_by  #: The task id of the send that replaced it.
+        self.args = (self.message, replaced_by)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Stored by Celery as its args (JSON or pickle): the message and the id.
+        return (type(self), (self.message, self.replaced_by))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r})"
+
+
 class EnqueueUnavailable(DatabaseError):  # noqa: N818
     """A ``lock_enqueue`` send could not ask the lock database; nothing was published."""
 

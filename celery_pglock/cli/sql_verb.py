@@ -7,7 +7,7 @@ import click
 from celery_pglock import fencing
 from celery_pglock.cli import shared
 from celery_pglock.db import engines
-from celery_pglock.task import history, periods, queued
+from celery_pglock.task import history, periods, queued, replacing
 
 # celery_pglock_canonical() writes jsonb as the key format does: docs/operations/cli.md.
 INSTALL = (
@@ -77,7 +77,7 @@ DROP FUNCTION IF EXISTS {schema}.celery_pglock_canonical(jsonb);
     "--enqueue",
     "enqueue_",
     is_flag=True,
-    help="The queued-keys table of lock_enqueue (run as its owner; see the GRANTs printed).",
+    help="The tables of lock_enqueue (run as its owner; see the GRANTs printed).",
 )
 @click.option(
     "--periods",
@@ -118,9 +118,15 @@ def sql(
         grants = history.GRANT.format(schema=prefix, role='"<lock role>"')
         action, made = "set up the history table", f"{schema}.celery_pglock_history"
     elif enqueue_:
-        text = (queued.DROP if uninstall else queued.CREATE).format(schema=prefix)
-        grants = queued.GRANT.format(schema=prefix, role="<lock role>")
-        action, made = "set up the queued-keys table", f"{schema}.celery_pglock_queued"
+        # Latest wins' tombstones too: lock_enqueue_on_duplicate='replace' (one feature).
+        tables = (queued, replacing)
+        text = "".join((t.DROP if uninstall else t.CREATE) for t in tables)
+        text = text.format(schema=prefix)
+        grants = "".join(t.GRANT for t in tables).format(
+            schema=prefix, role="<lock role>"
+        )
+        action = "set up the queued-keys tables"
+        made = f"{schema}.celery_pglock_queued and {schema}.celery_pglock_replaced"
     elif fencing_:
         text = fencing.drop_sql(schema) if uninstall else fencing.create_sql(schema)
         grants = fencing.grant_sql("<lock role>", schema)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from celery_pglock.task import history
+from celery_pglock.task import history, replacing
 
 if TYPE_CHECKING:
     from celery_pglock.cli import shared
@@ -23,7 +23,7 @@ _UNKNOWN = (
 
 @click.command(
     help="What became of a SingletonTask message, from pglock_history: sent, returned "
-    "as a duplicate, skipped (why, by whom), started (where, after what wait), ended, "
+    "as a duplicate, replaced (by which id), skipped (why, by whom), started (where, after what wait), ended, "
     "lost its lock."
 )
 @click.argument("task_id")
@@ -32,6 +32,11 @@ _UNKNOWN = (
 def why(target: shared.Target, task_id: str, as_json: bool) -> None:
     with target.database("read pglock_history") as engine:
         found = history.events(engine, task_id) or []
+        tombstone = replacing.lookup(engine, task_id)
+    if tombstone is not None and not any(event == "replaced" for _, event, _ in found):
+        by, at, seen = tombstone  # kept without pglock_history: docs/guide/why.md
+        found.append((at, "replaced", {"by_task": by, "delivered": seen is not None}))
+        found.sort(key=lambda event: event[0])
     verdict = _verdict(found)
     if as_json:
         document = {
@@ -55,6 +60,14 @@ def _verdict(found: list[tuple[float, str, dict[str, Any]]]) -> str:
     if not found:
         return _UNKNOWN
     _, event, detail = found[-1]
+    by = next((d.get("by_task") for _, e, d in found if e == "replaced"), None)
+    if event == "sent" and detail.get("outcome") == "superseded":
+        by = detail.get("queued")
+    if by is not None:
+        return (
+            f"replaced by {by}, a later send of its key, before it started: its body "
+            "did not run (pglock why that id)."
+        )
     if event == "sent" and detail.get("outcome") == "duplicate":
         return (
             f"returned as a duplicate of {detail.get('queued')}, which was queued or "

@@ -48,6 +48,8 @@ class OnDuplicate(str, enum.Enum):
 
     RETURN = "return"  #: The queued message's AsyncResult (its task id). The default.
     RAISE = "raise"  #: AlreadyQueued, carrying the queued message's task id.
+    #: Latest wins: publish, and the unstarted queued message never runs its body.
+    REPLACE = "replace"
 
 
 class OnEnqueueError(str, enum.Enum):

@@ -133,6 +133,23 @@ def resolve(
     implied = options.implied_on_busy(enqueue)
     if implied is not None and not user_set:
         values["on_busy"], values["on_busy_implied"] = implied, True
+    replace = values["enqueue_on_duplicate"] is options.OnDuplicate.REPLACE
+    if replace and enqueue is None:
+        raise fail(
+            source["enqueue_on_duplicate"],
+            "replace",
+            "'return' or 'raise' without lock_enqueue (only a queued message can be "
+            "replaced): set lock_enqueue='until_started' too",
+        )
+    waits = values["on_busy"] in (options.OnBusy.WAIT, options.OnBusy.RETRY)
+    if replace and enqueue is options.Enqueue.UNTIL_STARTED and not waits:
+        raise fail(
+            source["on_busy"],
+            values["on_busy"].value,
+            "'wait' (the default) or 'retry' with lock_enqueue_on_duplicate='replace' "
+            "and lock_enqueue='until_started' (a follow-up skipped while its key runs "
+            "would lose the latest arguments)",
+        )
     interval, timeout = values["watch_interval"], values["db_timeout"]
     if (
         interval

@@ -14,7 +14,7 @@ from celery.utils.time import maybe_iso8601
 from celery_pglock import celery_compat, config, exceptions
 from celery_pglock.config import Enqueue, OnDuplicate, OnEnqueueError
 from celery_pglock.db import engines, row_writer
-from celery_pglock.task import outcomes, queued
+from celery_pglock.task import outcomes, queued, replacing
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -51,7 +51,10 @@ def publish(
     # Told by Celery's retries count, never by a (reusable) id: docs/guide/enqueue.md.
     retry = celery_compat.is_retry_send(options)
     stale = _stale_after(task, options, settings.enqueue_lost_after)
+    replace = settings.enqueue_on_duplicate is OnDuplicate.REPLACE
     try:
+        if replace:
+            replacing.TABLE.ensure(engine, settings.db_timeout)
         outcome, owner = queued.claim(
             engine,
             key=key,
@@ -62,6 +65,9 @@ def publish(
             stale=min(stale, queued.PUBLISH_GRACE),
             bound=settings.db_timeout,
             retry=retry,
+            statement=(replacing.CLAIM_NAME, replacing.CLAIM)
+            if replace
+            else (queued.CLAIM_NAME, queued.CLAIM),
         )
     except exceptions.DatabaseError as error:
         # A retry is published anyway: refused, Celery's retry() would Reject it.
@@ -92,7 +98,13 @@ def publish(
                 task_id=owner,
             )
         return task.AsyncResult(owner)
-    if retry:  # the retry is the key's waiting message now (docs/guide/enqueue.md)
+    if outcome == "superseded":  # a retry yields to a newer send (latest wins)
+        outcomes.enqueued(task, "superseded", task_id, key, owner)
+        replacing.tell_replaced(task, task_id, owner)
+        raise replacing.replaced_error(task.name, task_id, owner)
+    if (
+        retry or outcome == "own"
+    ):  # the key's waiting message now (docs/guide/enqueue.md)
         outcome = "new"
     elif outcome == "took_over":
         logger.info("%s: took over stale queued key %s from %s", task.name, key, owner)
@@ -104,8 +116,13 @@ def publish(
     try:
         result = send(args, kwargs, task_id, headers=headers, **options)
     except BaseException:
-        queued.give_back(engine, key, task_id, settings.db_timeout)
+        if outcome == "replaced":
+            replacing.undo(engine, key, task_id, owner, settings.db_timeout)
+        else:
+            queued.give_back(engine, key, task_id, settings.db_timeout)
         raise
+    if outcome == "replaced":
+        replacing.tell_replaced(task, owner, task_id)
     if stale > queued.PUBLISH_GRACE:
         _write_later(task, (queued.CONFIRM_MANY, key.pg_locks_ids, task_id, stale))
     return result

@@ -123,6 +123,8 @@ def _enqueued(sender: Any = None, task_id: str | None = None, **kw: Any) -> None
     by = engines.process_tag()
     outcome, owner, key = kw.get("outcome"), kw.get("queued_task_id"), kw.get("key")
     _record(sender, task_id, "sent", outcome=outcome, queued=owner, key=key, by=by)
+    if outcome == "replaced":  # the replaced message's own record says by whom
+        _record(sender, owner, "replaced", by_task=task_id, key=key, by=by)
 
 
 def _started(sender: Any = None, task_id: str | None = None, **kw: Any) -> None:

@@ -38,6 +38,10 @@ def acquired(task: LockedTask, task_id: str | None, lock: AdvisoryLock) -> None:
         )
 
 
+#: Skip reasons of a free key: a refused start (counted as throttled too).
+THROTTLES = ("rate", "period", "group")
+
+
 def skipped(
     task: LockedTask,
     task_id: str | None,
@@ -56,7 +60,7 @@ def skipped(
     if metrics.sink is not None:
         _count("skipped", task.name, action, wait)
         # Optional in a custom Metrics (added after the protocol was published).
-        if reason != "lock_busy" and hasattr(metrics.sink, "throttled"):
+        if reason in THROTTLES and hasattr(metrics.sink, "throttled"):
             _count("throttled", task.name, reason)
     holder = details.get("holder")
     if signals.lock_skipped.receivers:

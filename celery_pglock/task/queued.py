@@ -189,9 +189,11 @@ def claim(
     stale: float,
     bound: float,
     retry: bool = False,
+    statement: tuple[str, str] = (CLAIM_NAME, CLAIM),
 ) -> tuple[str, str]:
     """Take ``key``'s row for ``task_id`` (always, for a ``retry``): ("new", id),
-    ("took_over", the old owner's id) or ("queued", the owner's id)."""
+    ("took_over", the old owner's id) or ("queued", the owner's id). ``statement``: its
+    name and text, CLAIM or a form of it with the same params (task.replacing)."""
     TABLE.ensure(engine, bound)
     params = {
         **_row_params(key, task_id),
@@ -203,7 +205,9 @@ def claim(
     }
     deadline = time.monotonic() + bound
     try:
-        return engines.on_kept(engine, bound, lambda c: _claim(params, key, c))
+        return engines.on_kept(
+            engine, bound, lambda c: _claim(statement, params, key, c)
+        )
     except Exception as exc:  # wrapped here only: a send that succeeds pays no wrapper
         what = f"check the queue of lock {key.name!r}"
         with driver_errors.wrap_db_errors(what, engine):
@@ -223,13 +227,17 @@ def claim(
                 logger.info(
                     "Lock database connection was closed; checking %s again", key
                 )
-            return engines.on_kept(engine, bound, lambda c: _claim(params, key, c))
+            return engines.on_kept(
+                engine, bound, lambda c: _claim(statement, params, key, c)
+            )
 
 
-def _claim(params: dict[str, Any], key: keys.LockKey, cursor: Any) -> tuple[str, str]:
-    statement = sql_text.prepared(cursor.connection, cursor, CLAIM_NAME, CLAIM)
+def _claim(
+    statement: tuple[str, str], params: dict[str, Any], key: keys.LockKey, cursor: Any
+) -> tuple[str, str]:
+    execute = sql_text.prepared(cursor.connection, cursor, *statement)
     for _ in range(CLAIM_TRIES):
-        cursor.execute(statement, params)
+        cursor.execute(execute, params)
         row = cursor.fetchone()
         if row is not None and row[0] != "retry":
             return str(row[0]), str(row[1])

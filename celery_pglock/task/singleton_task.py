@@ -27,6 +27,7 @@ from celery_pglock.task import (
     outcomes,
     periods,
     queued,
+    replacing,
     retries,
     runs,
 )
@@ -90,9 +91,9 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     def on_bound(cls, app: celery.Celery) -> None:
         """Validate and freeze the lock options when Celery binds the task to ``app``."""
         super().on_bound(app)
-        if exceptions.LockSkipped not in cls.throws:
-            # Expected, not an error: INFO without traceback, skipped by Sentry.
-            cls.throws = (*cls.throws, exceptions.LockSkipped)
+        # Expected, not errors: INFO without traceback, skipped by Sentry.
+        expected = (exceptions.LockSkipped, exceptions.TaskReplaced)
+        cls.throws = (*cls.throws, *(e for e in expected if e not in cls.throws))
         if cls.name:  # an abstract base has no name and no real run() yet
             cls._pglock = cls._bind(app)
             bindings.settle(cls.name, cls._pglock, app)
@@ -188,6 +189,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             ):
                 granted = self._acquire(options, lock, task_id, direct, waits)
             if granted:
+                replacing.end_if_replaced(self, lock, task_id, direct)
                 if options.group is not None:  # first: a full group records no start
                     group = groups.take(self, options, execution, lock, direct)
                 if group is None and options.rate is not None:

@@ -62,3 +62,26 @@ def until_finished_waits(
     """until_finished that waits for a busy key (test_enqueue_guards.py): its refused
     try keeps its message's row as it was."""
     return _body(self, run, key, hold, gate)
+
+
+@app.task(
+    base=SingletonTask,
+    shared=False,  # this app only: an app-wide setting in another test must not meet it
+    bind=True,
+    lock_args=("run", "key"),
+    lock_enqueue="until_started",
+    lock_enqueue_on_duplicate="replace",
+    acks_late=True,  # a killed run's message comes back (test_latest_wins.py)
+    reject_on_worker_lost=True,
+)
+def latest(
+    self,
+    run: str,
+    key: str,
+    value: int,
+    hold: float = 0.0,
+    gate: str | None = None,
+) -> int:
+    """Latest wins: the value of the send that ran."""
+    _body(self, run, key, hold, gate)
+    return value

@@ -117,7 +117,7 @@ def test_the_publish_statement_is_planned_once_per_connection(app, published):
         with kept.busy:
             kept.cursor.execute(
                 "SELECT name, generic_plans + custom_plans FROM pg_prepared_statements "
-                "WHERE statement LIKE '%celery_pglock_queued%'"
+                "WHERE name LIKE 'celery_pglock_claim%'"
             )
             return kept.cursor.fetchall()
 
