@@ -113,6 +113,39 @@ def test_a_duplicate_send_is_told_whose_duplicate_it_is(app, database_url):
     assert ("sent", "published") == (sent["event"], sent["outcome"])
 
 
+def test_a_replaced_message_is_told_by_whom_with_history_and_without(
+    app, database_url
+):
+    """Latest wins: the replaced id's events say by whom, as does its delivery's skip;
+    without history (another id) the tombstone alone tells it."""
+
+    def latest(tenant):
+        return tenant
+
+    task = define(
+        app,
+        latest,
+        lock_args=("tenant",),
+        lock_enqueue="until_started",
+        lock_enqueue_on_duplicate="replace",
+    )
+    first = task.apply_async((4,))
+    second = task.apply_async((4,))
+    document = until(why(database_url, first.id), "sent", database_url)
+    assert [("sent", "published"), ("replaced", None)] == [
+        (e["event"], e.get("outcome")) for e in document["events"]
+    ]
+    assert second.id == document["events"][1]["by_task"]
+    assert document["verdict"].startswith(f"replaced by {second.id}, ")
+    sent = why(database_url, second.id)["events"][0]
+    assert ("replaced", first.id) == (sent["outcome"], sent["queued"])
+    app.conf.pglock_history = None  # this process keeps no more history
+    third = task.apply_async((4,))
+    document = why(database_url, second.id)
+    assert [] == [e for e in document["events"] if e["event"] == "replaced"][1:]
+    assert document["verdict"].startswith(f"replaced by {third.id}, ")
+
+
 def test_an_id_nothing_is_known_of_is_unknown(app, database_url):
     assert why(database_url, "no-such-id")["verdict"].startswith("unknown: ")
 

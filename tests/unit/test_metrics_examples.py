@@ -166,6 +166,7 @@ SQL_OBJECTS = {
     "celery_pglock_queued",
     "celery_pglock_periods",
     "celery_pglock_history",
+    "celery_pglock_replaced",
     # Prepared statements: each name and a hash of its text (sql_text.versioned).
     "celery_pglock_claim_",
     "celery_pglock_s",  # the lock session's: celery_pglock_s + a hash
