@@ -71,6 +71,7 @@ SKIP_SUCCESS = "bench.session_skip_success"
 TRANSACTION = "bench.transaction"
 UNTIL_FINISHED = "bench.until_finished"
 UNTIL_STARTED = "bench.until_started"
+LATEST = "bench.latest"  #: until_started with lock_enqueue_on_duplicate="replace"
 LIMIT = "bench.limit"
 PERIOD = "bench.period"
 RATE = "bench.rate"
@@ -353,6 +354,16 @@ if contender in (
         lock_enqueue="until_started",
     )
     def until_started(key: str, body: float = 0.0) -> None:
+        _body(body)
+
+    @app.task(
+        name=LATEST,
+        base=SingletonTask,
+        lock_args=("key",),
+        lock_enqueue="until_started",
+        lock_enqueue_on_duplicate="replace",
+    )
+    def latest(key: str, body: float = 0.0) -> None:
         _body(body)
 
     @app.task(name=LIMIT, base=SingletonTask, lock_args=("key",), lock_limit=3)

@@ -506,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     checks = compare_report.verdicts(rows, connections, flat, args)
     checks18 = compare_report.issue18_verdicts(samples)
     checks35 = compare_report.issue35_verdicts(samples, publish)
+    checks34 = compare_report.issue34_verdicts(samples)
     elapsed = time.monotonic() - started
     markdown = "\n".join(
         [
@@ -532,6 +533,13 @@ def main(argv: list[str] | None = None) -> int:
             *(
                 f"| {name} | {value} | {'PASS' if ok else 'FAIL'} |"
                 for name, value, ok in checks18
+            ),
+            "",
+            "| target (issue 34) | measured | verdict |",
+            "|---|---|---|",
+            *(
+                f"| {name} | {value} | {'PASS' if ok else 'FAIL'} |"
+                for name, value, ok in checks34
             ),
             "",
             "| target (issue 35) | measured | verdict |",

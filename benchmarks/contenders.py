@@ -31,6 +31,9 @@ BASELINE_ROW = "SingletonTask session, baseline code"
 UNTIL_FINISHED_ROW = "SingletonTask session + until_finished"
 UNTIL_STARTED_ROW = "SingletonTask session + until_started"
 ENQUEUE_ROWS = (UNTIL_FINISHED_ROW, UNTIL_STARTED_ROW)
+#: Latest wins (issue 34): every send published, each replaced one delivered and dropped
+#: after its grant. Compared with until_started on the same workload.
+LATEST_ROW = "SingletonTask session + until_started + replace"
 #: lock_limit and lock_period (issue 18), drained with distinct keys only: each message
 #: runs, so the row is the cost of the run's extra statement.
 LIMIT_ROW = "SingletonTask session + lock_limit=3"
@@ -62,6 +65,7 @@ CONTENDERS = {
     BASELINE_ROW: Contender(bench_app.BASELINE, bench_app.SESSION),
     UNTIL_FINISHED_ROW: Contender("pglock", bench_app.UNTIL_FINISHED, True, True),
     UNTIL_STARTED_ROW: Contender("pglock", bench_app.UNTIL_STARTED, True, True),
+    LATEST_ROW: Contender("pglock", bench_app.LATEST, True, True),
     LIMIT_ROW: Contender("pglock", bench_app.LIMIT),
     PERIOD_ROW: Contender("pglock", bench_app.PERIOD),
     RATE_ROW: Contender("pglock", bench_app.RATE),

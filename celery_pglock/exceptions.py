@@ -71,7 +71,20 @@ class LockBusy(LockError):  # noqa: N818 - the public name users asked for
     """The lock is held by another holder."""
 
 
-class LockSkipped(LockBusy):
+class _NothingRan:
+    """A failure whose body never ran: its traceback is one fixed frame of no source
+    (why: docs/design.md, Decisions); settable."""
+
+    @property
+    def __traceback__(self) -> TracebackType | None:
+        return _SKIP_TRACEBACK
+
+    @__traceback__.setter
+    def __traceback__(self, value: TracebackType | None) -> None:
+        _BASE_TRACEBACK.__set__(self, value)
+
+
+class LockSkipped(_NothingRan, LockBusy):
     """The run did not execute its body because another run held its lock.
 
     How a skip ends by default; ``details`` is the skip as JSON-safe data, never argument
@@ -96,15 +109,6 @@ class LockSkipped(LockBusy):
         value = self.details.get("holder")
         return None if value is None else str(value)
 
-    @property
-    def __traceback__(self) -> TracebackType | None:
-        """One fixed frame of no source (why: docs/design.md, Decisions); settable."""
-        return _SKIP_TRACEBACK
-
-    @__traceback__.setter
-    def __traceback__(self, value: TracebackType | None) -> None:
-        _BASE_TRACEBACK.__set__(self, value)
-
     def __repr__(self) -> str:
         # Celery logs and sends repr(exc) in the task-failed event: keep it one sentence.
         return f"{type(self).__name__}({self.message!r})"
@@ -126,7 +130,7 @@ class AlreadyQueued(LockError):  # noqa: N818 - celery-once's name, for migratio
         self.task_id = task_id  #: The queued (or running) message of the key.
 
 
-class TaskReplaced(LockError):  # noqa: N818 - what a caller reads: the task was replaced
+class TaskReplaced(_NothingRan, LockError):  # noqa: N818 - what a caller reads: the task was replaced
     """Latest wins (``lock_enqueue_on_duplicate='replace'``): a later send of the key
     replaced this message before it started; its body never runs. ``replaced_by`` is that
     send's task id (which may itself be replaced: follow it, or ``pglock why`` it)."""
@@ -168,7 +172,7 @@ def _skipped_run() -> TracebackType | None:
         raise LockSkipped
 
     raise_skipped.__code__ = raise_skipped.__code__.replace(
-        co_filename="<a skipped run: nothing ran, so there is no traceback>"
+        co_filename="<a skipped or replaced run: nothing ran, so there is no traceback>"
     )
     try:
         raise_skipped()

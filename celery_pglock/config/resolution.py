@@ -134,15 +134,16 @@ def resolve(
     if implied is not None and not user_set:
         values["on_busy"], values["on_busy_implied"] = implied, True
     replace = values["enqueue_on_duplicate"] is options.OnDuplicate.REPLACE
-    if replace and enqueue is None:
+    if replace and enqueue is not options.Enqueue.UNTIL_STARTED:
         raise fail(
             source["enqueue_on_duplicate"],
             "replace",
-            "'return' or 'raise' without lock_enqueue (only a queued message can be "
-            "replaced): set lock_enqueue='until_started' too",
+            "'return' or 'raise' unless lock_enqueue='until_started' (latest wins "
+            "replaces a queued message and keeps one follow-up of a running one; "
+            "until_finished would return the running one instead)",
         )
     waits = values["on_busy"] in (options.OnBusy.WAIT, options.OnBusy.RETRY)
-    if replace and enqueue is options.Enqueue.UNTIL_STARTED and not waits:
+    if replace and not waits:
         raise fail(
             source["on_busy"],
             values["on_busy"].value,

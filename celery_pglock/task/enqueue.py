@@ -52,10 +52,14 @@ def publish(
     retry = celery_compat.is_retry_send(options)
     stale = _stale_after(task, options, settings.enqueue_lost_after)
     replace = settings.enqueue_on_duplicate is OnDuplicate.REPLACE
+    if replace and any(options.get(name) for name in _CONTINUATIONS):
+        # Never held in a row: its continuations would be lost (docs/guide/latest-wins.md).
+        _unchecked(task, "canvas", f"it is part of a canvas ({key})", task_id, key)
+        return send(args, kwargs, task_id, headers=headers, **options)
     try:
         if replace:
             replacing.TABLE.ensure(engine, settings.db_timeout)
-        outcome, owner = queued.claim(
+        outcome, owner, *latest = queued.claim(
             engine,
             key=key,
             task_id=task_id,
@@ -68,6 +72,9 @@ def publish(
             statement=(replacing.CLAIM_NAME, replacing.CLAIM)
             if replace
             else (queued.CLAIM_NAME, queued.CLAIM),
+            more=replacing.pack(task, args, kwargs, {**options, "headers": headers})
+            if replace
+            else None,
         )
     except exceptions.DatabaseError as error:
         # A retry is published anyway: refused, Celery's retry() would Reject it.
@@ -98,8 +105,14 @@ def publish(
                 task_id=owner,
             )
         return task.AsyncResult(owner)
-    if outcome == "superseded":  # a retry yields to a newer send (latest wins)
-        outcomes.enqueued(task, "superseded", task_id, key, owner)
+    if outcome == "replaced":  # latest wins: into the key's row, nothing published
+        outcomes.enqueued(task, "replaced", task_id, key, owner)
+        replacing.tell_replaced(task, owner, task_id)
+        return task.AsyncResult(task_id)
+    if outcome in ("superseded", "hand_over"):  # a retry yields to a newer send
+        outcomes.enqueued(task, outcome, task_id, key, owner)
+        if outcome == "hand_over":  # it carried the newer send: publish that instead
+            replacing.publish_latest(task, key, owner, *latest)
         replacing.tell_replaced(task, task_id, owner)
         raise replacing.replaced_error(task.name, task_id, owner)
     if (
@@ -108,6 +121,8 @@ def publish(
         outcome = "new"
     elif outcome == "took_over":
         logger.info("%s: took over stale queued key %s from %s", task.name, key, owner)
+        if replace:  # the row's latest send, not yet published, is this one now
+            replacing.tell_replaced(task, owner, task_id)
     outcome = "published" if outcome == "new" else outcome
     outcomes.enqueued(
         task, outcome, task_id, key, None if outcome == "published" else owner
@@ -116,13 +131,8 @@ def publish(
     try:
         result = send(args, kwargs, task_id, headers=headers, **options)
     except BaseException:
-        if outcome == "replaced":
-            replacing.undo(engine, key, task_id, owner, settings.db_timeout)
-        else:
-            queued.give_back(engine, key, task_id, settings.db_timeout)
+        queued.give_back(engine, key, task_id, settings.db_timeout)
         raise
-    if outcome == "replaced":
-        replacing.tell_replaced(task, owner, task_id)
     if stale > queued.PUBLISH_GRACE:
         _write_later(task, (queued.CONFIRM_MANY, key.pg_locks_ids, task_id, stale))
     return result

@@ -38,6 +38,9 @@ CREATE UNLOGGED TABLE IF NOT EXISTS {schema}celery_pglock_queued (
   PRIMARY KEY (classid, objid, objsubid)
 ) WITH (fillfactor = 80);
 ALTER TABLE {schema}celery_pglock_queued SET UNLOGGED;
+ALTER TABLE {schema}celery_pglock_queued
+  ADD COLUMN IF NOT EXISTS carrier text, ADD COLUMN IF NOT EXISTS latest_run integer,
+  ADD COLUMN IF NOT EXISTS payload bytea, ADD COLUMN IF NOT EXISTS payload_type text;
 COMMENT ON TABLE {schema}celery_pglock_queued IS
   'celery-pglock lock_enqueue: the one message queued or running per advisory key';
 COMMIT;
@@ -77,12 +80,14 @@ SELECT r.* FROM (
 """
 
 #: Give back a key this message took, if it still has it (a failed publish, a skip).
-DELETE_ONE = f"DELETE FROM celery_pglock_queued q WHERE {_ROW} AND q.task_id = %(id)s"
+#: ``coalesce(carrier, task_id)``: the key's message in the broker (task.replacing).
+_MESSAGE = "coalesce(q.carrier, q.task_id)"
+DELETE_ONE = f"DELETE FROM celery_pglock_queued q WHERE {_ROW} AND {_MESSAGE} = %(id)s"
 #: The same for many (revoked, expired or rejected messages). Params: oid[], oid[], int2[], text[].
 DELETE_MANY = (
     "DELETE FROM celery_pglock_queued q USING unnest(%s::oid[], %s::oid[], %s::int2[], "
     "%s::text[]) AS d(c, o, s, id) "
-    "WHERE (q.classid, q.objid, q.objsubid, q.task_id) = (d.c, d.o, d.s, d.id)"
+    f"WHERE (q.classid, q.objid, q.objsubid, {_MESSAGE}) = (d.c, d.o, d.s, d.id)"
 )
 
 #: A confirmed publish: its unstarted row's real bound (``stale``: seconds past
@@ -93,7 +98,7 @@ CONFIRM_MANY = (
     "SET stale_at = q.published_at + make_interval(secs => d.stale) "
     "FROM s, unnest(%s::oid[], %s::oid[], %s::int2[], %s::text[], %s::float8[]) "
     "AS d(c, o, s, id, stale) "
-    "WHERE (q.classid, q.objid, q.objsubid, q.task_id) = (d.c, d.o, d.s, d.id) "
+    f"WHERE (q.classid, q.objid, q.objsubid, {_MESSAGE}) = (d.c, d.o, d.s, d.id) "
     "AND q.started_at IS NULL"
 )
 #: Seconds a row stays provisional (docs/guide/enqueue.md, How it works).
@@ -168,7 +173,10 @@ FIX = (
 )
 TABLE = own_tables.OwnTable(
     "lock_enqueue table celery_pglock_queued",
-    "SELECT to_regclass('celery_pglock_queued') IS NOT NULL",
+    # Made, and with the columns latest wins added (CREATE adds them to an older one).
+    "SELECT to_regclass('celery_pglock_queued') IS NOT NULL, EXISTS (SELECT 1 FROM "
+    "pg_attribute WHERE attrelid = to_regclass('celery_pglock_queued') "
+    "AND attname = 'payload_type' AND NOT attisdropped)",
     CREATE,
     FIX,
 )
@@ -190,10 +198,12 @@ def claim(
     bound: float,
     retry: bool = False,
     statement: tuple[str, str] = (CLAIM_NAME, CLAIM),
-) -> tuple[str, str]:
+    more: dict[str, Any] | None = None,
+) -> tuple[Any, ...]:
     """Take ``key``'s row for ``task_id`` (always, for a ``retry``): ("new", id),
     ("took_over", the old owner's id) or ("queued", the owner's id). ``statement``: its
-    name and text, CLAIM or a form of it with the same params (task.replacing)."""
+    name and text, CLAIM or a form of it taking these params and ``more``
+    (task.replacing), whose row may have more columns."""
     TABLE.ensure(engine, bound)
     params = {
         **_row_params(key, task_id),
@@ -202,6 +212,7 @@ def claim(
         "mode": mode,
         "stale": max(0.0, stale),
         "force": retry,
+        **(more or {}),
     }
     deadline = time.monotonic() + bound
     try:
@@ -234,13 +245,13 @@ def claim(
 
 def _claim(
     statement: tuple[str, str], params: dict[str, Any], key: keys.LockKey, cursor: Any
-) -> tuple[str, str]:
+) -> tuple[Any, ...]:
     execute = sql_text.prepared(cursor.connection, cursor, *statement)
     for _ in range(CLAIM_TRIES):
         cursor.execute(execute, params)
         row = cursor.fetchone()
         if row is not None and row[0] != "retry":
-            return str(row[0]), str(row[1])
+            return tuple(row)
     raise exceptions.DatabaseError(
         f"Could not check the queue of lock {key.name!r} (key {key}): its row kept "
         f"changing under {CLAIM_TRIES} tries."

@@ -1,13 +1,18 @@
-"""Latest wins (``lock_enqueue_on_duplicate='replace'``): a send takes its key's row from the
-unstarted message queued there, and that message is told, durably, never to run its body.
-Why each statement is shaped as it is: docs/guide/latest-wins.md ("How it works")."""
+"""Latest wins (``lock_enqueue_on_duplicate='replace'``). A send to a key whose message is
+queued writes its arguments into the key's row instead of publishing; the message in the
+broker (the *carrier*) publishes the latest send when a worker takes it, and never runs a
+body of its own. Why each statement is shaped as it is: docs/guide/latest-wins.md."""
 
 from __future__ import annotations
 
+import datetime
 import logging
 from typing import TYPE_CHECKING, Any
 
+import celery
 from celery import states
+from celery.utils.time import maybe_iso8601
+from kombu import serialization
 
 from celery_pglock import exceptions, keys
 from celery_pglock.config import OnDuplicate
@@ -23,9 +28,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: A tombstone per replaced message. WAL-logged, unlike the queued rows: a crash must not
-#: let replaced messages run (only replaces in the last moments before it are lost).
-#: ``keep_until``: past the message's own stale_at by KEEP; once seen, SEEN_KEEP.
+#: A tombstone per carrier that must never run: it handed over, or a send took its stale
+#: row. WAL-logged, unlike the queued rows: a crash must not let such a message run.
+#: ``keep_until``: KEEP past its writing; once its message was seen, SEEN_KEEP.
 CREATE = """
 BEGIN;
 SELECT pg_advisory_xact_lock(hashtext('celery_pglock.replaced'));
@@ -37,7 +42,7 @@ CREATE TABLE IF NOT EXISTS {schema}celery_pglock_replaced (
 CREATE INDEX IF NOT EXISTS celery_pglock_replaced_keep_until
   ON {schema}celery_pglock_replaced (keep_until);
 COMMENT ON TABLE {schema}celery_pglock_replaced IS
-  'celery-pglock lock_enqueue_on_duplicate=replace: messages replaced before they started';
+  'celery-pglock lock_enqueue_on_duplicate=replace: messages that must not run';
 COMMIT;
 """
 DROP = "DROP TABLE IF EXISTS {schema}celery_pglock_replaced;\n"
@@ -48,19 +53,38 @@ TABLE = own_tables.OwnTable(
     CREATE,
     queued.FIX,
 )
-KEEP = "1 day"  #: A tombstone outlives its message's stale_at by this much.
+KEEP = "1 day"  #: How long a tombstone waits for its message.
 SEEN_KEEP = "2 hours"  #: Once its message was delivered: for a redelivery of it.
 
 _ROW = "(q.classid, q.objid, q.objsubid) = (%(c)s::oid, %(o)s::oid, %(s)s::smallint)"
 _STALE_AT = "now() + make_interval(secs => %(stale)s)"
+_TOMBSTONE = f"""
+  INSERT INTO celery_pglock_replaced AS t (task_id, replaced_by, task_name, keep_until)
+  SELECT {{carrier}}, {{by}}, %(name)s, now() + interval '{KEEP}' FROM {{source}}
+  ON CONFLICT (task_id) DO UPDATE SET replaced_by = excluded.replaced_by,
+    replaced_at = now(), seen_at = NULL, keep_until = excluded.keep_until"""
+#: CLAIM's: the carrier that hands over, or a stale one whose row a send takes.
+_CLAIM_TOMBSTONE = _TOMBSTONE.format(
+    carrier="act.carrier",
+    by="CASE WHEN act.action = 'hand_over' THEN act.task_id ELSE %(id)s END",
+    source="act WHERE act.action = 'hand_over' "
+    "OR (act.action = 'took_over' AND act.unstarted AND act.carrier <> %(id)s)",
+)
+_HAND_OVER_TOMBSTONE = _TOMBSTONE.format(
+    carrier="%(id)s", by="prev.task_id", source="prev"
+)
 
 #: queued.CLAIM's replacing form. The row is locked first (FOR UPDATE reads its latest
-#: version), so racing senders replace one another in the database's order and each
-#: replaced id names the send that came right after it. A retry (``force``) takes its own
-#: row back, but yields to a newer unstarted message ('superseded').
+#: version), so racing senders replace one another in the database's order. Actions:
+#: 'replaced' (the hot path: this send's payload into the row, nothing published),
+#: 'own' and 'took_over' (publish this send; a stale carrier is tombstoned: its run lock
+#: is free, so it has not started), 'hand_over' (a retry of the carrier: publish the
+#: latest instead), 'superseded' (a retry yields to a newer send), 'queued' (running).
 CLAIM = f"""
 WITH prev AS MATERIALIZED (
-  SELECT q.task_id, q.started_at IS NULL AS unstarted, q.stale_at, q.run_objid
+  SELECT q.task_id, coalesce(q.carrier, q.task_id) AS carrier,
+    q.started_at IS NULL AS unstarted, q.stale_at, q.run_objid, q.latest_run,
+    q.payload, q.payload_type
   FROM celery_pglock_queued q WHERE {_ROW} FOR UPDATE),
 ins AS (
   INSERT INTO celery_pglock_queued AS q
@@ -70,62 +94,127 @@ ins AS (
   WHERE NOT EXISTS (SELECT 1 FROM prev)
   ON CONFLICT (classid, objid, objsubid) DO NOTHING RETURNING q.task_id),
 act AS MATERIALIZED (
-  SELECT prev.task_id, prev.stale_at, CASE
-    WHEN prev.task_id = %(id)s THEN 'own'
-    WHEN prev.unstarted THEN CASE WHEN %(force)s THEN 'superseded' ELSE 'replaced' END
+  SELECT prev.*, CASE
+    WHEN prev.carrier = %(id)s THEN
+      CASE WHEN prev.task_id = %(id)s THEN 'own' ELSE 'hand_over' END
+    WHEN %(force)s AND prev.unstarted THEN 'superseded'
     WHEN %(force)s OR (prev.stale_at < now()
       AND pg_try_advisory_xact_lock({keys.RUN_NAMESPACE}, prev.run_objid)) THEN 'took_over'
+    WHEN prev.unstarted THEN 'replaced'
     ELSE 'queued' END AS action
   FROM prev),
-upd AS (
+put AS (
   UPDATE celery_pglock_queued q SET task_id = %(id)s, task_name = %(name)s,
-    run_objid = %(run)s, mode = %(mode)s, published_at = now(), started_at = NULL,
+    latest_run = %(run)s, carrier = act.carrier, payload = %(payload)s,
+    payload_type = %(payload_type)s
+  FROM act WHERE act.action = 'replaced' AND {_ROW} RETURNING 1),
+took AS (
+  UPDATE celery_pglock_queued q SET task_id = %(id)s, task_name = %(name)s,
+    run_objid = %(run)s, mode = %(mode)s, carrier = NULL, latest_run = NULL,
+    payload = NULL, payload_type = NULL, published_at = now(), started_at = NULL,
     stale_at = {_STALE_AT}
-  FROM act WHERE act.action IN ('own', 'replaced', 'took_over') AND {_ROW}
-  RETURNING act.action, act.task_id, act.stale_at),
-tomb AS (
-  INSERT INTO celery_pglock_replaced AS t (task_id, replaced_by, task_name, keep_until)
-  SELECT upd.task_id, %(id)s, %(name)s,
-         greatest(upd.stale_at, now()) + interval '{KEEP}'
-  FROM upd WHERE upd.action = 'replaced'
-  ON CONFLICT (task_id) DO UPDATE SET replaced_by = excluded.replaced_by,
-    replaced_at = now(), seen_at = NULL, keep_until = excluded.keep_until),
+  FROM act WHERE act.action IN ('own', 'took_over') AND {_ROW} RETURNING 1),
+handed AS (
+  UPDATE celery_pglock_queued q SET carrier = NULL, run_objid = act.latest_run,
+    latest_run = NULL, payload = NULL, payload_type = NULL, published_at = now(),
+    stale_at = now() + make_interval(secs => {queued.PUBLISH_GRACE})
+  FROM act WHERE act.action = 'hand_over' AND {_ROW} RETURNING 1),
+tomb AS ({_CLAIM_TOMBSTONE}),
 sync AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true))
 SELECT r.* FROM (
-  SELECT 'new' AS outcome, task_id FROM ins
-  UNION ALL SELECT action, task_id FROM upd
-  UNION ALL SELECT action, task_id FROM act WHERE action IN ('superseded', 'queued')) r,
-  sync
+  SELECT 'new' AS outcome, task_id, NULL::bytea AS payload, NULL AS payload_type
+  FROM ins
+  UNION ALL SELECT action, task_id, CASE WHEN action = 'hand_over' THEN payload END,
+    CASE WHEN action = 'hand_over' THEN payload_type END FROM act
+  WHERE action <> 'replaced' OR EXISTS (SELECT 1 FROM put)) r, sync
 """
 CLAIM_NAME = sql_text.versioned("celery_pglock_replace", CLAIM)
 
-#: At a run's start, after its grant (and its row's change) committed: was its message
-#: replaced first? A new statement, so it sees a replace that won the row. It also drops
-#: a few tombstones past keep_until, so the table keeps itself bounded.
-CHECK = f"""
-WITH seen AS (
+#: After a run's grant (its row deleted if it was the latest send): if it carries a
+#: later send, hand the row over to that send (its message, published next); else, was
+#: it told never to run? Its run lock is held, so no send can take its row meanwhile. Also
+#: drops a few tombstones past keep_until, so the table keeps itself bounded.
+HAND_OVER = f"""
+WITH prev AS MATERIALIZED (
+  SELECT q.task_id, q.latest_run, q.payload, q.payload_type FROM celery_pglock_queued q
+  WHERE {_ROW} AND q.carrier = %(id)s AND q.started_at IS NULL FOR UPDATE),
+handed AS (
+  UPDATE celery_pglock_queued q SET carrier = NULL, run_objid = prev.latest_run,
+    latest_run = NULL, payload = NULL, payload_type = NULL, published_at = now(),
+    stale_at = now() + make_interval(secs => {queued.PUBLISH_GRACE})
+  FROM prev WHERE {_ROW} RETURNING 1),
+tomb AS ({_HAND_OVER_TOMBSTONE}),
+seen AS (
   UPDATE celery_pglock_replaced SET seen_at = coalesce(seen_at, now()),
     keep_until = least(keep_until, now() + interval '{SEEN_KEEP}')
-  WHERE task_id = %(id)s RETURNING replaced_by),
+  WHERE task_id = %(id)s AND NOT EXISTS (SELECT 1 FROM prev) RETURNING replaced_by),
 gone AS (
   DELETE FROM celery_pglock_replaced WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM celery_pglock_replaced WHERE keep_until < now() AND task_id <> %(id)s
     LIMIT 8 FOR UPDATE SKIP LOCKED))),
 sync AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true))
-SELECT (SELECT replaced_by FROM seen) FROM sync
+SELECT r.* FROM (
+  SELECT task_id, payload, payload_type, NULL AS told FROM prev
+  UNION ALL SELECT NULL, NULL, NULL, replaced_by FROM seen) r, sync
 """
-CHECK_NAME = sql_text.versioned("celery_pglock_replaced", CHECK)
+HAND_OVER_NAME = sql_text.versioned("celery_pglock_hand_over", HAND_OVER)
 
-#: A publish that failed after its claim replaced ``old``: ``old`` may run again.
-_UNDO = (
-    "DELETE FROM celery_pglock_replaced WHERE task_id = %(old)s "
-    "AND replaced_by = %(id)s RETURNING seen_at IS NULL"
-)
-#: ``pglock why`` without pglock_history: the tombstone, while it is kept.
+#: ``pglock why`` without pglock_history: a carrier's tombstone, while it is kept.
 LOOKUP = (
     "SELECT replaced_by, extract(epoch FROM replaced_at)::float8, "
     "extract(epoch FROM seen_at)::float8 FROM celery_pglock_replaced WHERE task_id = %s"
 )
+#: The publish options a replacing send keeps for its message (countdown: as an eta).
+_KEPT = (
+    *("exchange", "routing_key", "priority", "headers", "expires", "eta"),
+    *("time_limit", "soft_time_limit", "ignore_result", "shadow"),
+)
+
+
+def pack(
+    task: LockedTask, args: Any, kwargs: Any, options: dict[str, Any]
+) -> dict[str, Any]:
+    """A send's arguments and publish options, serialized by the task's serializer, as
+    CLAIM's ``payload`` params (the row keeps them until its message is published)."""
+    kept = {name: options[name] for name in _KEPT if options.get(name) is not None}
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if options.get("countdown") is not None:
+        kept["eta"] = now + datetime.timedelta(seconds=float(options["countdown"]))
+    for name in ("eta", "expires"):
+        if isinstance(kept.get(name), (int, float)):  # expires in seconds from now
+            kept[name] = now + datetime.timedelta(seconds=float(kept[name]))
+        if isinstance(kept.get(name), datetime.datetime):
+            kept[name] = kept[name].isoformat()
+    queue = options.get("queue")
+    if queue is not None:
+        kept["queue"] = queue if isinstance(queue, str) else queue.name
+    body = (list(args or ()), dict(kwargs or {}), kept)
+    content_type, encoding, data = serialization.dumps(body, serializer=task.serializer)
+    raw = data.encode(encoding) if isinstance(data, str) else data
+    return {"payload": raw, "payload_type": f"{content_type};{encoding}"}
+
+
+def publish_latest(
+    task: LockedTask, key: keys.LockKey, task_id: str, payload: Any, payload_type: str
+) -> None:
+    """Publish the key's latest send ``task_id`` from its row's payload, as its own
+    message (its row now names it: no check again)."""
+    content_type, encoding = payload_type.split(";", 1)
+    args, kwargs, options = serialization.loads(bytes(payload), content_type, encoding)
+    for name in ("eta", "expires"):
+        if isinstance(options.get(name), str):
+            options[name] = maybe_iso8601(options[name])
+    headers = dict(options.pop("headers", None) or {})
+    headers[queued.HEADER] = queued.header_of(key)
+    celery.Task.apply_async(
+        task,  # type: ignore[arg-type]
+        args,
+        kwargs,
+        task_id,
+        headers=headers,
+        **options,
+    )
+    outcomes.enqueued(task, "handed_over", task_id, key)
 
 
 def replaced_error(task_name: str, task_id: str, by: str) -> exceptions.TaskReplaced:
@@ -138,7 +227,7 @@ def replaced_error(task_name: str, task_id: str, by: str) -> exceptions.TaskRepl
 
 def tell_replaced(task: LockedTask, task_id: str, by: str) -> None:
     """End ``task_id``'s result now: FAILURE with TaskReplaced, naming ``by``. Best effort:
-    its message still ends so when it is delivered."""
+    a carrier's message stores it again when delivered."""
     if task.ignore_result:
         return
     try:
@@ -147,8 +236,7 @@ def tell_replaced(task: LockedTask, task_id: str, by: str) -> None:
         )
     except Exception:
         logger.warning(
-            "%s: could not store that %s was replaced by %s; its message stores it "
-            "when delivered",
+            "%s: could not store that %s was replaced by %s",
             task.name,
             task_id,
             by,
@@ -156,46 +244,29 @@ def tell_replaced(task: LockedTask, task_id: str, by: str) -> None:
         )
 
 
-def undo(
-    engine: sa.Engine, key: keys.LockKey, task_id: str, old: str, bound: float
-) -> None:
-    """``task_id`` replaced ``old`` and was then not published: ``old`` runs after all
-    (its key is freed, so a later send may queue one more message)."""
-    try:
-        with engines.autocommit_cursor(engine, bound) as cursor:
-            cursor.execute(_UNDO, {"old": old, "id": task_id})
-            row = cursor.fetchone()
-    except Exception:
-        row = (False,)
-    if not (row and row[0]):
-        logger.warning(
-            "%s was replaced by %s, whose publish failed; %s may not run: send the key "
-            "again",
-            old,
-            task_id,
-            old,
-        )
-    queued.give_back(engine, key, task_id, bound)
-
-
 def end_if_replaced(
     task: SingletonTask, lock: AdvisoryLock, task_id: str | None, direct: bool
 ) -> None:
-    """At a granted run of a replacing task: raise TaskReplaced (the lock released, the
-    skip reported) if a later send replaced its message before it started."""
+    """At a granted run of a replacing task: if its message carries a later send, publish
+    that send and raise TaskReplaced; the same if it was told never to run. The lock is
+    released and the skip reported first."""
     options = task.lock_config
     if task_id is None or options.enqueue_on_duplicate is not OnDuplicate.REPLACE:
         return
     if queued.row_of(lock) is None:  # not a worker's run of a checked message
         return
     try:
-        by = _replaced_by(lock, task_id)
+        latest, payload, payload_type, told = _hand_over(lock, task_id, task.name)
     except exceptions.DatabaseError as failed:
         runs.release_unrun(task, lock, task_id)  # nothing runs without the check
         retries.on_database_error(task, failed, direct=direct)
+    by = latest or told
     if by is None:
         return
     runs.release_unrun(task, lock, task_id)
+    if latest is not None:
+        # Its row names it, provisionally: unpublished, a later send takes it in 10 s.
+        publish_latest(task, lock.key, latest, payload, payload_type)
     error = replaced_error(task.name, task_id, by)
     details = {
         "reason": "replaced",
@@ -217,27 +288,29 @@ def end_if_replaced(
     raise error
 
 
-def _replaced_by(lock: AdvisoryLock, task_id: str) -> str | None:
+def _hand_over(lock: AdvisoryLock, task_id: str, task_name: str) -> tuple[Any, ...]:
     engine = lock.engine
     TABLE.ensure(engine, lock.round_trip_timeout)
-    action = f"check whether {task_id} was replaced (lock {lock.key.name!r})"
+    action = f"check whether {task_id} carries a later send (lock {lock.key.name!r})"
+    classid, objid, objsubid = lock.key.pg_locks_ids
+    params = {"c": classid, "o": objid, "s": objsubid, "id": task_id, "name": task_name}
 
-    def check(dbapi: Any, cursor: Any) -> tuple[Any, ...]:
+    def hand_over(dbapi: Any, cursor: Any) -> tuple[Any, ...]:
         try:
-            statement = sql_text.prepared(dbapi, cursor, CHECK_NAME, CHECK)
-            cursor.execute(statement, {"id": task_id})
+            statement = sql_text.prepared(dbapi, cursor, HAND_OVER_NAME, HAND_OVER)
+            cursor.execute(statement, params)
         except Exception as exc:
             if driver_errors.sqlstate(exc) == sql_text.UNDEFINED_TABLE:
                 TABLE.forget(engine)
             raise
-        return tuple(cursor.fetchone())
+        return tuple(cursor.fetchone() or (None, None, None, None))
 
     with driver_errors.wrap_db_errors(action, engine):
-        row = lock.on_holding_session(action, check)
+        row = lock.on_holding_session(action, hand_over)
         if row is None:
             with engines.autocommit_cursor(engine, lock.round_trip_timeout) as cursor:
-                row = check(cursor.connection, cursor)
-    return None if row[0] is None else str(row[0])
+                row = hand_over(cursor.connection, cursor)
+    return row
 
 
 def lookup(engine: sa.Engine, task_id: str) -> tuple[str, float, float | None] | None:

@@ -427,7 +427,7 @@ _RESERVED = {name for name in vars(SingletonTask) if name.startswith("lock_")} -
 
 def after_task(task: Any = None, retval: Any = None, **_: Any) -> None:
     """task_postrun: release a retried run's lock, or a leftover one (docs/design.md)."""
-    if isinstance(retval, exceptions.LockSkipped):
+    if isinstance(retval, (exceptions.LockSkipped, exceptions.TaskReplaced)):
         # Celery's frame clearing misses a skip's fixed frame: ~30 objects left per skip.
         retval.__traceback__ = None
     request: Any = getattr(task, "request", None)

@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -51,8 +52,10 @@ def _why(acceptance, task_id) -> dict:
 def test_sends_during_a_run_leave_one_follow_up_with_the_latest_arguments(
     acceptance, enqueue_app, workers, recorder, run
 ):
-    """Send 1 runs for 3 s; sends 2..30 arrive meanwhile: 2..29 end 'replaced by', each
-    naming the next; 30 runs once, after 1. Its holder SIGKILLed, it runs again."""
+    """Send 1 runs for 3 s; sends 2..30 arrive meanwhile: 2 is published and waits, 3..30
+    only replace one another in the key's row; 2..29 end 'replaced by' at once, each
+    naming the next. After 1, 2 publishes 30, which runs once; its holder SIGKILLed, it
+    runs again (acks_late)."""
     task = enqueue_app.latest
     gate = f"{run}-gate"
     first = task.delay(run, "k", 1, hold=3)
@@ -73,10 +76,13 @@ def test_sends_during_a_run_leave_one_follow_up_with_the_latest_arguments(
     assert 30 == sent[-1].get(timeout=60)
     assert [sent[-1].id] * 2 == [i.task_id for i in recorder.intervals(run)[1:]]
     assert [] == recorder.overlaps(run)
-    for result in replaced:  # delivered too, and still told the same
-        assert chain[result.id] == _replaced_by(result)
-    told = _why(acceptance, sent[0].id)
-    assert told["verdict"].startswith(f"replaced by {sent[1].id}")
+    # The carrier (2) now names the send it published; the others are unchanged.
+    expected = {**chain, sent[0].id: sent[-1].id}
+    # Read past the backend's cache of results it has seen.
+    stored = {r.id: task.backend.get_task_meta(r.id, cache=False) for r in replaced}
+    assert expected == {i: meta["result"].replaced_by for i, meta in stored.items()}
+    told = _why(acceptance, sent[0].id)  # its tombstone: no pglock_history here
+    assert told["verdict"].startswith(f"replaced by {sent[-1].id}")
 
 
 def _produce(run: str, barrier, answers, first_value: int) -> None:
@@ -105,9 +111,13 @@ def _produce(run: str, barrier, answers, first_value: int) -> None:
 def test_racing_producers_run_the_last_send_in_the_database_order(
     acceptance, enqueue_app, workers, recorder, run
 ):
-    """50 threads here and 4 producer processes send one key at once, each its own
-    value: every caller's id is in one chain of replacements, and exactly one body runs:
-    the chain's last."""
+    """While a run holds the key, 50 threads here and 4 producer processes send it at
+    once, each its own value: every caller but one is told it was replaced by a later
+    send, every chain of them ends at that one (the last in the database's order), and
+    after the run exactly one body runs: that one's."""
+    gate = f"{run}-gate"
+    holder = enqueue_app.latest.delay(run, "race", -1, gate=gate)
+    wait_until(lambda: recorder.count(run, "race") == 1, timeout=30, what="the holder")
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(THREADS + PROCESSES * PER_PROCESS)
     answers = context.Queue()
@@ -138,23 +148,26 @@ def test_racing_producers_run_the_last_send_in_the_database_order(
         producer.join(timeout=30)
     total = THREADS + PROCESSES * PER_PROCESS
     assert total == len(ids) == len(set(ids.values()))
-    by_id = {task_id: value for value, task_id in ids.items()}
-    chain = {
-        task_id: _replaced_by(enqueue_app.latest.AsyncResult(task_id))
-        for task_id in by_id
-        if enqueue_app.latest.AsyncResult(task_id).state == "FAILURE"
-    }
-    last = set(by_id) - set(chain)
-    assert 1 == len(last), last
-    (last_id,) = last
-    order = list(set(chain) - set(chain.values()))
-    assert 1 == len(order)  # one start
-    while order[-1] in chain:
-        order.append(chain[order[-1]])
-    assert total == len(order)
-    assert last_id == order[-1]
-    # Sent with ignore_result: the run is seen by the recorder, as its message's id.
-    wait_until(lambda: recorder.count(run, "race") == 1, timeout=60, what="the run")
-    wait_until(lambda: not recorder.unfinished(run), timeout=30, what="the run's end")
-    assert [last_id] == [i.task_id for i in recorder.intervals(run)]
+    by = {}
+    for task_id in ids.values():
+        meta = enqueue_app.latest.backend.get_task_meta(task_id, cache=False)
+        if meta["status"] == "FAILURE":
+            assert isinstance(meta["result"], TaskReplaced), meta
+            by[task_id] = meta["result"].replaced_by
+    [last] = set(ids.values()) - set(by)  # the one every caller can find
+    for start in by:
+        seen = {start}
+        while start in by:
+            start = by[start]
+            assert start not in seen, "a cycle"
+            seen.add(start)
+        assert last == start
+    enqueue_app.open_gate(gate)
+    assert -1 == holder.get(timeout=30)
+    # Sent with ignore_result: the follow-up is seen by the recorder, by its id.
+    wait_until(lambda: recorder.count(run, "race") == 2, timeout=60, what="the run")
+    wait_until(lambda: not recorder.unfinished(run), timeout=30, what="its end")
+    assert last == recorder.intervals(run)[1].task_id
+    time.sleep(1)  # no other follow-up comes
+    assert 2 == recorder.count(run, "race")
     assert [] == recorder.overlaps(run)

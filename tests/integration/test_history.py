@@ -18,6 +18,7 @@ from celery_pglock import ConfigurationError, SingletonTask, cli
 from celery_pglock.db import engines
 from celery_pglock.task import history
 from celery_pglock.testing import _support
+from tests.integration.task.test_enqueue import deliver
 from tests.integration.task_support import close_app, define, hold
 
 
@@ -113,11 +114,9 @@ def test_a_duplicate_send_is_told_whose_duplicate_it_is(app, database_url):
     assert ("sent", "published") == (sent["event"], sent["outcome"])
 
 
-def test_a_replaced_message_is_told_by_whom_with_history_and_without(
-    app, database_url
-):
-    """Latest wins: the replaced id's events say by whom, as does its delivery's skip;
-    without history (another id) the tombstone alone tells it."""
+def test_a_replaced_message_is_told_by_whom_with_history_and_without(app, database_url):
+    """Latest wins: the replaced id's events say by whom; without history, a carrier
+    that handed over is told by its tombstone alone."""
 
     def latest(tenant):
         return tenant
@@ -140,10 +139,12 @@ def test_a_replaced_message_is_told_by_whom_with_history_and_without(
     sent = why(database_url, second.id)["events"][0]
     assert ("replaced", first.id) == (sent["outcome"], sent["queued"])
     app.conf.pglock_history = None  # this process keeps no more history
-    third = task.apply_async((4,))
-    document = why(database_url, second.id)
-    assert [] == [e for e in document["events"] if e["event"] == "replaced"][1:]
-    assert document["verdict"].startswith(f"replaced by {third.id}, ")
+    carrier = task.apply_async((5,))
+    later = task.apply_async((5,))
+    deliver(task, carrier.id, 5)  # hands over to ``later``: a tombstone says so
+    document = why(database_url, carrier.id)
+    assert ["replaced"] == [e["event"] for e in document["events"]]
+    assert document["verdict"].startswith(f"replaced by {later.id}, ")
 
 
 def test_an_id_nothing_is_known_of_is_unknown(app, database_url):

@@ -1,6 +1,7 @@
 """Latest wins (lock_enqueue_on_duplicate='replace') in-process against real PostgreSQL and
-Redis: what a send replaces, what a replaced message's delivery and its caller see, racing
-senders, retries. Real workers and kills: tests/acceptance/test_latest_wins.py."""
+Redis: a send into a queued key's row publishes nothing; the carrier message publishes the
+latest send when taken and runs no body; racing senders, retries, stale carriers, bounds.
+Real workers and kills: tests/acceptance/test_latest_wins.py."""
 
 from __future__ import annotations
 
@@ -19,14 +20,19 @@ from tests.integration.task_support import current_engine, define, hold, trace_d
 
 @pytest.fixture
 def published():
-    ids: list[str] = []
+    """(task id, routing key) of each message published during the test."""
+    sent: list[tuple[str, str]] = []
 
-    def count(sender=None, headers=None, **_):
-        ids.append(headers["id"])
+    def count(sender=None, headers=None, routing_key=None, **_):
+        sent.append((headers["id"], routing_key))
 
     celery_signals.after_task_publish.connect(count, weak=False)
-    yield ids
+    yield sent
     celery_signals.after_task_publish.disconnect(count)
+
+
+def ids_of(published):
+    return [task_id for task_id, _ in published]
 
 
 def latest(app, name, ran, **options):
@@ -37,58 +43,63 @@ def latest(app, name, ran, **options):
         return value
 
     body.__name__ = f"latest_{name}"
-    options.setdefault("lock_enqueue", "until_started")
     return define(
         app,
         body,
         lock_args=("tenant",),
+        lock_enqueue="until_started",
         lock_enqueue_on_duplicate="replace",
         **options,
     )
 
 
-def tombstones(app, ids):
-    """{replaced id: the id that replaced it} of these task ids."""
+def replaced_by(task, task_id):
+    result = task.AsyncResult(task_id)
+    assert "FAILURE" == result.state, result.state
+    assert isinstance(result.result, TaskReplaced)
+    return result.result.replaced_by
+
+
+def execute(app, sql, *params):
     with (
         engines.autocommit(current_engine(app)) as dbapi,
         dbapi.cursor() as cursor,
     ):
-        cursor.execute(
-            "SELECT task_id, replaced_by FROM celery_pglock_replaced "
-            "WHERE task_id = ANY(%s)",
-            (list(ids),),
-        )
-        return dict(cursor.fetchall())
+        cursor.execute(sql, params)
+        return cursor.fetchall() if cursor.description else None
 
 
-@pytest.mark.parametrize("mode", ["until_started", "until_finished"])
-def test_a_send_replaces_the_unstarted_message(app, published, mode):
-    """The second send is published and owns the key; the first one's result ends at
-    once naming it, and its delivery runs no body: only the latest arguments run."""
+def test_a_send_into_a_queued_key_publishes_nothing_and_the_carrier_hands_over(
+    app, published
+):
+    """The second send's arguments go into the key's row; its caller's id is the one that
+    runs. The first's result ends at once, naming it; taken by a worker, the first
+    message publishes the second and runs no body."""
     ran: list[int] = []
-    task = latest(app, f"replaces_{mode}", ran, lock_enqueue=mode)
+    task = latest(app, "replaces", ran)
     first = task.delay(1, 10)
     second = task.delay(1, 20)
     assert first.id != second.id
-    assert [first.id, second.id] == published
+    assert [first.id] == ids_of(published)
     assert second.id == rows(task, 1)[0]
-    stored = task.AsyncResult(first.id)
-    assert "FAILURE" == stored.state
-    assert isinstance(stored.result, TaskReplaced)
-    assert second.id == stored.result.replaced_by
-    assert second.id in str(stored.result)
+    assert second.id == replaced_by(task, first.id)
+    assert second.id in str(task.AsyncResult(first.id).result)
     deliver(task, first.id, 1, 10)
     assert [] == ran
-    assert second.id == task.AsyncResult(first.id).result.replaced_by
+    assert [first.id, second.id] == ids_of(published)
+    assert second.id == replaced_by(task, first.id)
     deliver(task, second.id, 1, 20)
     assert [20] == ran
     assert "SUCCESS" == task.AsyncResult(second.id).state
     assert rows(task, 1) is None
 
 
-def test_during_a_run_exactly_one_follow_up_runs_with_the_latest_arguments(app):
-    """until_started: sends 2..6 during a run each replace the one before; delivered in
-    any order, one body runs after it, with 6."""
+def test_during_a_run_exactly_one_follow_up_runs_with_the_latest_arguments(
+    app, published
+):
+    """Sends 2..6 during a run: 2 is published (the follow-up), 3..6 only replace one
+    another in the row, each caller told at once by whom. After the run, the follow-up
+    publishes 6, and one body runs, with 6."""
     ran: list[int] = []
     sent = []
 
@@ -110,26 +121,23 @@ def test_during_a_run_exactly_one_follow_up_runs_with_the_latest_arguments(app):
     deliver(task, first.id, 3, 1)
     assert [1] == ran
     ids = [result.id for result in sent]
-    assert 5 == len(set(ids))
-    chain = tombstones(app, ids)
-    # Each replaced send names the one right after it.
-    assert {ids[i]: ids[i + 1] for i in range(4)} == chain
-    for i in (4, 0, 2, 1, 3):  # the latest first, then the rest
-        deliver(task, ids[i], 3, i + 2)
+    assert [first.id, ids[0]] == ids_of(published)
+    assert [ids[i + 1] for i in range(4)] == [replaced_by(task, i) for i in ids[:4]]
+    deliver(task, ids[0], 3, 2)
+    assert [first.id, ids[0], ids[4]] == ids_of(published)
+    assert ids[4] == replaced_by(task, ids[0])  # the carrier names the one it published
+    deliver(task, ids[4], 3, 6)
     assert [1, 6] == ran
 
 
-def test_a_replaced_message_waiting_for_the_key_runs_no_body(app):
-    """A follow-up waiting for the running key is replaced meanwhile: granted, it finds
-    out and gives the key back; its result says by whom."""
+def test_a_carrier_replaced_while_it_waits_for_the_key_hands_over(app, published):
+    """The follow-up waits for the running key; a newer send goes into its row meanwhile.
+    Granted, the follow-up publishes the newer send and gives the key back."""
     ran: list[int] = []
     task = latest(app, "waiting", ran, lock_wait_timeout=10)
     waiting = task.delay(4, 1)
     holder = hold(task, 4)
-    outcome: list[object] = []
-    thread = threading.Thread(
-        target=lambda: outcome.append(deliver(task, waiting.id, 4, 1))
-    )
+    thread = threading.Thread(target=lambda: deliver(task, waiting.id, 4, 1))
     thread.start()
     try:
         newer = task.delay(4, 2)
@@ -137,14 +145,16 @@ def test_a_replaced_message_waiting_for_the_key_runs_no_body(app):
         holder.release()
     thread.join(timeout=30)
     assert [] == ran
-    assert newer.id == task.AsyncResult(waiting.id).result.replaced_by
+    assert newer.id == replaced_by(task, waiting.id)
+    assert [waiting.id, newer.id] == ids_of(published)
     deliver(task, newer.id, 4, 2)
     assert [2] == ran
 
 
-def test_a_retry_yields_to_a_newer_send(app, published):
-    """lock_on_busy='retry': a follow-up re-queued while the key runs is replaced by a
-    newer send; its retry publishes nothing and it ends replaced."""
+def test_a_retried_carrier_publishes_the_newer_send_instead(app, published):
+    """lock_on_busy='retry': the follow-up is re-queued while the key runs, a newer send
+    goes into its row; the follow-up's next retry publishes the newer send instead of
+    itself and ends replaced."""
     ran: list[int] = []
     task = latest(
         app,
@@ -157,46 +167,51 @@ def test_a_retry_yields_to_a_newer_send(app, published):
     follow_up = task.delay(5, 1)
     holder = hold(task, 5)
     try:
-        deliver(task, follow_up.id, 5, 1)  # busy: a retry, the key's message still
+        deliver(task, follow_up.id, 5, 1)  # busy: a retry, the key's carrier still
         assert "RETRY" == task.AsyncResult(follow_up.id).state
-        assert follow_up.id == rows(task, 5)[0]
         newer = task.delay(5, 2)
         trace_delivery(task, follow_up.id, redelivered=False, args=(5, 1), retries=1)
     finally:
         holder.release()
-    assert [follow_up.id, follow_up.id, newer.id] == published
-    result = task.AsyncResult(follow_up.id)
-    assert "FAILURE" == result.state
-    assert newer.id == result.result.replaced_by
+    assert [follow_up.id, follow_up.id, newer.id] == ids_of(published)
+    assert newer.id == replaced_by(task, follow_up.id)
     assert newer.id == rows(task, 5)[0]
+    deliver(task, newer.id, 5, 2)
+    assert [2] == ran
 
 
-def test_until_finished_a_send_during_the_run_is_its_duplicate(app, published):
-    """A running message cannot be replaced: until_finished returns it, as 'return'."""
+def test_a_retry_that_carries_nothing_yields_to_a_newer_send(app, published):
+    """A run that started and retries itself finds a newer send queued: its retry is
+    not published and it ends replaced (latest wins over a retry's older arguments)."""
     ran: list[int] = []
-    during: list[str] = []
+    newer: list[str] = []
 
     def body(tenant, value):
         ran.append(value)
-        during.append(task.delay(tenant, value + 1).id)
+        if value == 1 and not newer:
+            newer.append(task.delay(tenant, 2).id)
+            raise task.retry(countdown=60)
+        return value
 
-    body.__name__ = "latest_finished"
+    body.__name__ = "latest_retries"
     task = define(
         app,
         body,
+        bind=False,
         lock_args=("tenant",),
-        lock_enqueue="until_finished",
+        lock_enqueue="until_started",
         lock_enqueue_on_duplicate="replace",
     )
     first = task.delay(6, 1)
-    deliver(task, first.id, 6, 1)
-    assert [first.id] == during
-    assert [first.id] == published
+    trace_delivery(task, first.id, redelivered=False, args=(6, 1))
+    assert [first.id, newer[0]] == ids_of(published)
+    assert newer[0] == replaced_by(task, first.id)
+    assert newer[0] == rows(task, 6)[0]
 
 
-def test_racing_senders_replace_in_the_database_order(app, published):
-    """40 threads send one key: every send is published; the replaced ids form one
-    chain, each naming the next, ending at the key's message; only it runs."""
+def test_racing_senders_replace_one_another_in_the_database_order(app, published):
+    """40 threads send one key: one message is published; every other caller's result
+    names the send right after it, in one chain that ends at the send that runs."""
     ran: list[int] = []
     task = latest(app, "race", ran)
     barrier = threading.Barrier(40)
@@ -211,28 +226,71 @@ def test_racing_senders_replace_in_the_database_order(app, published):
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
-    assert 40 == len(ids) == len(set(ids.values())) == len(published)
-    chain = tombstones(app, ids.values())
+    assert 40 == len(set(ids.values()))
+    [carrier] = ids_of(published)
     last = rows(task, 7)[0]
-    assert set(ids.values()) == set(chain) | {last}
-    assert last not in chain
-    order = [next(iter(set(chain) - set(chain.values())))]
+    chain = {i: replaced_by(task, i) for i in ids.values() if i != last}
+    order = [carrier]
     while order[-1] in chain:
         order.append(chain[order[-1]])
-    assert 40 == len(order)
+    assert 40 == len(order)  # one chain through every send
     assert last == order[-1]
     by_id = {task_id: value for value, task_id in ids.items()}
-    for task_id in order:
-        deliver(task, task_id, 7, by_id[task_id])
+    deliver(task, carrier, 7, by_id[carrier])
+    assert [carrier, last] == ids_of(published)
+    deliver(task, last, 7, by_id[last])
     assert [by_id[last]] == ran
 
 
-def test_a_failed_publish_lets_the_replaced_message_run(app, published, monkeypatch):
-    """The replacing send's publish fails: the replaced message is told nothing and
-    runs; the key is freed."""
+def test_the_handed_over_send_keeps_its_own_publish_options(app, published):
+    """The send in the row is published with its own queue, not the carrier's."""
+    ran: list[int] = []
+    task = latest(app, "options", ran)
+    first = task.apply_async((8, 1), queue="first-queue")
+    second = task.apply_async((8, 2), queue="second-queue", priority=3, expires=600)
+    deliver(task, first.id, 8, 1)
+    assert [(first.id, "first-queue"), (second.id, "second-queue")] == published
+
+
+def test_a_redelivered_carrier_runs_nothing(app, published):
+    """A carrier delivered again after it handed over (acks_late, a worker killed) finds
+    its tombstone: no body, nothing published again."""
+    ran: list[int] = []
+    task = latest(app, "redelivered", ran)
+    first = task.delay(9, 1)
+    second = task.delay(9, 2)
+    deliver(task, first.id, 9, 1)
+    deliver(task, second.id, 9, 2)
+    trace_delivery(task, first.id, redelivered=True, args=(9, 1))
+    assert [2] == ran
+    assert [first.id, second.id] == ids_of(published)
+    assert second.id == replaced_by(task, first.id)
+
+
+def test_a_stale_carrier_is_taken_over_and_never_runs(app, published):
+    """A carrier whose row went stale (its producer stalled, its message was lost): the
+    next send publishes itself and tombstones it; delivered late, it runs nothing."""
+    ran: list[int] = []
+    task = latest(app, "stale", ran)
+    first = task.delay(10, 1)
+    key = task.lock_key_for(10)
+    execute(
+        app,
+        "UPDATE celery_pglock_queued SET stale_at = now() - interval '1 s' "
+        "WHERE (classid, objid, objsubid) = (%s, %s, %s)",
+        *key.pg_locks_ids,
+    )
+    second = task.delay(10, 2)
+    assert [first.id, second.id] == ids_of(published)
+    assert second.id == replaced_by(task, first.id)
+    deliver(task, first.id, 10, 1)
+    deliver(task, second.id, 10, 2)
+    assert [2] == ran
+
+
+def test_a_failed_publish_frees_the_key(app, published, monkeypatch):
     ran: list[int] = []
     task = latest(app, "undo", ran)
-    first = task.delay(8, 1)
     with monkeypatch.context() as patched:
 
         def broken(*args, **kwargs):
@@ -240,38 +298,46 @@ def test_a_failed_publish_lets_the_replaced_message_run(app, published, monkeypa
 
         patched.setattr(celery.Task, "apply_async", broken)  # the publish itself
         with pytest.raises(ConnectionError):
-            task.delay(8, 2)
-    assert {} == tombstones(app, [first.id])
-    assert rows(task, 8) is None
-    deliver(task, first.id, 8, 1)
-    assert [1] == ran
+            task.delay(11, 1)
+    assert rows(task, 11) is None
+    task.delay(11, 2)
+    assert 1 == len(published)
 
 
-def test_the_check_keeps_the_tombstones_bounded(app):
-    """A delivery drops tombstones past keep_until (a few per run)."""
+def test_the_hand_over_keeps_the_tombstones_bounded(app):
+    """Each run's statement drops a few tombstones past keep_until."""
     ran: list[int] = []
     task = latest(app, "prune", ran)
-    first = task.delay(9, 1)
-    second = task.delay(9, 2)
-    with (
-        engines.autocommit(current_engine(app)) as dbapi,
-        dbapi.cursor() as cursor,
-    ):
-        cursor.execute(
-            "INSERT INTO celery_pglock_replaced (task_id, replaced_by, task_name, "
-            "keep_until) SELECT 'old-' || i, 'x', 'it', now() - interval '1 s' "
-            "FROM generate_series(1, 5) i"
-        )
-    deliver(task, first.id, 9, 1)
-    assert {first.id: second.id} == tombstones(app, [first.id])
-    assert {} == tombstones(app, [f"old-{i}" for i in range(1, 6)])
-    assert replacing.lookup(current_engine(app), first.id)[0] == second.id
+    first = task.delay(12, 1)
+    second = task.delay(12, 2)
+    old = [f"old-{i}" for i in range(5)]
+    execute(
+        app,
+        "INSERT INTO celery_pglock_replaced (task_id, replaced_by, task_name, "
+        "keep_until) SELECT unnest(%s::text[]), 'x', 'it', now() - interval '1 s'",
+        old,
+    )
+    deliver(task, first.id, 12, 1)
+    kept = execute(
+        app,
+        "SELECT task_id FROM celery_pglock_replaced WHERE task_id = ANY(%s)",
+        [*old, first.id],
+    )
+    assert [(first.id,)] == kept
+    assert second.id == replacing.lookup(current_engine(app), first.id)[0]
 
 
 @pytest.mark.parametrize(
     ("options", "expected"),
     [
-        ({"lock_enqueue_on_duplicate": "replace"}, "without lock_enqueue"),
+        (
+            {"lock_enqueue_on_duplicate": "replace"},
+            "unless lock_enqueue='until_started'",
+        ),
+        (
+            {"lock_enqueue": "until_finished", "lock_enqueue_on_duplicate": "replace"},
+            "unless lock_enqueue='until_started'",
+        ),
         (
             {
                 "lock_enqueue": "until_started",

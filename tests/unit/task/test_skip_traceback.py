@@ -9,23 +9,27 @@ import traceback
 import pytest
 from billiard.einfo import ExceptionInfo
 
-from celery_pglock.exceptions import LockBusy, LockSkipped
+from celery_pglock.exceptions import LockBusy, LockSkipped, TaskReplaced
 
 
-def _deep(depth: int) -> None:
+def _deep(depth: int, error: Exception) -> None:
     if depth:
-        _deep(depth - 1)
-    raise LockSkipped("skipped", {"key": "1"})
+        _deep(depth - 1, error)
+    raise error
 
 
-def test_a_skip_shows_one_frame_however_deep_it_was_raised():
+@pytest.mark.parametrize(
+    "error",
+    [LockSkipped("skipped", {"key": "1"}), TaskReplaced("replaced", replaced_by="x")],
+)
+def test_a_skip_shows_one_frame_however_deep_it_was_raised(error):
     try:
-        _deep(20)
-    except LockSkipped as skip:
+        _deep(20, error)
+    except (LockSkipped, TaskReplaced) as skip:
         frames = traceback.extract_tb(skip.__traceback__)
         einfo = ExceptionInfo((type(skip), skip, skip.__traceback__))
     assert 1 == len(frames)
-    assert "a skipped run" in frames[0].filename
+    assert "nothing ran" in frames[0].filename
     assert einfo.tb.tb_next is None  # what Celery pickles to the worker's main process
     assert "_deep" not in einfo.traceback
     assert len(pickle.dumps(einfo)) < 4096
