@@ -39,7 +39,9 @@ def queued(ctx: click.Context, as_json: bool, task_name: str | None) -> None:
             row["task_id"],
             row["mode"],
             row["state"]
-            + (f" ({row['application_name']})" if row["application_name"] else ""),
+            + (f" ({row['application_name']})" if row["application_name"] else "")
+            # Latest wins: the task id is the latest send, in the carrier's row.
+            + (f", carried by {row['carrier']}" if row["carrier"] else ""),
             shared.duration(row["age_seconds"]),
             "-"
             if row["state"] in ("running", "stale")
@@ -76,7 +78,7 @@ def clear(
     with target.database("clear queued keys") as engine:
         rows = queued_rows.summary(engine) or []
         if task_ids:
-            chosen = [r for r in rows if r["task_id"] in task_ids]
+            chosen = [r for r in rows if {r["task_id"], r["carrier"]} & set(task_ids)]
         elif key_text:
             chosen = [r for r in rows if r["key"] == key_text.strip()]
         elif stale:
@@ -85,10 +87,8 @@ def clear(
             chosen = rows
         running = [r for r in chosen if r["state"] == "running"]
         with engines.autocommit_cursor(engine) as cursor:
-            cursor.execute(
-                queued_rows.CLEAR_BY_TASK_ID,
-                ([r["task_id"] for r in chosen],),
-            )
+            ids = [r["task_id"] for r in chosen] + [r["carrier"] for r in chosen]
+            cursor.execute(queued_rows.CLEAR_BY_TASK_ID, (ids, ids))
             freed = cursor.rowcount
     click.echo(f"Freed {freed} queued key(s).")
     for row in running:

@@ -300,7 +300,7 @@ SUMMARY = f"""
 SELECT CASE WHEN q.objsubid = 1 THEN ((q.classid::bigint << 32) | q.objid::bigint)::text
        ELSE q.classid::bigint::bit(32)::int || ',' || q.objid::bigint::bit(32)::int
        END AS key,
-  q.task_name, q.task_id,
+  q.task_name, q.task_id, q.carrier,
   CASE q.mode WHEN 'f' THEN 'until_finished' ELSE 'until_started' END AS mode,
   r.pid AS run_pid, a.application_name,
   q.started_at IS NOT NULL AS started, q.stale_at < now() AS past_stale_at,
@@ -335,4 +335,6 @@ def summary(engine: sa.Engine) -> list[dict[str, Any]] | None:
 
 
 #: `pglock queued clear`: free the keys of these task ids. Params: text[].
-CLEAR_BY_TASK_ID = "DELETE FROM celery_pglock_queued WHERE task_id = ANY(%s)"
+CLEAR_BY_TASK_ID = (
+    "DELETE FROM celery_pglock_queued WHERE task_id = ANY(%s) OR carrier = ANY(%s)"
+)

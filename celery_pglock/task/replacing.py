@@ -132,8 +132,9 @@ CLAIM_NAME = sql_text.versioned("celery_pglock_replace", CLAIM)
 
 #: After a run's grant (its row deleted if it was the latest send): if it carries a
 #: later send, hand the row over to that send (its message, published next); else, was
-#: it told never to run? Its run lock is held, so no send can take its row meanwhile. Also
-#: drops a few tombstones past keep_until, so the table keeps itself bounded.
+#: it told never to run? Its run lock is held, so no send can take its row meanwhile. A
+#: hand-over also drops a few tombstones past keep_until (each writes one): the table
+#: keeps itself bounded, and a run that carries nothing pays nothing for it.
 HAND_OVER = f"""
 WITH prev AS MATERIALIZED (
   SELECT q.task_id, q.latest_run, q.payload, q.payload_type FROM celery_pglock_queued q
@@ -151,7 +152,7 @@ seen AS (
 gone AS (
   DELETE FROM celery_pglock_replaced WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM celery_pglock_replaced WHERE keep_until < now() AND task_id <> %(id)s
-    LIMIT 8 FOR UPDATE SKIP LOCKED))),
+    AND EXISTS (SELECT 1 FROM prev) ORDER BY keep_until LIMIT 8 FOR UPDATE SKIP LOCKED))),
 sync AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true))
 SELECT r.* FROM (
   SELECT task_id, payload, payload_type, NULL AS told FROM prev
