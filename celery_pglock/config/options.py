@@ -181,6 +181,8 @@ CHECKS: dict[str, Callable[[object], Any]] = {
     "enqueue_lost_after": seconds,
     "rate": _optional(rate),
     "group": _optional(_text),
+    "debounce": _optional(seconds),
+    "debounce_max": _optional(seconds),
 }
 
 
@@ -210,6 +212,10 @@ class LockConfig:
     rate: Rate | None = None  #: At most N starts per key per window (lock_period: N=1).
     group: str | None = None  #: lock_group: a limit shared by every task naming it.
     group_limit: int = 1  #: Runs of the whole group at once (lock_group_limit).
+    debounce: float | None = None  #: Seconds a key must be quiet before its run starts.
+    debounce_max: float | None = (
+        None  #: Longest a run waits after its batch's first send.
+    )
     lock_args: tuple[str, ...] = ()  #: Parameter names whose values form the key.
     fixed_key: keys.LockKey | None = None  #: The key when it never varies per call.
 
@@ -220,6 +226,8 @@ PER_TASK = {
     "rate": "a rate of its own for each task that needs one",
     "period": "a period of its own for each task that needs one",
     "group": "each task says which group it belongs to",
+    "debounce": "a quiet time of its own for each task that needs one",
+    "debounce_max": "a longest wait of its own for each task that needs one",
 }
 APP_SETTINGS = {f"lock_{f}": f"pglock_{f}" for f in CHECKS if f not in PER_TASK}
 TASK_OPTIONS = (
@@ -231,5 +239,7 @@ TASK_OPTIONS = (
     "lock_rate",
     "lock_group",
     "lock_group_limit",
+    "lock_debounce",
+    "lock_debounce_max",
     *APP_SETTINGS,
 )

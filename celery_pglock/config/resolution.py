@@ -133,6 +133,30 @@ def resolve(
     implied = options.implied_on_busy(enqueue)
     if implied is not None and not user_set:
         values["on_busy"], values["on_busy_implied"] = implied, True
+    debounce, longest = values["debounce"], values["debounce_max"]
+    if longest is not None and (debounce is None or longest < debounce):
+        raise fail(
+            "lock_debounce_max",
+            longest,
+            "None without lock_debounce, and at least lock_debounce with it (the "
+            "longest a run waits after the first send of its batch)",
+        )
+    if debounce is not None and enqueue is not options.Enqueue.UNTIL_STARTED:
+        raise fail(
+            "lock_debounce",
+            debounce,
+            "None unless lock_enqueue='until_started' (a debounced key holds one "
+            "message, and a follow-up of a running one)",
+        )
+    if debounce is not None:
+        if values["enqueue_on_duplicate"] is options.OnDuplicate.RAISE:
+            raise fail(
+                source["enqueue_on_duplicate"],
+                "raise",
+                "'replace' (or unset) with lock_debounce: a send during the quiet time "
+                "replaces the waiting one",
+            )
+        values["enqueue_on_duplicate"] = options.OnDuplicate.REPLACE
     replace = values["enqueue_on_duplicate"] is options.OnDuplicate.REPLACE
     if replace and enqueue is not options.Enqueue.UNTIL_STARTED:
         raise fail(

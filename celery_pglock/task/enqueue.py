@@ -50,6 +50,8 @@ def publish(
     headers.pop(queued.HEADER, None)  # a retry's request headers carry the old one
     # Told by Celery's retries count, never by a (reusable) id: docs/guide/enqueue.md.
     retry = celery_compat.is_retry_send(options)
+    if settings.debounce is not None and not retry:
+        _debounce(task, options)
     stale = _stale_after(task, options, settings.enqueue_lost_after)
     replace = settings.enqueue_on_duplicate is OnDuplicate.REPLACE
     if replace and any(options.get(name) for name in _CONTINUATIONS):
@@ -136,6 +138,18 @@ def publish(
     if stale > queued.PUBLISH_GRACE:
         _write_later(task, (queued.CONFIRM_MANY, key.pg_locks_ids, task_id, stale))
     return result
+
+
+def _debounce(task: LockedTask, options: dict[str, Any]) -> None:
+    """A debounced send is due lock_debounce after it (docs/guide/debounce.md)."""
+    for name in ("countdown", "eta"):
+        if options.get(name) is not None:
+            raise exceptions.ConfigurationError(
+                f"{task.name}: {name}={options[name]!r} is invalid for a task with "
+                f"lock_debounce; expected no {name}: the quiet time "
+                f"({task.lock_config.debounce:g}s) decides when its run starts."
+            )
+    options["countdown"] = task.lock_config.debounce
 
 
 def _stale_after(task: LockedTask, options: dict[str, Any], lost_after: float) -> float:

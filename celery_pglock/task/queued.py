@@ -40,7 +40,8 @@ CREATE UNLOGGED TABLE IF NOT EXISTS {schema}celery_pglock_queued (
 ALTER TABLE {schema}celery_pglock_queued SET UNLOGGED;
 ALTER TABLE {schema}celery_pglock_queued
   ADD COLUMN IF NOT EXISTS carrier text, ADD COLUMN IF NOT EXISTS latest_run integer,
-  ADD COLUMN IF NOT EXISTS payload bytea, ADD COLUMN IF NOT EXISTS payload_type text;
+  ADD COLUMN IF NOT EXISTS payload bytea, ADD COLUMN IF NOT EXISTS payload_type text,
+  ADD COLUMN IF NOT EXISTS due_at timestamptz, ADD COLUMN IF NOT EXISTS first_at timestamptz;
 COMMENT ON TABLE {schema}celery_pglock_queued IS
   'celery-pglock lock_enqueue: the one message queued or running per advisory key';
 COMMIT;
@@ -176,7 +177,7 @@ TABLE = own_tables.OwnTable(
     # Made, and with the columns latest wins added (CREATE adds them to an older one).
     "SELECT to_regclass('celery_pglock_queued') IS NOT NULL, EXISTS (SELECT 1 FROM "
     "pg_attribute WHERE attrelid = to_regclass('celery_pglock_queued') "
-    "AND attname = 'payload_type' AND NOT attisdropped)",
+    "AND attname = 'first_at' AND NOT attisdropped)",
     CREATE,
     FIX,
 )

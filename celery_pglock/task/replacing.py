@@ -58,6 +58,12 @@ SEEN_KEEP = "2 hours"  #: Once its message was delivered: for a redelivery of it
 
 _ROW = "(q.classid, q.objid, q.objsubid) = (%(c)s::oid, %(o)s::oid, %(s)s::smallint)"
 _STALE_AT = "now() + make_interval(secs => %(stale)s)"
+#: Seconds until the row's latest send is due (lock_debounce), or NULL.
+WAIT = "greatest(0, extract(epoch FROM q.due_at - now()))::float8"
+#: lock_debounce: a batch's first send is due ``window`` after it; each later send pushes
+#: that to ``window`` after itself, never past ``longest`` after the first (NULL: none).
+_FIRST_DUE = "now() + make_interval(secs => %(window)s)"
+_PUSHED_DUE = f"least({_FIRST_DUE}, q.first_at + make_interval(secs => %(longest)s))"
 _TOMBSTONE = f"""
   INSERT INTO celery_pglock_replaced AS t (task_id, replaced_by, task_name, keep_until)
   SELECT {{carrier}}, {{by}}, %(name)s, now() + interval '{KEEP}' FROM {{source}}
@@ -84,13 +90,14 @@ CLAIM = f"""
 WITH prev AS MATERIALIZED (
   SELECT q.task_id, coalesce(q.carrier, q.task_id) AS carrier,
     q.started_at IS NULL AS unstarted, q.stale_at, q.run_objid, q.latest_run,
-    q.payload, q.payload_type
+    q.payload, q.payload_type, {WAIT} AS wait
   FROM celery_pglock_queued q WHERE {_ROW} FOR UPDATE),
 ins AS (
   INSERT INTO celery_pglock_queued AS q
-    (classid, objid, objsubid, task_id, task_name, run_objid, mode, stale_at)
+    (classid, objid, objsubid, task_id, task_name, run_objid, mode, stale_at,
+     due_at, first_at)
   SELECT %(c)s::oid, %(o)s::oid, %(s)s::smallint, %(id)s, %(name)s, %(run)s, %(mode)s,
-         {_STALE_AT}
+         {_STALE_AT}, {_FIRST_DUE}, now()
   WHERE NOT EXISTS (SELECT 1 FROM prev)
   ON CONFLICT (classid, objid, objsubid) DO NOTHING RETURNING q.task_id),
 act AS MATERIALIZED (
@@ -106,13 +113,14 @@ act AS MATERIALIZED (
 put AS (
   UPDATE celery_pglock_queued q SET task_id = %(id)s, task_name = %(name)s,
     latest_run = %(run)s, carrier = act.carrier, payload = %(payload)s,
-    payload_type = %(payload_type)s
+    payload_type = %(payload_type)s, due_at = {_PUSHED_DUE}
   FROM act WHERE act.action = 'replaced' AND {_ROW} RETURNING 1),
 took AS (
   UPDATE celery_pglock_queued q SET task_id = %(id)s, task_name = %(name)s,
     run_objid = %(run)s, mode = %(mode)s, carrier = NULL, latest_run = NULL,
     payload = NULL, payload_type = NULL, published_at = now(), started_at = NULL,
-    stale_at = {_STALE_AT}
+    stale_at = {_STALE_AT}, due_at = {_FIRST_DUE},
+    first_at = CASE WHEN act.action = 'own' THEN q.first_at ELSE now() END
   FROM act WHERE act.action IN ('own', 'took_over') AND {_ROW} RETURNING 1),
 handed AS (
   UPDATE celery_pglock_queued q SET carrier = NULL, run_objid = act.latest_run,
@@ -122,10 +130,11 @@ handed AS (
 tomb AS ({_CLAIM_TOMBSTONE}),
 sync AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true))
 SELECT r.* FROM (
-  SELECT 'new' AS outcome, task_id, NULL::bytea AS payload, NULL AS payload_type
+  SELECT 'new' AS outcome, task_id, NULL::bytea AS payload, NULL AS payload_type,
+    NULL::float8 AS wait
   FROM ins
   UNION ALL SELECT action, task_id, CASE WHEN action = 'hand_over' THEN payload END,
-    CASE WHEN action = 'hand_over' THEN payload_type END FROM act
+    CASE WHEN action = 'hand_over' THEN payload_type END, wait FROM act
   WHERE action <> 'replaced' OR EXISTS (SELECT 1 FROM put)) r, sync
 """
 CLAIM_NAME = sql_text.versioned("celery_pglock_replace", CLAIM)
@@ -137,7 +146,8 @@ CLAIM_NAME = sql_text.versioned("celery_pglock_replace", CLAIM)
 #: keeps itself bounded, and a run that carries nothing pays nothing for it.
 HAND_OVER = f"""
 WITH prev AS MATERIALIZED (
-  SELECT q.task_id, q.latest_run, q.payload, q.payload_type FROM celery_pglock_queued q
+  SELECT q.task_id, q.latest_run, q.payload, q.payload_type, {WAIT} AS wait
+  FROM celery_pglock_queued q
   WHERE {_ROW} AND q.carrier = %(id)s AND q.started_at IS NULL FOR UPDATE),
 handed AS (
   UPDATE celery_pglock_queued q SET carrier = NULL, run_objid = prev.latest_run,
@@ -155,8 +165,8 @@ gone AS (
     AND EXISTS (SELECT 1 FROM prev) ORDER BY keep_until LIMIT 8 FOR UPDATE SKIP LOCKED))),
 sync AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true))
 SELECT r.* FROM (
-  SELECT task_id, payload, payload_type, NULL AS told FROM prev
-  UNION ALL SELECT NULL, NULL, NULL, replaced_by FROM seen) r, sync
+  SELECT task_id, payload, payload_type, wait, NULL AS told FROM prev
+  UNION ALL SELECT NULL, NULL, NULL, NULL, replaced_by FROM seen) r, sync
 """
 HAND_OVER_NAME = sql_text.versioned("celery_pglock_hand_over", HAND_OVER)
 
@@ -176,7 +186,8 @@ def pack(
     task: LockedTask, args: Any, kwargs: Any, options: dict[str, Any]
 ) -> dict[str, Any]:
     """A send's arguments and publish options, serialized by the task's serializer, as
-    CLAIM's ``payload`` params (the row keeps them until its message is published)."""
+    CLAIM's ``payload`` params (the row keeps them until its message is published), and
+    its debounce params."""
     kept = {name: options[name] for name in _KEPT if options.get(name) is not None}
     now = datetime.datetime.now(datetime.timezone.utc)
     if options.get("countdown") is not None:
@@ -192,19 +203,34 @@ def pack(
     body = (list(args or ()), dict(kwargs or {}), kept)
     content_type, encoding, data = serialization.dumps(body, serializer=task.serializer)
     raw = data.encode(encoding) if isinstance(data, str) else data
-    return {"payload": raw, "payload_type": f"{content_type};{encoding}"}
+    settings = task.lock_config
+    return {
+        "payload": raw,
+        "payload_type": f"{content_type};{encoding}",
+        "window": settings.debounce,
+        "longest": settings.debounce_max,
+    }
 
 
 def publish_latest(
-    task: LockedTask, key: keys.LockKey, task_id: str, payload: Any, payload_type: str
+    task: LockedTask,
+    key: keys.LockKey,
+    task_id: str,
+    payload: Any,
+    payload_type: str,
+    wait: float | None = None,
 ) -> None:
     """Publish the key's latest send ``task_id`` from its row's payload, as its own
-    message (its row now names it: no check again)."""
+    message (its row now names it: no check again), then confirm its row, as a producer
+    does (a carrier hands over rarely: sent now, not batched)."""
     content_type, encoding = payload_type.split(";", 1)
     args, kwargs, options = serialization.loads(bytes(payload), content_type, encoding)
     for name in ("eta", "expires"):
         if isinstance(options.get(name), str):
             options[name] = maybe_iso8601(options[name])
+    if wait is not None:  # lock_debounce: when the row says it is due, not at its send
+        options.pop("eta", None)
+        options["countdown"] = wait
     headers = dict(options.pop("headers", None) or {})
     headers[queued.HEADER] = queued.header_of(key)
     celery.Task.apply_async(
@@ -216,6 +242,19 @@ def publish_latest(
         **options,
     )
     outcomes.enqueued(task, "handed_over", task_id, key)
+    settings = task.lock_config
+    stale = settings.enqueue_lost_after + (wait or 0.0)  # past its due time
+    if isinstance(options.get("eta"), datetime.datetime):
+        now = datetime.datetime.now(datetime.timezone.utc)
+        stale += max(0.0, (options["eta"] - now).total_seconds())
+    try:
+        with engines.autocommit_cursor(task.locks_engine(), settings.db_timeout) as cur:
+            c, o, s = key.pg_locks_ids
+            cur.execute(queued.CONFIRM_MANY, ([c], [o], [s], [task_id], [stale]))
+    except (
+        Exception
+    ):  # unconfirmed, its row frees itself in 10 s: a later send takes it
+        logger.warning("Could not confirm the publish of %s", task_id, exc_info=True)
 
 
 def replaced_error(task_name: str, task_id: str, by: str) -> exceptions.TaskReplaced:
@@ -257,7 +296,7 @@ def end_if_replaced(
     if queued.row_of(lock) is None:  # not a worker's run of a checked message
         return
     try:
-        latest, payload, payload_type, told = _hand_over(lock, task_id, task.name)
+        latest, payload, payload_type, wait, told = _hand_over(lock, task_id, task.name)
     except exceptions.DatabaseError as failed:
         runs.release_unrun(task, lock, task_id)  # nothing runs without the check
         retries.on_database_error(task, failed, direct=direct)
@@ -267,7 +306,7 @@ def end_if_replaced(
     runs.release_unrun(task, lock, task_id)
     if latest is not None:
         # Its row names it, provisionally: unpublished, a later send takes it in 10 s.
-        publish_latest(task, lock.key, latest, payload, payload_type)
+        publish_latest(task, lock.key, latest, payload, payload_type, wait)
     error = replaced_error(task.name, task_id, by)
     details = {
         "reason": "replaced",
@@ -304,7 +343,7 @@ def _hand_over(lock: AdvisoryLock, task_id: str, task_name: str) -> tuple[Any, .
             if driver_errors.sqlstate(exc) == sql_text.UNDEFINED_TABLE:
                 TABLE.forget(engine)
             raise
-        return tuple(cursor.fetchone() or (None, None, None, None))
+        return tuple(cursor.fetchone() or (None, None, None, None, None))
 
     with driver_errors.wrap_db_errors(action, engine):
         row = lock.on_holding_session(action, hand_over)

@@ -77,6 +77,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
     lock_rate: ClassVar[str | tuple[int, float] | None] = None
     lock_group: ClassVar[str | None] = None
     lock_group_limit: ClassVar[int | None] = None
+    lock_debounce: ClassVar[float | None] = None
+    lock_debounce_max: ClassVar[float | None] = None
     lock_on_lost: ClassVar[OnLost | str | None] = None
     lock_watch_interval: ClassVar[float | None] = None
     lock_db_timeout: ClassVar[float | None] = None

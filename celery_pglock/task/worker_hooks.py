@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import signals as celery_signals
 
@@ -11,7 +11,10 @@ from celery_pglock import config, exceptions, metrics
 from celery_pglock.db import driver_errors, engines, server_probe
 from celery_pglock.lock import sessions
 from celery_pglock.metrics import server as metrics_server
-from celery_pglock.task import enqueue, runs, singleton_task
+from celery_pglock.task import enqueue, replacing_sweep, runs, singleton_task
+
+if TYPE_CHECKING:
+    import threading
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +89,15 @@ def check_lock_server(app: Any) -> None:
 
 
 def _report_at_ready(sender: Any = None, **_: Any) -> None:
-    """Log the lock configuration or an ERROR; never raises (docs/design.md)."""
+    """Log the lock configuration or an ERROR; never raises (docs/design.md). Starts the
+    latest-wins sweep (after the pool has forked its children)."""
+    global _sweeping
     app: Any = getattr(sender, "app", None)
     tasks = singleton_tasks(app) if app is not None else []
     if not tasks:
         return
+    if _sweeping is None:
+        _sweeping = replacing_sweep.start(app)
     url: str | None = None  # no URL configured: the error below says so
     try:
         url = engines.mask_url(config.database_url(app.conf))
@@ -190,7 +197,12 @@ def _check_worker_config(sender: Any = None, **_: Any) -> None:
             _metrics_outcome = error
 
 
+_sweeping: threading.Event | None = None  #: Set to stop this process's sweep.
+
+
 def _release_everything(**_: Any) -> None:
+    if _sweeping is not None:
+        _sweeping.set()
     # A prefork child ends in os._exit, which runs no atexit hook: drain here.
     enqueue.drain_writers()
     for lock in runs.held_locks():

@@ -85,3 +85,27 @@ def latest(
     """Latest wins: the value of the send that ran."""
     _body(self, run, key, hold, gate)
     return value
+
+
+@app.task(
+    base=SingletonTask,
+    shared=False,  # this app only: an app-wide setting in another test must not meet it
+    bind=True,
+    lock_args=("run", "key"),
+    lock_enqueue="until_started",
+    lock_debounce=1,
+    lock_debounce_max=5,
+    acks_late=True,  # a killed run's message comes back (test_debounce.py)
+    reject_on_worker_lost=True,
+)
+def debounced(
+    self,
+    run: str,
+    key: str,
+    value: int,
+    hold: float = 0.0,
+    gate: str | None = None,
+) -> int:
+    """Debounced: the value of the send that ran."""
+    _body(self, run, key, hold, gate)
+    return value

@@ -180,3 +180,20 @@ def rated(self: Any, run: str, key: str, seconds: float) -> str:
     """At most RATE[0] starts of a key per RATE[1] seconds; re-queued until a start frees."""
     _heartbeating(run, (key,), self.request.id, seconds)
     return "ran"
+
+
+#: The latest-wins phase (tests/chaos/latest_phase.py).
+latest = app.task(
+    base=SingletonTask,
+    bind=True,
+    name="chaos.latest",
+    lock_args=("run", "key"),
+    lock_enqueue="until_started",
+    lock_enqueue_on_duplicate="replace",
+    lock_enqueue_lost_after=ENQUEUE_LOST_AFTER,
+    lock_wait_timeout=3,
+    lock_retry_delay=0.2,
+    max_retries=None,
+    acks_late=True,
+    reject_on_worker_lost=True,
+)(_enqueued)

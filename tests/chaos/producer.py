@@ -1,7 +1,7 @@
 """A producer process of the chaos run's enqueue phase: sends hot keys of both
 lock_enqueue tasks until its time is up (or it is SIGKILLed). Logs ``T <id>`` before
 each send and ``R <id> <returned id>`` after, flushed, so a killed producer's last send is
-known: ``python -m tests.chaos.producer RUN SECONDS SEED LOG QUEUE``."""
+known: ``python -m tests.chaos.producer RUN SECONDS SEED LOG QUEUE [latest]``."""
 
 from __future__ import annotations
 
@@ -13,11 +13,16 @@ import uuid
 KEYS = ("h0", "h1", "h2", "h3")
 
 
-def main(run: str, seconds: float, seed: int, log_path: str, queue: str) -> None:
+def main(
+    run: str, seconds: float, seed: int, log_path: str, queue: str, mode: str = ""
+) -> None:
     from tests.chaos import app
 
     rng = random.Random(seed)  # noqa: S311 - reproducible chaos, not crypto
-    tasks = (app.until_finished, app.until_started)
+    # "latest": the latest-wins phase's task only (tests/chaos/latest_phase.py).
+    tasks = (
+        (app.latest,) if mode == "latest" else (app.until_finished, app.until_started)
+    )
     deadline = time.monotonic() + seconds
     with open(log_path, "w", buffering=1) as log:
         while time.monotonic() < deadline:
@@ -31,4 +36,4 @@ def main(run: str, seconds: float, seed: int, log_path: str, queue: str) -> None
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    main(sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])

@@ -87,6 +87,7 @@ def collect(chaos: Chaos, started: float) -> dict[str, Any]:
         wall_seconds=round(time.time() - started, 1),
         enqueue=chaos.enqueue_figures,
         flow=chaos.flow_figures,
+        latest=chaos.latest_figures,
         **_from_logs(chaos),
     )
     return figures
@@ -217,7 +218,7 @@ def checks(figures: dict[str, Any], plan: Plan) -> list[tuple[str, bool]]:
         and loss["detected_after_s"] > DETECTION_BOUND[loss["fault"].split(" (")[0]]
     ]
     kinds = [f["fault"] for f in figures["faults"]]
-    enqueue, flow = figures["enqueue"], figures["flow"]
+    enqueue, flow, latest = figures["enqueue"], figures["flow"], figures["latest"]
     return [
         ("0 unaccounted", figures["unaccounted"] == 0),
         ("0 unexplained overlaps", not figures["overlaps_unexplained"]),
@@ -258,6 +259,16 @@ def checks(figures: dict[str, Any], plan: Plan) -> list[tuple[str, bool]]:
         ),
         ("flow: no rate exceeded", flow["rate_exceeded"] == 0),
         ("flow: children killed", flow["children_killed"] > 0),
+        ("latest: 0 overlaps of a key", latest["overlaps"] == 0),
+        ("latest: 0 doubled (replaced, yet ran)", latest["doubled"] == 0),
+        ("latest: 0 lost (a chain of replacements ends at a run)", latest["lost"] == 0),
+        (
+            "latest: untold sends at most one per killed producer",
+            latest["untold"] <= latest["producers_killed"],
+        ),
+        ("latest: a fresh send of every key ran", latest["fresh_not_run"] == 0),
+        ("latest: 0 keys left queued", latest["blocked_keys"] == 0),
+        ("latest: children killed", latest["children_killed"] > 0),
     ]
 
 
@@ -349,6 +360,23 @@ def render(figures: dict[str, Any], results: list[tuple[str, bool]]) -> str:
             if not name.endswith("_ids")
         ),
     ]
+    lines += [
+        "",
+        "| latest-wins phase | count |",
+        "|---|---|",
+        *(
+            f"| {name} | {value} |"
+            for name, value in figures["latest"].items()
+            if not name.endswith("_ids")
+        ),
+    ]
+    latest = figures["latest"]
+    if latest["doubled_ids"] or latest["lost_ids"] or latest["untold_ids"]:
+        lines += [
+            "",
+            f"latest: doubled {latest['doubled_ids']}, lost {latest['lost_ids']}, "
+            f"untold {latest['untold_ids']}",
+        ]
     lines += ["", "| check | result |", "|---|---|"]
     lines += [f"| {what} | {'ok' if ok else 'FAILED'} |" for what, ok in results]
     if figures["overlaps_unexplained"]:

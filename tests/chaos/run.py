@@ -2,7 +2,7 @@
 
 ``python -m tests.chaos [--short] [--seed N] [--json PATH]`` (docs/operations/chaos.md).
 
-Three phases, one after the other, so that each overlap has one possible cause:
+Five phases, one after the other, so that each overlap has one possible cause:
 
 1. *Main*: two prefork workers and a threads-pool worker run a stream of ``chaos.work``
    tasks on many keys (lock_on_lost='signal'), while the run SIGKILLs pool children and
@@ -16,6 +16,8 @@ Three phases, one after the other, so that each overlap has one possible cause:
 3. *Enqueue*: lock_enqueue under producer and pool-child kills, revokes, a purge and rows
    never published (tests/chaos/enqueue_phase.py).
 4. *Flow*: lock_group and lock_rate under pool-child kills (tests/chaos/flow_phase.py).
+5. *Latest wins*: lock_enqueue_on_duplicate='replace' under producer and pool-child
+   kills (tests/chaos/latest_phase.py).
 
 The overlap recorder and the loss events live on the shared test database, which the chaos
 never touches. Every wait has a deadline; every process is stopped in ``finally``.
@@ -38,7 +40,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tests.chaos import enqueue_phase, faults, flow_phase
+from tests.chaos import enqueue_phase, faults, flow_phase, latest_phase
 from tests.chaos import report as reporting
 from tests.chaos.plan import (
     CHECK_TIMEOUT,
@@ -79,6 +81,7 @@ class Chaos:
         self.t0 = time.time()  #: Fault times are printed from the main phase's start.
         self.enqueue_figures: dict[str, Any] = {}
         self.flow_figures: dict[str, Any] = {}
+        self.latest_figures: dict[str, Any] = {}
 
     # -- processes --------------------------------------------------------------------
 
@@ -167,6 +170,7 @@ class Chaos:
             self._partition_phase(proxy)
             self.enqueue_figures = enqueue_phase.run(self)
             self.flow_figures = flow_phase.run(self)
+            self.latest_figures = latest_phase.run(self)
             report = reporting.collect(self, started)
         finally:
             for worker in reversed(self.workers):

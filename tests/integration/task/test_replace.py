@@ -11,9 +11,9 @@ import celery
 import pytest
 from celery import signals as celery_signals
 
-from celery_pglock import ConfigurationError, TaskReplaced
+from celery_pglock import AdvisoryLock, ConfigurationError, TaskReplaced, keys
 from celery_pglock.db import engines
-from celery_pglock.task import replacing
+from celery_pglock.task import replacing, replacing_sweep
 from tests.integration.task.test_enqueue import deliver, rows
 from tests.integration.task_support import current_engine, define, hold, trace_delivery
 
@@ -88,6 +88,14 @@ def test_a_send_into_a_queued_key_publishes_nothing_and_the_carrier_hands_over(
     assert [] == ran
     assert [first.id, second.id] == ids_of(published)
     assert second.id == replaced_by(task, first.id)
+    # Its publish confirmed: the row holds its key for lock_enqueue_lost_after, not 10 s.
+    [(confirmed,)] = execute(
+        app,
+        "SELECT stale_at > now() + interval '60 s' FROM celery_pglock_queued "
+        "WHERE task_id = %s AND carrier IS NULL",
+        second.id,
+    )
+    assert confirmed
     deliver(task, second.id, 1, 20)
     assert [20] == ran
     assert "SUCCESS" == task.AsyncResult(second.id).state
@@ -356,3 +364,35 @@ def test_bad_replace_options_are_refused_at_bind(app, options, expected):
     with pytest.raises(ConfigurationError) as raised:
         define(app, body, lock_args=("tenant",), **options)
     assert expected in str(raised.value)
+
+
+def test_the_sweep_publishes_the_latest_send_of_a_carrier_that_never_comes(
+    app, published
+):
+    """The carrier's producer died after its statement (its row never confirmed): a
+    worker's sweep hands the row over as the carrier would, and tombstones the carrier.
+    A carrier that is running (its run lock held) is left alone."""
+    ran: list[int] = []
+    task = latest(app, "sweep", ran)
+    first = task.delay(13, 1)
+    second = task.delay(13, 2)
+    key = task.lock_key_for(13)
+    execute(
+        app,
+        "UPDATE celery_pglock_queued SET stale_at = now() - interval '1 s' "
+        "WHERE (classid, objid, objsubid) = (%s, %s, %s)",
+        *key.pg_locks_ids,
+    )
+    running = AdvisoryLock(engine=current_engine(app), key=keys.run_key(first.id))
+    assert running.acquire()
+    try:
+        assert 0 == replacing_sweep.sweep(app)
+    finally:
+        running.release()
+    assert 1 == replacing_sweep.sweep(app)
+    assert [first.id, second.id] == ids_of(published)
+    assert second.id == replaced_by(task, first.id)
+    deliver(task, first.id, 13, 1)  # late: its tombstone
+    deliver(task, second.id, 13, 2)
+    assert [2] == ran
+    assert 0 == replacing_sweep.sweep(app)
