@@ -41,7 +41,13 @@ def queued(ctx: click.Context, as_json: bool, task_name: str | None) -> None:
             row["state"]
             + (f" ({row['application_name']})" if row["application_name"] else "")
             # Latest wins: the task id is the latest send, in the carrier's row.
-            + (f", carried by {row['carrier']}" if row["carrier"] else ""),
+            + (f", carried by {row['carrier']}" if row["carrier"] else "")
+            # lock_debounce: when the latest send may start.
+            + (
+                f", due in {shared.duration(row['due_in_seconds'])}"
+                if (row["due_in_seconds"] or 0) > 0
+                else ""
+            ),
             shared.duration(row["age_seconds"]),
             "-"
             if row["state"] in ("running", "stale")

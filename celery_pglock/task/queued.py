@@ -306,7 +306,8 @@ SELECT CASE WHEN q.objsubid = 1 THEN ((q.classid::bigint << 32) | q.objid::bigin
   r.pid AS run_pid, a.application_name,
   q.started_at IS NOT NULL AS started, q.stale_at < now() AS past_stale_at,
   extract(epoch FROM now() - q.published_at)::float8 AS age_seconds,
-  extract(epoch FROM q.stale_at - now())::float8 AS stale_in_seconds
+  extract(epoch FROM q.stale_at - now())::float8 AS stale_in_seconds,
+  extract(epoch FROM q.due_at - now())::float8 AS due_in_seconds
 FROM celery_pglock_queued q
 LEFT JOIN pg_locks r ON r.locktype = 'advisory' AND r.granted
   AND r.database = (SELECT oid FROM pg_database WHERE datname = current_database())

@@ -88,3 +88,38 @@ def test_sql_enqueue_prints_the_table_and_its_grants(database_url):
     assert '"public".celery_pglock_queued' in text
     assert "-- GRANT SELECT, INSERT, UPDATE, DELETE" in text
     assert "DROP TABLE" in run(database_url, "sql", "--enqueue", "--uninstall")
+
+
+def test_queued_shows_a_debounced_keys_carrier_and_due_time(database_url, app):
+    """Latest wins: the key's task id is the latest send, carried by the queued message;
+    with lock_debounce, when it is due. Clearing by the carrier's id frees the key."""
+
+    def debounced(tenant, value):
+        return value
+
+    debounced.__name__ = f"debounced_{uuid.uuid4().hex[:8]}"
+    task = define(
+        app,
+        debounced,
+        lock_args=("tenant",),
+        lock_enqueue="until_started",
+        lock_debounce=60,
+    )
+    carrier = task.delay(1, 1)
+    latest = task.delay(1, 2)
+    [row] = listed(database_url, task)
+    assert (latest.id, carrier.id) == (row["task_id"], row["carrier"])
+    assert 55 < row["due_in_seconds"] <= 60
+    text = run(database_url, "queued", "--task", task.name)
+    assert f"carried by {carrier.id}, due in " in text
+    assert "Freed 1 " in run(database_url, "queued", "clear", carrier.id)
+    assert [] == listed(database_url, task)
+
+
+def test_sql_enqueue_prints_the_tombstones_table_too(database_url):
+    text = run(database_url, "sql", "--enqueue")
+    assert "ADD COLUMN IF NOT EXISTS carrier text" in text
+    assert '"public".celery_pglock_replaced' in text
+    assert "DROP TABLE IF EXISTS" in run(
+        database_url, "sql", "--enqueue", "--uninstall"
+    )
