@@ -15,15 +15,13 @@ from celery.utils.time import maybe_iso8601
 from kombu import serialization
 
 from celery_pglock import exceptions, keys
-from celery_pglock.config import OnDuplicate
 from celery_pglock.db import driver_errors, engines, own_tables, sql_text
-from celery_pglock.task import outcomes, queued, retries, runs
+from celery_pglock.task import outcomes, queued, runs
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
 
     from celery_pglock.lock import AdvisoryLock
-    from celery_pglock.task.singleton_task import SingletonTask
     from celery_pglock.task.surface import LockedTask
 
 logger = logging.getLogger(__name__)
@@ -284,22 +282,17 @@ def tell_replaced(task: LockedTask, task_id: str, by: str) -> None:
         )
 
 
-def end_if_replaced(
-    task: SingletonTask, lock: AdvisoryLock, task_id: str | None, direct: bool
-) -> None:
+def end_if_replaced(task: LockedTask, lock: AdvisoryLock, task_id: str | None) -> None:
     """At a granted run of a replacing task: if its message carries a later send, publish
     that send and raise TaskReplaced; the same if it was told never to run. The lock is
-    released and the skip reported first."""
-    options = task.lock_config
-    if task_id is None or options.enqueue_on_duplicate is not OnDuplicate.REPLACE:
-        return
-    if queued.row_of(lock) is None:  # not a worker's run of a checked message
+    released and the skip reported first; released too if the check fails (raised)."""
+    if task_id is None or queued.row_of(lock) is None:  # not a checked message's run
         return
     try:
         latest, payload, payload_type, wait, told = _hand_over(lock, task_id, task.name)
-    except exceptions.DatabaseError as failed:
+    except exceptions.DatabaseError:
         runs.release_unrun(task, lock, task_id)  # nothing runs without the check
-        retries.on_database_error(task, failed, direct=direct)
+        raise
     by = latest or told
     if by is None:
         return

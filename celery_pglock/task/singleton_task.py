@@ -191,7 +191,6 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             ):
                 granted = self._acquire(options, lock, task_id, direct, waits)
             if granted:
-                replacing.end_if_replaced(self, lock, task_id, direct)
                 if options.group is not None:  # first: a full group records no start
                     group = groups.take(self, options, execution, lock, direct)
                 if group is None and options.rate is not None:
@@ -279,10 +278,11 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         direct: bool,
         waits: bool,
     ) -> bool:
-        """Take the lock (and its fencing token), waiting for it if ``waits``; False
-        when another run holds it."""
+        """Take the lock (a carrier: hand over), waiting if ``waits``; False if held."""
         try:
             granted = lock.acquire(timeout=options.wait_timeout if waits else None)
+            if granted and options.enqueue_on_duplicate is config.OnDuplicate.REPLACE:
+                replacing.end_if_replaced(self, lock, task_id)
             if granted and options.fencing:
                 fencing_tokens.issue_token(lock)  # releases the lock if it cannot
         except exceptions.DatabaseError as error:
