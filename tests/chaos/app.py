@@ -197,3 +197,20 @@ latest = app.task(
     acks_late=True,
     reject_on_worker_lost=True,
 )(_enqueued)
+#: The same phase's debounced task: a short quiet time and longest wait, so that bursts
+#: end and hop within the phase.
+debounced = app.task(
+    base=SingletonTask,
+    bind=True,
+    name="chaos.debounced",
+    lock_args=("run", "key"),
+    lock_enqueue="until_started",
+    lock_debounce=0.3,
+    lock_debounce_max=1.0,
+    lock_enqueue_lost_after=ENQUEUE_LOST_AFTER,
+    lock_wait_timeout=3,
+    lock_retry_delay=0.2,
+    max_retries=None,
+    acks_late=True,
+    reject_on_worker_lost=True,
+)(_enqueued)

@@ -19,9 +19,11 @@ def main(
     from tests.chaos import app
 
     rng = random.Random(seed)  # noqa: S311 - reproducible chaos, not crypto
-    # "latest": the latest-wins phase's task only (tests/chaos/latest_phase.py).
+    # "latest": the latest-wins phase's tasks (tests/chaos/latest_phase.py).
     tasks = (
-        (app.latest,) if mode == "latest" else (app.until_finished, app.until_started)
+        (app.latest, app.debounced)
+        if mode == "latest"
+        else (app.until_finished, app.until_started)
     )
     deadline = time.monotonic() + seconds
     with open(log_path, "w", buffering=1) as log:
