@@ -85,6 +85,15 @@ def start_workers(
         worker.stop(timeout=20)
 
 
+@pytest.fixture(scope="module")
+def enqueue_app(acceptance: Any) -> Any:
+    """The lock_enqueue tasks' module (tests/acceptance/enqueue_app.py), imported once the
+    acceptance environment is set."""
+    import tests.acceptance.enqueue_app as module
+
+    return module
+
+
 @pytest.fixture
 def run() -> str:
     """A fresh run id: the lock keys and recorded intervals of this test only."""

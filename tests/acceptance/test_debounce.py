@@ -22,13 +22,6 @@ SLACK = 0.6
 
 
 @pytest.fixture(scope="module")
-def enqueue_app(acceptance):
-    import tests.acceptance.enqueue_app as module
-
-    return module
-
-
-@pytest.fixture(scope="module")
 def workers(start_workers, enqueue_app):
     return start_workers(1, app=APP, concurrency=4)
 

@@ -24,13 +24,6 @@ THREADS, PROCESSES, PER_PROCESS = 50, 4, 10
 
 
 @pytest.fixture(scope="module")
-def enqueue_app(acceptance):
-    import tests.acceptance.enqueue_app as module
-
-    return module
-
-
-@pytest.fixture(scope="module")
 def workers(acceptance_env, enqueue_app, tmp_path_factory):
     """Two prefork workers, two children each."""
     log_dir = tmp_path_factory.mktemp("enqueue-workers")

@@ -22,13 +22,6 @@ QUEUE = f"guards-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture(scope="module")
-def enqueue_app(acceptance):
-    import tests.acceptance.enqueue_app as module
-
-    return module
-
-
-@pytest.fixture(scope="module")
 def worker(enqueue_app, start_workers):
     """One prefork worker with two children, consuming this module's queue."""
     return start_workers(1, app=APP, queues=[QUEUE])[0]

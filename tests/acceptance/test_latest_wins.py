@@ -24,13 +24,6 @@ THREADS, PROCESSES, PER_PROCESS = 50, 4, 10
 
 
 @pytest.fixture(scope="module")
-def enqueue_app(acceptance):
-    import tests.acceptance.enqueue_app as module
-
-    return module
-
-
-@pytest.fixture(scope="module")
 def workers(start_workers, enqueue_app):
     return start_workers(2, app=APP, concurrency=2)
 

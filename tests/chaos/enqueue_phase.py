@@ -37,22 +37,7 @@ def run(chaos: Chaos) -> dict[str, Any]:
     tasks = (chaos_app.until_finished, chaos_app.until_started)
     engine = engines.engine_for(chaos_app.app.conf)
     logs = [chaos.log_dir / f"producer-{n}.log" for n in range(PRODUCERS)]
-    producers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.chaos.producer",
-                run_id,
-                str(SECONDS),
-                str(chaos.rng.randrange(10**6)),
-                str(log),
-                chaos.queue,
-            ],
-            env=os.environ.copy(),
-        )
-        for log in logs
-    ]
+    producers = start_producers(chaos, run_id, SECONDS, logs)
     revoked: set[str] = set()
     purged: set[str] = set()
     never_published: set[str] = set()
@@ -142,6 +127,22 @@ def run(chaos: Chaos) -> dict[str, Any]:
         "revoked_that_ran": len(ran_revoked),
         "overlaps": len(chaos_app.recorder.overlaps(run_id)),
     }
+
+
+def start_producers(
+    chaos: Chaos, run_id: str, seconds: float, logs: list[Any], *mode: str
+) -> list[subprocess.Popen[bytes]]:
+    """A tests.chaos.producer process per log, sending for ``seconds``."""
+    return [
+        subprocess.Popen(
+            [
+                *(sys.executable, "-m", "tests.chaos.producer", run_id, str(seconds)),
+                *(str(chaos.rng.randrange(10**6)), str(log), chaos.queue, *mode),
+            ],
+            env=os.environ.copy(),
+        )
+        for log in logs
+    ]
 
 
 def _lost_with_its_child(result: Any) -> bool:

@@ -14,10 +14,7 @@ untold; and no key is left queued but not stale.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -41,16 +38,7 @@ def run(chaos: Chaos) -> dict[str, Any]:
     run_id = f"{chaos.run_id}-latest"
     tasks = (chaos_app.latest, chaos_app.debounced)
     logs = [chaos.log_dir / f"latest-producer-{n}.log" for n in range(PRODUCERS)]
-    producers = [
-        subprocess.Popen(
-            [
-                *(sys.executable, "-m", "tests.chaos.producer", run_id, str(SECONDS)),
-                *(str(chaos.rng.randrange(10**6)), str(log), chaos.queue, "latest"),
-            ],
-            env=os.environ.copy(),
-        )
-        for log in logs
-    ]
+    producers = enqueue_phase.start_producers(chaos, run_id, SECONDS, logs, "latest")
     killed_children = 0
     try:
         time.sleep(SECONDS / 3)
