@@ -163,6 +163,11 @@ def silent_changes(options: LockConfig) -> list[str]:
             f"runs as {ended.value!r} (lock_retry_delay {options.retry_delay:g}s), not "
             f"'raise', because lock_enqueue={options.enqueue.value!r}"
         )
+    if options.debounce is not None:  # resolution sets it: docs/guide/debounce.md
+        changes.append(
+            "a send of a queued key replaces it (lock_enqueue_on_duplicate='replace'), "
+            f"because lock_debounce={options.debounce:g}"
+        )
     return changes
 
 

@@ -53,6 +53,15 @@ def test_a_plain_wait_or_raise_has_nothing_to_show():
     assert [] == busy_policy.silent_changes(options(on_busy=OnBusy.RAISE))
 
 
+def test_debounce_shows_that_its_duplicates_replace():
+    """lock_debounce sets lock_enqueue_on_duplicate='replace': pglock check says so."""
+    config = options(on_busy=OnBusy.WAIT, enqueue=Enqueue.UNTIL_STARTED, debounce=1.5)
+    assert (
+        "a send of a queued key replaces it (lock_enqueue_on_duplicate='replace'), "
+        "because lock_debounce=1.5"
+    ) == busy_policy.silent_changes(config)[-1]
+
+
 def test_an_explicit_wait_under_until_started_shows_only_its_re_queue():
     """A set lock_on_busy='wait' is not implied: only the re-queue of a wait that runs
     out is shown."""
