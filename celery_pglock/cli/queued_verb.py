@@ -93,7 +93,7 @@ def clear(
             chosen = rows
         running = [r for r in chosen if r["state"] == "running"]
         with engines.autocommit_cursor(engine) as cursor:
-            ids = [r["task_id"] for r in chosen] + [r["carrier"] for r in chosen]
+            ids = [i for r in chosen for i in (r["task_id"], r["carrier"]) if i]
             cursor.execute(queued_rows.CLEAR_BY_TASK_ID, (ids, ids))
             freed = cursor.rowcount
     click.echo(f"Freed {freed} queued key(s).")

@@ -23,8 +23,8 @@ _UNKNOWN = (
 
 @click.command(
     help="What became of a SingletonTask message, from pglock_history: sent, returned "
-    "as a duplicate, replaced (by which id), skipped (why, by whom), started (where, after what wait), ended, "
-    "lost its lock."
+    "as a duplicate, replaced (by which id), skipped (why, by whom), started (where, "
+    "after what wait), ended, lost its lock."
 )
 @click.argument("task_id")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")

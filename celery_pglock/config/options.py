@@ -48,7 +48,7 @@ class OnDuplicate(str, enum.Enum):
 
     RETURN = "return"  #: The queued message's AsyncResult (its task id). The default.
     RAISE = "raise"  #: AlreadyQueued, carrying the queued message's task id.
-    #: Latest wins: publish, and the unstarted queued message never runs its body.
+    #: Latest wins: the send replaces the queued one's arguments in its key's row.
     REPLACE = "replace"
 
 
@@ -213,9 +213,7 @@ class LockConfig:
     group: str | None = None  #: lock_group: a limit shared by every task naming it.
     group_limit: int = 1  #: Runs of the whole group at once (lock_group_limit).
     debounce: float | None = None  #: Seconds a key must be quiet before its run starts.
-    debounce_max: float | None = (
-        None  #: Longest a run waits after its batch's first send.
-    )
+    debounce_max: float | None = None  #: Longest wait after a burst's first send.
     lock_args: tuple[str, ...] = ()  #: Parameter names whose values form the key.
     fixed_key: keys.LockKey | None = None  #: The key when it never varies per call.
 

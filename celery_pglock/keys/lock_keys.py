@@ -72,6 +72,17 @@ class LockKey:
             return unsigned >> 32, unsigned & 0xFFFFFFFF, 1
         return self.ids[0] & 0xFFFFFFFF, self.ids[-1] & 0xFFFFFFFF, 2
 
+    @classmethod
+    def from_pg_locks(
+        cls, name: str, classid: int, objid: int, objsubid: int
+    ) -> LockKey:
+        """The key of ``pg_locks``' ids: the inverse of :attr:`pg_locks_ids`."""
+        if objsubid == 1:
+            unsigned = (classid << 32) | objid
+            return cls(name, (unsigned - (1 << 64) if unsigned >> 63 else unsigned,))
+        high, low = (i - (1 << 32) if i >> 31 else i for i in (classid, objid))
+        return cls(name, (high, low))
+
 
 def key_text(namespace: str, name: str, material: Json) -> str:
     """Return the canonical key text for already-canonical material."""

@@ -160,7 +160,7 @@ _HELP = {
     "release_failed": "Releases that failed; PostgreSQL no longer held the lock.",
     "lost": "Locks lost while their body ran.",
     "enqueued": "lock_enqueue sends, by outcome (published, duplicate, replaced, "
-    "superseded, took_over, unchecked_*).",
+    "handed_over, hand_over, superseded, took_over, unchecked_*).",
     "throttled": "Skipped runs whose key was free: refused by lock_rate or lock_period "
     "(period, rate) or a full lock_group (group).",
     "wait_seconds": "Time a run spent asking for its lock.",

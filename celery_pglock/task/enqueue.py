@@ -117,9 +117,8 @@ def publish(
             replacing.publish_latest(task, key, owner, *latest)
         replacing.tell_replaced(task, task_id, owner)
         raise replacing.replaced_error(task.name, task_id, owner)
-    if (
-        retry or outcome == "own"
-    ):  # the key's waiting message now (docs/guide/enqueue.md)
+    # A retry (or a replacing send's own row) is the key's waiting message now.
+    if retry or outcome == "own":  # docs/guide/enqueue.md
         outcome = "new"
     elif outcome == "took_over":
         logger.info("%s: took over stale queued key %s from %s", task.name, key, owner)

@@ -62,21 +62,19 @@ WAIT = "greatest(0, extract(epoch FROM q.due_at - now()))::float8"
 #: that to ``window`` after itself, never past ``longest`` after the first (NULL: none).
 _FIRST_DUE = "now() + make_interval(secs => %(window)s)"
 _PUSHED_DUE = f"least({_FIRST_DUE}, q.first_at + make_interval(secs => %(longest)s))"
-_TOMBSTONE = f"""
+#: A carrier that must never run, told by whom (CLAIM, HAND_OVER, the sweep's).
+TOMBSTONE = f"""
   INSERT INTO celery_pglock_replaced AS t (task_id, replaced_by, task_name, keep_until)
-  SELECT {{carrier}}, {{by}}, %(name)s, now() + interval '{KEEP}' FROM {{source}}
+  SELECT {{carrier}}, {{by}}, {{name}}, now() + interval '{KEEP}' FROM {{source}}
   ON CONFLICT (task_id) DO UPDATE SET replaced_by = excluded.replaced_by,
     replaced_at = now(), seen_at = NULL, keep_until = excluded.keep_until"""
-#: CLAIM's: the carrier that hands over, or a stale one whose row a send takes.
-_CLAIM_TOMBSTONE = _TOMBSTONE.format(
-    carrier="act.carrier",
-    by="CASE WHEN act.action = 'hand_over' THEN act.task_id ELSE %(id)s END",
-    source="act WHERE act.action = 'hand_over' "
-    "OR (act.action = 'took_over' AND act.unstarted AND act.carrier <> %(id)s)",
-)
-_HAND_OVER_TOMBSTONE = _TOMBSTONE.format(
-    carrier="%(id)s", by="prev.task_id", source="prev"
-)
+#: A row handed to its latest send ({source}.latest_run: its run key), whose message is
+#: published next: provisional until that publish is confirmed (CLAIM, HAND_OVER, sweep).
+HANDED = f"""
+  UPDATE celery_pglock_queued q SET carrier = NULL, run_objid = {{source}}.latest_run,
+    latest_run = NULL, payload = NULL, payload_type = NULL, published_at = now(),
+    stale_at = now() + make_interval(secs => {queued.PUBLISH_GRACE})
+  FROM {{source}} WHERE {{where}} RETURNING 1"""
 
 #: queued.CLAIM's replacing form. The row is locked first (FOR UPDATE reads its latest
 #: version), so racing senders replace one another in the database's order. Actions:
@@ -104,7 +102,9 @@ act AS MATERIALIZED (
       CASE WHEN prev.task_id = %(id)s THEN 'own' ELSE 'hand_over' END
     WHEN %(force)s AND prev.unstarted THEN 'superseded'
     WHEN %(force)s OR (prev.stale_at < now()
-      AND pg_try_advisory_xact_lock({keys.RUN_NAMESPACE}, prev.run_objid)) THEN 'took_over'
+      AND pg_try_advisory_xact_lock({
+    keys.RUN_NAMESPACE
+}, prev.run_objid)) THEN 'took_over'
     WHEN prev.unstarted THEN 'replaced'
     ELSE 'queued' END AS action
   FROM prev),
@@ -120,12 +120,16 @@ took AS (
     stale_at = {_STALE_AT}, due_at = {_FIRST_DUE},
     first_at = CASE WHEN act.action = 'own' THEN q.first_at ELSE now() END
   FROM act WHERE act.action IN ('own', 'took_over') AND {_ROW} RETURNING 1),
-handed AS (
-  UPDATE celery_pglock_queued q SET carrier = NULL, run_objid = act.latest_run,
-    latest_run = NULL, payload = NULL, payload_type = NULL, published_at = now(),
-    stale_at = now() + make_interval(secs => {queued.PUBLISH_GRACE})
-  FROM act WHERE act.action = 'hand_over' AND {_ROW} RETURNING 1),
-tomb AS ({_CLAIM_TOMBSTONE}),
+handed AS ({HANDED.format(source="act", where=f"act.action = 'hand_over' AND {_ROW}")}),
+tomb AS ({
+    TOMBSTONE.format(
+        carrier="act.carrier",
+        by="CASE WHEN act.action = 'hand_over' THEN act.task_id ELSE %(id)s END",
+        name="%(name)s",
+        source="act WHERE act.action = 'hand_over' "
+        "OR (act.action = 'took_over' AND act.unstarted AND act.carrier <> %(id)s)",
+    )
+}),
 sync AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true))
 SELECT r.* FROM (
   SELECT 'new' AS outcome, task_id, NULL::bytea AS payload, NULL AS payload_type,
@@ -147,12 +151,8 @@ WITH prev AS MATERIALIZED (
   SELECT q.task_id, q.latest_run, q.payload, q.payload_type, {WAIT} AS wait
   FROM celery_pglock_queued q
   WHERE {_ROW} AND q.carrier = %(id)s AND q.started_at IS NULL FOR UPDATE),
-handed AS (
-  UPDATE celery_pglock_queued q SET carrier = NULL, run_objid = prev.latest_run,
-    latest_run = NULL, payload = NULL, payload_type = NULL, published_at = now(),
-    stale_at = now() + make_interval(secs => {queued.PUBLISH_GRACE})
-  FROM prev WHERE {_ROW} RETURNING 1),
-tomb AS ({_HAND_OVER_TOMBSTONE}),
+handed AS ({HANDED.format(source="prev", where=_ROW)}),
+tomb AS ({TOMBSTONE.format(carrier="%(id)s", by="prev.task_id", name="%(name)s", source="prev")}),
 seen AS (
   UPDATE celery_pglock_replaced SET seen_at = coalesce(seen_at, now()),
     keep_until = least(keep_until, now() + interval '{SEEN_KEEP}')
@@ -175,8 +175,16 @@ LOOKUP = (
 )
 #: The publish options a replacing send keeps for its message (countdown: as an eta).
 _KEPT = (
-    *("exchange", "routing_key", "priority", "headers", "expires", "eta"),
-    *("time_limit", "soft_time_limit", "ignore_result", "shadow"),
+    "exchange",
+    "routing_key",
+    "priority",
+    "headers",
+    "expires",
+    "eta",
+    "time_limit",
+    "soft_time_limit",
+    "ignore_result",
+    "shadow",
 )
 
 
@@ -245,13 +253,12 @@ def publish_latest(
     if isinstance(options.get("eta"), datetime.datetime):
         now = datetime.datetime.now(datetime.timezone.utc)
         stale += max(0.0, (options["eta"] - now).total_seconds())
+    # Unconfirmed, its row frees itself in 10 s: a later send (or the sweep) takes it.
     try:
         with engines.autocommit_cursor(task.locks_engine(), settings.db_timeout) as cur:
             c, o, s = key.pg_locks_ids
             cur.execute(queued.CONFIRM_MANY, ([c], [o], [s], [task_id], [stale]))
-    except (
-        Exception
-    ):  # unconfirmed, its row frees itself in 10 s: a later send takes it
+    except Exception:
         logger.warning("Could not confirm the publish of %s", task_id, exc_info=True)
 
 

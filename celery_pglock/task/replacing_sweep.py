@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 
 SWEEP_EVERY = queued.PUBLISH_GRACE / 2  #: A stuck key waits at most grace + this.
 _BATCH = 20
+_FREE_ROW = (
+    "(q.classid, q.objid, q.objsubid) = (free.classid, free.objid, free.objsubid)"
+)
 
 #: Rows whose latest send waits behind a carrier that is past its bound and not running
 #: (its run lock is free): hand each over, as its carrier would, and tombstone the carrier
@@ -36,17 +39,12 @@ WITH stuck AS MATERIALIZED (
 free AS MATERIALIZED (
   SELECT * FROM stuck
   WHERE pg_try_advisory_xact_lock({keys.RUN_NAMESPACE}, stuck.run_objid)),
-handed AS (
-  UPDATE celery_pglock_queued q SET carrier = NULL, run_objid = free.latest_run,
-    latest_run = NULL, payload = NULL, payload_type = NULL, published_at = now(),
-    stale_at = now() + make_interval(secs => {queued.PUBLISH_GRACE})
-  FROM free WHERE (q.classid, q.objid, q.objsubid) = (free.classid, free.objid,
-    free.objsubid) RETURNING 1),
-tomb AS (
-  INSERT INTO celery_pglock_replaced AS t (task_id, replaced_by, task_name, keep_until)
-  SELECT carrier, task_id, task_name, now() + interval '{replacing.KEEP}' FROM free
-  ON CONFLICT (task_id) DO UPDATE SET replaced_by = excluded.replaced_by,
-    replaced_at = now(), seen_at = NULL, keep_until = excluded.keep_until)
+handed AS ({replacing.HANDED.format(source="free", where=_FREE_ROW)}),
+tomb AS ({
+    replacing.TOMBSTONE.format(
+        carrier="carrier", by="task_id", name="task_name", source="free"
+    )
+})
 SELECT classid, objid, objsubid, task_id, task_name, carrier, payload, payload_type, wait
 FROM free
 """
@@ -54,12 +52,7 @@ FROM free
 
 def sweep(app: Any) -> int:
     """One sweep of ``app``'s replacing tasks' rows: how many latest sends it published."""
-    tasks = {
-        task.name: task
-        for task in app.tasks.values()
-        if getattr(getattr(task, "lock_config", None), "enqueue_on_duplicate", None)
-        is OnDuplicate.REPLACE
-    }
+    tasks = _replacing(app)
     if not tasks:
         return 0
     by_engine: dict[sa.Engine, list[Any]] = {}
@@ -73,7 +66,7 @@ def sweep(app: Any) -> int:
             rows = cursor.fetchall()
         for c, o, s, latest, name, carrier, payload, payload_type, wait in rows:
             task = tasks[name]
-            key = _key_of(task.lock_config.name, int(c), int(o), int(s))
+            key = keys.LockKey.from_pg_locks(task.lock_config.name, c, o, s)
             logger.warning(
                 "%s: key %s's carrier %s never came; publishing its latest send %s",
                 name,
@@ -87,25 +80,20 @@ def sweep(app: Any) -> int:
     return published
 
 
-def _key_of(name: str, classid: int, objid: int, objsubid: int) -> keys.LockKey:
-    """The LockKey of a row's ``pg_locks`` ids (the inverse of ``pg_locks_ids``)."""
-    if objsubid == 1:
-        unsigned = (classid << 32) | objid
-        return keys.LockKey(
-            name, (unsigned - (1 << 64) if unsigned >> 63 else unsigned,)
-        )
-    signed = [i - (1 << 32) if i >> 31 else i for i in (classid, objid)]
-    return keys.LockKey(name, (signed[0], signed[1]))
+def _replacing(app: Any) -> dict[str, Any]:
+    """``app``'s tasks with lock_enqueue_on_duplicate='replace' (lock_debounce's too)."""
+    return {
+        task.name: task
+        for task in app.tasks.values()
+        if getattr(getattr(task, "lock_config", None), "enqueue_on_duplicate", None)
+        is OnDuplicate.REPLACE
+    }
 
 
 def start(app: Any) -> threading.Event | None:
     """At worker_ready: sweep every SWEEP_EVERY seconds until the returned event is set;
     None when the app has no replacing task."""
-    if not any(
-        getattr(getattr(t, "lock_config", None), "enqueue_on_duplicate", None)
-        is OnDuplicate.REPLACE
-        for t in app.tasks.values()
-    ):
+    if not _replacing(app):
         return None
     stop = threading.Event()
 

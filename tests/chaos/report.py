@@ -337,39 +337,15 @@ def render(figures: dict[str, Any], results: list[tuple[str, bool]]) -> str:
     enqueue = figures["enqueue"]
     lines += [
         "",
-        "| enqueue phase | count |",
-        "|---|---|",
-        *(
-            f"| {name} | {value} |"
-            for name, value in enqueue.items()
-            if not name.endswith(("_ids", "_rows"))
-        ),
+        *_phase_table("enqueue", enqueue),
     ]
     if enqueue["unaccounted_ids"] or enqueue["blocked_rows"]:
         lines += [
             "",
             f"enqueue: unaccounted {enqueue['unaccounted_ids']}, blocked {enqueue['blocked_rows']}",
         ]
-    lines += [
-        "",
-        "| flow phase | count |",
-        "|---|---|",
-        *(
-            f"| {name} | {value} |"
-            for name, value in figures["flow"].items()
-            if not name.endswith("_ids")
-        ),
-    ]
-    lines += [
-        "",
-        "| latest-wins phase | count |",
-        "|---|---|",
-        *(
-            f"| {name} | {value} |"
-            for name, value in figures["latest"].items()
-            if not name.endswith("_ids")
-        ),
-    ]
+    lines += ["", *_phase_table("flow", figures["flow"])]
+    lines += ["", *_phase_table("latest-wins", figures["latest"])]
     latest = figures["latest"]
     if latest["doubled_ids"] or latest["lost_ids"] or latest["untold_ids"]:
         lines += [
@@ -386,3 +362,16 @@ def render(figures: dict[str, Any], results: list[tuple[str, bool]]) -> str:
     if figures["lost_by_broker"]:
         lines += ["", f"lost by the broker: {figures['lost_by_broker_ids']}"]
     return "\n".join(lines)
+
+
+def _phase_table(phase: str, figures: dict[str, Any]) -> list[str]:
+    """A phase's counts as a table (its id and row samples are printed apart)."""
+    return [
+        f"| {phase} phase | count |",
+        "|---|---|",
+        *(
+            f"| {name} | {value} |"
+            for name, value in figures.items()
+            if not name.endswith(("_ids", "_rows"))
+        ),
+    ]

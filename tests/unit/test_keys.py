@@ -264,8 +264,9 @@ def test_explicit_ids_out_of_range_are_refused(value):
     ],
 )
 def test_pg_locks_ids(ids, expected):
-    """Keys map to pg_locks' unsigned (classid, objid, objsubid) columns."""
+    """Keys map to pg_locks' unsigned (classid, objid, objsubid) columns, and back."""
     assert expected == keys.LockKey(name="t", ids=ids).pg_locks_ids
+    assert ids == keys.LockKey.from_pg_locks("t", *expected).ids
 
 
 def test_remaining_canonical_rules():
