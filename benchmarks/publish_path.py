@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                 queue,
                 f"{run}-dup",
             ),
+            Case("replace, new key", tasks[bench_app.LATEST], queue, None),
+            Case("replace, replacing", tasks[bench_app.LATEST], queue, f"{run}-dup"),
             Case("celery-once, new key", tasks[bench_app.ONCE], queue, None),
             Case("celery-once, duplicate", tasks[bench_app.ONCE], queue, f"{run}-dup"),
             Case("celery-singleton, new key", tasks[bench_app.SINGLETON], queue, None),

@@ -13,13 +13,11 @@ from celery.utils.time import maybe_iso8601
 
 from celery_pglock import celery_compat, config, exceptions
 from celery_pglock.config import Enqueue, OnDuplicate, OnEnqueueError
-from celery_pglock.db import engines, row_writer
+from celery_pglock.db import engines
 from celery_pglock.task import outcomes, queued, replacing
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-    import sqlalchemy as sa
 
     from celery_pglock.task.surface import LockedTask
 
@@ -76,6 +74,9 @@ def publish(
             else (queued.CLAIM_NAME, queued.CLAIM),
             more=replacing.pack(task, args, kwargs, {**options, "headers": headers})
             if replace
+            else None,
+            first=(replacing.UPSERT_NAME, replacing.UPSERT)
+            if replace and not retry
             else None,
         )
     except exceptions.DatabaseError as error:
@@ -135,7 +136,9 @@ def publish(
         queued.give_back(engine, key, task_id, settings.db_timeout)
         raise
     if stale > queued.PUBLISH_GRACE:
-        _write_later(task, (queued.CONFIRM_MANY, key.pg_locks_ids, task_id, stale))
+        queued.write_later(
+            task, (queued.CONFIRM_MANY, key.pg_locks_ids, task_id, stale)
+        )
     return result
 
 
@@ -187,57 +190,6 @@ def _unchecked(task: LockedTask, reason: str, why: str, task_id: str, key: Any) 
         )
 
 
-#: (statement, the key's pg_locks ids, task id, seconds): a row change to send later.
-_Change = tuple[str, tuple[int, int, int], str, float]
-
-
-def _write_rows(engine: sa.Engine, cursor: Any, batch: list[_Change]) -> None:
-    # Array params per column: DELETE_MANY takes 4, CONFIRM_MANY all 5.
-    for statement, width in ((queued.DELETE_MANY, 4), (queued.CONFIRM_MANY, 5)):
-        rows = [(*row, i, n) for sql, row, i, n in batch if sql == statement]
-        if rows:
-            c, o, s, ids, stale = zip(*rows, strict=True)
-            params = [_array(c), _array(o), _array(s), list(ids), _array(stale)]
-            cursor.execute(statement, params[:width])
-
-
-def _array(numbers: tuple[float, ...]) -> str:
-    # One array literal: psycopg2 adapts a list item by item, ~2 µs each (the sender's CPU).
-    return "{" + ",".join(map(repr, numbers)) + "}"
-
-
-#: Publish confirmations and deletes of unrun messages' rows, retried until the rows are
-#: stale; unsent at exit, a confirmation frees its key for a second send after the grace.
-QUEUED_ROWS = row_writer.Purpose(
-    "queued",
-    _write_rows,
-    lambda batch: ", ".join(task_id for _, _, task_id, _ in batch),
-    "each key frees itself once stale, or clear it with `celery pglock queued clear "
-    f"<task id>` (an unconfirmed one after {queued.PUBLISH_GRACE:g}s)",
-)
-
-
-def free_later(task: LockedTask, row: tuple[int, int, int], task_id: str) -> None:
-    """Queue the delete of ``task_id``'s row (a no-op if a newer message has the key)."""
-    _write_later(task, (queued.DELETE_MANY, row, task_id, 0.0))
-
-
-def _write_later(task: LockedTask, change: _Change) -> None:
-    settings = task.lock_config
-    _writer_for(
-        task.locks_engine(), settings.db_timeout, settings.enqueue_lost_after
-    ).put(change)
-
-
-def _writer_for(
-    engine: sa.Engine, bound: float, give_up_after: float
-) -> row_writer.RowWriter[_Change]:
-    return row_writer.writer_for(engine, QUEUED_ROWS, bound, give_up_after)
-
-
-drain_writers = row_writer.drain_all  #: At exit, and where a test needs rows written.
-
-
 def _enqueues(task: object) -> bool:
     return getattr(getattr(task, "lock_config", None), "enqueue", None) is not None
 
@@ -252,7 +204,7 @@ def on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     row = queued.parse_header(headers.get(queued.HEADER))
     task_id = getattr(request, "id", None)
     if row is not None and task_id:
-        free_later(sender, row, task_id)
+        queued.free_later(sender, row, task_id)
 
 
 def on_rejected(sender: Any = None, message: Any = None, **_: Any) -> None:
@@ -267,13 +219,13 @@ def on_rejected(sender: Any = None, message: Any = None, **_: Any) -> None:
     name = headers.get("task")
     task: Any = app.tasks.get(name) if isinstance(name, str) else None
     if _enqueues(task):
-        free_later(task, row, task_id)
+        queued.free_later(task, row, task_id)
         return
     try:
         engine = engines.engine_for(app.conf)
     except exceptions.PgLockError:
         return  # no lock database here: its row frees itself once stale
-    _writer_for(
+    queued.writer_for(
         engine,
         config.app_seconds(app.conf, "db_timeout"),
         config.app_seconds(app.conf, "enqueue_lost_after"),

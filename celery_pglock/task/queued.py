@@ -9,12 +9,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import config, exceptions, keys
-from celery_pglock.db import driver_errors, engines, own_tables, sql_text
+from celery_pglock.db import driver_errors, engines, own_tables, row_writer, sql_text
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
 
     from celery_pglock.lock import AdvisoryLock
+    from celery_pglock.task.surface import LockedTask
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,8 @@ ALTER TABLE {schema}celery_pglock_queued SET UNLOGGED;
 ALTER TABLE {schema}celery_pglock_queued
   ADD COLUMN IF NOT EXISTS carrier text, ADD COLUMN IF NOT EXISTS latest_run integer,
   ADD COLUMN IF NOT EXISTS payload bytea, ADD COLUMN IF NOT EXISTS payload_type text,
-  ADD COLUMN IF NOT EXISTS due_at timestamptz, ADD COLUMN IF NOT EXISTS first_at timestamptz;
+  ADD COLUMN IF NOT EXISTS due_at timestamptz, ADD COLUMN IF NOT EXISTS first_at timestamptz,
+  ADD COLUMN IF NOT EXISTS previous text;
 COMMENT ON TABLE {schema}celery_pglock_queued IS
   'celery-pglock lock_enqueue: the one message queued or running per advisory key';
 COMMIT;
@@ -114,19 +116,20 @@ _MINE = (
 )
 #: until_started: the run starts, so the next message of the key may be queued.
 ON_START_STARTED = (
-    f"DELETE FROM celery_pglock_queued q USING l WHERE {{granted}} AND {_MINE}"
+    f"DELETE FROM celery_pglock_queued q USING l WHERE {{granted}} AND {_MINE} "
+    "RETURNING 1"
 )
 #: until_finished: stale once ``redeliver`` seconds pass with its run lock free.
 ON_START_FINISHED = (
     "UPDATE celery_pglock_queued q SET started_at = now(), "
     "stale_at = now() + make_interval(secs => %s) "
-    f"FROM l WHERE {{granted}} AND {_MINE}"
+    f"FROM l WHERE {{granted}} AND {_MINE} RETURNING 1"
 )
 #: until_finished: the run ended (sent with the unlock).
-ON_END = f"DELETE FROM celery_pglock_queued q WHERE {_MINE}"
+ON_END = f"DELETE FROM celery_pglock_queued q WHERE {_MINE} RETURNING 1"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Queued:
     """What a run of a ``lock_enqueue`` message changes in its key's row: a
     ``lock.rider.Rider``, sent with the grant and the release."""
@@ -136,11 +139,17 @@ class Queued:
     task_id: str
     #: until_finished: seconds a dead run's message may come back.
     redeliver: float = 0.0
+    #: Whether the grant's statement changed the row of this message (None: not sent).
+    #: until_started: it deleted the row it owned, so it carries no later send.
+    took_row: bool | None = None
 
     def on_grant(self) -> tuple[str, tuple[Any, ...]]:
         if self.mode == UNTIL_STARTED:
             return ON_START_STARTED, (*self.row, self.task_id)
         return ON_START_FINISHED, (self.redeliver, *self.row, self.task_id)
+
+    def on_reply(self, changed: int) -> None:
+        self.took_row = changed > 0
 
     def on_release(self) -> tuple[str, tuple[Any, ...]] | None:
         if self.mode == UNTIL_STARTED:
@@ -177,7 +186,7 @@ TABLE = own_tables.OwnTable(
     # Made, and with the columns latest wins added (CREATE adds them to an older one).
     "SELECT to_regclass('celery_pglock_queued') IS NOT NULL, EXISTS (SELECT 1 FROM "
     "pg_attribute WHERE attrelid = to_regclass('celery_pglock_queued') "
-    "AND attname = 'first_at' AND NOT attisdropped)",
+    "AND attname = 'previous' AND NOT attisdropped)",
     CREATE,
     FIX,
 )
@@ -200,11 +209,13 @@ def claim(
     retry: bool = False,
     statement: tuple[str, str] = (CLAIM_NAME, CLAIM),
     more: dict[str, Any] | None = None,
+    first: tuple[str, str] | None = None,
 ) -> tuple[Any, ...]:
     """Take ``key``'s row for ``task_id`` (always, for a ``retry``): ("new", id),
     ("took_over", the old owner's id) or ("queued", the owner's id). ``statement``: its
     name and text, CLAIM or a form of it taking these params and ``more``
-    (task.replacing), whose row may have more columns."""
+    (task.replacing), whose row may have more columns; ``first``: a cheaper statement
+    tried before it, whose row (if any) is the answer."""
     TABLE.ensure(engine, bound)
     params = {
         **_row_params(key, task_id),
@@ -218,7 +229,7 @@ def claim(
     deadline = time.monotonic() + bound
     try:
         return engines.on_kept(
-            engine, bound, lambda c: _claim(statement, params, key, c)
+            engine, bound, lambda c: _claim(first, statement, params, key, c)
         )
     except Exception as exc:  # wrapped here only: a send that succeeds pays no wrapper
         what = f"check the queue of lock {key.name!r}"
@@ -240,13 +251,22 @@ def claim(
                     "Lock database connection was closed; checking %s again", key
                 )
             return engines.on_kept(
-                engine, bound, lambda c: _claim(statement, params, key, c)
+                engine, bound, lambda c: _claim(first, statement, params, key, c)
             )
 
 
 def _claim(
-    statement: tuple[str, str], params: dict[str, Any], key: keys.LockKey, cursor: Any
+    first: tuple[str, str] | None,
+    statement: tuple[str, str],
+    params: dict[str, Any],
+    key: keys.LockKey,
+    cursor: Any,
 ) -> tuple[Any, ...]:
+    if first is not None:
+        cursor.execute(sql_text.prepared(cursor.connection, cursor, *first), params)
+        row = cursor.fetchone()
+        if row is not None:
+            return tuple(row)
     execute = sql_text.prepared(cursor.connection, cursor, *statement)
     for _ in range(CLAIM_TRIES):
         cursor.execute(execute, params)
@@ -279,6 +299,57 @@ def _row_params(key: keys.LockKey, task_id: str) -> dict[str, Any]:
     """``task_id``'s row of ``key`` as the params of _ROW and ``%(id)s``."""
     classid, objid, objsubid = key.pg_locks_ids
     return {"c": classid, "o": objid, "s": objsubid, "id": task_id}
+
+
+#: (statement, the key's pg_locks ids, task id, seconds): a row change to send later.
+_Change = tuple[str, tuple[int, int, int], str, float]
+
+
+def _write_rows(engine: sa.Engine, cursor: Any, batch: list[_Change]) -> None:
+    # Array params per column: DELETE_MANY takes 4, CONFIRM_MANY all 5.
+    for statement, width in ((DELETE_MANY, 4), (CONFIRM_MANY, 5)):
+        rows = [(*row, i, n) for sql, row, i, n in batch if sql == statement]
+        if rows:
+            c, o, s, ids, stale = zip(*rows, strict=True)
+            params = [_array(c), _array(o), _array(s), list(ids), _array(stale)]
+            cursor.execute(statement, params[:width])
+
+
+def _array(numbers: tuple[float, ...]) -> str:
+    # One array literal: psycopg2 adapts a list item by item, ~2 µs each (the sender's CPU).
+    return "{" + ",".join(map(repr, numbers)) + "}"
+
+
+#: Publish confirmations and deletes of unrun messages' rows, retried until the rows are
+#: stale; unsent at exit, a confirmation frees its key for a second send after the grace.
+QUEUED_ROWS = row_writer.Purpose(
+    "queued",
+    _write_rows,
+    lambda batch: ", ".join(task_id for _, _, task_id, _ in batch),
+    "each key frees itself once stale, or clear it with `celery pglock queued clear "
+    f"<task id>` (an unconfirmed one after {PUBLISH_GRACE:g}s)",
+)
+
+
+def free_later(task: LockedTask, row: tuple[int, int, int], task_id: str) -> None:
+    """Queue the delete of ``task_id``'s row (a no-op if a newer message has the key)."""
+    write_later(task, (DELETE_MANY, row, task_id, 0.0))
+
+
+def write_later(task: LockedTask, change: _Change) -> None:
+    settings = task.lock_config
+    writer_for(
+        task.locks_engine(), settings.db_timeout, settings.enqueue_lost_after
+    ).put(change)
+
+
+def writer_for(
+    engine: sa.Engine, bound: float, give_up_after: float
+) -> row_writer.RowWriter[_Change]:
+    return row_writer.writer_for(engine, QUEUED_ROWS, bound, give_up_after)
+
+
+drain_writers = row_writer.drain_all  #: At exit, and where a test needs rows written.
 
 
 def parse_header(value: object) -> tuple[int, int, int] | None:

@@ -76,6 +76,26 @@ HANDED = f"""
     stale_at = now() + make_interval(secs => {queued.PUBLISH_GRACE})
   FROM {{source}} WHERE {{where}} RETURNING 1"""
 
+#: A send's hot path, tried before CLAIM: a new key's row, or this send's arguments into
+#: a fresh unstarted row it does not carry. ``previous``: the send it replaced (to tell).
+#: No row back (a stale row, a retry, its own row): CLAIM decides. Half CLAIM's cost.
+UPSERT = f"""
+INSERT INTO celery_pglock_queued AS q
+  (classid, objid, objsubid, task_id, task_name, run_objid, mode, stale_at, due_at,
+   first_at)
+VALUES (%(c)s::oid, %(o)s::oid, %(s)s::smallint, %(id)s, %(name)s, %(run)s, %(mode)s,
+  {_STALE_AT}, {_FIRST_DUE}, now())
+ON CONFLICT (classid, objid, objsubid) DO UPDATE SET task_id = %(id)s,
+  task_name = %(name)s, latest_run = %(run)s, carrier = coalesce(q.carrier, q.task_id),
+  previous = q.task_id, payload = %(payload)s, payload_type = %(payload_type)s,
+  due_at = {_PUSHED_DUE}
+WHERE q.started_at IS NULL AND q.stale_at >= now()
+  AND coalesce(q.carrier, q.task_id) <> %(id)s
+RETURNING CASE WHEN q.previous IS NULL THEN 'new' ELSE 'replaced' END,
+  coalesce(q.previous, q.task_id), NULL::bytea, NULL::text, NULL::float8
+"""
+UPSERT_NAME = sql_text.versioned("celery_pglock_replace_first", UPSERT)
+
 #: queued.CLAIM's replacing form. The row is locked first (FOR UPDATE reads its latest
 #: version), so racing senders replace one another in the database's order. Actions:
 #: 'replaced' (the hot path: this send's payload into the row, nothing published),
@@ -227,8 +247,8 @@ def publish_latest(
     wait: float | None = None,
 ) -> None:
     """Publish the key's latest send ``task_id`` from its row's payload, as its own
-    message (its row now names it: no check again), then confirm its row, as a producer
-    does (a carrier hands over rarely: sent now, not batched)."""
+    message (its row now names it: no check again), then confirm its row, batched, as a
+    producer does."""
     content_type, encoding = payload_type.split(";", 1)
     args, kwargs, options = serialization.loads(bytes(payload), content_type, encoding)
     for name in ("eta", "expires"):
@@ -254,12 +274,7 @@ def publish_latest(
         now = datetime.datetime.now(datetime.timezone.utc)
         stale += max(0.0, (options["eta"] - now).total_seconds())
     # Unconfirmed, its row frees itself in 10 s: a later send (or the sweep) takes it.
-    try:
-        with engines.autocommit_cursor(task.locks_engine(), settings.db_timeout) as cur:
-            c, o, s = key.pg_locks_ids
-            cur.execute(queued.CONFIRM_MANY, ([c], [o], [s], [task_id], [stale]))
-    except Exception:
-        logger.warning("Could not confirm the publish of %s", task_id, exc_info=True)
+    queued.write_later(task, (queued.CONFIRM_MANY, key.pg_locks_ids, task_id, stale))
 
 
 def replaced_error(task_name: str, task_id: str, by: str) -> exceptions.TaskReplaced:
@@ -293,8 +308,9 @@ def end_if_replaced(task: LockedTask, lock: AdvisoryLock, task_id: str | None) -
     """At a granted run of a replacing task: if its message carries a later send, publish
     that send and raise TaskReplaced; the same if it was told never to run. The lock is
     released and the skip reported first; released too if the check fails (raised)."""
-    if task_id is None or queued.row_of(lock) is None:  # not a checked message's run
-        return
+    row = queued.row_of(lock)
+    if task_id is None or row is None or row.took_row:
+        return  # not a checked message's run, or its grant took the key's row: its own
     try:
         latest, payload, payload_type, wait, told = _hand_over(lock, task_id, task.name)
     except exceptions.DatabaseError:

@@ -224,10 +224,11 @@ def execute(
     *,
     prepare: Prepare | None = None,
     end: bool = False,
-) -> None:
+) -> tuple[Any, ...] | None:
     """Send a lock statement with ``rider``'s grant change applied where ``granted``, or
     (``end``) an unlock with its release change if any; through ``prepare`` if given,
-    and prepared anyway when a change comes with it."""
+    and prepared anyway when a change comes with it. Its row; a grant change's count of
+    changed rows (its last column) goes to the rider."""
     change = None if rider is None else rider.on_release() if end else rider.on_grant()
     if change is not None:
         statement = riders.riding(statement, change[0], "true" if end else granted)
@@ -236,6 +237,10 @@ def execute(
     if prepare is not None:
         statement = prepare(statement)
     cursor.execute(statement, params)
+    row: tuple[Any, ...] | None = cursor.fetchone()
+    if change is not None and not end and row is not None:
+        rider.on_reply(row[-1])  # type: ignore[union-attr]
+    return row
 
 
 def prepared(cursor: Any, statement: str) -> str:
@@ -265,10 +270,10 @@ def try_named(
     else:
         tries = sql_text.TRY_LOCK_SESSION_RUN if run_ids else sql_text.TRY_LOCK_SESSION
     params = (*ids, name, *(run_ids or ()))
-    execute(cursor, tries[len(ids)], params, rider, prepare=prepare)
-    answer = cursor.fetchone()
-    granted = answer is not None and answer[0] is not None
-    return granted, granted and run_ids is not None and answer[0][1] == "true"
+    answer = execute(cursor, tries[len(ids)], params, rider, prepare=prepare)
+    if answer is None or answer[0] is None:
+        return False, False
+    return True, run_ids is not None and answer[0][1] == "true"
 
 
 def try_slots(
@@ -342,6 +347,5 @@ def lock_or_wait(
     with deadlines.bounded(connection, bound):
         if run_ids is None:
             statement, run_ids = sql_text.NOTHING, ()
-        execute(cursor, statement, run_ids, hold.rider, "true")
-        row = cursor.fetchone()
+        row = execute(cursor, statement, run_ids, hold.rider, "true")
     return True, bool(row and row[0]), False

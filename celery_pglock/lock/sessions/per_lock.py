@@ -157,10 +157,9 @@ class PerLockSessions(base.LockSessions):
                     deadlines.bounded(hold.connection, timeout) as bound,
                     hold.connection.cursor() as cursor,
                 ):
-                    base.execute(
+                    row = base.execute(
                         cursor, statement[len(key.ids)], params, hold.rider, end=True
                     )
-                    row = cursor.fetchone()
                 held = engines.held_keys(hold.pooled.info)
                 held[key.ids] -= 1
                 if held[key.ids] <= 0:

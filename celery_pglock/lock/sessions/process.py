@@ -154,12 +154,10 @@ class ProcessSession(base.LockSessions):
         # Already labelled ``name``: a bare try-lock leaves the label as it is.
         if run_ids is None:
             statement = sql_text.TRY_LOCK_SESSION_BARE[len(ids)]
-            base.execute(cursor, statement, ids, rider, "l.g", prepare=ready)
-            row = cursor.fetchone()
+            row = base.execute(cursor, statement, ids, rider, "l.g", prepare=ready)
             return row is not None and row[0] is True, False
         statement = sql_text.TRY_LOCK_SESSION_BARE_RUN[len(ids)]
-        base.execute(cursor, statement, (*ids, *run_ids), rider, prepare=ready)
-        row = cursor.fetchone()
+        row = base.execute(cursor, statement, (*ids, *run_ids), rider, prepare=ready)
         return row is not None and row[0] is not None, bool(row and row[0])
 
     def release(
@@ -187,10 +185,9 @@ class ProcessSession(base.LockSessions):
             bound, cursor = self._bound, self._cursor
             try:
                 with bound(timeout):
-                    base.execute(
+                    row = base.execute(
                         cursor, unlock, args, hold.rider, prepare=self._ready, end=True
                     )
-                    row = cursor.fetchone()
             except BaseException as exc:
                 self._fail(f"releasing lock {key.name!r} failed: {exc!r}", exc)
                 why = deadlines.explain(bound)

@@ -112,7 +112,7 @@ def test_the_publish_statement_is_planned_once_per_connection(app, published):
     engine = current_engine(app)
 
     def prepared():
-        enqueue.drain_writers()  # the confirmations, on the same kept connection
+        queued.drain_writers()  # the confirmations, on the same kept connection
         kept = engines._kept[engine]
         with kept.busy:
             kept.cursor.execute(
@@ -126,7 +126,7 @@ def test_the_publish_statement_is_planned_once_per_connection(app, published):
     sends = 8
     for tenant in range(sends):
         task.delay(tenant)
-        enqueue.drain_writers()  # never busy with a confirmation at the next send
+        queued.drain_writers()  # never busy with a confirmation at the next send
     assert 1 + sends == len(published)
     assert [(queued.CLAIM_NAME, before[0][1] + sends)] == prepared()
 
@@ -148,12 +148,12 @@ def test_a_connection_reset_by_discard_all_prepares_the_claim_again(app, publish
 
     resets = make(app, "resets", use_the_connection, lock_scope="transaction")
     engine = current_engine(app)
-    enqueue.drain_writers()  # earlier tests' row changes: none may open a second
+    queued.drain_writers()  # earlier tests' row changes: none may open a second
     engine.dispose()  # a pool of one: the send, the run and the send share it
     task.delay(0)  # the claim's kept connection, out of the pool
     with engines._kept[engine].busy:  # another thread's claim: sends take the pool
         task.delay(1)
-        enqueue.drain_writers()  # its confirmation, on the same pooled connection
+        queued.drain_writers()  # its confirmation, on the same pooled connection
         resets.apply().get()
         assert 1 == engine.pool.checkedin()
         task.delay(2)
@@ -570,7 +570,7 @@ def test_dispose_closes_the_claim_connection(app, published):
     )
     engine = current_engine(app)
     task.delay(1)
-    enqueue.drain_writers()
+    queued.drain_writers()
     kept = engines._kept[engine]
     engine.dispose()
     assert kept.dbapi.closed

@@ -14,7 +14,7 @@ from celery import signals as celery_signals
 
 from celery_pglock import AdvisoryLock, ConfigurationError, TaskReplaced, keys
 from celery_pglock.db import engines
-from celery_pglock.task import replacing, replacing_sweep
+from celery_pglock.task import queued, replacing, replacing_sweep
 from tests.integration.task.test_enqueue import deliver, rows
 from tests.integration.task_support import current_engine, define, hold, trace_delivery
 
@@ -89,7 +89,8 @@ def test_a_send_into_a_queued_key_publishes_nothing_and_the_carrier_hands_over(
     assert [] == ran
     assert [first.id, second.id] == ids_of(published)
     assert second.id == replaced_by(task, first.id)
-    # Its publish confirmed: the row holds its key for lock_enqueue_lost_after, not 10 s.
+    # Its publish confirmed (batched): the row holds its key for lock_enqueue_lost_after.
+    queued.drain_writers()
     [(confirmed,)] = execute(
         app,
         "SELECT stale_at > now() + interval '60 s' FROM celery_pglock_queued "
@@ -101,6 +102,32 @@ def test_a_send_into_a_queued_key_publishes_nothing_and_the_carrier_hands_over(
     assert [20] == ran
     assert "SUCCESS" == task.AsyncResult(second.id).state
     assert rows(task, 1) is None
+
+
+def test_only_a_carrier_sends_the_hand_over_statement(app, published, monkeypatch):
+    """A run whose grant took its own row (the key's latest send) carries nothing: it
+    sends no statement more than an until_started run. A carrier's grant takes no row,
+    so it checks, and hands over."""
+    checked: list[str] = []
+    hand_over = replacing._hand_over
+
+    def spy(lock, task_id, task_name):
+        checked.append(task_id)
+        return hand_over(lock, task_id, task_name)
+
+    monkeypatch.setattr(replacing, "_hand_over", spy)
+    ran: list[int] = []
+    task = latest(app, "checks", ran)
+    alone = task.delay(2, 1)
+    deliver(task, alone.id, 2, 1)
+    assert [] == checked
+    first = task.delay(2, 2)
+    second = task.delay(2, 3)
+    deliver(task, first.id, 2, 2)
+    assert [first.id] == checked
+    deliver(task, second.id, 2, 3)
+    assert [first.id] == checked
+    assert [1, 3] == ran
 
 
 def test_during_a_run_exactly_one_follow_up_runs_with_the_latest_arguments(
@@ -295,6 +322,45 @@ def test_a_stale_carrier_is_taken_over_and_never_runs(app, published):
     deliver(task, first.id, 10, 1)
     deliver(task, second.id, 10, 2)
     assert [2] == ran
+
+
+def test_a_send_takes_one_statement_and_only_the_rare_cases_take_the_full_claim(app):
+    """New keys and sends into a fresh queued row are the upsert alone (one statement);
+    a stale row is left to CLAIM, which takes it over."""
+    task = latest(app, "one_statement", [])
+    engine = current_engine(app)
+
+    def executions():
+        kept = engines._kept[engine]
+        with kept.busy:
+            kept.cursor.execute(
+                "SELECT name, generic_plans + custom_plans FROM pg_prepared_statements "
+                "WHERE name IN (%s, %s)",
+                (replacing.UPSERT_NAME, replacing.CLAIM_NAME),
+            )
+            return dict(kept.cursor.fetchall())
+
+    task.delay(-1, 0)  # the tables, the connection
+    before = executions()
+    first = task.delay(20, 1)
+    second = task.delay(20, 2)
+    third = task.delay(20, 3)
+    after = executions()
+    assert before[replacing.UPSERT_NAME] + 3 == after[replacing.UPSERT_NAME]
+    assert before.get(replacing.CLAIM_NAME) == after.get(replacing.CLAIM_NAME)
+    assert second.id == replaced_by(task, first.id)
+    assert third.id == replaced_by(task, second.id)
+    execute(
+        app,
+        "UPDATE celery_pglock_queued SET stale_at = now() - interval '1 s' "
+        "WHERE (classid, objid, objsubid) = (%s, %s, %s)",
+        *task.lock_key_for(20).pg_locks_ids,
+    )
+    fourth = task.delay(20, 4)
+    assert fourth.id == replaced_by(task, third.id)
+    assert 1 == executions()[replacing.CLAIM_NAME] - (
+        before.get(replacing.CLAIM_NAME) or 0
+    )
 
 
 def test_a_failed_publish_frees_the_key(app, published, monkeypatch):
