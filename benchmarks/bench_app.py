@@ -72,6 +72,8 @@ TRANSACTION = "bench.transaction"
 UNTIL_FINISHED = "bench.until_finished"
 UNTIL_STARTED = "bench.until_started"
 LATEST = "bench.latest"  #: until_started with lock_enqueue_on_duplicate="replace"
+DEBOUNCED = "bench.debounced"  #: LATEST with lock_debounce=DEBOUNCE
+DEBOUNCE = 0.1  #: Seconds: short, so that a drain's end to end is mostly work.
 LIMIT = "bench.limit"
 PERIOD = "bench.period"
 RATE = "bench.rate"
@@ -364,6 +366,16 @@ if contender in (
         lock_enqueue_on_duplicate="replace",
     )
     def latest(key: str, body: float = 0.0) -> None:
+        _body(body)
+
+    @app.task(
+        name=DEBOUNCED,
+        base=SingletonTask,
+        lock_args=("key",),
+        lock_enqueue="until_started",
+        lock_debounce=DEBOUNCE,
+    )
+    def debounced(key: str, body: float = 0.0) -> None:
         _body(body)
 
     @app.task(name=LIMIT, base=SingletonTask, lock_args=("key",), lock_limit=3)
