@@ -9,7 +9,7 @@ script times ``apply_async`` of bench_app's tasks in this process, to a queue no
 consumes: per call, wall and CPU microseconds of the producer, CPU of its PostgreSQL
 backends and of redis-server (psutil, when they run on this host; 10 ms clock ticks), and
 the statements sent to PostgreSQL. A "new" case sends a new key every call; a "duplicate"
-case sends one key whose message is already queued. Cases are interleaved over R
+case (and latest wins' "replacing") sends one key whose message is already queued. Cases are interleaved over R
 repetitions; the table shows medians (and the minimum of the producer's CPU).
 
 Services as in compare.py (:func:`celery_pglock.testing.start_services`). The queue, the
