@@ -366,9 +366,9 @@ def header_of(key: keys.LockKey) -> str:
     return ":".join(str(part) for part in key.pg_locks_ids)
 
 
-#: `pglock locks` and `pglock queued`: the key as LockKey.__str__ writes it; "running": its
-#: run lock is held by a session.
-SUMMARY = f"""
+#: `pglock locks`, `pglock queued` and `pglock why`: the key as LockKey.__str__ writes
+#: it; "running": its run lock is held by a session.
+_ROWS = f"""
 SELECT CASE WHEN q.objsubid = 1 THEN ((q.classid::bigint << 32) | q.objid::bigint)::text
        ELSE q.classid::bigint::bit(32)::int || ',' || q.objid::bigint::bit(32)::int
        END AS key,
@@ -385,16 +385,24 @@ LEFT JOIN pg_locks r ON r.locktype = 'advisory' AND r.granted
   AND r.classid = {keys.RUN_NAMESPACE} AND r.objid = q.run_objid::bit(32)::bigint::oid
   AND r.objsubid = 2
 LEFT JOIN pg_stat_activity a ON a.pid = r.pid
-ORDER BY q.published_at
 """
+SUMMARY = f"{_ROWS}ORDER BY q.published_at"
+#: The row naming a task id: as the key's message, or as the send its carrier carries.
+ROW_NAMING = f"{_ROWS}WHERE q.task_id = %(id)s OR q.carrier = %(id)s"
 
 
-def summary(engine: sa.Engine) -> list[dict[str, Any]] | None:
-    """The queued keys, oldest first; None when lock_enqueue never ran here (no table)."""
+def summary(
+    engine: sa.Engine, task_id: str | None = None
+) -> list[dict[str, Any]] | None:
+    """The queued keys, oldest first (or the one naming ``task_id``); None when
+    lock_enqueue never ran here (no table)."""
     with engines.autocommit_cursor(engine) as cursor:
         if not TABLE.present(cursor):
             return None
-        cursor.execute(SUMMARY)
+        if task_id is None:
+            cursor.execute(SUMMARY)
+        else:
+            cursor.execute(ROW_NAMING, {"id": task_id})
         names = [column[0] for column in cursor.description]
         rows = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
     for row in rows:

@@ -114,20 +114,25 @@ def test_a_duplicate_send_is_told_whose_duplicate_it_is(app, database_url):
     assert ("sent", "published") == (sent["event"], sent["outcome"])
 
 
-def test_a_replaced_message_is_told_by_whom_with_history_and_without(app, database_url):
-    """Latest wins: the replaced id's events say by whom; without history, a carrier
-    that handed over is told by its tombstone alone."""
+def latest_task(app):
+    """A latest-wins task keyed by its tenant."""
 
     def latest(tenant):
         return tenant
 
-    task = define(
+    return define(
         app,
         latest,
         lock_args=("tenant",),
         lock_enqueue="until_started",
         lock_enqueue_on_duplicate="replace",
     )
+
+
+def test_a_replaced_message_is_told_by_whom_with_history_and_without(app, database_url):
+    """Latest wins: the replaced id's events say by whom; without history, a carrier
+    that handed over is told by its tombstone alone."""
+    task = latest_task(app)
     first = task.apply_async((4,))
     second = task.apply_async((4,))
     document = until(why(database_url, first.id), "sent", database_url)
@@ -145,6 +150,42 @@ def test_a_replaced_message_is_told_by_whom_with_history_and_without(app, databa
     document = why(database_url, carrier.id)
     assert ["replaced"] == [e["event"] for e in document["events"]]
     assert document["verdict"].startswith(f"replaced by {later.id}, ")
+
+
+#: The app `pglock why --app` loads below: the test's own (its result backend).
+WHY_APP = None
+
+
+def verdict_of(task_id, *options):
+    """`pglock why`'s verdict at once (no events to wait for)."""
+    result = CliRunner().invoke(cli.standalone_command, [*options, "why", task_id])
+    assert 0 == result.exit_code, result.output
+    return result.output.strip().splitlines()[-1].partition(": ")[2]
+
+
+def test_without_events_the_queued_row_and_the_result_tell(
+    app, database_url, monkeypatch
+):
+    """pglock_history unset: a send waiting in its key's row and the carrier that will
+    publish it are told from the row; a replaced send, from its result (with --app)."""
+    app.conf.pglock_history = None
+    task = latest_task(app)
+    carrier = task.apply_async((6,))
+    middle = task.apply_async((6,))
+    waiting = task.apply_async((6,))
+    told = verdict_of(waiting.id, "--database-url", database_url)
+    assert told.startswith("queued: the latest send of key ")
+    assert f"until its carrier {carrier.id} is taken" in told
+    told = verdict_of(carrier.id, "--database-url", database_url)
+    assert told.startswith(f"queued: its message carries {waiting.id}, ")
+    assert verdict_of(middle.id, "--database-url", database_url).startswith("unknown")
+    monkeypatch.setattr(sys.modules[__name__], "WHY_APP", app)
+    told = verdict_of(middle.id, "--app", f"{__name__}:WHY_APP")
+    assert told.startswith(f"replaced by {waiting.id}, ")
+    deliver(task, carrier.id, 6)
+    deliver(task, waiting.id, 6)
+    told = verdict_of(waiting.id, "--app", f"{__name__}:WHY_APP")
+    assert "ended SUCCESS (its result says so" in told
 
 
 def test_an_id_nothing_is_known_of_is_unknown(app, database_url):
