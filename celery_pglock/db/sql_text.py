@@ -206,6 +206,46 @@ RUN_LOCK_TRANSACTION = f"SELECT pg_try_advisory_xact_lock({_RUN})"
 #: What a rider rides on after a wait granted the key with no run lock to take.
 NOTHING = "SELECT false"
 
+
+@functools.cache  # one text per form: at most 8, whatever the number of companions
+def try_with_companion(*, arity: int, named: bool, run: bool) -> str:
+    """A session try-lock of a key and, where granted, of the first free of its
+    companions (bigint keys: lock_group's slots), in one statement. Params: key ids, the
+    companions' ids (companion_array), application_name if ``named``, run ids if ``run``.
+    NULL when the key is busy, else ARRAY[the companion's 1-based position, or 0 when
+    none was free (the key is held all the same), name?, run lock granted?]."""
+    label = ", set_config('application_name', %s, false)" if named else ""
+    run_lock = f", pg_try_advisory_lock({_RUN})::text" if run else ""
+    return (
+        f"WITH RECURSIVE k(got) AS MATERIALIZED (SELECT pg_try_advisory_lock({_KEY[arity]})), "
+        "c(k) AS MATERIALIZED (SELECT %s::bigint[]), "
+        "t(i, got) AS (SELECT 0, false FROM k WHERE k.got UNION ALL "
+        "SELECT t.i + 1, pg_try_advisory_lock(c.k[t.i + 1]) "
+        "FROM t, c WHERE NOT t.got AND t.i < cardinality(c.k)) "
+        "SELECT CASE WHEN k.got THEN ARRAY[coalesce((SELECT t.i FROM t WHERE t.got), 0)"
+        f"::text{label}{run_lock}] END FROM k"
+    )
+
+
+@functools.lru_cache(maxsize=64)  # a group's slots: the same tuple run after run
+def companion_array(ids: tuple[tuple[int, ...], ...]) -> str:
+    """try_with_companion's companions as one array literal: psycopg2 adapts a list
+    item by item (~2 µs each, 64 slots a run)."""
+    return "{" + ",".join(str(key[0]) for key in ids) + "}"
+
+
+@functools.cache
+def unlock_with_companion(*, arity: int, run: bool) -> str:
+    """The process session's unlock (its label kept) of a key, its run lock if ``run``
+    and its (bigint) companion. Params: key ids, run ids?, the companion's id. Returns
+    (unlocked, …)."""
+    run_unlock = f", pg_advisory_unlock({_RUN})" if run else ""
+    return (
+        f"SELECT pg_advisory_unlock({_KEY[arity]}){run_unlock}, "
+        f"pg_advisory_unlock({_KEY[1]})"
+    )
+
+
 #: The run lock's ids last.
 UNLOCK_SESSION_KEEP_NAME_RUN = _keyed(
     f"SELECT pg_advisory_unlock(KEY), pg_advisory_unlock({_RUN})"

@@ -68,6 +68,9 @@ class AdvisoryLock:
         self.rider: rider.Rider | None = None
         #: lock_limit: ``keys.slot_keys(key, N)``; the first free one taken is ``key``.
         self.slots: tuple[LockKey, ...] = (key,)
+        #: Keys of which one more is taken with the key, in its statement, where the
+        #: session can (a try on the process session), and released with it.
+        self.companions: tuple[LockKey, ...] = ()
 
     def acquire(self, *, timeout: float | None = None) -> bool:
         """Take the lock; True if granted, False if another session holds it.
@@ -195,6 +198,15 @@ class AdvisoryLock:
         return self._hold is not None
 
     @property
+    def companion(self) -> bool | None:
+        """While held: True if one of ``companions`` was taken with the key, False if
+        none was free, None if they were not tried (the session could not)."""
+        hold = self._hold
+        if hold is None or not hold.companions_tried:
+            return None
+        return hold.companion is not None
+
+    @property
     def lost(self) -> bool:
         """True once the lock was found lost while held (see ``lost_cause``)."""
         return self.lost_cause is not None
@@ -303,6 +315,7 @@ class AdvisoryLock:
             self.run_key,
             None if polled else self.rider,  # not sent with the slots' statement
             self._granted_slot if polled else self._granted,
+            () if polled else self.companions,
         )
         # on_granted records the hold; one a failed first attempt recorded is gone.
         self._hold = None

@@ -1,6 +1,7 @@
 """lock_group: at most lock_group_limit runs at once of every task naming the group, beside
-each key's own limit. The group's slots are advisory keys like lock_limit's, taken after
-the key on a lock of their own. Why: docs/guide/limits.md ("Limits across keys")."""
+each key's own limit. The group's slots are advisory keys like lock_limit's, taken in the
+key's own statement where its session can (the key's companions), else after it on a lock
+of their own. Why: docs/guide/limits.md ("Limits across keys")."""
 
 from __future__ import annotations
 
@@ -29,6 +30,21 @@ def group_key(namespace: str, group: str) -> keys.LockKey:
     return keys.make_key(namespace, _GROUP_NAME.format(group))
 
 
+def companions(options: config.LockConfig, limit: int) -> tuple[keys.LockKey, ...]:
+    """The group's slots, to take with a run's key in its statement (not beside
+    lock_limit's slots: those are polled, a statement per try)."""
+    if options.group is None or limit > 1:
+        return ()
+    return _slots(options.namespace, options.group, options.group_limit)
+
+
+@functools.lru_cache(maxsize=256)
+def _slots(namespace: str, group: str, limit: int) -> tuple[keys.LockKey, ...]:
+    slots = keys.slot_keys(group_key(namespace, group), limit)
+    # Companions are bigint keys (the lock's statement takes them as one bigint[]).
+    return slots if all(len(slot.ids) == 1 for slot in slots) else ()
+
+
 def take(
     task: SingletonTask,
     options: config.LockConfig,
@@ -36,19 +52,28 @@ def take(
     key_lock: AdvisoryLock,
     direct: bool,
 ) -> AdvisoryLock | None:
-    """None once a slot of the group is held (``execution.group_lock``) beside the run's
-    key; else the group's lock, every slot taken, and the key released unless shadowed.
-    Only lock_on_busy='wait' waits, within one budget, lock_wait_timeout, with the key's."""
+    """None once a slot of the group is held beside the run's key (its companion, or
+    ``execution.group_lock``); else the group's lock, every slot taken, and the key
+    released unless shadowed. Only lock_on_busy='wait' waits, within one budget,
+    lock_wait_timeout, with the key's."""
+    taken = key_lock.companion
+    if taken:
+        return None  # in the key's statement; released with the key
     key = group_key(options.namespace, options.group or "")  # set: a lock_group run
     lock = AdvisoryLock(
         engine=key_lock.engine, key=key, scope=options.scope, label=options.task_name
     )
     lock.round_trip_timeout = options.db_timeout
     lock.slots = keys.slot_keys(key, options.group_limit)
+    waits = options.on_busy is OnBusy.WAIT and not options.shadow
+    if taken is not None and not waits:  # full, as the key's statement just found
+        if not options.shadow:
+            runs.release_unrun(task, key_lock, execution.task_id)
+        return lock
     # Recorded first: a time limit landing after the grant finds it (release_leftover).
     execution.group_lock = lock
     timeout = None
-    if options.on_busy is OnBusy.WAIT and not options.shadow:
+    if waits:
         left = options.wait_timeout - (key_lock.wait_seconds or 0.0)
         timeout = left if left > 0 else None
     began = time.monotonic()

@@ -256,14 +256,14 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             limit = bindings.limit_of(self, options, args, kwargs)
         if limit > 1:
             lock.slots = keys.slot_keys(key, limit)
+        if options.group is not None:
+            lock.companions = groups.companions(options, limit)
         # Before the grant: if a time limit lands before the body, task_postrun frees it.
         execution.lock = lock
-        task_id = execution.task_id
-        if task_id is not None:
+        if (task_id := execution.task_id) is not None:
             enqueues = options.enqueue is not None and not self.request.is_eager
             if self.acks_late or enqueues:
-                # Tells a redelivery of its message that this run goes on (busy_policy.py);
-                # the queued row's liveness (docs/guide/enqueue.md).
+                # Says this run goes on: to a redelivery, to the queued row (busy_policy.py).
                 lock.run_key = keys.run_key(task_id)
             if enqueues:
                 requeued = bool(self.acks_late and self.reject_on_worker_lost)

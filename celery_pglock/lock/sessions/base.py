@@ -49,6 +49,9 @@ class AcquireRequest(NamedTuple):
     rider: riders.Rider | None = None
     #: Gets the hold once recorded: a soft time limit then cannot orphan it.
     on_granted: Callable[[Hold], None] | None = None
+    #: Keys (bigint) of which one more is taken with the key, in its statement, where the
+    #: strategy can (the process session's try): lock_group's slots. Hold.companion: which.
+    companions: tuple[LockKey, ...] = ()
 
 
 @dataclasses.dataclass(eq=False)  # no slots: Claims refers to holds weakly (3.10)
@@ -67,6 +70,8 @@ class Hold:
     run_ids: tuple[int, ...] | None = None  # the run lock held beside the key
     rider: riders.Rider | None = None  # sent with the grant and the release
     slot: int = 0  # lock_limit: which of the key's slots (keys.slot_keys) ids is
+    companions_tried: bool = False  # the request's companions were tried with the key
+    companion: Hold | None = None  # the one of them taken, released with the key
 
 
 class Claims:
@@ -107,6 +112,29 @@ class Claims:
                 del self._held[hold.ids]
                 if self._waiting:
                     self._cond.notify_all()
+
+    def claim_free(self, keys: Sequence[LockKey], hold: Hold) -> list[LockKey]:
+        """Those of ``keys`` no run of the process holds, claimed for ``hold`` at once
+        (one mutex for them all: a group has up to 64 slots). Pair with release_all."""
+        ref = weakref.ref(hold)
+        with self._mutex:
+            free = [key for key in keys if self._holder(key.ids) is None]
+            for key in free:
+                self._held[key.ids] = ref
+        return free
+
+    def release_all(
+        self, keys: Sequence[LockKey], hold: Hold, keep: Hold | None = None
+    ) -> None:
+        """Give back ``hold``'s claims of ``keys``, but hand ``keep.ids`` to ``keep``."""
+        with self._mutex:
+            for key in keys:
+                if self._holder(key.ids) is hold:
+                    del self._held[key.ids]
+            if keep is not None:
+                self._held[keep.ids] = weakref.ref(keep)
+            if self._waiting:
+                self._cond.notify_all()
 
     def _holder(self, ids: tuple[int, ...]) -> Hold | None:
         ref = self._held.get(ids)
@@ -274,6 +302,31 @@ def try_named(
     if answer is None or answer[0] is None:
         return False, False
     return True, run_ids is not None and answer[0][1] == "true"
+
+
+def try_with_companion(
+    cursor: Any,
+    ids: tuple[int, ...],
+    companions: Sequence[LockKey],
+    name: str | None,
+    run_ids: tuple[int, ...] | None,
+    rider: riders.Rider | None,
+    *,
+    prepare: Prepare | None = None,
+) -> tuple[bool, bool, LockKey | None]:
+    """The key (labelled ``name`` unless None) and the first free of ``companions``:
+    (granted, run lock granted, the companion taken or None)."""
+    statement = sql_text.try_with_companion(
+        arity=len(ids), named=name is not None, run=run_ids is not None
+    )
+    array = sql_text.companion_array(tuple(key.ids for key in companions))
+    params = (*ids, array, *(() if name is None else (name,)), *(run_ids or ()))
+    row = execute(cursor, statement, params, rider, prepare=prepare)
+    if row is None or row[0] is None:
+        return False, False, None
+    position = int(row[0][0])
+    companion = companions[position - 1] if position else None
+    return True, run_ids is not None and row[0][-1] == "true", companion
 
 
 def try_slots(

@@ -109,7 +109,12 @@ class ProcessSession(base.LockSessions):
             try:
                 # Bounded: a frozen link would stall every lock statement here.
                 with self._bound(request.bound):
-                    if len(request.slots) == 1:
+                    if len(request.slots) == 1 and request.companions:
+                        granted, run_granted = self._try_with_companions(
+                            free[0], request.companions, name, run_ids, request.rider
+                        )
+                        chosen = free[0] if granted else None
+                    elif len(request.slots) == 1:
                         granted, run_granted = self._try(
                             free[0].ids, name, run_ids, request.rider
                         )
@@ -129,6 +134,9 @@ class ProcessSession(base.LockSessions):
                     self._since = since
                     chosen.connection = self._connection
                     self._owners[chosen.ids] = chosen
+                    if chosen.companion is not None:
+                        chosen.companion.connection = self._connection
+                        self._owners[chosen.companion.ids] = chosen.companion
                     if run_granted and run_ids is not None:
                         chosen.run_ids = run_ids
                         self._runs[run_ids] = chosen
@@ -138,6 +146,34 @@ class ProcessSession(base.LockSessions):
                 self._fail(f"acquiring lock {key.name!r} failed: {exc!r}", exc)
                 self._raise(exc, f"acquire lock {key.name!r}")
             return chosen
+
+    def _try_with_companions(
+        self,
+        hold: base.Hold,
+        companions: tuple[LockKey, ...],
+        name: str,
+        run_ids: tuple[int, ...] | None,
+        rider: Rider | None,
+    ) -> tuple[bool, bool]:
+        """Under the mutex: the key and, in its statement, the first of ``companions``
+        free here (claimed first, as slots are: this session would re-enter a companion
+        another run of the process holds) and in PostgreSQL; ``hold.companion``: which."""
+        claims, pending = self.claims, base.Hold(self, ())
+        free = claims.claim_free(companions, pending)
+        hold.companions_tried = True
+        taken: LockKey | None = None
+        try:
+            if not free:  # every one held by runs of this process
+                return self._try(hold.ids, name, run_ids, rider)
+            label = None if name == self._shown else name
+            granted, run_granted, taken = base.try_with_companion(
+                self._cursor, hold.ids, free, label, run_ids, rider, prepare=self._ready
+            )
+            if taken is not None:
+                hold.companion = base.Hold(self, taken.ids)
+            return granted, run_granted
+        finally:
+            claims.release_all(free, pending, keep=hold.companion)
 
     def _try(
         self,
@@ -164,10 +200,13 @@ class ProcessSession(base.LockSessions):
         self, hold: base.Hold, key: LockKey, commit: bool, timeout: float
     ) -> None:
         """Unlock; the claim is returned in any case (raises as AdvisoryLock.release)."""
-        ids, run_ids = hold.ids, hold.run_ids
+        ids, run_ids, companion = hold.ids, hold.run_ids, hold.companion
         with self._mutex:
             # Under the mutex: no try-lock of the process runs before the unlock below.
             self.claims.release(hold)
+            if companion is not None:
+                self.claims.release(companion)
+                self._owners.pop(companion.ids, None)
             if self._owners.get(ids) is not hold:
                 raise exceptions.LockNotOwnedError(
                     f"The process's lock session ended while lock {key.name!r} (key {key}) was "
@@ -182,6 +221,12 @@ class ProcessSession(base.LockSessions):
                 del self._runs[run_ids]
                 unlock = sql_text.UNLOCK_SESSION_KEEP_NAME_RUN[len(ids)]
                 args = (*ids, *run_ids)
+            if companion is not None:  # released in the key's statement
+                unlock = sql_text.unlock_with_companion(
+                    arity=len(ids),
+                    run=run_ids is not None,
+                )
+                args = (*args, *companion.ids)
             bound, cursor = self._bound, self._cursor
             try:
                 with bound(timeout):

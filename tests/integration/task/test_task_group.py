@@ -117,6 +117,53 @@ def test_two_tasks_share_one_group_and_a_busy_key_takes_no_slot(app):
             lock.release()
 
 
+def test_the_slot_is_taken_in_the_keys_statement_and_released_with_it(
+    app, session_mode
+):
+    """On the process session the group's slot is the key's companion: taken in the
+    key's statement, released in its unlock, no lock of its own. Per-lock sessions take
+    it after the key on a lock of its own, as transaction scope does."""
+    seen = []
+
+    def export(tenant):
+        execution = runs.current.get()
+        seen.append((execution.lock.companion, execution.group_lock is None))
+        seen.append(held_slots(task))
+        return tenant
+
+    task = define(
+        app, export, lock_args=("tenant",), lock_group="exports", lock_group_limit=2
+    )
+    assert 4 == task.apply((4,)).get()
+    together = session_mode == "per_process"
+    assert [(True if together else None, together), [True, False]] == seen
+    assert [False, False] == held_slots(task)
+    assert not is_held(task, 4)
+
+
+def test_a_nested_run_never_reenters_its_callers_slot(app):
+    """A session lock is re-entrant: a run called from a run of the same process, on the
+    same session, would be granted the slot its caller holds. Claimed in the process
+    first, the group's only slot is full for it: the inner call is refused."""
+    ran = []
+
+    def inner(tenant):
+        ran.append(tenant)
+
+    def outer(tenant):
+        with pytest.raises(LockBusy, match="group 'exports'"):
+            inner_task(tenant + 1)
+        ran.append(tenant)
+        return held_slots(inner_task)
+
+    options = {"lock_group": "exports", "lock_group_limit": 1}
+    inner_task = define(app, inner, lock_args=("tenant",), **options)
+    outer_task = define(app, outer, lock_args=("tenant",), **options)
+    assert [True] == outer_task.apply((1,)).get()
+    assert [1] == ran
+    assert [False] == held_slots(inner_task)
+
+
 def test_the_slot_is_given_back_when_the_body_raises(app):
     def failing(tenant):
         raise ValueError(tenant)
