@@ -410,9 +410,14 @@ def _close_kept(engine: sa.Engine) -> None:
 def on_kept(engine: sa.Engine, bound: float, work: Callable[[Any], _T]) -> _T:
     """``work(cursor)`` on the engine's kept autocommit connection, bounded; on a pooled
     one (:func:`autocommit_cursor`) while another thread uses it. An error closes it."""
-    # Opened outside any lock (a dead server costs each thread its own bound only); a
-    # racing thread's spare is closed by the garbage collector.
-    kept = _kept.get(engine) or _kept.setdefault(engine, _Kept(engine))
+    # Opened outside any lock (a dead server costs each thread its own bound only).
+    kept = _kept.get(engine)
+    if kept is None:
+        fresh = _Kept(engine)
+        kept = _kept.setdefault(engine, fresh)
+        if kept is not fresh:  # a racing thread's (a row writer's) came first
+            with contextlib.suppress(Exception):  # left to the GC, psycopg 3 warns
+                fresh.dbapi.close()
     if not kept.busy.acquire(blocking=False):
         with autocommit_cursor(engine, bound) as cursor:
             return work(cursor)
