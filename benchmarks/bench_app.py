@@ -32,6 +32,7 @@ publishes anything. Per-task INFO logs are silenced (they cost more than any loc
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import struct
@@ -65,6 +66,7 @@ PLAIN_ROW_WRITES = "bench.plain_row_writes"
 PLAIN_UNLOGGED_ROW_WRITES = "bench.plain_unlogged_row_writes"
 PLAIN_PERIOD_WRITE = "bench.plain_period_write"
 PLAIN_GROUP_SLOT = "bench.plain_group_slot"
+PLAIN_LATEST_ROW = "bench.plain_latest_row"
 SESSION = "bench.session"
 #: SingletonTask session with lock_skip_result="success": a skip ends like a run.
 SKIP_SUCCESS = "bench.session_skip_success"
@@ -130,6 +132,8 @@ CREATE UNLOGGED TABLE IF NOT EXISTS bench_floor_queued_unlogged (k text PRIMARY 
   task_id text NOT NULL, started_at timestamptz);
 CREATE TABLE IF NOT EXISTS bench_floor_periods (k text PRIMARY KEY,
   started_at timestamptz NOT NULL, task_id text);
+CREATE UNLOGGED TABLE IF NOT EXISTS bench_floor_latest (k text PRIMARY KEY,
+  task_id text NOT NULL, payload bytea NOT NULL, carrier text);
 COMMIT;
 """
 
@@ -167,6 +171,9 @@ def forget_floor_rows(keys: str) -> None:
         with connection.cursor() as cursor:
             for table in (*QUEUED_FLOOR_TABLES.values(), "bench_floor_periods"):
                 cursor.execute(f"DELETE FROM {table} WHERE k LIKE %s", (keys,))
+            # Its keys are the workloads' own ("hot", "t7"): a row a killed run left
+            # would swallow every later send of its key.
+            cursor.execute("DELETE FROM bench_floor_latest")
     finally:
         connection.close()
         _raw.pop(os.getpid(), None)
@@ -226,6 +233,29 @@ _FLOOR_STATEMENTS = {
         "text",
         "SELECT pg_advisory_unlock(hashtext($1)), pg_advisory_unlock(hashtext('g'))",
     ),
+    # Latest wins' floor (issue 34), the design shipped: a send is one upsert (a new row
+    # publishes; a replacing send writes its arguments into the row and names the queued
+    # message as their carrier); a run is one statement that either hands the row over
+    # (a carrier: the latest send goes out as its own message) or waits for the key and
+    # deletes its own row (until_started); the unlock ends it.
+    "floor_latest_publish": (
+        "text, text, bytea",
+        "WITH u AS (INSERT INTO bench_floor_latest AS q (k, task_id, payload) "
+        "VALUES ($1, $2, $3) ON CONFLICT (k) DO UPDATE SET task_id = EXCLUDED.task_id, "
+        "payload = EXCLUDED.payload, carrier = coalesce(q.carrier, q.task_id) "
+        f"RETURNING q.carrier IS NULL AS new), {_ASYNC} SELECT new FROM u, s",
+    ),
+    "floor_latest_start": (
+        "text, text",
+        "WITH h AS (UPDATE bench_floor_latest q SET carrier = NULL "
+        "WHERE q.k = $1 AND q.carrier = $2 RETURNING q.task_id, q.payload), "
+        "l AS MATERIALIZED (SELECT pg_advisory_lock(hashtext($1)) "
+        "WHERE NOT EXISTS (SELECT 1 FROM h)), "
+        "d AS (DELETE FROM bench_floor_latest q WHERE EXISTS (SELECT 1 FROM l) "
+        "AND q.k = $1 AND q.task_id = $2 AND q.carrier IS NULL RETURNING 1), "
+        f"{_ASYNC} SELECT h.task_id, h.payload FROM s LEFT JOIN h ON true",
+    ),
+    "floor_unlock": ("text", "SELECT pg_advisory_unlock(hashtext($1))"),
     "floor_period": (
         "text, text",
         "INSERT INTO bench_floor_periods (k, started_at, task_id) VALUES ($1, now(), $2) "
@@ -237,7 +267,7 @@ _FLOOR_STATEMENTS = {
 }
 
 
-def _floor(cursor: Any, name: str, *params: str) -> Any:
+def _floor(cursor: Any, name: str, *params: Any) -> Any:
     """Execute the prepared floor statement ``name``; its first row."""
     cursor.execute(f"EXECUTE {name}({', '.join(['%s'] * len(params))})", params)
     return cursor.fetchone()
@@ -273,6 +303,37 @@ def plain_row_writes(key: str, body: float = 0.0) -> None:
 @app.task(name=PLAIN_UNLOGGED_ROW_WRITES, base=_PublishesARow)
 def plain_unlogged_row_writes(key: str, body: float = 0.0) -> None:
     _row_writes(QUEUED_FLOOR_TABLES[PLAIN_UNLOGGED_ROW_WRITES], key, body)
+
+
+#: Keys a latest-wins floor send replaced into their row (compare.py: each key's carrier
+#: publishes one more message).
+FLOOR_REPLACED: list[str] = []
+
+
+class _PublishesLatest(app.Task):  # type: ignore[name-defined, misc]
+    """Writes the send into its key's row (one round trip), as latest wins does."""
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        task_id = options.setdefault("task_id", str(uuid.uuid4()))
+        payload = json.dumps([list(args or ()), kwargs or {}]).encode()
+        with raw_connection().cursor() as cursor:
+            if not _floor(cursor, "floor_latest_publish", args[0], task_id, payload)[0]:
+                FLOOR_REPLACED.append(args[0])
+                return None  # written into the key's row: published by its carrier
+        return super().apply_async(args, kwargs, **options)
+
+
+@app.task(name=PLAIN_LATEST_ROW, base=_PublishesLatest, bind=True)
+def plain_latest_row(self: Any, key: str, body: float = 0.0) -> None:
+    with raw_connection().cursor() as cursor:
+        latest, payload = _floor(cursor, "floor_latest_start", key, self.request.id)
+        if latest is not None:  # a carrier: its key's latest send goes out as its own
+            args, kwargs = json.loads(bytes(payload))
+            queue: str = (self.request.delivery_info or {})["routing_key"]
+            app.Task.apply_async(self, args, kwargs, task_id=latest, queue=queue)
+            return
+        _body(body)
+        _floor(cursor, "floor_unlock", key)
 
 
 @app.task(name=PLAIN_GROUP_SLOT)

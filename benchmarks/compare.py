@@ -142,6 +142,12 @@ class Bench:
         """Publish ``count`` messages; (queued, dropped at publish)."""
         task = self.app.tasks[contender.task]
         rng = random.Random(self.run_id)  # noqa: S311 - test data
+        if contender.task == bench_app.PLAIN_LATEST_ROW:  # latest wins' floor
+            bench_app.FLOOR_REPLACED.clear()
+            queued, dropped = self._publish(
+                task, workload, count, queue, rng, bench_app.FLOOR_REPLACED
+            )
+            return queued + len(set(bench_app.FLOOR_REPLACED)), dropped
         if contender.task not in (bench_app.LATEST, bench_app.DEBOUNCED):
             return self._publish(task, workload, count, queue, rng, [])
         # Latest wins: a replacing send keeps its own id but publishes nothing; its key's
@@ -317,6 +323,7 @@ class Bench:
                     "relname IN ('celery_pglock_queued', 'celery_pglock_periods', "
                     "'celery_pglock_fencing', 'bench_floor_queued', "
                     "'bench_floor_queued_unlogged', 'bench_floor_periods', "
+                    "'bench_floor_latest', "
                     "'celery_pglock_history') "
                     "AND pg_table_is_visible(oid)"
                 )
@@ -338,7 +345,10 @@ class Bench:
                 task.once_backend.redis.ping()
             elif contender.task == bench_app.SINGLETON:
                 task.singleton_backend.redis.ping()
-            elif contender.task in bench_app.QUEUED_FLOOR_TABLES:
+            elif contender.task in (
+                *bench_app.QUEUED_FLOOR_TABLES,
+                bench_app.PLAIN_LATEST_ROW,
+            ):
                 bench_app.raw_connection()
             elif contender.enqueue:
                 from celery_pglock.task import queued

@@ -14,6 +14,8 @@ from contenders import (
     BASELINE_ROW,
     CONTENDERS,
     ENQUEUE_ROWS,
+    LATEST_FLOOR,
+    LATEST_ROW,
     LIMIT_ROW,
     PERIOD_FLOOR,
     PERIOD_ROW,
@@ -261,6 +263,21 @@ def issue34_verdicts(
                     rate is not None and rate >= 1.0 and cpu is not None and cpu <= 1.0,
                 )
             )
+    for workload in ("one hot key", "per-tenant mix", "distinct keys"):
+        if (LATEST_ROW, workload) not in samples or (
+            LATEST_FLOOR,
+            workload,
+        ) not in samples:
+            continue
+        cpu = _paired(samples, LATEST_ROW, [LATEST_FLOOR], workload, total_us, min)
+        checks.append(
+            (
+                f"{workload}, replace: total CPU per send ≤ 1.10{TIMES} its floor "
+                "(the latest row by hand)",
+                f"{fmt(cpu, '.3f')}{TIMES}",
+                cpu is not None and cpu <= 1.10,
+            )
+        )
     return checks
 
 

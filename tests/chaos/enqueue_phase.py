@@ -112,6 +112,10 @@ def run(chaos: Chaos) -> dict[str, Any]:
         if _lost_with_its_child(chaos_app.app.AsyncResult(task_id))
     }
     unaccounted = sorted(set(returned.values()) - accounted - lost_with_child)
+    # What the result backend says of each: a failure names its cause (CI keeps no logs).
+    fates = {
+        task_id: _fate(chaos_app.app.AsyncResult(task_id)) for task_id in unaccounted
+    }
     ran_revoked = sorted(ran & revoked)
     return {
         "sends": len(returned),
@@ -124,6 +128,7 @@ def run(chaos: Chaos) -> dict[str, Any]:
         "fresh_send_failures": fresh_failed,
         "unaccounted": len(unaccounted),
         "unaccounted_ids": unaccounted[:20],
+        "unaccounted_fates": [fates[i] for i in unaccounted[:20]],
         "revoked_that_ran": len(ran_revoked),
         "overlaps": len(chaos_app.recorder.overlaps(run_id)),
     }
@@ -151,6 +156,14 @@ def _lost_with_its_child(result: Any) -> bool:
             "WorkerLostError"
         )
     return False
+
+
+def _fate(result: Any) -> str:
+    """``STATE: ResultType: text`` of an unaccounted message, for the report."""
+    try:
+        return f"{result.state}: {type(result.result).__name__}: {result.result!s:.160}"
+    except Exception as exc:  # a report line, not a check
+        return f"unreadable: {exc!r:.160}"
 
 
 def kill_a_running_child(chaos: Chaos, run_id: str) -> int:

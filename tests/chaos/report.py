@@ -343,6 +343,7 @@ def render(figures: dict[str, Any], results: list[tuple[str, bool]]) -> str:
         lines += [
             "",
             f"enqueue: unaccounted {enqueue['unaccounted_ids']}, blocked {enqueue['blocked_rows']}",
+            *(f"- {fate}" for fate in enqueue.get("unaccounted_fates", [])),
         ]
     lines += ["", *_phase_table("flow", figures["flow"])]
     lines += ["", *_phase_table("latest-wins", figures["latest"])]
@@ -372,6 +373,6 @@ def _phase_table(phase: str, figures: dict[str, Any]) -> list[str]:
         *(
             f"| {name} | {value} |"
             for name, value in figures.items()
-            if not name.endswith(("_ids", "_rows"))
+            if not name.endswith(("_ids", "_rows", "_fates"))
         ),
     ]
