@@ -264,21 +264,32 @@ def issue34_verdicts(
                 )
             )
     for workload in ("one hot key", "per-tenant mix", "distinct keys"):
-        if (LATEST_ROW, workload) not in samples or (
-            LATEST_FLOOR,
-            workload,
-        ) not in samples:
-            continue
-        cpu = _paired(samples, LATEST_ROW, [LATEST_FLOOR], workload, total_us, min)
-        checks.append(
-            (
-                f"{workload}, replace: total CPU per send ≤ 1.10{TIMES} its floor "
-                "(the latest row by hand)",
-                f"{fmt(cpu, '.3f')}{TIMES}",
-                cpu is not None and cpu <= 1.10,
-            )
+        checks += _against_floor(
+            samples, LATEST_ROW, LATEST_FLOOR, workload, 1.10, "the latest row by hand"
         )
     return checks
+
+
+def _against_floor(
+    samples: dict[tuple[str, str], list[Sample]],
+    name: str,
+    floor: str,
+    workload: str,
+    bound: float,
+    what: str,
+) -> list[tuple[str, str, bool]]:
+    """``name``'s total CPU per send over ``floor``'s, paired: at most ``bound``."""
+    if (name, workload) not in samples or (floor, workload) not in samples:
+        return []
+    ratio = _paired(samples, name, [floor], workload, total_us, min)
+    row = name.rpartition(" + ")[2]
+    return [
+        (
+            f"{workload}, {row}: total CPU per send ≤ {bound:.2f}{TIMES} its floor ({what})",
+            f"{fmt(ratio, '.3f')}{TIMES}",
+            ratio is not None and ratio <= bound,
+        )
+    ]
 
 
 def _cpu(sample: Sample) -> float | None:
@@ -335,16 +346,14 @@ def issue35_verdicts(
         return sample.e2e_rate
 
     name, workload = UNTIL_FINISHED_ROW, "distinct keys"
-    if (name, workload) in samples and (UNLOGGED_ROW_FLOOR, workload) in samples:
-        floor = _paired(samples, name, [UNLOGGED_ROW_FLOOR], workload, total_us, min)
-        checks.append(
-            (
-                f"distinct keys, {name}: total CPU per send ≤ 1.05{TIMES} the floor of "
-                "the design shipped (the unlogged queued row by hand)",
-                f"{fmt(floor, '.3f')}{TIMES}",
-                floor is not None and floor <= 1.05,
-            )
-        )
+    checks += _against_floor(
+        samples,
+        name,
+        UNLOGGED_ROW_FLOOR,
+        workload,
+        1.05,
+        "the design shipped: the unlogged queued row by hand",
+    )
     if (name, workload) in samples and peers:
         cpu = _paired(samples, name, peers, workload, total_us, min)
         fast = _paired(samples, name, peers, workload, rate, max)
