@@ -67,6 +67,7 @@ PLAIN_UNLOGGED_ROW_WRITES = "bench.plain_unlogged_row_writes"
 PLAIN_PERIOD_WRITE = "bench.plain_period_write"
 PLAIN_GROUP_SLOT = "bench.plain_group_slot"
 PLAIN_LATEST_ROW = "bench.plain_latest_row"
+PLAIN_DEBOUNCED_ROW = "bench.plain_debounced_row"
 SESSION = "bench.session"
 #: SingletonTask session with lock_skip_result="success": a skip ends like a run.
 SKIP_SUCCESS = "bench.session_skip_success"
@@ -134,6 +135,7 @@ CREATE TABLE IF NOT EXISTS bench_floor_periods (k text PRIMARY KEY,
   started_at timestamptz NOT NULL, task_id text);
 CREATE UNLOGGED TABLE IF NOT EXISTS bench_floor_latest (k text PRIMARY KEY,
   task_id text NOT NULL, payload bytea NOT NULL, carrier text);
+ALTER TABLE bench_floor_latest ADD COLUMN IF NOT EXISTS due_at timestamptz;
 COMMIT;
 """
 
@@ -237,23 +239,27 @@ _FLOOR_STATEMENTS = {
     # publishes; a replacing send writes its arguments into the row and names the queued
     # message as their carrier); a run is one statement that either hands the row over
     # (a carrier: the latest send goes out as its own message) or waits for the key and
-    # deletes its own row (until_started); the unlock ends it.
+    # deletes its own row (until_started); the unlock ends it. Debounce's floor is the
+    # same with a due time ($4: the quiet time, NULL for none) that each send pushes and
+    # that a hand-over's publish waits for.
     "floor_latest_publish": (
-        "text, text, bytea",
-        "WITH u AS (INSERT INTO bench_floor_latest AS q (k, task_id, payload) "
-        "VALUES ($1, $2, $3) ON CONFLICT (k) DO UPDATE SET task_id = EXCLUDED.task_id, "
-        "payload = EXCLUDED.payload, carrier = coalesce(q.carrier, q.task_id) "
+        "text, text, bytea, float8",
+        "WITH u AS (INSERT INTO bench_floor_latest AS q (k, task_id, payload, due_at) "
+        "VALUES ($1, $2, $3, now() + make_interval(secs => $4)) ON CONFLICT (k) DO "
+        "UPDATE SET task_id = EXCLUDED.task_id, payload = EXCLUDED.payload, "
+        "carrier = coalesce(q.carrier, q.task_id), due_at = EXCLUDED.due_at "
         f"RETURNING q.carrier IS NULL AS new), {_ASYNC} SELECT new FROM u, s",
     ),
     "floor_latest_start": (
         "text, text",
         "WITH h AS (UPDATE bench_floor_latest q SET carrier = NULL "
-        "WHERE q.k = $1 AND q.carrier = $2 RETURNING q.task_id, q.payload), "
+        "WHERE q.k = $1 AND q.carrier = $2 RETURNING q.task_id, q.payload, "
+        "greatest(0, extract(epoch FROM q.due_at - now()))::float8 AS wait), "
         "l AS MATERIALIZED (SELECT pg_advisory_lock(hashtext($1)) "
         "WHERE NOT EXISTS (SELECT 1 FROM h)), "
         "d AS (DELETE FROM bench_floor_latest q WHERE EXISTS (SELECT 1 FROM l) "
         "AND q.k = $1 AND q.task_id = $2 AND q.carrier IS NULL RETURNING 1), "
-        f"{_ASYNC} SELECT h.task_id, h.payload FROM s LEFT JOIN h ON true",
+        f"{_ASYNC} SELECT h.task_id, h.payload, h.wait FROM s LEFT JOIN h ON true",
     ),
     "floor_unlock": ("text", "SELECT pg_advisory_unlock(hashtext($1))"),
     "floor_period": (
@@ -313,27 +319,44 @@ FLOOR_REPLACED: list[str] = []
 class _PublishesLatest(app.Task):  # type: ignore[name-defined, misc]
     """Writes the send into its key's row (one round trip), as latest wins does."""
 
+    quiet: float | None = (
+        None  #: Debounce's quiet time (s): the first send's countdown.
+    )
+
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         task_id = options.setdefault("task_id", str(uuid.uuid4()))
         payload = json.dumps([list(args or ()), kwargs or {}]).encode()
         with raw_connection().cursor() as cursor:
-            if not _floor(cursor, "floor_latest_publish", args[0], task_id, payload)[0]:
+            publish = "floor_latest_publish"
+            if not _floor(cursor, publish, args[0], task_id, payload, self.quiet)[0]:
                 FLOOR_REPLACED.append(args[0])
                 return None  # written into the key's row: published by its carrier
-        return super().apply_async(args, kwargs, **options)
+        return super().apply_async(args, kwargs, countdown=self.quiet, **options)
+
+
+def _latest_row(task: Any, key: str, body: float) -> None:
+    with raw_connection().cursor() as cursor:
+        latest, payload, wait = _floor(
+            cursor, "floor_latest_start", key, task.request.id
+        )
+        if latest is not None:  # a carrier: its key's latest send goes out as its own
+            args, kwargs = json.loads(bytes(payload))
+            queue: str = (task.request.delivery_info or {})["routing_key"]
+            due = {"countdown": wait} if wait else {}  # debounce: when the row is due
+            app.Task.apply_async(task, args, kwargs, task_id=latest, queue=queue, **due)
+            return
+        _body(body)
+        _floor(cursor, "floor_unlock", key)
 
 
 @app.task(name=PLAIN_LATEST_ROW, base=_PublishesLatest, bind=True)
 def plain_latest_row(self: Any, key: str, body: float = 0.0) -> None:
-    with raw_connection().cursor() as cursor:
-        latest, payload = _floor(cursor, "floor_latest_start", key, self.request.id)
-        if latest is not None:  # a carrier: its key's latest send goes out as its own
-            args, kwargs = json.loads(bytes(payload))
-            queue: str = (self.request.delivery_info or {})["routing_key"]
-            app.Task.apply_async(self, args, kwargs, task_id=latest, queue=queue)
-            return
-        _body(body)
-        _floor(cursor, "floor_unlock", key)
+    _latest_row(self, key, body)
+
+
+@app.task(name=PLAIN_DEBOUNCED_ROW, base=_PublishesLatest, bind=True, quiet=DEBOUNCE)
+def plain_debounced_row(self: Any, key: str, body: float = 0.0) -> None:
+    _latest_row(self, key, body)
 
 
 @app.task(name=PLAIN_GROUP_SLOT)

@@ -142,7 +142,10 @@ class Bench:
         """Publish ``count`` messages; (queued, dropped at publish)."""
         task = self.app.tasks[contender.task]
         rng = random.Random(self.run_id)  # noqa: S311 - test data
-        if contender.task == bench_app.PLAIN_LATEST_ROW:  # latest wins' floor
+        if contender.task in (
+            bench_app.PLAIN_LATEST_ROW,
+            bench_app.PLAIN_DEBOUNCED_ROW,
+        ):
             bench_app.FLOOR_REPLACED.clear()
             queued, dropped = self._publish(
                 task, workload, count, queue, rng, bench_app.FLOOR_REPLACED
@@ -348,6 +351,7 @@ class Bench:
             elif contender.task in (
                 *bench_app.QUEUED_FLOOR_TABLES,
                 bench_app.PLAIN_LATEST_ROW,
+                bench_app.PLAIN_DEBOUNCED_ROW,
             ):
                 bench_app.raw_connection()
             elif contender.enqueue:

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 from contenders import (
     BASELINE_ROW,
     CONTENDERS,
+    DEBOUNCE_FLOOR,
+    DEBOUNCE_ROW,
     ENQUEUE_ROWS,
     LATEST_FLOOR,
     LATEST_ROW,
@@ -266,6 +268,9 @@ def issue34_verdicts(
     for workload in ("one hot key", "per-tenant mix", "distinct keys"):
         checks += _against_floor(
             samples, LATEST_ROW, LATEST_FLOOR, workload, 1.10, "the latest row by hand"
+        )
+        checks += _against_floor(
+            samples, DEBOUNCE_ROW, DEBOUNCE_FLOOR, workload, 1.10, "the same, debounced"
         )
     return checks
 

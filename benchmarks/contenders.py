@@ -56,7 +56,11 @@ GROUP_FLOOR = "plain + key and group slot by hand (floor)"
 #: Latest wins' floor (issue 34), drained on every keyed workload as its row is: the
 #: upsert at publish, the hand-over or the key and the row's delete at start, the unlock.
 LATEST_FLOOR = "plain + latest row by hand (floor)"
-FLOORS = (ROW_FLOOR, UNLOGGED_ROW_FLOOR, PERIOD_FLOOR, GROUP_FLOOR, LATEST_FLOOR)
+DEBOUNCE_FLOOR = "plain + debounced row by hand (floor)"  #: the same with a due time
+FLOORS = (
+    *(ROW_FLOOR, UNLOGGED_ROW_FLOOR, PERIOD_FLOOR, GROUP_FLOOR),
+    *(LATEST_FLOOR, DEBOUNCE_FLOOR),
+)
 DISTINCT_ONLY = (
     *(LIMIT_ROW, PERIOD_ROW, RATE_ROW, GROUP_ROW, HISTORY_ROW),
     *(ROW_FLOOR, UNLOGGED_ROW_FLOOR, PERIOD_FLOOR, GROUP_FLOOR),
@@ -69,6 +73,7 @@ CONTENDERS = {
     PERIOD_FLOOR: Contender("plain", bench_app.PLAIN_PERIOD_WRITE),
     GROUP_FLOOR: Contender("plain", bench_app.PLAIN_GROUP_SLOT),
     LATEST_FLOOR: Contender("plain", bench_app.PLAIN_LATEST_ROW),
+    DEBOUNCE_FLOOR: Contender("plain", bench_app.PLAIN_DEBOUNCED_ROW),
     "SingletonTask session": Contender("pglock", bench_app.SESSION),
     "SingletonTask transaction": Contender("pglock", bench_app.TRANSACTION),
     SKIP_SUCCESS_ROW: Contender("pglock", bench_app.SKIP_SUCCESS),
