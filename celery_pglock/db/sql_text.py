@@ -233,7 +233,7 @@ def try_with_companion(*, arity: int, named: bool, run: bool) -> str:
 
 def array_literal(items: Iterable[object]) -> str:
     """An array parameter as one literal of numbers or booleans ("t", "f"): psycopg2
-    adapts a list item by item, which cost a lock_limit=3 try 60 k instructions."""
+    adapts a list item by item (benchmarks/README.md, lock_limit's slots)."""
     return "{" + ",".join(map(str, items)) + "}"
 
 
