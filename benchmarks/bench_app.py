@@ -319,9 +319,8 @@ FLOOR_REPLACED: list[str] = []
 class _PublishesLatest(app.Task):  # type: ignore[name-defined, misc]
     """Writes the send into its key's row (one round trip), as latest wins does."""
 
-    quiet: float | None = (
-        None  #: Debounce's quiet time (s): the first send's countdown.
-    )
+    #: Debounce's quiet time (s): the first send's countdown, and each send's push.
+    quiet: float | None = None
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         task_id = options.setdefault("task_id", str(uuid.uuid4()))

@@ -416,7 +416,8 @@ def on_kept(engine: sa.Engine, bound: float, work: Callable[[Any], _T]) -> _T:
         fresh = _Kept(engine)
         kept = _kept.setdefault(engine, fresh)
         if kept is not fresh:  # a racing thread's (a row writer's) came first
-            with contextlib.suppress(Exception):  # left to the GC, psycopg 3 warns
+            # Closed now: psycopg 3 warns of an open connection the GC deletes.
+            with contextlib.suppress(Exception):
                 fresh.dbapi.close()
     if not kept.busy.acquire(blocking=False):
         with autocommit_cursor(engine, bound) as cursor:

@@ -198,7 +198,7 @@ class AdvisoryLock:
         return self._hold is not None
 
     @property
-    def companion(self) -> bool | None:
+    def companion_taken(self) -> bool | None:
         """While held: True if one of ``companions`` was taken with the key, False if
         none was free, None if they were not tried (the session could not)."""
         hold = self._hold

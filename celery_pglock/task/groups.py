@@ -56,7 +56,7 @@ def take(
     ``execution.group_lock``); else the group's lock, every slot taken, and the key
     released unless shadowed. Only lock_on_busy='wait' waits, within one budget,
     lock_wait_timeout, with the key's."""
-    taken = key_lock.companion
+    taken = key_lock.companion_taken
     if taken:
         return None  # in the key's statement; released with the key
     key = group_key(options.namespace, options.group or "")  # set: a lock_group run

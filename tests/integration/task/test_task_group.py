@@ -127,7 +127,7 @@ def test_the_slot_is_taken_in_the_keys_statement_and_released_with_it(
 
     def export(tenant):
         execution = runs.current.get()
-        seen.append((execution.lock.companion, execution.group_lock is None))
+        seen.append((execution.lock.companion_taken, execution.group_lock is None))
         seen.append(held_slots(task))
         return tenant
 
