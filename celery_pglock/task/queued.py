@@ -263,13 +263,16 @@ def _claim(
     cursor: Any,
 ) -> tuple[Any, ...]:
     if first is not None:
-        cursor.execute(sql_text.prepared(cursor.connection, cursor, *first), params)
+        first_execute = sql_text.prepared(cursor.connection, cursor, *first)
+        cursor.execute(*sql_text.inline(first_execute, params))
         row = cursor.fetchone()
         if row is not None:
             return tuple(row)
-    execute = sql_text.prepared(cursor.connection, cursor, *statement)
+    execute = sql_text.inline(
+        sql_text.prepared(cursor.connection, cursor, *statement), params
+    )
     for _ in range(CLAIM_TRIES):
-        cursor.execute(execute, params)
+        cursor.execute(*execute)
         row = cursor.fetchone()
         if row is not None and row[0] != "retry":
             return tuple(row)
