@@ -62,6 +62,8 @@ def replaced_by(task, task_id):
 
 
 def execute(app, sql, *params):
+    # The batched publish confirmations first: one written after ``sql`` could undo it.
+    queued.drain_writers()
     with (
         engines.autocommit(current_engine(app)) as dbapi,
         dbapi.cursor() as cursor,
