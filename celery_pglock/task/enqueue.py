@@ -75,9 +75,11 @@ def publish(
             more=replacing.pack(task, args, kwargs, {**options, "headers": headers})
             if replace
             else None,
-            first=(replacing.UPSERT_NAME, replacing.UPSERT)
-            if replace and not retry
-            else None,
+            first=None
+            if retry
+            else (replacing.UPSERT_NAME, replacing.UPSERT)
+            if replace
+            else (queued.FIRST_NAME, queued.FIRST),
         )
     except exceptions.DatabaseError as error:
         # A retry is published anyway: refused, Celery's retry() would Reject it.

@@ -101,7 +101,8 @@ def test_until_finished_publishes_once_until_the_run_ends(app, published):
 
 def test_the_publish_statement_is_planned_once_per_connection(app, published):
     """Each send reuses one prepared statement on the claim's kept connection instead
-    of planning CLAIM anew (both drivers bind on the client)."""
+    of planning it anew (both drivers bind on the client): the lean FIRST for new keys
+    and fresh duplicates, CLAIM only for a row FIRST leaves to it."""
     task = make(
         app,
         "planned",
@@ -111,7 +112,7 @@ def test_the_publish_statement_is_planned_once_per_connection(app, published):
     )
     engine = current_engine(app)
 
-    def prepared():
+    def executions():
         queued.drain_writers()  # the confirmations, on the same kept connection
         kept = engines._kept[engine]
         with kept.busy:
@@ -119,16 +120,29 @@ def test_the_publish_statement_is_planned_once_per_connection(app, published):
                 "SELECT name, generic_plans + custom_plans FROM pg_prepared_statements "
                 "WHERE name LIKE 'celery_pglock_claim%'"
             )
-            return kept.cursor.fetchall()
+            return dict(kept.cursor.fetchall())
 
     task.delay(-1)  # the table, the connection
-    before = prepared()
+    before = executions()
     sends = 8
     for tenant in range(sends):
         task.delay(tenant)
         queued.drain_writers()  # never busy with a confirmation at the next send
+    assert task.delay(0).id != published[-1]  # a duplicate of a fresh row
     assert 1 + sends == len(published)
-    assert [(queued.CLAIM_NAME, before[0][1] + sends)] == prepared()
+    after = executions()
+    assert before[queued.FIRST_NAME] + sends + 1 == after[queued.FIRST_NAME]
+    assert before.get(queued.CLAIM_NAME) == after.get(queued.CLAIM_NAME)
+    # A stale row whose message is gone: FIRST leaves it to CLAIM, which takes it over.
+    with engines.autocommit_cursor(engine, 5.0) as cursor:
+        cursor.execute(
+            "UPDATE celery_pglock_queued SET stale_at = now() - interval '1 s' "
+            "WHERE (classid, objid, objsubid) = (%s, %s, %s)",
+            task.lock_key_for(1).pg_locks_ids,
+        )
+    task.delay(1)
+    assert 2 + sends == len(published)
+    assert 1 == executions()[queued.CLAIM_NAME] - (after.get(queued.CLAIM_NAME) or 0)
 
 
 def test_a_connection_reset_by_discard_all_prepares_the_claim_again(app, published):
