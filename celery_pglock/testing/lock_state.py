@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+from celery_pglock.db import engines
 from celery_pglock.lock import sessions
 from celery_pglock.watch import loss_watcher
 
@@ -57,3 +58,10 @@ def holding_connection(lock: AdvisoryLock) -> Any:
     if hold is None:
         raise AssertionError(f"{lock!r} is not held")
     return hold.connection
+
+
+def kept_connection(engine: sa.Engine) -> Any:
+    """``engine``'s kept connection (lock_enqueue's claims, engines.on_kept), or None until
+    a send opens it: its ``cursor``, its ``dbapi`` connection and its ``busy`` lock (held:
+    sends take a pooled connection instead)."""
+    return engines._kept.get(engine)

@@ -19,6 +19,7 @@ import warnings
 from celery_pglock.db import engines, row_writer, server_probe
 from celery_pglock.fencing import tokens as fencing_tokens
 from celery_pglock.task import queued, runs
+from celery_pglock.testing import lock_state
 from tests.integration.task_support import current_engine, define
 
 CHILD_DEADLINE = 20.0  #: Seconds; each operation takes well under one.
@@ -134,18 +135,21 @@ def test_the_row_writers_guard_is_free_in_a_forked_child(app):
 
 
 def test_a_forked_child_sends_on_its_own_claim_connection(app):
-    """engines._kept: a child forked while another thread's claim uses the kept connection
-    sends on one of its own; the parent's kept connection still answers afterwards."""
+    """A child forked while another thread's claim uses the kept claim connection sends
+    on one of its own; the parent's kept connection still answers afterwards."""
     task = define(app, _fork_sent, lock_args=("tenant",), lock_enqueue="until_finished")
     first = task.delay(1)
-    kept = engines._kept[current_engine(task.app)]
+    kept = lock_state.kept_connection(current_engine(task.app))
 
     def work():
-        return task.delay(2).id and engines._kept[current_engine(app)] is not kept
+        return (
+            task.delay(2).id
+            and lock_state.kept_connection(current_engine(app)) is not kept
+        )
 
     assert "ok" == in_forked_child(kept.busy, work)
     assert first.id == task.delay(1).id  # a duplicate, told on the same connection
-    assert engines._kept[current_engine(task.app)] is kept
+    assert lock_state.kept_connection(current_engine(task.app)) is kept
 
 
 def _fork_sent(tenant):

@@ -24,6 +24,7 @@ from celery_pglock import (
 from celery_pglock.db import engines, sql_text
 from celery_pglock.lock import rider
 from celery_pglock.task import enqueue, queued
+from celery_pglock.testing import lock_state
 from tests.integration.task_support import current_engine, define, hold
 
 
@@ -114,7 +115,7 @@ def test_the_publish_statement_is_planned_once_per_connection(app, published):
 
     def executions():
         queued.drain_writers()  # the confirmations, on the same kept connection
-        kept = engines._kept[engine]
+        kept = lock_state.kept_connection(engine)
         with kept.busy:
             kept.cursor.execute(
                 "SELECT name, generic_plans + custom_plans FROM pg_prepared_statements "
@@ -165,7 +166,9 @@ def test_a_connection_reset_by_discard_all_prepares_the_claim_again(app, publish
     queued.drain_writers()  # earlier tests' row changes: none may open a second
     engine.dispose()  # a pool of one: the send, the run and the send share it
     task.delay(0)  # the claim's kept connection, out of the pool
-    with engines._kept[engine].busy:  # another thread's claim: sends take the pool
+    with lock_state.kept_connection(
+        engine
+    ).busy:  # another thread's claim: sends take the pool
         task.delay(1)
         queued.drain_writers()  # its confirmation, on the same pooled connection
         resets.apply().get()
@@ -188,14 +191,14 @@ def test_a_send_after_its_claim_connection_was_closed_checks_again(
     )
     engine = current_engine(app)
     task.delay(1)
-    kept = engines._kept[engine]
+    kept = lock_state.kept_connection(engine)
     kept.cursor.execute("SELECT pg_backend_pid()")
     (pid,) = kept.cursor.fetchone()
     with engines.autocommit(engine) as dbapi, dbapi.cursor() as cursor:
         cursor.execute("SELECT pg_terminate_backend(%s)", (pid,))
     task.delay(2)
     assert 2 == len(published)
-    assert engines._kept[engine] is not kept
+    assert lock_state.kept_connection(engine) is not kept
     assert [] == [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
 
 
@@ -585,9 +588,9 @@ def test_dispose_closes_the_claim_connection(app, published):
     engine = current_engine(app)
     task.delay(1)
     queued.drain_writers()
-    kept = engines._kept[engine]
+    kept = lock_state.kept_connection(engine)
     engine.dispose()
     assert kept.dbapi.closed
     task.delay(2)
-    assert engines._kept[engine] is not kept
+    assert lock_state.kept_connection(engine) is not kept
     assert 2 == len(published)

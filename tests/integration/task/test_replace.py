@@ -15,6 +15,7 @@ from celery import signals as celery_signals
 from celery_pglock import AdvisoryLock, ConfigurationError, TaskReplaced, keys
 from celery_pglock.db import engines
 from celery_pglock.task import queued, replacing, replacing_sweep
+from celery_pglock.testing import lock_state
 from tests.integration.task.test_enqueue import deliver, rows
 from tests.integration.task_support import current_engine, define, hold, trace_delivery
 
@@ -333,7 +334,7 @@ def test_a_send_takes_one_statement_and_only_the_rare_cases_take_the_full_claim(
     engine = current_engine(app)
 
     def executions():
-        kept = engines._kept[engine]
+        kept = lock_state.kept_connection(engine)
         with kept.busy:
             kept.cursor.execute(
                 "SELECT name, generic_plans + custom_plans FROM pg_prepared_statements "
