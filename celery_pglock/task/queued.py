@@ -56,15 +56,18 @@ GRANT = (
 _ROW = "(q.classid, q.objid, q.objsubid) = (%(c)s::oid, %(o)s::oid, %(s)s::smallint)"
 _STALE_AT = "now() + make_interval(secs => %(stale)s)"
 
-#: Take the key's row or name its owner, in one statement (docs/guide/enqueue.md, How it
-#: works; the run lock's probe is an xact lock). No row (or 'retry'): sent again.
-CLAIM = f"""
-WITH ins AS (
+#: A new key's row (CLAIM's and FIRST's first CTE): nothing if the key has one.
+_NEW_ROW = f"""ins AS (
   INSERT INTO celery_pglock_queued AS q
     (classid, objid, objsubid, task_id, task_name, run_objid, mode, stale_at)
   VALUES (%(c)s::oid, %(o)s::oid, %(s)s::smallint, %(id)s, %(name)s, %(run)s, %(mode)s,
           {_STALE_AT})
-  ON CONFLICT (classid, objid, objsubid) DO NOTHING RETURNING q.task_id),
+  ON CONFLICT (classid, objid, objsubid) DO NOTHING RETURNING q.task_id)"""
+
+#: Take the key's row or name its owner, in one statement (docs/guide/enqueue.md, How it
+#: works; the run lock's probe is an xact lock). No row (or 'retry'): sent again.
+CLAIM = f"""
+WITH {_NEW_ROW},
 old AS MATERIALIZED (
   SELECT q.task_id, %(force)s OR CASE WHEN q.stale_at < now()
     THEN pg_try_advisory_xact_lock({keys.RUN_NAMESPACE}, q.run_objid) END AS free
@@ -87,12 +90,7 @@ SELECT r.* FROM (
 #: is gone, or one committed after this statement's snapshot): CLAIM decides. Fewer plan
 #: nodes than CLAIM's: less server CPU per send (benchmarks/README.md, "A lean claim").
 FIRST = f"""
-WITH ins AS (
-  INSERT INTO celery_pglock_queued AS q
-    (classid, objid, objsubid, task_id, task_name, run_objid, mode, stale_at)
-  VALUES (%(c)s::oid, %(o)s::oid, %(s)s::smallint, %(id)s, %(name)s, %(run)s, %(mode)s,
-          {_STALE_AT})
-  ON CONFLICT (classid, objid, objsubid) DO NOTHING RETURNING q.task_id),
+WITH {_NEW_ROW},
 sync AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true))
 SELECT r.* FROM (
   SELECT 'new' AS outcome, task_id FROM ins
