@@ -169,6 +169,7 @@ SQL_OBJECTS = {
     "celery_pglock_replaced",
     # Prepared statements: each name and a hash of its text (sql_text.versioned).
     "celery_pglock_claim_",
+    "celery_pglock_claim_first_",
     "celery_pglock_s",  # the lock session's: celery_pglock_s + a hash
     "celery_pglock_period_",
 }
