@@ -47,6 +47,8 @@ PUBLISH_CASES = {
     "until_finished": "delay(), until_finished, new key",
     "until_finished duplicate": "delay(), until_finished, duplicate",
     "until_started": "delay(), until_started, new key",
+    "replace": "delay(), replace, new key",
+    "replace duplicate": "delay(), replace, replacing",
     "celery-once": "delay(), celery-once, new key",
     "celery-once duplicate": "delay(), celery-once, duplicate",
 }
@@ -116,6 +118,7 @@ def publish_child(case: str, calls: int) -> None:
                 "plain": bench_app.PLAIN,
                 "until_finished": bench_app.UNTIL_FINISHED,
                 "until_started": bench_app.UNTIL_STARTED,
+                "replace": bench_app.LATEST,
                 "celery-once": bench_app.ONCE,
             }[name]
         ]
