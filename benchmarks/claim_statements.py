@@ -12,10 +12,12 @@ at the end. Services as in compare.py (:func:`celery_pglock.testing.start_servic
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -24,6 +26,9 @@ from celery_pglock.db import engines, sql_text
 from celery_pglock.task import queued
 from celery_pglock.testing import start_services
 
+if TYPE_CHECKING:
+    from celery_pglock.db.own_tables import OwnTable
+
 FORMS = {
     "CLAIM": (queued.CLAIM_NAME, queued.CLAIM),
     "FIRST": (queued.FIRST_NAME, queued.FIRST),
@@ -31,22 +36,89 @@ FORMS = {
 TASK_NAME = "bench.claim_statements"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+Send = Callable[[str, dict[str, Any]], None]
+#: (form, case, repetition, index) -> the params of one send.
+Params = Callable[[str, str, int, int], dict[str, Any]]
+
+
+def measure(
+    send: Send,
+    backend: psutil.Process,
+    forms: Iterable[str],
+    cases: Iterable[str],
+    params: Params,
+    sends: int,
+    reps: int,
+) -> dict[str, list[tuple[float, float]]]:
+    """(server, client) µs per send of each "form, case", the forms interleaved."""
+    results: dict[str, list[tuple[float, float]]] = {}
+    for rep in range(reps):
+        for case in cases:
+            for form in forms:
+                values = [params(form, case, rep, i) for i in range(sends)]
+                send(form, values[0])  # prepared before the timing
+                server0, client0 = backend.cpu_times(), time.thread_time()
+                for one in values:
+                    send(form, one)
+                server1, client1 = backend.cpu_times(), time.thread_time()
+                server = (server1.user + server1.system) - (
+                    server0.user + server0.system
+                )
+                results.setdefault(f"{form}, {case}", []).append(
+                    (server * 1e6 / sends, (client1 - client0) * 1e6 / sends)
+                )
+    return results
+
+
+def report(
+    results: dict[str, list[tuple[float, float]]], sends: int, reps: int
+) -> None:
+    print(f"{sends} sends x {reps} interleaved repetitions; µs per send")
+    width = max(len(label) for label in results)
+    print(
+        f"{'statement':<{width}} {'server mean':>11} {'median':>7} {'client mean':>11}"
+    )
+    for label, samples in results.items():
+        server = [s for s, _ in samples]
+        client = [c for _, c in samples]
+        print(
+            f"{label:<{width}} {statistics.mean(server):>11.1f} "
+            f"{statistics.median(server):>7.1f} {statistics.mean(client):>11.1f}"
+        )
+
+
+def arguments(description: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--sends", type=int, default=4000)
     parser.add_argument("--reps", type=int, default=5)
-    args = parser.parse_args()
-    run = uuid.uuid4().hex[:8]
+    return parser.parse_args()
+
+
+@contextlib.contextmanager
+def connection(table: OwnTable) -> Iterator[tuple[Any, Any, psutil.Process]]:
+    """An autocommit DBAPI connection to the services' database, with ``table`` made:
+    (connection, its cursor, its backend's process)."""
     with start_services() as services:
         engine = engines.create_engine(services.database_url)
-        queued.TABLE.ensure(engine, 5.0)
+        table.ensure(engine, 5.0)
         dbapi: Any = engine.raw_connection().dbapi_connection
         dbapi.autocommit = True
         cursor = dbapi.cursor()
         cursor.execute(sql_text.BACKEND_PID)
-        backend = psutil.Process(cursor.fetchone()[0])
+        try:
+            yield dbapi, cursor, psutil.Process(cursor.fetchone()[0])
+        finally:
+            dbapi.close()
+            engine.dispose()
 
-        def params(material: str) -> dict[str, Any]:
+
+def main() -> int:
+    args = arguments(__doc__.split("\n", 1)[0])
+    run = uuid.uuid4().hex[:8]
+    with connection(queued.TABLE) as (dbapi, cursor, backend):
+
+        def params(form: str, case: str, rep: int, i: int) -> dict[str, Any]:
+            material = f"{form}-{rep}-{i}" if case == "new key" else case
             task_id = str(uuid.uuid4())
             key = keys.make_key("bench-claim", run, material)
             return {
@@ -63,43 +135,20 @@ def main() -> int:
             cursor.execute(*sql_text.inline(execute, values))
             cursor.fetchone()
 
-        send("CLAIM", params("duplicate"))  # the duplicates' row
-        results: dict[str, list[tuple[float, float]]] = {}
-        for rep in range(args.reps):
-            for case in ("new key", "duplicate"):
-                for form in FORMS:
-                    sends = [
-                        params(f"{form}-{rep}-{i}" if case == "new key" else case)
-                        for i in range(args.sends)
-                    ]
-                    send(form, sends[0])  # prepared before the timing
-                    server0, client0 = backend.cpu_times(), time.thread_time()
-                    for values in sends:
-                        send(form, values)
-                    server1, client1 = backend.cpu_times(), time.thread_time()
-                    server = (server1.user + server1.system) - (
-                        server0.user + server0.system
-                    )
-                    results.setdefault(f"{form}, {case}", []).append(
-                        (
-                            server * 1e6 / args.sends,
-                            (client1 - client0) * 1e6 / args.sends,
-                        )
-                    )
+        send("CLAIM", params("", "duplicate", 0, 0))  # the duplicates' row
+        results = measure(
+            send,
+            backend,
+            FORMS,
+            ("new key", "duplicate"),
+            params,
+            args.sends,
+            args.reps,
+        )
         cursor.execute(
             "DELETE FROM celery_pglock_queued WHERE task_name = %s", (TASK_NAME,)
         )
-        dbapi.close()
-        engine.dispose()
-    print(f"{args.sends} sends x {args.reps} interleaved repetitions; µs per send")
-    print(f"{'statement':<20} {'server mean':>11} {'median':>7} {'client mean':>11}")
-    for label, samples in results.items():
-        server = [s for s, _ in samples]
-        client = [c for _, c in samples]
-        print(
-            f"{label:<20} {statistics.mean(server):>11.1f} "
-            f"{statistics.median(server):>7.1f} {statistics.mean(client):>11.1f}"
-        )
+    report(results, args.sends, args.reps)
     return 0
 
 
