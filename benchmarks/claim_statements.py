@@ -16,7 +16,7 @@ import contextlib
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -37,25 +37,29 @@ TASK_NAME = "bench.claim_statements"
 
 
 Send = Callable[[str, dict[str, Any]], None]
-#: (form, case, repetition, index) -> the params of one send.
-Params = Callable[[str, str, int, int], dict[str, Any]]
+#: The key's material -> the params of one send.
+Params = Callable[[str], dict[str, Any]]
 
 
 def measure(
     send: Send,
     backend: psutil.Process,
-    forms: Iterable[str],
-    cases: Iterable[str],
+    forms: Collection[str],
+    cases: Collection[str],
     params: Params,
     sends: int,
     reps: int,
 ) -> dict[str, list[tuple[float, float]]]:
-    """(server, client) µs per send of each "form, case", the forms interleaved."""
+    """(server, client) µs per send of each "form, case", the forms interleaved. The
+    case "new key" sends a key of its own each time; any other, the key named by it."""
     results: dict[str, list[tuple[float, float]]] = {}
     for rep in range(reps):
         for case in cases:
             for form in forms:
-                values = [params(form, case, rep, i) for i in range(sends)]
+                values = [
+                    params(f"{form}-{rep}-{i}" if case == "new key" else case)
+                    for i in range(sends)
+                ]
                 send(form, values[0])  # prepared before the timing
                 server0, client0 = backend.cpu_times(), time.thread_time()
                 for one in values:
@@ -117,8 +121,7 @@ def main() -> int:
     run = uuid.uuid4().hex[:8]
     with connection(queued.TABLE) as (dbapi, cursor, backend):
 
-        def params(form: str, case: str, rep: int, i: int) -> dict[str, Any]:
-            material = f"{form}-{rep}-{i}" if case == "new key" else case
+        def params(material: str) -> dict[str, Any]:
             task_id = str(uuid.uuid4())
             key = keys.make_key("bench-claim", run, material)
             return {
@@ -135,7 +138,7 @@ def main() -> int:
             cursor.execute(*sql_text.inline(execute, values))
             cursor.fetchone()
 
-        send("CLAIM", params("", "duplicate", 0, 0))  # the duplicates' row
+        send("CLAIM", params("duplicate"))  # the duplicates' row
         results = measure(
             send,
             backend,

@@ -68,8 +68,7 @@ def main() -> int:
     run = uuid.uuid4().hex[:8]
     with connection(periods.TABLE) as (dbapi, cursor, backend):
 
-        def params(form: str, case: str, rep: int, i: int) -> dict[str, Any]:
-            material = f"{form}-{rep}-{i}" if case == "new key" else case
+        def params(material: str) -> dict[str, Any]:
             key = keys.make_key("bench-period", run, material)
             return {
                 **identity.key_params(key),
