@@ -322,10 +322,15 @@ def _arguments(execute: str) -> tuple[str, tuple[str | int, ...]] | None:
     return head + "(", tuple(m or i for i, m in enumerate(found))
 
 
+def _plain(text: str) -> bool:
+    # No quote or backslash to escape; no % for the driver to read as a placeholder.
+    return "'" not in text and "\\" not in text and "%" not in text
+
+
 def inline(execute: str, params: Any) -> tuple[str, Any]:
-    """``execute`` and ``params`` with the ints, finite floats, booleans and NULLs written
-    into the text as psycopg2 writes them, the rest left as ``%s``: the driver adapts a
-    param in about a microsecond, more than the statement's other client work
+    """``execute`` and ``params`` with the ints, finite floats, booleans, NULLs, bytea and
+    plain text written into the text, the rest left as ``%s``: the driver adapts a param
+    in about a microsecond, more than the statement's other client work
     (benchmarks/README.md, "Params written as literals")."""
     template = _arguments(execute) if params else None
     if template is None:
@@ -344,6 +349,11 @@ def inline(execute: str, params: Any) -> tuple[str, Any]:
             written.append("true" if value else "false")
         elif kind is float and math.isfinite(value):
             written.append(repr(value))
+        elif kind is str and value.isascii() and value.isprintable() and _plain(value):
+            written.append(f"'{value}'")  # the driver's quoting of it, byte for byte
+        elif kind is bytes:
+            # Not '\x..'::bytea: standard_conforming_strings off reads its backslash.
+            written.append(f"decode('{value.hex()}', 'hex')")
         else:
             written.append("%s")
             rest.append(value)

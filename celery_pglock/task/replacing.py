@@ -92,7 +92,7 @@ ON CONFLICT (classid, objid, objsubid) DO UPDATE SET task_id = %(id)s,
 WHERE q.started_at IS NULL AND q.stale_at >= now()
   AND coalesce(q.carrier, q.task_id) <> %(id)s
 RETURNING CASE WHEN q.previous IS NULL THEN 'new' ELSE 'replaced' END,
-  coalesce(q.previous, q.task_id), NULL::bytea, NULL::text, NULL::float8
+  coalesce(q.previous, q.task_id)
 """
 UPSERT_NAME = sql_text.versioned("celery_pglock_replace_first", UPSERT)
 
@@ -194,17 +194,19 @@ LOOKUP = (
     "extract(epoch FROM seen_at)::float8 FROM celery_pglock_replaced WHERE task_id = %s"
 )
 #: The publish options a replacing send keeps for its message (countdown: as an eta).
-_KEPT = (
-    "exchange",
-    "routing_key",
-    "priority",
-    "headers",
-    "expires",
-    "eta",
-    "time_limit",
-    "soft_time_limit",
-    "ignore_result",
-    "shadow",
+_KEPT = frozenset(
+    (
+        "exchange",
+        "routing_key",
+        "priority",
+        "headers",
+        "expires",
+        "eta",
+        "time_limit",
+        "soft_time_limit",
+        "ignore_result",
+        "shadow",
+    )
 )
 
 
@@ -214,15 +216,20 @@ def pack(
     """A send's arguments and publish options, serialized by the task's serializer, as
     CLAIM's ``payload`` params (the row keeps them until its message is published), and
     its debounce params."""
-    kept = {name: options[name] for name in _KEPT if options.get(name) is not None}
-    now = datetime.datetime.now(datetime.timezone.utc)
+    kept = {
+        name: value
+        for name, value in options.items()
+        if name in _KEPT and value is not None
+    }
     if options.get("countdown") is not None:
-        kept["eta"] = now + datetime.timedelta(seconds=float(options["countdown"]))
+        kept["eta"] = float(options["countdown"])
     for name in ("eta", "expires"):
-        if isinstance(kept.get(name), (int, float)):  # expires in seconds from now
-            kept[name] = now + datetime.timedelta(seconds=float(kept[name]))
-        if isinstance(kept.get(name), datetime.datetime):
-            kept[name] = kept[name].isoformat()
+        when = kept.get(name)
+        if isinstance(when, (int, float)):  # a countdown, or expires in seconds
+            now = datetime.datetime.now(datetime.timezone.utc)
+            when = now + datetime.timedelta(seconds=float(when))
+        if isinstance(when, datetime.datetime):
+            kept[name] = when.isoformat()
     queue = options.get("queue")
     if queue is not None:
         kept["queue"] = queue if isinstance(queue, str) else queue.name

@@ -36,10 +36,12 @@ ROWS = st.fixed_dictionaries(
 )
 
 
-@pytest.fixture
-def cursor(database_url: str) -> Any:
+@pytest.fixture(params=["on", "off"])
+def cursor(database_url: str, request: pytest.FixtureRequest) -> Any:
     engine = engines.create_engine(database_url)  # the driver's cursor as the lock's
     with engines.autocommit_cursor(engine, 5.0) as cursor:
+        # Off: a backslash in a plain literal is an escape (a role or server may say so).
+        cursor.execute("SET standard_conforming_strings = " + request.param)
         yield cursor
     engine.dispose()
 
@@ -72,3 +74,9 @@ def test_only_an_execute_of_placeholders_is_rewritten() -> None:
         "EXECUTE x(%s, %s, %s, %s, %s, %s)", (1, -2, None, True, 0.5, "it's")
     )
     assert ("EXECUTE x(7)", None) == sql_text.inline("EXECUTE x(%(n)s)", {"n": 7})
+    # Plain ASCII text and bytes are written too; text to escape is the driver's.
+    assert ("EXECUTE x('a.b-1', decode('00ff', 'hex'))", None) == sql_text.inline(
+        "EXECUTE x(%s, %s)", ("a.b-1", b"\x00\xff")
+    )
+    for kept in ("it's", "a\\b", "100%", "é", "a\nb", "\x00"):
+        assert ("EXECUTE x(%s)", (kept,)) == sql_text.inline("EXECUTE x(%s)", (kept,))
