@@ -195,7 +195,7 @@ def start(
     def record(dbapi: Any, cursor: Any) -> tuple[Any, ...]:
         try:
             statement = sql_text.prepared(dbapi, cursor, START_NAME, _START)
-            cursor.execute(*sql_text.inline(statement, params))
+            sql_text.run(cursor, *sql_text.inline(statement, params))
         except Exception as exc:
             if driver_errors.sqlstate(exc) not in (
                 sql_text.UNDEFINED_TABLE,

@@ -283,7 +283,7 @@ def _claim(
 ) -> tuple[Any, ...]:
     if first is not None:
         first_execute = sql_text.prepared(cursor.connection, cursor, *first)
-        cursor.execute(*sql_text.inline(first_execute, params))
+        sql_text.run(cursor, *sql_text.inline(first_execute, params))
         row = cursor.fetchone()
         if row is not None:
             return tuple(row)
@@ -291,7 +291,7 @@ def _claim(
         sql_text.prepared(cursor.connection, cursor, *statement), params
     )
     for _ in range(CLAIM_TRIES):
-        cursor.execute(*execute)
+        sql_text.run(cursor, *execute)
         row = cursor.fetchone()
         if row is not None and row[0] != "retry":
             return tuple(row)

@@ -361,7 +361,7 @@ def _hand_over(lock: AdvisoryLock, task_id: str, task_name: str) -> tuple[Any, .
     def hand_over(dbapi: Any, cursor: Any) -> tuple[Any, ...]:
         try:
             statement = sql_text.prepared(dbapi, cursor, HAND_OVER_NAME, HAND_OVER)
-            cursor.execute(*sql_text.inline(statement, params))
+            sql_text.run(cursor, *sql_text.inline(statement, params))
         except Exception as exc:
             if driver_errors.sqlstate(exc) == sql_text.UNDEFINED_TABLE:
                 TABLE.forget(engine)
