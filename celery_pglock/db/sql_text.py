@@ -274,10 +274,17 @@ RUN_ALIVE = (
 
 def run(cursor: Any, execute: str, params: Any) -> None:
     """Send an EXECUTE of :func:`prepared` (or :func:`inline`'s form of it); ``fetch*``
-    then read the statement's result, not PLAN_GUARD's."""
-    cursor.execute(execute, params)
+    then read the statement's result, not PLAN_GUARD's. Inside a transaction block
+    (lock_scope='transaction') it goes without the guard: SET LOCAL would last through
+    the task's own work in that transaction."""
     if execute.startswith(PLAN_GUARD):
-        to_last_result(cursor)
+        dbapi = cursor.connection
+        if dbapi.autocommit and dbapi.info.transaction_status == _IDLE:
+            cursor.execute(execute, params)
+            to_last_result(cursor)
+            return
+        execute = execute[len(PLAN_GUARD) :]
+    cursor.execute(execute, params)
 
 
 def to_last_result(cursor: Any) -> None:
@@ -293,6 +300,7 @@ def to_last_result(cursor: Any) -> None:
 #: (benchmarks/README.md, "A plan made while the table was empty").
 PLAN_GUARD = "SET LOCAL enable_seqscan = off; "
 _TABLE = re.compile(r"\bcelery_pglock_[a-z_]+")
+_IDLE = 0  #: libpq's PQTRANS_IDLE, as both drivers' ``info.transaction_status`` say it
 _PARAM = re.compile(r"%\((\w+)\)s|%s")
 #: The statements prepared on each DBAPI connection's session, by name.
 _prepared: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()

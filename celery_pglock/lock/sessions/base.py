@@ -264,9 +264,10 @@ def execute(
         prepare = prepare or functools.partial(prepared, cursor)
     if prepare is not None:
         statement = prepare(statement)
-    cursor.execute(statement, params)
-    if statement.startswith(sql_text.PLAN_GUARD):  # a rider's table: its result first
-        sql_text.to_last_result(cursor)
+    if statement.startswith(sql_text.PLAN_GUARD):  # a rider's table
+        sql_text.run(cursor, statement, params)
+    else:
+        cursor.execute(statement, params)
     row: tuple[Any, ...] | None = cursor.fetchone()
     if change is not None and not end and row is not None:
         rider.on_reply(row[-1])  # type: ignore[union-attr]

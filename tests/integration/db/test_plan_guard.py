@@ -108,3 +108,39 @@ def test_only_statements_on_the_library_tables_are_guarded(database_url: str) ->
         engine.dispose()
     assert not bare.startswith(sql_text.PLAN_GUARD)  # the run lock's own: no table
     assert ridden.startswith(sql_text.PLAN_GUARD)
+
+
+@pytest.mark.parametrize("in_transaction", [False, True])
+def test_the_guard_never_outlasts_its_statement(
+    database_url: str, in_transaction: bool
+) -> None:
+    """In a transaction block (lock_scope='transaction') SET LOCAL would last through
+    the task's own queries on the lock's connection: there the statement goes bare."""
+    engine = engines.create_engine(database_url)
+    raw = engine.raw_connection()
+    try:
+        dbapi = raw.dbapi_connection
+        dbapi.autocommit = not in_transaction
+        cursor = dbapi.cursor()
+        key = keys.make_key("plans", "plans.t", uuid.uuid4().hex)
+        classid, objid, objsubid = key.pg_locks_ids
+        execute = sql_text.prepared(dbapi, cursor, queued.FIRST_NAME, queued.FIRST)
+        values = {"c": classid, "o": objid, "s": objsubid, "id": "t1", "name": "t"}
+        values |= {"run": 1, "mode": queued.UNTIL_FINISHED, "stale": 60.0}
+        sql_text.run(cursor, *sql_text.inline(execute, values))
+        assert cursor.fetchone() == (
+            "new",
+            "t1",
+        )  # the statement's row, not the guard's
+        cursor.execute("SELECT current_setting('enable_seqscan')")
+        assert cursor.fetchone() == ("on",)
+        cursor.execute(
+            "DELETE FROM celery_pglock_queued WHERE (classid, objid, objsubid) = "
+            "(%s::oid, %s::oid, %s::smallint)",
+            key.pg_locks_ids,
+        )
+        if in_transaction:
+            dbapi.commit()
+    finally:
+        raw.close()
+        engine.dispose()
