@@ -28,7 +28,17 @@ FEW_SENDS = 200  #: For the bare session planned on one row: each of its sends i
 
 
 def params(objid: int, task_id: str) -> dict[str, Any]:
-    return {"c": 1, "o": objid, "s": 1, "id": task_id, "name": "bench.plan_guard"}
+    """queued.FIRST's params for a send of key (1, ``objid``, 1)."""
+    return {
+        "c": 1,
+        "o": objid,
+        "s": 1,
+        "id": task_id,
+        "name": "bench.plan_guard",
+        "run": 1,
+        "mode": queued.UNTIL_FINISHED,
+        "stale": 600.0,
+    }
 
 
 def main() -> int:
@@ -57,9 +67,8 @@ def main() -> int:
 def run(engine: Any, rows: int, sends: int, reps: int) -> str:
     queued.TABLE.ensure(engine, 10.0)
     sessions: dict[str, tuple[Any, str, psutil.Process]] = {}
-    held: list[
-        Any
-    ] = []  # each session its own connection, out of the pool till the end
+    # Each session its own connection, out of the pool till the end.
+    held: list[Any] = []
 
     def connection() -> Any:
         held.append(engine.raw_connection())
@@ -79,8 +88,7 @@ def run(engine: Any, rows: int, sends: int, reps: int) -> str:
         sessions[label] = (cursor, execute, psutil.Process(cursor.fetchone()[0]))
 
     def send(cursor: Any, execute: str, task_id: str, objid: int = 0) -> None:
-        values = {**params(objid, task_id), "run": 1, "mode": "until_finished"}
-        sql_text.run(cursor, *sql_text.inline(execute, {**values, "stale": 600.0}))
+        sql_text.run(cursor, *sql_text.inline(execute, params(objid, task_id)))
 
     first_cursor = connection().cursor()
     first = sql_text.prepared(

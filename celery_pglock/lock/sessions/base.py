@@ -264,7 +264,8 @@ def execute(
         prepare = prepare or functools.partial(prepared, cursor)
     if prepare is not None:
         statement = prepare(statement)
-    if statement.startswith(sql_text.PLAN_GUARD):  # a rider's table
+    if statement.startswith(sql_text.PLAN_GUARD):
+        # A rider's table. Tested here so that a bare lock statement runs no sql_text code.
         sql_text.run(cursor, statement, params)
     else:
         cursor.execute(statement, params)

@@ -48,6 +48,21 @@ def claim(engine: Any, key: keys.LockKey, task_id: str) -> tuple[Any, ...]:
     )
 
 
+def first_params(key: keys.LockKey, task_id: str) -> dict[str, Any]:
+    """queued.FIRST's params for a send of ``key``."""
+    classid, objid, objsubid = key.pg_locks_ids
+    return {
+        "c": classid,
+        "o": objid,
+        "s": objsubid,
+        "id": task_id,
+        "name": "plans.t",
+        "run": 1,
+        "mode": queued.UNTIL_FINISHED,
+        "stale": 600.0,
+    }
+
+
 def test_a_plan_made_on_a_nearly_empty_table_still_uses_its_index(
     fresh_url: str,
 ) -> None:
@@ -68,21 +83,10 @@ def test_a_plan_made_on_a_nearly_empty_table_still_uses_its_index(
             )
 
         def explain(cursor: Any) -> str:
-            classid, objid, objsubid = key.pg_locks_ids
-            params = {
-                "c": classid,
-                "o": objid,
-                "s": objsubid,
-                "id": "probe",
-                "name": "plans.t",
-                "run": 1,
-                "mode": queued.UNTIL_FINISHED,
-                "stale": 600.0,
-            }
             execute = sql_text.prepared(
                 cursor.connection, cursor, queued.FIRST_NAME, queued.FIRST
             )
-            text, rest = sql_text.inline(execute, params)
+            text, rest = sql_text.inline(execute, first_params(key, "probe"))
             assert text.startswith(sql_text.PLAN_GUARD)
             # Without the guard: the plan the session kept, as it is.
             cursor.execute("EXPLAIN " + text.removeprefix(sql_text.PLAN_GUARD), rest)
@@ -123,15 +127,10 @@ def test_the_guard_never_outlasts_its_statement(
         dbapi.autocommit = not in_transaction
         cursor = dbapi.cursor()
         key = keys.make_key("plans", "plans.t", uuid.uuid4().hex)
-        classid, objid, objsubid = key.pg_locks_ids
         execute = sql_text.prepared(dbapi, cursor, queued.FIRST_NAME, queued.FIRST)
-        values = {"c": classid, "o": objid, "s": objsubid, "id": "t1", "name": "t"}
-        values |= {"run": 1, "mode": queued.UNTIL_FINISHED, "stale": 60.0}
-        sql_text.run(cursor, *sql_text.inline(execute, values))
-        assert cursor.fetchone() == (
-            "new",
-            "t1",
-        )  # the statement's row, not the guard's
+        sql_text.run(cursor, *sql_text.inline(execute, first_params(key, "t1")))
+        # The statement's row, not the guard's (psycopg 3 reads the first result).
+        assert cursor.fetchone() == ("new", "t1")
         cursor.execute("SELECT current_setting('enable_seqscan')")
         assert cursor.fetchone() == ("on",)
         cursor.execute(
