@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Retry
 
 from celery_pglock import celery_compat, config, exceptions, keys
 from celery_pglock.config import Enqueue, OnBusy, SkipResult
@@ -85,7 +85,17 @@ def apply_policy(
         if request.is_eager and task.max_retries is None:
             raise busy  # eager retries run inline without the countdown: never spin
         countdown = options.retry_delay if throttle is None else throttle.seconds_left
-        raise task.retry(countdown=countdown, exc=busy)
+        try:
+            raise task.retry(countdown=countdown, exc=busy)
+        except Retry:
+            raise
+        except BaseException:
+            # No retry was published (max_retries reached, or its publish failed): the
+            # message ends unrun, and its key's row would wait for it until stale.
+            if row is not None:
+                engine = task.locks_engine()
+                queued.give_back(engine, lock.key, row.task_id, options.db_timeout)
+            raise
     raise busy
 
 

@@ -101,22 +101,38 @@ SELECT r.* FROM (
 """
 
 #: Give back a key this message took, if it still has it (a failed publish, a skip).
-#: ``coalesce(carrier, task_id)``: the key's message in the broker (task.replacing).
-_MESSAGE = "coalesce(q.carrier, q.task_id)"
-DELETE_ONE = f"DELETE FROM celery_pglock_queued q WHERE {_ROW} AND {_MESSAGE} = %(id)s"
+#: A row whose message only carries a later send (latest wins: ``carrier``) is not
+#: deleted, or that send would be lost: made stale, for the sweep or the key's next send
+#: to hand it over (task.replacing_sweep).
+DELETE_ONE = f"""
+WITH gone AS (
+  DELETE FROM celery_pglock_queued q
+  WHERE {_ROW} AND q.task_id = %(id)s AND q.carrier IS NULL RETURNING 1)
+UPDATE celery_pglock_queued q SET stale_at = least(q.stale_at, now())
+WHERE {_ROW} AND q.carrier = %(id)s"""
 #: The same for many (revoked, expired or rejected messages). Params: oid[], oid[], int2[], text[].
-DELETE_MANY = (
-    "DELETE FROM celery_pglock_queued q USING unnest(%s::oid[], %s::oid[], %s::int2[], "
-    "%s::text[]) AS d(c, o, s, id) "
-    f"WHERE (q.classid, q.objid, q.objsubid, {_MESSAGE}) = (d.c, d.o, d.s, d.id)"
-)
+DELETE_MANY = """
+WITH d AS MATERIALIZED (
+  SELECT * FROM unnest(%s::oid[], %s::oid[], %s::int2[], %s::text[]) AS d(c, o, s, id)),
+gone AS (
+  DELETE FROM celery_pglock_queued q USING d
+  WHERE (q.classid, q.objid, q.objsubid, q.task_id) = (d.c, d.o, d.s, d.id)
+    AND q.carrier IS NULL RETURNING 1)
+UPDATE celery_pglock_queued q SET stale_at = least(q.stale_at, now()) FROM d
+WHERE (q.classid, q.objid, q.objsubid, q.carrier) = (d.c, d.o, d.s, d.id)"""
 
+#: The key's message in the broker: the carrier of a later send, or its own (task.replacing).
+_MESSAGE = "coalesce(q.carrier, q.task_id)"
 #: A confirmed publish: its unstarted row's real bound (``stale``: seconds past
-#: published_at) replaces PUBLISH_GRACE. Params: oid[], oid[], int2[], text[], float8[].
+#: published_at) replaces PUBLISH_GRACE; a handed-over send's own row drops the payload
+#: kept for a publish again (task.replacing.HANDED). Params: oid[], oid[], int2[],
+#: text[], float8[].
 CONFIRM_MANY = (
     "WITH s AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true)) "
     "UPDATE celery_pglock_queued q "
-    "SET stale_at = q.published_at + make_interval(secs => d.stale) "
+    "SET stale_at = q.published_at + make_interval(secs => d.stale), "
+    "payload = CASE WHEN q.carrier IS NULL THEN NULL ELSE q.payload END, "
+    "payload_type = CASE WHEN q.carrier IS NULL THEN NULL ELSE q.payload_type END "
     "FROM s, unnest(%s::oid[], %s::oid[], %s::int2[], %s::text[], %s::float8[]) "
     "AS d(c, o, s, id, stale) "
     f"WHERE (q.classid, q.objid, q.objsubid, {_MESSAGE}) = (d.c, d.o, d.s, d.id) "
@@ -269,9 +285,14 @@ def claim(
                 logger.info(
                     "Lock database connection was closed; checking %s again", key
                 )
-            return engines.on_kept(
+            row = engines.on_kept(
                 engine, bound, lambda c: _claim(first, statement, params, key, c)
             )
+            # The first try may have committed before its reply was lost: a row that
+            # is this id's own is its claim, which still has to be published.
+            if row[0] == "queued" and row[1] == task_id:
+                return ("own", *row[1:])
+            return row
 
 
 def _claim(
@@ -328,8 +349,9 @@ _Change = tuple[str, tuple[int, int, int], str, float]
 
 
 def _write_rows(engine: sa.Engine, cursor: Any, batch: list[_Change]) -> None:
-    # Array params per column: DELETE_MANY takes 4, CONFIRM_MANY all 5.
-    for statement, width in ((DELETE_MANY, 4), (CONFIRM_MANY, 5)):
+    # Array params per column: DELETE_MANY takes 4, CONFIRM_MANY all 5. Confirmations
+    # first: a carrier freed in the same batch stays stale for the sweep.
+    for statement, width in ((CONFIRM_MANY, 5), (DELETE_MANY, 4)):
         rows = [(*row, i, n) for sql, row, i, n in batch if sql == statement]
         if rows:
             c, o, s, ids, stale = zip(*rows, strict=True)

@@ -70,9 +70,11 @@ TOMBSTONE = f"""
     replaced_at = now(), seen_at = NULL, keep_until = excluded.keep_until"""
 #: A row handed to its latest send ({source}.latest_run: its run key), whose message is
 #: published next: provisional until that publish is confirmed (CLAIM, HAND_OVER, sweep).
+#: It keeps the payload until then (queued.CONFIRM_MANY clears it): a publisher killed or
+#: failing meanwhile loses no send, the sweep publishes it again (replacing_sweep.py).
 HANDED = f"""
   UPDATE celery_pglock_queued q SET carrier = NULL, run_objid = {{source}}.latest_run,
-    latest_run = NULL, payload = NULL, payload_type = NULL, published_at = now(),
+    latest_run = NULL, published_at = now(),
     stale_at = now() + make_interval(secs => {queued.PUBLISH_GRACE})
   FROM {{source}} WHERE {{where}} RETURNING 1"""
 
@@ -99,7 +101,9 @@ UPSERT_NAME = sql_text.versioned("celery_pglock_replace_first", UPSERT)
 #: queued.CLAIM's replacing form. The row is locked first (FOR UPDATE reads its latest
 #: version), so racing senders replace one another in the database's order. Actions:
 #: 'replaced' (the hot path: this send's payload into the row, nothing published),
-#: 'own' and 'took_over' (publish this send; a stale carrier is tombstoned: its run lock
+#: 'own' (its own row, reset and published: a retry's, or a stale one's; a fresh one
+#: is 'queued', a duplicate of itself),
+#: 'took_over' (publish this send; a stale carrier is tombstoned: its run lock
 #: is free, so it has not started), 'hand_over' (a retry of the carrier: publish the
 #: latest instead), 'superseded' (a retry yields to a newer send), 'queued' (running).
 CLAIM = f"""
@@ -119,7 +123,8 @@ ins AS (
 act AS MATERIALIZED (
   SELECT prev.*, CASE
     WHEN prev.carrier = %(id)s THEN
-      CASE WHEN prev.task_id = %(id)s THEN 'own' ELSE 'hand_over' END
+      CASE WHEN prev.task_id <> %(id)s THEN 'hand_over'
+        WHEN %(force)s OR prev.stale_at < now() THEN 'own' ELSE 'queued' END
     WHEN %(force)s AND prev.unstarted THEN 'superseded'
     WHEN %(force)s OR (prev.stale_at < now()
       AND pg_try_advisory_xact_lock({

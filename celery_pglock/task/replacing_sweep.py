@@ -1,13 +1,16 @@
 """Latest wins' safety net: a key whose carrier will never be taken (its producer died
-between its statement and its publish, or its publish failed) still runs its latest send.
-Each worker's main process sweeps such rows every SWEEP_EVERY seconds and does what the
-carrier would have done (docs/guide/latest-wins.md, "How it works")."""
+between its statement and its publish, or its publish failed) still runs its latest send,
+and so does a send handed over whose own publish never came (its publisher was killed or
+failed after the hand-over). Each worker's main process sweeps such rows every
+SWEEP_EVERY seconds (docs/guide/latest-wins.md, "How it works")."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from typing import TYPE_CHECKING, Any
+
+from celery.utils import uuid
 
 from celery_pglock import keys
 from celery_pglock.config import OnDuplicate
@@ -27,26 +30,62 @@ _FREE_ROW = (
 
 #: Rows whose latest send waits behind a carrier that is past its bound and not running
 #: (its run lock is free): hand each over, as its carrier would, and tombstone the carrier
-#: (taken late, it runs nothing). SKIP LOCKED: several workers sweep apart.
+#: (taken late, it runs nothing). Rows handed over whose publish was never confirmed (no
+#: carrier, the payload still there) are returned too, for REISSUE. SKIP LOCKED: several
+#: workers sweep apart.
 SWEEP = f"""
 WITH stuck AS MATERIALIZED (
   SELECT q.classid, q.objid, q.objsubid, q.task_id, q.task_name, q.carrier, q.run_objid,
     q.latest_run, q.payload, q.payload_type, {replacing.WAIT} AS wait
   FROM celery_pglock_queued q
-  WHERE q.carrier IS NOT NULL AND q.started_at IS NULL AND q.stale_at < now()
-    AND q.task_name = ANY(%(names)s)
+  WHERE (q.carrier IS NOT NULL OR q.payload IS NOT NULL) AND q.started_at IS NULL
+    AND q.stale_at < now() AND q.task_name = ANY(%(names)s)
   LIMIT {_BATCH} FOR UPDATE SKIP LOCKED),
 free AS MATERIALIZED (
   SELECT * FROM stuck
   WHERE pg_try_advisory_xact_lock({keys.RUN_NAMESPACE}, stuck.run_objid)),
-handed AS ({replacing.HANDED.format(source="free", where=_FREE_ROW)}),
+handed AS ({
+    replacing.HANDED.format(
+        source="free", where=f"free.carrier IS NOT NULL AND {_FREE_ROW}"
+    )
+}),
 tomb AS ({
     replacing.TOMBSTONE.format(
-        carrier="carrier", by="task_id", name="task_name", source="free"
+        carrier="carrier",
+        by="task_id",
+        name="task_name",
+        source="free WHERE free.carrier IS NOT NULL",
     )
 })
 SELECT classid, objid, objsubid, task_id, task_name, carrier, payload, payload_type, wait
 FROM free
+"""
+
+#: A handed-over send whose publish never came, again under a new id: its first message
+#: may be in the broker after all (published, then its publisher died before confirming
+#: it), so that one gets a tombstone naming the new id, and one of them runs.
+REISSUE = f"""
+WITH old AS MATERIALIZED (
+  SELECT q.task_id FROM celery_pglock_queued q
+  WHERE (q.classid, q.objid, q.objsubid) = (%(c)s::oid, %(o)s::oid, %(s)s::smallint)
+    AND q.task_id = %(old)s AND q.carrier IS NULL AND q.payload IS NOT NULL
+    AND q.started_at IS NULL AND q.stale_at < now()
+    AND pg_try_advisory_xact_lock({keys.RUN_NAMESPACE}, q.run_objid)
+  FOR UPDATE),
+renamed AS (
+  UPDATE celery_pglock_queued q SET task_id = %(id)s, run_objid = %(run)s,
+    published_at = now(), stale_at = now() + make_interval(secs => {
+    queued.PUBLISH_GRACE
+})
+  FROM old
+  WHERE (q.classid, q.objid, q.objsubid) = (%(c)s::oid, %(o)s::oid, %(s)s::smallint)
+  RETURNING 1),
+tomb AS ({
+    replacing.TOMBSTONE.format(
+        carrier="old.task_id", by="%(id)s", name="%(name)s", source="old"
+    )
+})
+SELECT count(*) FROM old
 """
 
 
@@ -67,17 +106,51 @@ def sweep(app: Any) -> int:
         for c, o, s, latest, name, carrier, payload, payload_type, wait in rows:
             task = tasks[name]
             key = keys.LockKey.from_pg_locks(task.lock_config.name, c, o, s)
-            logger.warning(
-                "%s: key %s's carrier %s never came; publishing its latest send %s",
-                name,
-                key,
-                carrier,
-                latest,
-            )
+            if carrier is None:
+                reissued = _reissue(engine, key, latest, name)
+                if reissued is None:
+                    continue  # confirmed or started meanwhile
+                logger.warning(
+                    "%s: key %s's latest send %s was handed over but never published; "
+                    "publishing it as %s",
+                    name,
+                    key,
+                    latest,
+                    reissued,
+                )
+                carrier, latest = latest, reissued
+            else:
+                logger.warning(
+                    "%s: key %s's carrier %s never came; publishing its latest send %s",
+                    name,
+                    key,
+                    carrier,
+                    latest,
+                )
             replacing.tell_replaced(task, carrier, latest)
             replacing.publish_latest(task, key, latest, payload, payload_type, wait)
             published += 1
     return published
+
+
+def _reissue(engine: sa.Engine, key: keys.LockKey, old: str, name: str) -> str | None:
+    """Give ``old``'s unconfirmed row a new id (REISSUE): that id, or None if the row
+    was confirmed, started or taken meanwhile."""
+    task_id = uuid()
+    classid, objid, objsubid = key.pg_locks_ids
+    params = {
+        "c": classid,
+        "o": objid,
+        "s": objsubid,
+        "old": old,
+        "id": task_id,
+        "run": keys.run_key(task_id).ids[-1],
+        "name": name,
+    }
+    with engines.autocommit_cursor(engine) as cursor:
+        cursor.execute(REISSUE, params)
+        (renamed,) = cursor.fetchone()
+    return task_id if renamed else None
 
 
 def _replacing(app: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import types
 import uuid
 
 import celery
+import psycopg2
 import pytest
 from celery import signals as celery_signals
 from celery.app.trace import build_tracer
@@ -18,6 +19,7 @@ from celery_pglock import (
     AlreadyQueued,
     ConfigurationError,
     EnqueueUnavailable,
+    LockBusy,
     LockSkipped,
     current_lock,
 )
@@ -144,6 +146,39 @@ def test_the_publish_statement_is_planned_once_per_connection(app, published):
     task.delay(1)
     assert 2 + sends == len(published)
     assert 1 == executions()[queued.CLAIM_NAME] - (after.get(queued.CLAIM_NAME) or 0)
+
+
+@pytest.mark.parametrize("on_duplicate", ["return", "replace"])
+def test_a_claim_whose_reply_was_lost_is_still_published(
+    app, published, monkeypatch, on_duplicate
+):
+    """The claim committed, then the connection died before its reply came: the send
+    checks again on a fresh connection, finds the row its own, and publishes (it used to
+    return its own id unpublished, leaving its caller waiting for nothing)."""
+    task = make(
+        app,
+        f"lost_reply_{on_duplicate}",
+        lambda tenant: None,
+        lock_args=("tenant",),
+        lock_enqueue="until_started",
+        lock_enqueue_on_duplicate=on_duplicate,
+    )
+    task.delay(0)  # the tables and the kept connection
+    real = engines.on_kept
+    cut = []
+
+    def reply_lost(engine, bound, work):
+        row = real(engine, bound, work)
+        if not cut:
+            cut.append(row)
+            raise psycopg2.OperationalError("server closed the connection unexpectedly")
+        return row
+
+    monkeypatch.setattr(engines, "on_kept", reply_lost)
+    sent = task.delay(1)
+    assert "new" == cut[0][0]  # committed by the first try
+    assert sent.id in published
+    assert sent.id == rows(task, 1)[0]
 
 
 def test_a_connection_reset_by_discard_all_prepares_the_claim_again(app, published):
@@ -278,6 +313,28 @@ def test_until_started_follow_up_waits_for_the_run_then_retries(app):
         holder.release()
     assert "RETRY" == task.AsyncResult(follow_up.id).state, outcome
     assert follow_up.id == rows(task, 4)[0]  # the retry is the key's message still
+
+
+def test_a_follow_up_out_of_retries_gives_its_key_back(app):
+    """A busy follow-up whose retry is refused (max_retries reached) ends unrun: its row
+    goes with it, or every later send would return its id until the row is stale."""
+    task = make(
+        app,
+        "no_retries_left",
+        lambda tenant: None,
+        lock_args=("tenant",),
+        lock_enqueue="until_started",
+        lock_wait_timeout=0.2,
+        max_retries=0,
+    )
+    follow_up = task.delay(6)
+    holder = hold(task, 6)
+    try:
+        deliver(task, follow_up.id, 6)
+    finally:
+        holder.release()
+    assert isinstance(task.AsyncResult(follow_up.id).result, LockBusy)
+    assert rows(task, 6) is None
 
 
 def test_a_skipped_message_gives_its_key_back(app):

@@ -94,13 +94,14 @@ def test_a_send_into_a_queued_key_publishes_nothing_and_the_carrier_hands_over(
     assert second.id == replaced_by(task, first.id)
     # Its publish confirmed (batched): the row holds its key for lock_enqueue_lost_after.
     queued.drain_writers()
-    [(confirmed,)] = execute(
+    [(confirmed, kept)] = execute(
         app,
-        "SELECT stale_at > now() + interval '60 s' FROM celery_pglock_queued "
-        "WHERE task_id = %s AND carrier IS NULL",
+        "SELECT stale_at > now() + interval '60 s', payload IS NOT NULL "
+        "FROM celery_pglock_queued WHERE task_id = %s AND carrier IS NULL",
         second.id,
     )
     assert confirmed
+    assert not kept  # the payload kept for a publish again goes with the confirmation
     deliver(task, second.id, 1, 20)
     assert [20] == ran
     assert "SUCCESS" == task.AsyncResult(second.id).state
@@ -380,6 +381,103 @@ def test_a_failed_publish_frees_the_key(app, published, monkeypatch):
     assert rows(task, 11) is None
     task.delay(11, 2)
     assert 1 == len(published)
+
+
+def test_a_failed_publish_keeps_a_later_send_it_carries(app, published, monkeypatch):
+    """A send replaced into the row while its carrier's publish was failing is not lost
+    with the carrier: its row is made stale, and the sweep publishes it."""
+    ran: list[int] = []
+    task = latest(app, "undo_carried", ran)
+    publish = celery.Task.apply_async
+    later = []
+
+    def failing(self, args=None, *more, **options):
+        if args == (12, 1):  # the first send's publish: a second send meanwhile
+            later.append(task.delay(12, 2))
+            raise ConnectionError("broker down")
+        return publish(self, args, *more, **options)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(celery.Task, "apply_async", failing)
+        with pytest.raises(ConnectionError):
+            task.delay(12, 1)
+    assert [] == published
+    assert later[0].id == rows(task, 12)[0]  # kept, and stale
+    assert replacing_sweep.sweep(app) >= 1
+    assert [later[0].id] == [i for i in ids_of(published) if i == later[0].id]
+    deliver(task, later[0].id, 12, 2)
+    assert [2] == ran
+
+
+def test_a_revoked_carrier_hands_its_later_send_over(app, published):
+    """A carrier revoked (or expired, or rejected) in the worker frees its key, but the
+    later send it carries is handed over by the sweep, not deleted with it."""
+    ran: list[int] = []
+    task = latest(app, "revoked_carrier", ran)
+    first = task.delay(14, 1)
+    second = task.delay(14, 2)
+    queued.free_later(task, task.lock_key_for(14).pg_locks_ids, first.id)
+    queued.drain_writers()
+    assert second.id == rows(task, 14)[0]
+    assert replacing_sweep.sweep(app) >= 1
+    assert second.id in ids_of(published)
+    deliver(task, second.id, 14, 2)
+    assert [2] == ran
+    assert rows(task, 14) is None
+
+
+def test_a_custom_task_id_sent_again_while_queued_is_a_duplicate(app, published):
+    """docs/guide/enqueue.md: a custom task id sent again while its message is queued
+    publishes nothing and returns its own id (it was published twice: two runs)."""
+    ran: list[int] = []
+    task = latest(app, "custom_id", ran)
+    first = task.apply_async((15, 1), task_id="report-15")
+    again = task.apply_async((15, 2), task_id="report-15")
+    assert ["report-15"] == ids_of(published)
+    assert "report-15" == again.id
+    deliver(task, first.id, 15, 1)
+    assert [1] == ran
+    assert rows(task, 15) is None
+
+
+def test_a_hand_over_whose_publish_fails_is_published_again_by_the_sweep(
+    app, published, monkeypatch
+):
+    """The carrier handed the row over, then its publish of the latest send failed (or
+    its worker was killed there): the row kept the payload, so the sweep publishes that
+    send again, under a new id (the first may be in the broker after all: its tombstone
+    names the new one), and exactly one of them runs."""
+    ran: list[int] = []
+    task = latest(app, "reissue", ran)
+    first = task.delay(16, 1)
+    second = task.delay(16, 2)
+    publish = celery.Task.apply_async
+
+    def failing(self, args=None, kwargs=None, task_id=None, **options):
+        if task_id == second.id:
+            raise ConnectionError("broker down")
+        return publish(self, args, kwargs, task_id, **options)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(celery.Task, "apply_async", failing)
+        deliver(task, first.id, 16, 1)
+    assert [] == ran
+    assert [first.id] == ids_of(published)
+    assert second.id == rows(task, 16)[0]
+    assert 0 == replacing_sweep.sweep(app)  # within its grace: its publish may come
+    execute(
+        app,
+        "UPDATE celery_pglock_queued SET stale_at = now() - interval '1 s' "
+        "WHERE (classid, objid, objsubid) = (%s, %s, %s)",
+        *task.lock_key_for(16).pg_locks_ids,
+    )
+    assert replacing_sweep.sweep(app) >= 1
+    again = replaced_by(task, second.id)
+    assert [first.id, again] == ids_of(published)
+    deliver(task, second.id, 16, 2)  # had it been published after all: it runs nothing
+    deliver(task, again, 16, 2)
+    assert [2] == ran
+    assert rows(task, 16) is None
 
 
 def test_the_hand_over_keeps_the_tombstones_bounded(app):
