@@ -146,13 +146,14 @@ class AdvisoryLock:
             LockLostError: transaction scope: its transaction ended early (by the body?).
             DatabaseError: the database failed; closing the session freed every lock on it.
         """
-        hold, self._hold = self._hold, None
+        hold = self._hold
         if hold is None:
             raise self._error(
                 exceptions.LockNotOwnedError,
                 f"Cannot release lock {self._about}: it is not held by this AdvisoryLock.",
             )
         if hold.pid != os.getpid():
+            self._hold = None
             raise self._error(
                 exceptions.LockNotOwnedError,
                 f"Lock {self._about} belongs to process {hold.pid}, not to this one "
@@ -160,6 +161,17 @@ class AdvisoryLock:
             )
         try:
             hold.session.release(hold, self.key, commit, self.round_trip_timeout)
+        except exceptions.PgLockError:
+            self._hold = None  # an outcome: released, or its session ended
+            raise
+        except BaseException:
+            # Interrupted (a soft time limit landing here): still held, it stays this
+            # object's, so that task_postrun releases it; a lost hold would leak the key.
+            if not hold.session.still_holds(hold):
+                self._hold = None
+            raise
+        else:
+            self._hold = None
         finally:
             self.released_at = time.monotonic()
 

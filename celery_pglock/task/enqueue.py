@@ -112,7 +112,8 @@ def publish(
         return task.AsyncResult(owner)
     if outcome == "replaced":  # latest wins: into the key's row, nothing published
         outcomes.enqueued(task, "replaced", task_id, key, owner)
-        replacing.tell_replaced(task, owner, task_id)
+        if owner != task_id:  # none if it is in the row already (replacing.CLAIM)
+            replacing.tell_replaced(task, owner, task_id)
         return task.AsyncResult(task_id)
     if outcome in ("superseded", "hand_over"):  # a retry yields to a newer send
         outcomes.enqueued(task, outcome, task_id, key, owner)

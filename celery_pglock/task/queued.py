@@ -100,10 +100,8 @@ SELECT r.* FROM (
     END) r, sync
 """
 
-#: Give back a key this message took, if it still has it (a failed publish, a skip).
-#: A row whose message only carries a later send (latest wins: ``carrier``) is not
-#: deleted, or that send would be lost: made stale, for the sweep or the key's next send
-#: to hand it over (task.replacing_sweep).
+#: Give back a key this message took, if it still has it (a failed publish, a skip). A
+#: row it only carries a later send in (latest wins) is made stale instead, for the sweep.
 DELETE_ONE = f"""
 WITH gone AS (
   DELETE FROM celery_pglock_queued q
@@ -121,12 +119,10 @@ gone AS (
 UPDATE celery_pglock_queued q SET stale_at = least(q.stale_at, now()) FROM d
 WHERE (q.classid, q.objid, q.objsubid, q.carrier) = (d.c, d.o, d.s, d.id)"""
 
-#: The key's message in the broker: the carrier of a later send, or its own (task.replacing).
-_MESSAGE = "coalesce(q.carrier, q.task_id)"
+_MESSAGE = "coalesce(q.carrier, q.task_id)"  #: The key's message in the broker.
 #: A confirmed publish: its unstarted row's real bound (``stale``: seconds past
-#: published_at) replaces PUBLISH_GRACE; a handed-over send's own row drops the payload
-#: kept for a publish again (task.replacing.HANDED). Params: oid[], oid[], int2[],
-#: text[], float8[].
+#: published_at) replaces PUBLISH_GRACE; a handed-over send's row drops the payload kept
+#: for a publish again (task.replacing.HANDED). Params: oid[], oid[], int2[], text[], float8[].
 CONFIRM_MANY = (
     "WITH s AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true)) "
     "UPDATE celery_pglock_queued q "
@@ -288,8 +284,7 @@ def claim(
             row = engines.on_kept(
                 engine, bound, lambda c: _claim(first, statement, params, key, c)
             )
-            # The first try may have committed before its reply was lost: a row that
-            # is this id's own is its claim, which still has to be published.
+            # The first try's, committed before its reply was lost: still to publish.
             if row[0] == "queued" and row[1] == task_id:
                 return ("own", *row[1:])
             return row
@@ -415,7 +410,9 @@ SELECT CASE WHEN q.objsubid = 1 THEN ((q.classid::bigint << 32) | q.objid::bigin
   q.task_name, q.task_id, q.carrier,
   CASE q.mode WHEN 'f' THEN 'until_finished' ELSE 'until_started' END AS mode,
   r.pid AS run_pid, a.application_name,
-  q.started_at IS NOT NULL AS started, q.stale_at < now() AS past_stale_at,
+  CASE WHEN r.pid IS NOT NULL THEN 'running' WHEN q.stale_at < now() THEN 'stale'
+    WHEN q.started_at IS NOT NULL THEN 'started' ELSE 'queued' END AS state,
+  q.started_at IS NOT NULL AS started,
   extract(epoch FROM now() - q.published_at)::float8 AS age_seconds,
   extract(epoch FROM q.stale_at - now())::float8 AS stale_in_seconds,
   extract(epoch FROM q.due_at - now())::float8 AS due_in_seconds
@@ -444,15 +441,7 @@ def summary(
         else:
             cursor.execute(ROW_NAMING, {"id": task_id})
         names = [column[0] for column in cursor.description]
-        rows = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
-    for row in rows:
-        if row["run_pid"] is not None:
-            row["state"] = "running"
-        elif row["past_stale_at"]:
-            row["state"] = "stale"  # the next send of its key takes it over
-        else:
-            row["state"] = "started" if row["started"] else "queued"
-    return rows
+        return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 
 
 #: `pglock queued clear`: free the keys of these task ids. Params: text[].

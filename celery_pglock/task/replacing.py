@@ -80,7 +80,8 @@ HANDED = f"""
 
 #: A send's hot path, tried before CLAIM: a new key's row, or this send's arguments into
 #: a fresh unstarted row it does not carry. ``previous``: the send it replaced (to tell).
-#: No row back (a stale row, a retry, its own row): CLAIM decides. Half CLAIM's cost.
+#: No row back (a stale row, a retry, its own row, a row it is already in): CLAIM decides.
+#: Half CLAIM's cost.
 UPSERT = f"""
 INSERT INTO celery_pglock_queued AS q
   (classid, objid, objsubid, task_id, task_name, run_objid, mode, stale_at, due_at,
@@ -92,7 +93,7 @@ ON CONFLICT (classid, objid, objsubid) DO UPDATE SET task_id = %(id)s,
   previous = q.task_id, payload = %(payload)s, payload_type = %(payload_type)s,
   due_at = {_PUSHED_DUE}
 WHERE q.started_at IS NULL AND q.stale_at >= now()
-  AND coalesce(q.carrier, q.task_id) <> %(id)s
+  AND coalesce(q.carrier, q.task_id) <> %(id)s AND q.task_id <> %(id)s
 RETURNING CASE WHEN q.previous IS NULL THEN 'new' ELSE 'replaced' END,
   coalesce(q.previous, q.task_id)
 """
@@ -105,12 +106,14 @@ UPSERT_NAME = sql_text.versioned("celery_pglock_replace_first", UPSERT)
 #: is 'queued', a duplicate of itself),
 #: 'took_over' (publish this send; a stale carrier is tombstoned: its run lock
 #: is free, so it has not started), 'hand_over' (a retry of the carrier: publish the
-#: latest instead), 'superseded' (a retry yields to a newer send), 'queued' (running).
+#: latest instead), 'superseded' (a retry yields to a newer send), 'queued' (running),
+#: 'again' (this send is in the row already: its reply was lost, or its id sent again;
+#: answered as 'replaced', naming the send it replaced).
 CLAIM = f"""
 WITH prev AS MATERIALIZED (
   SELECT q.task_id, coalesce(q.carrier, q.task_id) AS carrier,
     q.started_at IS NULL AS unstarted, q.stale_at, q.run_objid, q.latest_run,
-    q.payload, q.payload_type, {WAIT} AS wait
+    q.payload, q.payload_type, {WAIT} AS wait, q.previous
   FROM celery_pglock_queued q WHERE {_ROW} FOR UPDATE),
 ins AS (
   INSERT INTO celery_pglock_queued AS q
@@ -125,6 +128,7 @@ act AS MATERIALIZED (
     WHEN prev.carrier = %(id)s THEN
       CASE WHEN prev.task_id <> %(id)s THEN 'hand_over'
         WHEN %(force)s OR prev.stale_at < now() THEN 'own' ELSE 'queued' END
+    WHEN prev.task_id = %(id)s AND NOT %(force)s THEN 'again'
     WHEN %(force)s AND prev.unstarted THEN 'superseded'
     WHEN %(force)s OR (prev.stale_at < now()
       AND pg_try_advisory_xact_lock({
@@ -135,7 +139,8 @@ act AS MATERIALIZED (
   FROM prev),
 put AS (
   UPDATE celery_pglock_queued q SET task_id = %(id)s, task_name = %(name)s,
-    latest_run = %(run)s, carrier = act.carrier, payload = %(payload)s,
+    latest_run = %(run)s, carrier = act.carrier, previous = act.task_id,
+    payload = %(payload)s,
     payload_type = %(payload_type)s, due_at = {_PUSHED_DUE}
   FROM act WHERE act.action = 'replaced' AND {_ROW} RETURNING 1),
 took AS (
@@ -160,7 +165,9 @@ SELECT r.* FROM (
   SELECT 'new' AS outcome, task_id, NULL::bytea AS payload, NULL AS payload_type,
     NULL::float8 AS wait
   FROM ins
-  UNION ALL SELECT action, task_id, CASE WHEN action = 'hand_over' THEN payload END,
+  UNION ALL SELECT CASE WHEN action = 'again' THEN 'replaced' ELSE action END,
+    CASE WHEN action = 'again' THEN coalesce(previous, task_id) ELSE task_id END,
+    CASE WHEN action = 'hand_over' THEN payload END,
     CASE WHEN action = 'hand_over' THEN payload_type END, wait FROM act
   WHERE action <> 'replaced' OR EXISTS (SELECT 1 FROM put)) r, sync
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 
+import psycopg2
 from celery.app.trace import build_tracer
 
 from celery_pglock import AdvisoryLock, SingletonTask
@@ -88,3 +89,21 @@ def is_held(task, *args):
     return AdvisoryLock(
         engine=current_engine(task.app), key=task.lock_key_for(*args)
     ).locked()
+
+
+def lose_first_reply(monkeypatch):
+    """The next lock_enqueue claim commits, then its connection dies before the reply
+    reaches the send (which then checks again on a fresh one). Returns the list that
+    gets the committed row."""
+    real = db_module.on_kept
+    cut = []
+
+    def reply_lost(engine, bound, work):
+        row = real(engine, bound, work)
+        if not cut:
+            cut.append(row)
+            raise psycopg2.OperationalError("server closed the connection unexpectedly")
+        return row
+
+    monkeypatch.setattr(db_module, "on_kept", reply_lost)
+    return cut

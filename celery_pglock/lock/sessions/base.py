@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -32,6 +33,27 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_ROUND_TRIP_TIMEOUT = 5.0  #: AdvisoryLock.round_trip_timeout's, in seconds.
+
+
+class RearmedBound(deadlines.Bound):
+    """The process session's deadline, armed again for each of its statements."""
+
+    __slots__ = ()
+
+    def __call__(self, seconds: float) -> RearmedBound:
+        self.fired = False
+        self.deadline = time.monotonic() + seconds
+        return self
+
+    def __enter__(self) -> RearmedBound:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        with deadlines.guard:
+            self.deadline = math.inf
+        if self.fired and exc_type is None:
+            # The answer came after the socket was shut down: the session is ending.
+            raise driver_errors.operational_error(self.connection)(deadlines.NO_ANSWER)
 
 
 class AcquireRequest(NamedTuple):
@@ -188,6 +210,11 @@ class LockSessions:
 
     def _recorded(self, hold: Hold) -> bool:
         """``hold`` was granted and recorded, even if ``_take`` did not return it."""
+        return False
+
+    def still_holds(self, hold: Hold) -> bool:
+        """After an interrupted release: the key is still held for ``hold``, to release
+        again. False here: a strategy that ends the session of an interrupted release."""
         return False
 
     def holder_of(self, key: LockKey, *, bound: float) -> str | None:

@@ -204,7 +204,12 @@ class PerLockSessions(base.LockSessions):
             try:
                 owner.close()
             finally:  # the run has ended, whatever became of its lock
+                hold.connection = None  # not still_holds() now
                 self.claims.release(hold)
+
+    def still_holds(self, hold: base.Hold) -> bool:
+        # Interrupted before its release began: still pinned (until then).
+        return _pinned_alive(hold)
 
     def _discard_all(
         self, hold: base.Hold, connection: sa.Connection, timeout: float

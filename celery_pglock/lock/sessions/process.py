@@ -4,7 +4,6 @@ under a mutex; and the registry that gives each engine its one (:func:`for_lock`
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import weakref
@@ -37,25 +36,6 @@ class SessionBusyError(Exception):
     """The lock session was kept busy by other statements until a check's deadline."""
 
 
-class _Bound(deadlines.Bound):
-    __slots__ = ()
-
-    def __call__(self, seconds: float) -> _Bound:
-        self.fired = False
-        self.deadline = time.monotonic() + seconds
-        return self
-
-    def __enter__(self) -> _Bound:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
-        with deadlines.guard:
-            self.deadline = math.inf
-        if self.fired and exc_type is None:
-            # The answer came after the socket was shut down: the session is ending.
-            raise driver_errors.operational_error(self.connection)(deadlines.NO_ANSWER)
-
-
 class ProcessSession(base.LockSessions):
     """One connection for all session-scope try-locks, under a mutex; a wait or
     transaction scope goes to ``waits`` (docs/design.md, "One lock session per process")."""
@@ -67,7 +47,7 @@ class ProcessSession(base.LockSessions):
         self._pooled: Any = None  # the detached pool proxy owning the connection
         self._connection: Any = None
         self._cursor: Any = None
-        self._bound: Any = None  # a _Bound while connected
+        self._bound: Any = None  # a base.RearmedBound while connected
         self._identity: identity.Identity | None = None  # asked once per connection
         self._shown: str | None = None  # the application_name the session shows
         self._since = 0  # the epoch second it shows: when it last began to hold keys
@@ -199,26 +179,22 @@ class ProcessSession(base.LockSessions):
     def release(
         self, hold: base.Hold, key: LockKey, commit: bool, timeout: float
     ) -> None:
-        """Unlock; the claim is returned in any case (raises as AdvisoryLock.release)."""
+        """Unlock, then forget the hold (raises as AdvisoryLock.release). Interrupted
+        before the unlock, the hold is still recorded: see still_holds."""
         ids, run_ids, companion = hold.ids, hold.run_ids, hold.companion
         with self._mutex:
             # Under the mutex: no try-lock of the process runs before the unlock below.
-            self.claims.release(hold)
-            if companion is not None:
-                self.claims.release(companion)
-                self._owners.pop(companion.ids, None)
             if self._owners.get(ids) is not hold:
+                self._forget(hold)
                 raise exceptions.LockNotOwnedError(
                     f"The process's lock session ended while lock {key.name!r} (key {key}) was "
                     f"held ({hold.lost or 'closed'}), so PostgreSQL had already freed the lock.",
                     key=str(key),
                     name=key.name,
                 )
-            del self._owners[ids]
             if run_ids is None:
                 unlock, args = sql_text.UNLOCK_SESSION_KEEP_NAME[len(ids)], ids
             else:
-                del self._runs[run_ids]
                 unlock = sql_text.UNLOCK_SESSION_KEEP_NAME_RUN[len(ids)]
                 args = (*ids, *run_ids)
             if companion is not None:  # released in the key's statement
@@ -234,9 +210,11 @@ class ProcessSession(base.LockSessions):
                         cursor, unlock, args, hold.rider, prepare=self._ready, end=True
                     )
             except BaseException as exc:
+                self._forget(hold)
                 self._fail(f"releasing lock {key.name!r} failed: {exc!r}", exc)
                 why = deadlines.explain(bound)
                 self._raise(exc, f"release lock {key.name!r}{why}")
+            self._forget(hold)
         if not (row and row[0]):
             # Unlocked behind our back; closing the session would free every other lock.
             raise exceptions.LockNotOwnedError(
@@ -245,6 +223,19 @@ class ProcessSession(base.LockSessions):
                 key=str(key),
                 name=key.name,
             )
+
+    def _forget(self, hold: base.Hold) -> None:
+        """Under the mutex: the hold and its companion leave; their claims go back."""
+        for one in filter(None, (hold, hold.companion)):
+            if self._owners.get(one.ids) is one:
+                del self._owners[one.ids]
+            self.claims.release(one)
+        if hold.run_ids is not None and self._runs.get(hold.run_ids) is hold:
+            del self._runs[hold.run_ids]
+
+    def still_holds(self, hold: base.Hold) -> bool:
+        with self._mutex:
+            return self._still_holds(hold)
 
     def identity(
         self, hold: base.Hold, key: LockKey, *, bound: float
@@ -355,7 +346,7 @@ class ProcessSession(base.LockSessions):
         except Exception as exc:
             self._raise(exc, f"acquire lock {key.name!r}", connecting=True)
         self._pooled, self._connection, self._cursor = pooled, dbapi, cursor
-        self._bound = _Bound(dbapi)
+        self._bound = base.RearmedBound(dbapi)
         deadlines.watch(self._bound)
         self._shown = None
         self._executes = {}

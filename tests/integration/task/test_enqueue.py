@@ -10,7 +10,6 @@ import types
 import uuid
 
 import celery
-import psycopg2
 import pytest
 from celery import signals as celery_signals
 from celery.app.trace import build_tracer
@@ -27,7 +26,12 @@ from celery_pglock.db import engines, sql_text
 from celery_pglock.lock import rider
 from celery_pglock.task import enqueue, queued
 from celery_pglock.testing import lock_state
-from tests.integration.task_support import current_engine, define, hold
+from tests.integration.task_support import (
+    current_engine,
+    define,
+    hold,
+    lose_first_reply,
+)
 
 
 @pytest.fixture
@@ -164,17 +168,7 @@ def test_a_claim_whose_reply_was_lost_is_still_published(
         lock_enqueue_on_duplicate=on_duplicate,
     )
     task.delay(0)  # the tables and the kept connection
-    real = engines.on_kept
-    cut = []
-
-    def reply_lost(engine, bound, work):
-        row = real(engine, bound, work)
-        if not cut:
-            cut.append(row)
-            raise psycopg2.OperationalError("server closed the connection unexpectedly")
-        return row
-
-    monkeypatch.setattr(engines, "on_kept", reply_lost)
+    cut = lose_first_reply(monkeypatch)
     sent = task.delay(1)
     assert "new" == cut[0][0]  # committed by the first try
     assert sent.id in published

@@ -17,7 +17,13 @@ from celery_pglock.db import engines
 from celery_pglock.task import queued, replacing, replacing_sweep
 from celery_pglock.testing import lock_state
 from tests.integration.task.test_enqueue import deliver, rows
-from tests.integration.task_support import current_engine, define, hold, trace_delivery
+from tests.integration.task_support import (
+    current_engine,
+    define,
+    hold,
+    lose_first_reply,
+    trace_delivery,
+)
 
 
 @pytest.fixture
@@ -478,6 +484,28 @@ def test_a_hand_over_whose_publish_fails_is_published_again_by_the_sweep(
     deliver(task, again, 16, 2)
     assert [2] == ran
     assert rows(task, 16) is None
+
+
+def test_a_replacing_send_whose_reply_was_lost_tells_the_send_it_replaced(
+    app, published, monkeypatch
+):
+    """Its upsert committed, then the connection died before the reply: checked again,
+    the send finds itself in the row and tells the send it replaced. It used to replace
+    itself the second time, and told its own caller that it was replaced by itself."""
+    ran: list[int] = []
+    task = latest(app, "lost_reply", ran)
+    first = task.delay(17, 1)
+    second = task.delay(17, 2)
+    cut = lose_first_reply(monkeypatch)
+    third = task.delay(17, 3)
+    assert "replaced" == cut[0][0]
+    assert [first.id] == ids_of(published)
+    assert third.id == replaced_by(task, second.id)
+    assert "PENDING" == task.AsyncResult(third.id).state
+    monkeypatch.undo()
+    deliver(task, first.id, 17, 1)
+    deliver(task, third.id, 17, 3)
+    assert [3] == ran
 
 
 def test_the_hand_over_keeps_the_tombstones_bounded(app):

@@ -8,15 +8,20 @@ Reject, a release that fails, a body calling its own task, a failing metrics sin
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 from celery.app.trace import build_tracer
 from celery.result import AsyncResult
 
+import celery_pglock
 from celery_pglock import DatabaseError, LockBusy, current_lock
 from celery_pglock.testing import lock_state
 from tests.integration.task_support import current_engine, define, hold, is_held, ran
@@ -125,7 +130,7 @@ def test_transaction_scope_leaves_nothing_on_the_pooled_session(app, namespace):
         return tenant
 
     task = define(app, work, lock_args=("tenant",), lock_scope="transaction")
-    assert 7 == task.apply(args=(7,)).get()
+    assert 1000 == task.apply(args=(1000,)).get()  # and the session still works
     assert 8 == task.apply(args=(8,)).get()
     assert "tenant_7" not in seen[1]
     with current_engine(app).connect() as connection:
@@ -456,3 +461,88 @@ def test_the_lock_is_free_before_the_result_is_stored(app, how, state, held_at_s
     assert [(state, held_at_store)] == seen
     assert state == AsyncResult(task_id, app=app).state  # stored, visible to clients
     assert not is_held(task, "d")  # and free once the run is over
+
+
+class _InterruptError(Exception):
+    """Stands for a soft time limit (SoftTimeLimitExceeded) landing mid-release."""
+
+
+_PACKAGE = str(Path(celery_pglock.__file__).parent)
+
+
+def _releasing(frame):
+    """``frame`` is a lock release: AdvisoryLock's or a session strategy's."""
+    from celery_pglock.lock import advisory
+    from celery_pglock.lock.sessions import per_lock, process
+
+    files = {m.__file__ for m in (advisory, process, per_lock)}
+    return (
+        frame is not None
+        and frame.f_code.co_name == "release"
+        and frame.f_code.co_filename in files
+    )
+
+
+def _interrupting(run, at):
+    """``run()``, raising _InterruptError as the ``at``-th function (0-based) of the
+    library that a release calls starts: where Python runs a signal handler (on entering
+    a function). How many were called, with no interrupt if ``at`` is None."""
+    seen = [0]
+
+    def calls(frame, event, arg):
+        mine = frame.f_code.co_filename.startswith(_PACKAGE)  # not a signal receiver's
+        if event == "call" and mine and _releasing(frame.f_back):
+            seen[0] += 1
+            if seen[0] - 1 == at:
+                raise _InterruptError(f"landed on entering {frame.f_code.co_name}")
+
+    old = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        run()
+    finally:
+        sys.settrace(old)
+    return seen[0]
+
+
+def test_a_release_interrupted_anywhere_leaves_no_lock_held(services):
+    """An asynchronous exception (a soft time limit) may land as any function the release
+    calls starts: wherever it lands, the key ends free in PostgreSQL once task_postrun has
+    run. Before, one landing before the unlock left the key held by the process's session,
+    with nothing left to release it. Run in a fresh interpreter (``case_`` below): the
+    call tracing it needs hung there after some of the suite's tests had run."""
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"),
+            *("-o", "python_functions=case_*", "-o", "addopts="),
+            f"{__file__}::case_interrupted_release",
+        ],
+        env={**os.environ, **services.env(), "PGLOCK_SKIP_LINT": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert 0 == done.returncode, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "2 passed" in done.stdout, done.stdout[-2000:]
+
+
+def case_interrupted_release(app):
+    """The case of the test above (collected only with python_functions=case_*)."""
+
+    def interrupted(day):
+        return day
+
+    task = define(app, interrupted, lock_args=("day",))
+    tracer = build_tracer(task.name, task, app=app)
+
+    def deliver(day):
+        task_id = str(uuid.uuid4())
+        request = {"id": task_id, "root_id": task_id, "hostname": "it@localhost"}
+        return lambda: tracer(task_id, [day], {}, request)
+
+    calls = _interrupting(deliver(0), None)
+    assert calls > 3
+    for at in range(calls):
+        _interrupting(deliver(at + 1), at)
+        assert not is_held(task, at + 1), f"held after an interrupt at call {at}"
+    assert 1000 == task.apply(args=(1000,)).get()  # and the session still works
