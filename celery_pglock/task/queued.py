@@ -53,15 +53,15 @@ GRANT = (
     "GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}celery_pglock_queued TO {role};\n"
 )
 
-_ROW = "(q.classid, q.objid, q.objsubid) = (%(c)s::oid, %(o)s::oid, %(s)s::smallint)"
-_STALE_AT = "now() + make_interval(secs => %(stale)s)"
+ROW = "(q.classid, q.objid, q.objsubid) = (%(c)s::oid, %(o)s::oid, %(s)s::smallint)"
+STALE_AT = "now() + make_interval(secs => %(stale)s)"  #: ``stale`` seconds from now
 
 #: A new key's row (CLAIM's and FIRST's first CTE): nothing if the key has one.
 _NEW_ROW = f"""ins AS (
   INSERT INTO celery_pglock_queued AS q
     (classid, objid, objsubid, task_id, task_name, run_objid, mode, stale_at)
   VALUES (%(c)s::oid, %(o)s::oid, %(s)s::smallint, %(id)s, %(name)s, %(run)s, %(mode)s,
-          {_STALE_AT})
+          {STALE_AT})
   ON CONFLICT (classid, objid, objsubid) DO NOTHING RETURNING q.task_id)"""
 
 #: Take the key's row or name its owner, in one statement (docs/guide/enqueue.md, How it
@@ -71,12 +71,12 @@ WITH {_NEW_ROW},
 old AS MATERIALIZED (
   SELECT q.task_id, %(force)s OR CASE WHEN q.stale_at < now()
     THEN pg_try_advisory_xact_lock({keys.RUN_NAMESPACE}, q.run_objid) END AS free
-  FROM celery_pglock_queued q WHERE {_ROW} AND NOT EXISTS (SELECT 1 FROM ins)),
+  FROM celery_pglock_queued q WHERE {ROW} AND NOT EXISTS (SELECT 1 FROM ins)),
 upd AS (
   UPDATE celery_pglock_queued q SET task_id = %(id)s, task_name = %(name)s,
     run_objid = %(run)s, mode = %(mode)s, published_at = now(), started_at = NULL,
-    stale_at = {_STALE_AT}
-  FROM old WHERE old.free AND {_ROW} AND q.task_id = old.task_id RETURNING old.task_id),
+    stale_at = {STALE_AT}
+  FROM old WHERE old.free AND {ROW} AND q.task_id = old.task_id RETURNING old.task_id),
 sync AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true))
 SELECT r.* FROM (
   SELECT 'new' AS outcome, task_id FROM ins
@@ -95,7 +95,7 @@ sync AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true))
 SELECT r.* FROM (
   SELECT 'new' AS outcome, task_id FROM ins
   UNION ALL SELECT 'queued', q.task_id FROM celery_pglock_queued q
-  WHERE {_ROW} AND NOT EXISTS (SELECT 1 FROM ins) AND CASE WHEN q.stale_at >= now()
+  WHERE {ROW} AND NOT EXISTS (SELECT 1 FROM ins) AND CASE WHEN q.stale_at >= now()
     THEN true ELSE NOT pg_try_advisory_xact_lock({keys.RUN_NAMESPACE}, q.run_objid)
     END) r, sync
 """
@@ -105,9 +105,9 @@ SELECT r.* FROM (
 DELETE_ONE = f"""
 WITH gone AS (
   DELETE FROM celery_pglock_queued q
-  WHERE {_ROW} AND q.task_id = %(id)s AND q.carrier IS NULL RETURNING 1)
+  WHERE {ROW} AND q.task_id = %(id)s AND q.carrier IS NULL RETURNING 1)
 UPDATE celery_pglock_queued q SET stale_at = least(q.stale_at, now())
-WHERE {_ROW} AND q.carrier = %(id)s"""
+WHERE {ROW} AND q.carrier = %(id)s"""
 #: The same for many (revoked, expired or rejected messages). Params: oid[], oid[], int2[], text[].
 DELETE_MANY = """
 WITH d AS MATERIALIZED (
@@ -334,7 +334,7 @@ def give_back(engine: sa.Engine, key: keys.LockKey, task_id: str, bound: float) 
 
 
 def _row_params(key: keys.LockKey, task_id: str) -> dict[str, Any]:
-    """``task_id``'s row of ``key`` as the params of _ROW and ``%(id)s``."""
+    """``task_id``'s row of ``key`` as the params of ROW and ``%(id)s``."""
     classid, objid, objsubid = key.pg_locks_ids
     return {"c": classid, "o": objid, "s": objsubid, "id": task_id}
 

@@ -54,8 +54,9 @@ TABLE = own_tables.OwnTable(
 KEEP = "1 day"  #: How long a tombstone waits for its message.
 SEEN_KEEP = "2 hours"  #: Once its message was delivered: for a redelivery of it.
 
-_ROW = "(q.classid, q.objid, q.objsubid) = (%(c)s::oid, %(o)s::oid, %(s)s::smallint)"
-_STALE_AT = "now() + make_interval(secs => %(stale)s)"
+_ROW, _STALE_AT = queued.ROW, queued.STALE_AT
+#: A row's stale_at while its message's publish is unconfirmed.
+PROVISIONAL = f"now() + make_interval(secs => {queued.PUBLISH_GRACE})"
 #: Seconds until the row's latest send is due (lock_debounce), or NULL.
 WAIT = "greatest(0, extract(epoch FROM q.due_at - now()))::float8"
 #: lock_debounce: a batch's first send is due ``window`` after it; each later send pushes
@@ -75,7 +76,7 @@ TOMBSTONE = f"""
 HANDED = f"""
   UPDATE celery_pglock_queued q SET carrier = NULL, run_objid = {{source}}.latest_run,
     latest_run = NULL, published_at = now(),
-    stale_at = now() + make_interval(secs => {queued.PUBLISH_GRACE})
+    stale_at = {PROVISIONAL}
   FROM {{source}} WHERE {{where}} RETURNING 1"""
 
 #: A send's hot path, tried before CLAIM: a new key's row, or this send's arguments into

@@ -67,19 +67,14 @@ FROM free
 REISSUE = f"""
 WITH old AS MATERIALIZED (
   SELECT q.task_id FROM celery_pglock_queued q
-  WHERE (q.classid, q.objid, q.objsubid) = (%(c)s::oid, %(o)s::oid, %(s)s::smallint)
-    AND q.task_id = %(old)s AND q.carrier IS NULL AND q.payload IS NOT NULL
-    AND q.started_at IS NULL AND q.stale_at < now()
+  WHERE {queued.ROW} AND q.task_id = %(old)s AND q.carrier IS NULL
+    AND q.payload IS NOT NULL AND q.started_at IS NULL AND q.stale_at < now()
     AND pg_try_advisory_xact_lock({keys.RUN_NAMESPACE}, q.run_objid)
   FOR UPDATE),
 renamed AS (
   UPDATE celery_pglock_queued q SET task_id = %(id)s, run_objid = %(run)s,
-    published_at = now(), stale_at = now() + make_interval(secs => {
-    queued.PUBLISH_GRACE
-})
-  FROM old
-  WHERE (q.classid, q.objid, q.objsubid) = (%(c)s::oid, %(o)s::oid, %(s)s::smallint)
-  RETURNING 1),
+    published_at = now(), stale_at = {replacing.PROVISIONAL}
+  FROM old WHERE {queued.ROW} RETURNING 1),
 tomb AS ({
     replacing.TOMBSTONE.format(
         carrier="old.task_id", by="%(id)s", name="%(name)s", source="old"
