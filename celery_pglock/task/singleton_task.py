@@ -411,14 +411,11 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             raise release_error  # transaction scope: nothing was committed
 
 
+_STATES = ((Retry, states.RETRY), (Ignore, states.IGNORED), (Reject, states.REJECTED))
+
+
 def _state_of(exc: BaseException | None) -> str:
-    if isinstance(exc, Retry):
-        return states.RETRY
-    if isinstance(exc, Ignore):
-        return states.IGNORED
-    if isinstance(exc, Reject):
-        return states.REJECTED
-    return states.FAILURE
+    return next((s for kind, s in _STATES if isinstance(exc, kind)), states.FAILURE)
 
 
 #: SingletonTask's own lock_* members that are not options (lock_config, lock_key_for).
@@ -439,6 +436,8 @@ def after_task(task: Any = None, retval: Any = None, **_: Any) -> None:
     # The request is done with: a nested call can no longer be mistaken for this run.
     request.pglock_execution = None
     lock = execution.lock
+    for watched in filter(None, (lock, execution.group_lock)):
+        loss_watcher.unwatch(watched)  # an interrupt may have skipped _end's
     if execution.release_at_postrun and lock is not None:
         execution.release_at_postrun = False
         # Reported as lock_release_failed; a signal receiver cannot fail the task.

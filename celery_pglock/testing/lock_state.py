@@ -32,6 +32,12 @@ def process_held_keys(engine: sa.Engine) -> list[tuple[int, ...]]:
         return list(session._owners)
 
 
+def watched_locks() -> list[AdvisoryLock]:
+    """The locks the loss watcher watches in this process (their bodies running)."""
+    with loss_watcher._mutex:
+        return [entry.lock for entry in loss_watcher._entries.values()]
+
+
 @contextlib.contextmanager
 def watcher_checks() -> Iterator[Callable[[], int]]:
     """Count the loss watcher's checks answered in this process while inside; yields the

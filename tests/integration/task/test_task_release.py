@@ -483,15 +483,28 @@ def _releasing(frame):
     )
 
 
-def _interrupting(run, at):
+def _ending(frame):
+    """``frame`` is the end of a run (SingletonTask's ``_run``, ``_end`` or
+    ``_finish_run``): what runs between the body's return and the release."""
+    from celery_pglock.task import singleton_task
+
+    return (
+        frame is not None
+        and frame.f_code.co_name in ("_run", "_end", "_finish_run")
+        and frame.f_code.co_filename == singleton_task.__file__
+    )
+
+
+def _interrupting(run, at, inside=_releasing):
     """``run()``, raising _InterruptError as the ``at``-th function (0-based) of the
-    library that a release calls starts: where Python runs a signal handler (on entering
-    a function). How many were called, with no interrupt if ``at`` is None."""
+    library called from a frame ``inside`` accepts starts: where Python runs a signal
+    handler (on entering a function). How many were called, with no interrupt if ``at``
+    is None."""
     seen = [0]
 
     def calls(frame, event, arg):
         mine = frame.f_code.co_filename.startswith(_PACKAGE)  # not a signal receiver's
-        if event == "call" and mine and _releasing(frame.f_back):
+        if event == "call" and mine and inside(frame.f_back):
             seen[0] += 1
             if seen[0] - 1 == at:
                 raise _InterruptError(f"landed on entering {frame.f_code.co_name}")
@@ -506,16 +519,19 @@ def _interrupting(run, at):
 
 
 def test_a_release_interrupted_anywhere_leaves_no_lock_held(services):
-    """An asynchronous exception (a soft time limit) may land as any function the release
-    calls starts: wherever it lands, the key ends free in PostgreSQL once task_postrun has
-    run. Before, one landing before the unlock left the key held by the process's session,
-    with nothing left to release it. Run in a fresh interpreter (``case_`` below): the
-    call tracing it needs hung there after some of the suite's tests had run."""
+    """An asynchronous exception (a soft time limit) may land as any function the run's
+    end or its release calls starts: wherever it lands, the key ends free in PostgreSQL
+    once task_postrun has run, and the loss watcher no longer watches the lock. Before,
+    one landing before the unlock left the key held by the process's session with nothing
+    left to release it, and one landing before the end stopped watching left the lock
+    watched for good. Run in a fresh interpreter (``case_`` below): the call tracing it
+    needs hung there after some of the suite's tests had run."""
     done = subprocess.run(
         [
             *(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"),
             *("-o", "python_functions=case_*", "-o", "addopts="),
             f"{__file__}::case_interrupted_release",
+            f"{__file__}::case_interrupted_end",
         ],
         env={**os.environ, **services.env(), "PGLOCK_SKIP_LINT": "1"},
         capture_output=True,
@@ -523,7 +539,7 @@ def test_a_release_interrupted_anywhere_leaves_no_lock_held(services):
         timeout=240,
     )
     assert 0 == done.returncode, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "2 passed" in done.stdout, done.stdout[-2000:]
+    assert "4 passed" in done.stdout, done.stdout[-2000:]
 
 
 def case_interrupted_release(app):
@@ -546,3 +562,27 @@ def case_interrupted_release(app):
         _interrupting(deliver(at + 1), at)
         assert not is_held(task, at + 1), f"held after an interrupt at call {at}"
     assert 1000 == task.apply(args=(1000,)).get()  # and the session still works
+
+
+def case_interrupted_end(app):
+    """The same, landing anywhere between the body's return and the release (the run's
+    end): the key ends free and the loss watcher no longer watches the run's lock."""
+
+    def ending(day):
+        return day
+
+    task = define(app, ending, lock_args=("day",))
+    tracer = build_tracer(task.name, task, app=app)
+
+    def deliver(day):
+        task_id = str(uuid.uuid4())
+        request = {"id": task_id, "root_id": task_id, "hostname": "it@localhost"}
+        return lambda: tracer(task_id, [day], {}, request)
+
+    calls = _interrupting(deliver(0), None, _ending)
+    assert calls > 3
+    for at in range(calls):
+        _interrupting(deliver(at + 1), at, _ending)
+        assert not is_held(task, at + 1), f"held after an interrupt at call {at}"
+        assert [] == lock_state.watched_locks(), f"watched after an interrupt at {at}"
+    assert 1000 == task.apply(args=(1000,)).get()
