@@ -94,6 +94,7 @@ class Hold:
     slot: int = 0  # lock_limit: which of the key's slots (keys.slot_keys) ids is
     companions_tried: bool = False  # the request's companions were tried with the key
     companion: Hold | None = None  # the one of them taken, released with the key
+    thread: int = dataclasses.field(default_factory=threading.get_ident)  # its acquirer
 
 
 class Claims:
@@ -116,7 +117,7 @@ class Claims:
         (None: at once). Blocks; pair with :meth:`release`, granted or not."""
         ids = hold.ids
         with self._mutex:
-            while self._holder(ids) is not None:
+            while (holder := self._holder(ids)) is not None and not _orphan(holder):
                 remaining = 0.0 if deadline is None else deadline - time.monotonic()
                 if remaining <= 0:
                     return False
@@ -140,7 +141,11 @@ class Claims:
         (one mutex for them all: a group has up to 64 slots). Pair with release_all."""
         ref = weakref.ref(hold)
         with self._mutex:
-            free = [key for key in keys if self._holder(key.ids) is None]
+            free = [
+                key
+                for key in keys
+                if (holder := self._holder(key.ids)) is None or _orphan(holder)
+            ]
             for key in free:
                 self._held[key.ids] = ref
         return free
@@ -161,6 +166,13 @@ class Claims:
     def _holder(self, ids: tuple[int, ...]) -> Hold | None:
         ref = self._held.get(ids)
         return None if ref is None else ref()
+
+
+def _orphan(holder: Hold) -> bool:
+    """A claim this thread's acquire left ungranted (an interrupt landed in its cleanup):
+    that acquire has ended, so the claim is void. Weakly held, it would also go with the
+    hold, but a traceback may keep the hold for long."""
+    return holder.connection is None and holder.thread == threading.get_ident()
 
 
 class LockSessions:

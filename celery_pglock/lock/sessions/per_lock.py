@@ -91,23 +91,23 @@ class PerLockSessions(base.LockSessions):
                     owner.invalidate()
                 owner.close()
                 return None
+            # In the try: an interrupt before the hold is handed over closes its session.
+            if transaction:
+                hold.sa_connection, hold.transaction = owner, lock_transaction
+            else:
+                engines.held_keys(pooled.info)[hold.ids] += 1
+                pooled.info[engines.IDLE_NAME] = hold.idle_name
+            hold.pooled, hold.connection = pooled, dbapi
+            # A transaction-level run lock ends with the transaction: nothing to release.
+            hold.run_ids = run_ids if run_granted else None
+            if request.on_granted is not None:
+                request.on_granted(hold)
         except BaseException as exc:
             # Unknown state (interrupted mid-statement): closing is the only safe release.
             self._retire_if_dead(pooled, exc)
             owner.invalidate()
             owner.close()
             self._raise(exc, action)
-        if transaction:
-            hold.sa_connection, hold.transaction = owner, lock_transaction
-        else:
-            engines.held_keys(pooled.info)[hold.ids] += 1
-            pooled.info[engines.IDLE_NAME] = hold.idle_name
-        hold.pooled, hold.connection = pooled, dbapi
-        # A transaction-level run lock ends with the transaction: nothing to release.
-        hold.run_ids = run_ids if run_granted else None
-        # From here a pinned connection nobody knows is unlocked at check-in.
-        if request.on_granted is not None:
-            request.on_granted(hold)
         return hold
 
     def identity(

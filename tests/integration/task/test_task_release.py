@@ -495,6 +495,20 @@ def _ending(frame):
     )
 
 
+def _acquiring(frame):
+    """``frame`` runs inside ``AdvisoryLock.acquire`` (the lock layer's frames only)."""
+    from celery_pglock.lock import advisory
+
+    lock_layer = str(Path(advisory.__file__).parent)
+    while frame is not None and frame.f_code.co_filename.startswith(lock_layer):
+        if frame.f_code.co_name == "acquire" and frame.f_code.co_filename == (
+            advisory.__file__
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _interrupting(run, at, inside=_releasing):
     """``run()``, raising _InterruptError as the ``at``-th function (0-based) of the
     library called from a frame ``inside`` accepts starts: where Python runs a signal
@@ -532,6 +546,7 @@ def test_a_release_interrupted_anywhere_leaves_no_lock_held(services):
             *("-o", "python_functions=case_*", "-o", "addopts="),
             f"{__file__}::case_interrupted_release",
             f"{__file__}::case_interrupted_end",
+            f"{__file__}::case_interrupted_acquire",
         ],
         env={**os.environ, **services.env(), "PGLOCK_SKIP_LINT": "1"},
         capture_output=True,
@@ -539,7 +554,7 @@ def test_a_release_interrupted_anywhere_leaves_no_lock_held(services):
         timeout=240,
     )
     assert 0 == done.returncode, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "4 passed" in done.stdout, done.stdout[-2000:]
+    assert "6 passed" in done.stdout, done.stdout[-2000:]
 
 
 def case_interrupted_release(app):
@@ -586,3 +601,44 @@ def case_interrupted_end(app):
         assert not is_held(task, at + 1), f"held after an interrupt at call {at}"
         assert [] == lock_state.watched_locks(), f"watched after an interrupt at {at}"
     assert 1000 == task.apply(args=(1000,)).get()
+
+
+def case_interrupted_acquire(app):
+    """The same, landing anywhere in the lock's acquire (a try, a wait, a slot of
+    lock_limit, a key with its lock_group slot): the key ends free, unclaimed (the next
+    run of it in this process runs) and unwatched."""
+
+    def tried(day):
+        return day
+
+    def waited(day):
+        return day
+
+    def slotted(day):
+        return day
+
+    def grouped(day):
+        return day
+
+    for body, options in (
+        (tried, {}),
+        (waited, {"lock_on_busy": "wait"}),
+        (slotted, {"lock_limit": 2}),
+        (grouped, {"lock_group": f"g-{uuid.uuid4().hex}", "lock_group_limit": 2}),
+    ):
+        task = define(app, body, lock_args=("day",), lock_wait_timeout=5, **options)
+        tracer = build_tracer(task.name, task, app=app)
+
+        def deliver(day, task=task, tracer=tracer):
+            task_id = str(uuid.uuid4())
+            request = {"id": task_id, "root_id": task_id, "hostname": "it@localhost"}
+            return lambda: tracer(task_id, [day], {}, request)
+
+        calls = _interrupting(deliver(0), None, _acquiring)
+        assert calls > 2
+        for at in range(calls):
+            _interrupting(deliver(at + 1), at, _acquiring)
+            where = f"{body.__name__}, an interrupt at call {at}"
+            assert not is_held(task, at + 1), f"held after {where}"
+            assert [] == lock_state.watched_locks(), f"watched after {where}"
+            assert at + 1 == task.apply(args=(at + 1,)).get(), f"refused after {where}"

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 
 from celery_pglock.lock import sessions
 
 
-def hold(ids: tuple[int, ...] = (42,)) -> sessions.Hold:
-    return sessions.Hold(session=None, ids=ids)  # type: ignore[arg-type]
+def hold(ids: tuple[int, ...] = (42,), *, granted: bool = True) -> sessions.Hold:
+    """A run's hold; granted: its session holds the key (as once a claim is taken)."""
+    made = sessions.Hold(session=None, ids=ids)  # type: ignore[arg-type]
+    made.connection = object() if granted else None
+    return made
 
 
 def test_a_claimed_key_is_refused_until_its_hold_releases_it() -> None:
@@ -72,3 +76,27 @@ def test_a_hold_dropped_without_release_frees_its_key() -> None:
     assert claims.claim(dropped)
     del dropped
     assert claims.claim(hold())  # a dropped hold's claim is gone
+
+
+def test_an_ungranted_claim_this_thread_left_is_void_for_it_alone() -> None:
+    """An interrupt in an acquire's cleanup can leave its claim behind, never granted,
+    while a traceback keeps the hold: the thread's next claim of the key takes it over
+    (its acquire has ended); another thread still waits for it, as it cannot know."""
+    claims = sessions.Claims()
+    left = hold(granted=False)
+    assert claims.claim(left)
+    outcome: dict[str, bool] = {}
+    other = threading.Thread(target=lambda: outcome.update(got=claims.claim(hold())))
+    other.start()
+    other.join(10)
+    assert outcome == {"got": False}
+    again = hold()
+    assert claims.claim(again)  # this thread: left's acquire has ended
+    assert not claims.claim(hold())  # and again holds it now
+    # The same for a lock_group slot claimed beside the key (claim_free).
+    slot = types.SimpleNamespace(ids=(43,))
+    first, second = hold(granted=False), hold(granted=False)
+    assert [slot] == claims.claim_free([slot], first)
+    assert [slot] == claims.claim_free([slot], second)  # first's was left: void here
+    second.connection = object()  # granted with its key
+    assert [] == claims.claim_free([slot], hold())
