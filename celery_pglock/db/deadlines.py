@@ -8,7 +8,7 @@ import math
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 from celery_pglock.db import driver_errors, forks
 
@@ -31,6 +31,8 @@ class Bound:
     late_answer_fails: bool = True
     fd: int = dataclasses.field(init=False)
     fired: bool = dataclasses.field(default=False, init=False)
+    #: Watched for good and armed per statement (the process session's): never dropped.
+    rearmed: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self.fd = self.connection.fileno()
@@ -40,7 +42,11 @@ class Bound:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
-        unwatch(self)
+        with (
+            guard
+        ):  # inline, not unwatch(): an interrupt on a call would leave it armed
+            self.deadline = math.inf
+            _watched.discard(self)
         if self.fired and exc_type is None and self.late_answer_fails:
             # The answer came after the shutdown: the session is ending anyway.
             raise driver_errors.operational_error(self.connection)(NO_ANSWER)
@@ -80,9 +86,14 @@ def _reap() -> None:
         time.sleep(TICK)
         now = time.monotonic()
         with guard:
-            for bound in _watched:
-                if bound.deadline <= now:
-                    bound.deadline = math.inf
+            for bound in [bound for bound in _watched if bound.deadline <= now]:
+                bound.deadline = math.inf
+                if not _in_statement(bound.connection):
+                    # Its block ended with its __exit__ interrupted (a soft time limit on
+                    # entering it): the connection may be pooled, or its fd reused.
+                    if not bound.rearmed:
+                        _watched.discard(bound)
+                else:
                     bound.fired = True
                     try:  # on a dup of the fd: shutdown wakes the blocked recv at once
                         with socket.fromfd(
@@ -91,6 +102,15 @@ def _reap() -> None:
                             sock.shutdown(socket.SHUT_RDWR)
                     except OSError:
                         pass  # already closed: nothing is blocked on it any more
+
+
+def _in_statement(connection: Any) -> bool:
+    """A statement is under way on ``connection`` (libpq's PQTRANS_ACTIVE: psycopg2's and
+    psycopg 3's status 1), or it cannot be told: then the bound fires, as it always did."""
+    try:
+        return not connection.closed and connection.info.transaction_status == 1
+    except Exception:
+        return True
 
 
 @forks.reset_in_child

@@ -113,13 +113,13 @@ def watch(
 def release(task: SingletonTask, execution: Execution) -> None:
     """Give the run's group slot back (a failure is reported, never raised)."""
     lock = execution.group_lock
-    execution.group_lock = None
     if lock is None:
         return
     with runs.held_guard:
         runs.held.discard(lock)
     if lock.owned():
         runs.release_unrun(task, lock, execution.task_id)
+    execution.group_lock = None  # last: interrupted, task_postrun releases it
 
 
 def release_unrun(task: SingletonTask, execution: Execution) -> None:

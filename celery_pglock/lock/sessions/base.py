@@ -38,14 +38,17 @@ DEFAULT_ROUND_TRIP_TIMEOUT = 5.0  #: AdvisoryLock.round_trip_timeout's, in secon
 class RearmedBound(deadlines.Bound):
     """The process session's deadline, armed again for each of its statements."""
 
-    __slots__ = ()
+    __slots__ = ("seconds",)
+    rearmed = True
 
     def __call__(self, seconds: float) -> RearmedBound:
-        self.fired = False
-        self.deadline = time.monotonic() + seconds
+        self.seconds = seconds
         return self
 
     def __enter__(self) -> RearmedBound:
+        # Armed here, not in __call__: an interrupt on entering this leaves it disarmed.
+        self.fired = False
+        self.deadline = time.monotonic() + self.seconds
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
@@ -129,12 +132,19 @@ class Claims:
             self._held[ids] = weakref.ref(hold)
             return True
 
-    def release(self, hold: Hold) -> None:
+    def release(self, hold: Hold, companion: Hold | None = None) -> None:
+        """Give back ``hold``'s claim and ``companion``'s: no Python call and no loop
+        before both are gone, so an asynchronous exception cannot land between them."""
         with self._mutex:
-            if self._holder(hold.ids) is hold:
-                del self._held[hold.ids]
-                if self._waiting:
-                    self._cond.notify_all()
+            held = self._held
+            ref = held.get(hold.ids)
+            if ref is not None and ref() is hold:
+                del held[hold.ids]
+            ref = None if companion is None else held.get(companion.ids)
+            if ref is not None and ref() is companion:
+                del held[companion.ids]  # type: ignore[union-attr]
+            if self._waiting:
+                self._cond.notify_all()
 
     def claim_free(self, keys: Sequence[LockKey], hold: Hold) -> list[LockKey]:
         """Those of ``keys`` no run of the process holds, claimed for ``hold`` at once

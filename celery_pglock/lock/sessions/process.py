@@ -225,11 +225,15 @@ class ProcessSession(base.LockSessions):
             )
 
     def _forget(self, hold: base.Hold) -> None:
-        """Under the mutex: the hold and its companion leave; their claims go back."""
-        for one in filter(None, (hold, hold.companion)):
-            if self._owners.get(one.ids) is one:
-                del self._owners[one.ids]
-            self.claims.release(one)
+        """Under the mutex: the hold and its companion leave; their claims go back. One
+        call, then neither call nor loop: an interrupt lands before it (the hold is still
+        recorded: released again at task_postrun) or not at all."""
+        companion, owners = hold.companion, self._owners
+        self.claims.release(hold, companion)
+        if owners.get(hold.ids) is hold:
+            del owners[hold.ids]
+        if companion is not None and owners.get(companion.ids) is companion:
+            del owners[companion.ids]
         if hold.run_ids is not None and self._runs.get(hold.run_ids) is hold:
             del self._runs[hold.run_ids]
 

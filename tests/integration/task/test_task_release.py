@@ -521,7 +521,11 @@ def _interrupting(run, at, inside=_releasing):
         if event == "call" and mine and inside(frame.f_back):
             seen[0] += 1
             if seen[0] - 1 == at:
-                raise _InterruptError(f"landed on entering {frame.f_code.co_name}")
+                caller = frame.f_back.f_code
+                raise _InterruptError(
+                    f"landed on entering {frame.f_code.co_name} from "
+                    f"{Path(caller.co_filename).name}:{caller.co_name}"
+                )
 
     old = sys.gettrace()
     sys.settrace(calls)
@@ -547,6 +551,7 @@ def test_a_release_interrupted_anywhere_leaves_no_lock_held(services):
             f"{__file__}::case_interrupted_release",
             f"{__file__}::case_interrupted_end",
             f"{__file__}::case_interrupted_acquire",
+            f"{__file__}::case_interrupted_anywhere",
         ],
         env={**os.environ, **services.env(), "PGLOCK_SKIP_LINT": "1"},
         capture_output=True,
@@ -554,7 +559,7 @@ def test_a_release_interrupted_anywhere_leaves_no_lock_held(services):
         timeout=240,
     )
     assert 0 == done.returncode, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "6 passed" in done.stdout, done.stdout[-2000:]
+    assert "8 passed" in done.stdout, done.stdout[-2000:]
 
 
 def case_interrupted_release(app):
@@ -640,5 +645,55 @@ def case_interrupted_acquire(app):
             _interrupting(deliver(at + 1), at, _acquiring)
             where = f"{body.__name__}, an interrupt at call {at}"
             assert not is_held(task, at + 1), f"held after {where}"
+            assert [] == lock_state.watched_locks(), f"watched after {where}"
+            assert at + 1 == task.apply(args=(at + 1,)).get(), f"refused after {where}"
+
+
+def _in_library(frame):
+    """``frame`` is the library's: any function it calls starts inside a run."""
+    return frame is not None and frame.f_code.co_filename.startswith(_PACKAGE)
+
+
+def _advisory_locks_of_this_process(app):
+    with current_engine(app).connect() as connection:
+        return connection.exec_driver_sql(
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+            "WHERE l.locktype = 'advisory' AND a.application_name LIKE %s",
+            (f"%:{os.getpid()} %",),
+        ).scalar()
+
+
+def case_interrupted_anywhere(app):
+    """The same, landing as any function the library calls during a run starts, for
+    each kind of lock: no advisory lock of this process is left in PostgreSQL, nothing is
+    watched, and the next run of the key in this process runs."""
+
+    def anywhere(day):
+        return day
+
+    kinds = {
+        "try": {},
+        "wait": {"lock_on_busy": "wait"},
+        "transaction": {"lock_scope": "transaction"},
+        "slot": {"lock_limit": 2},
+        "group": {"lock_group": f"g-{uuid.uuid4().hex}", "lock_group_limit": 2},
+        "fencing": {"lock_fencing": True},
+    }
+    for kind, options in kinds.items():
+        anywhere.__name__ = f"anywhere_{kind}"
+        task = define(app, anywhere, lock_args=("day",), lock_wait_timeout=5, **options)
+        tracer = build_tracer(task.name, task, app=app)
+
+        def deliver(day, task=task, tracer=tracer):
+            task_id = str(uuid.uuid4())
+            request = {"id": task_id, "root_id": task_id, "hostname": "it@localhost"}
+            return lambda: tracer(task_id, [day], {}, request)
+
+        calls = _interrupting(deliver(0), None, _in_library)
+        assert calls > 10
+        for at in range(calls):
+            _interrupting(deliver(at + 1), at, _in_library)
+            where = f"{kind}, an interrupt at call {at}"
+            assert 0 == _advisory_locks_of_this_process(app), f"held after {where}"
             assert [] == lock_state.watched_locks(), f"watched after {where}"
             assert at + 1 == task.apply(args=(at + 1,)).get(), f"refused after {where}"

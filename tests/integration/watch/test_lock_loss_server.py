@@ -277,12 +277,34 @@ def test_a_bounded_round_trip_is_cut_at_its_deadline(database_url):
         connection.close()
 
 
-def test_a_bound_that_fired_after_the_answer_still_fails_the_round_trip(database_url):
-    """The answer came, but this thread was descheduled until the reaper had shut the
-    socket down: the server is ending the session, so the round trip must fail like a
-    dead session, not report success."""
+def test_a_stall_after_the_answer_leaves_the_session_alone(database_url):
+    """The answer came, then this thread was descheduled past the bound: nothing waits
+    on the socket any more, so the reaper leaves it (and the session) alone."""
     from celery_pglock.db import deadlines
 
+    connection = psycopg2.connect(dsn(database_url))
+    try:
+        cursor = connection.cursor()
+        with deadlines.bounded(connection, 0.2) as bound:
+            cursor.execute("SELECT 1")
+            assert (1,) == cursor.fetchone()
+            time.sleep(0.2 + deadlines.TICK + 0.3)  # the stall after the answer
+        assert not bound.fired
+        cursor.execute("SELECT 2")
+        assert (2,) == cursor.fetchone()
+    finally:
+        connection.close()
+
+
+def test_a_bound_that_fired_as_the_answer_came_still_fails_the_round_trip(
+    database_url, monkeypatch
+):
+    """The reaper saw the statement under way and shut the socket down as the answer
+    arrived (a race, made certain here): the server is ending the session, so the round
+    trip must fail like a dead session, not report success."""
+    from celery_pglock.db import deadlines
+
+    monkeypatch.setattr(deadlines, "_in_statement", lambda connection: True)
     connection = psycopg2.connect(dsn(database_url))
     try:
         cursor = connection.cursor()
@@ -308,11 +330,13 @@ def test_a_bound_that_fired_after_the_answer_still_fails_the_round_trip(database
 def test_an_acquire_whose_bound_fired_after_the_grant_is_not_a_held_lock(
     lock_engine, database_url, namespace, monkeypatch
 ):
-    """The same stall after a granted try-lock: acquire() must not return True for a lock
+    """The same race after a granted try-lock: acquire() must not return True for a lock
     whose session the reaper has just cut (PostgreSQL frees it). The session is
     replaced once, as for any dead session, and the lock is really held after."""
     from celery_pglock.db import deadlines
     from celery_pglock.lock import sessions
+
+    monkeypatch.setattr(deadlines, "_in_statement", lambda connection: True)
 
     try_once = sessions.ProcessSession._try
     stalls = []
