@@ -678,6 +678,12 @@ def case_interrupted_anywhere(app):
         "slot": {"lock_limit": 2},
         "group": {"lock_group": f"g-{uuid.uuid4().hex}", "lock_group_limit": 2},
         "fencing": {"lock_fencing": True},
+        "rate": {"lock_rate": "1000/h"},
+        "enqueue": {"lock_enqueue": "until_finished"},
+        "latest": {
+            "lock_enqueue": "until_started",
+            "lock_enqueue_on_duplicate": "replace",
+        },
     }
     for kind, options in kinds.items():
         anywhere.__name__ = f"anywhere_{kind}"
