@@ -23,6 +23,7 @@ from celery.result import AsyncResult
 
 import celery_pglock
 from celery_pglock import DatabaseError, LockBusy, current_lock
+from celery_pglock.task import queued, replacing
 from celery_pglock.testing import lock_state
 from tests.integration.task_support import current_engine, define, hold, is_held, ran
 
@@ -554,6 +555,11 @@ def case_interrupted_anywhere(app):
         anywhere.__name__ = f"anywhere_{kind}"
         task = define(app, anywhere, lock_args=("day",), lock_wait_timeout=5, **options)
         tracer = build_tracer(task.name, task, app=app)
+        if (
+            "lock_enqueue" in options
+        ):  # made by a producer's first send, which is skipped
+            queued.TABLE.ensure(task.locks_engine())
+            replacing.TABLE.ensure(task.locks_engine())
 
         def deliver(day, task=task, tracer=tracer):
             task_id = str(uuid.uuid4())
