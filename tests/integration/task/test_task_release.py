@@ -521,12 +521,19 @@ def test_an_interrupt_anywhere_in_a_run_leaves_nothing_behind(services):
 
 
 def _advisory_locks_of_this_process(app):
-    with current_engine(app).connect() as connection:
-        return connection.exec_driver_sql(
-            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
-            "WHERE l.locktype = 'advisory' AND a.application_name LIKE %s",
-            (f"%:{os.getpid()} %",),
-        ).scalar()
+    """How many advisory locks this process's sessions hold, once a session the library
+    closed has ended: its backend exits (and frees its locks) a moment after the close."""
+    deadline = time.monotonic() + 5
+    while True:
+        with current_engine(app).connect() as connection:
+            count = connection.exec_driver_sql(
+                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+                "WHERE l.locktype = 'advisory' AND a.application_name LIKE %s",
+                (f"%:{os.getpid()} %",),
+            ).scalar()
+        if count == 0 or time.monotonic() >= deadline:
+            return count
+        time.sleep(0.05)
 
 
 def case_interrupted_anywhere(app):
