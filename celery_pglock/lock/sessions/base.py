@@ -36,7 +36,7 @@ DEFAULT_ROUND_TRIP_TIMEOUT = 5.0  #: AdvisoryLock.round_trip_timeout's, in secon
 
 
 class RearmedBound(deadlines.Bound):
-    """The process session's deadline, armed again for each of its statements."""
+    """The process session's deadline, armed in __enter__ (an interrupt there: not armed)."""
 
     __slots__ = ("seconds",)
     rearmed = True
@@ -46,7 +46,6 @@ class RearmedBound(deadlines.Bound):
         return self
 
     def __enter__(self) -> RearmedBound:
-        # Armed here, not in __call__: an interrupt on entering this leaves it disarmed.
         self.fired = False
         self.deadline = time.monotonic() + self.seconds
         return self
@@ -120,7 +119,7 @@ class Claims:
         (None: at once). Blocks; pair with :meth:`release`, granted or not."""
         ids = hold.ids
         with self._mutex:
-            while (holder := self._holder(ids)) is not None and not _orphan(holder):
+            while _taken(self._holder(ids)):
                 remaining = 0.0 if deadline is None else deadline - time.monotonic()
                 if remaining <= 0:
                     return False
@@ -133,16 +132,14 @@ class Claims:
             return True
 
     def release(self, hold: Hold, companion: Hold | None = None) -> None:
-        """Give back ``hold``'s claim and ``companion``'s: no Python call and no loop
-        before both are gone, so an asynchronous exception cannot land between them."""
+        """Both claims given back with no Python call or loop between (no interrupt)."""
         with self._mutex:
-            held = self._held
-            ref = held.get(hold.ids)
+            ref = self._held.get(hold.ids)
             if ref is not None and ref() is hold:
-                del held[hold.ids]
-            ref = None if companion is None else held.get(companion.ids)
+                del self._held[hold.ids]
+            ref = None if companion is None else self._held.get(companion.ids)
             if ref is not None and ref() is companion:
-                del held[companion.ids]  # type: ignore[union-attr]
+                del self._held[companion.ids]  # type: ignore[union-attr]
             if self._waiting:
                 self._cond.notify_all()
 
@@ -151,11 +148,7 @@ class Claims:
         (one mutex for them all: a group has up to 64 slots). Pair with release_all."""
         ref = weakref.ref(hold)
         with self._mutex:
-            free = [
-                key
-                for key in keys
-                if (holder := self._holder(key.ids)) is None or _orphan(holder)
-            ]
+            free = [key for key in keys if not _taken(self._holder(key.ids))]
             for key in free:
                 self._held[key.ids] = ref
         return free
@@ -178,11 +171,11 @@ class Claims:
         return None if ref is None else ref()
 
 
-def _orphan(holder: Hold) -> bool:
-    """A claim this thread's acquire left ungranted (an interrupt landed in its cleanup):
-    that acquire has ended, so the claim is void. Weakly held, it would also go with the
-    hold, but a traceback may keep the hold for long."""
-    return holder.connection is None and holder.thread == threading.get_ident()
+def _taken(holder: Hold | None) -> bool:
+    """Claimed, unless by this thread's ended acquire, ungranted (docs/design.md)."""
+    return holder is not None and (
+        holder.connection is not None or holder.thread != threading.get_ident()
+    )
 
 
 class LockSessions:
