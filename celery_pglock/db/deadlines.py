@@ -42,9 +42,8 @@ class Bound:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
-        with (
-            guard
-        ):  # inline, not unwatch(): an interrupt on a call would leave it armed
+        # Inline, not unwatch(): an interrupt as a call starts would leave it armed.
+        with guard:
             self.deadline = math.inf
             _watched.discard(self)
         if self.fired and exc_type is None and self.late_answer_fails:

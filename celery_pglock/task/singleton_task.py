@@ -436,14 +436,15 @@ def after_task(task: Any = None, retval: Any = None, **_: Any) -> None:
     # The request is done with: a nested call can no longer be mistaken for this run.
     request.pglock_execution = None
     lock = execution.lock
-    for watched in filter(None, (lock, execution.group_lock)):
-        loss_watcher.unwatch(watched)  # an interrupt may have skipped _end's
     if execution.release_at_postrun and lock is not None:
         execution.release_at_postrun = False
         # Reported as lock_release_failed; a signal receiver cannot fail the task.
         with contextlib.suppress(exceptions.PgLockError):
             task._finish_run(execution, lock, execution.ended_with)
     elif lock is not None and lock.owned():
+        # An interrupt ended the run before _end could stop watching and release.
+        for watched in filter(None, (lock, execution.group_lock)):
+            loss_watcher.unwatch(watched)
         runs.release_leftover(lock, f"task_postrun of {execution.task_id}")
     if execution.group_lock is not None:
         groups.release_leftover(execution)

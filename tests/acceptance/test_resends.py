@@ -104,9 +104,8 @@ def test_a_reused_id_is_a_new_start_for_lock_period(resend_app, worker, recorder
         while time.monotonic() - began < 9:
             if time.monotonic() - began < 8:
                 resend_app.periodic.apply_async((run,), task_id=task_id)
-            time.sleep(
-                0.5
-            )  # starts are >= 5 s apart: sampled twice a second, none missed
+            # Starts are >= 5 s apart: sampled twice a second, none is missed.
+            time.sleep(0.5)
             with connection.cursor() as cursor:
                 cursor.execute(
                     "SELECT started_at FROM celery_pglock_periods "
