@@ -45,14 +45,20 @@ def publish(
     engine = task.locks_engine()
     finished = settings.enqueue is Enqueue.UNTIL_FINISHED
     headers = dict(options.pop("headers", None) or {})
-    headers.pop(queued.HEADER, None)  # a retry's request headers carry the old one
+    # A retry's request headers carry the old one: a checked message's retry, whose
+    # parent_id (a send from another task's body) marks no canvas.
+    checked = headers.pop(queued.HEADER, None) is not None
     # Told by Celery's retries count, never by a (reusable) id: docs/guide/enqueue.md.
     retry = celery_compat.is_retry_send(options)
     if settings.debounce is not None and not retry:
         _debounce(task, options)
     stale = _stale_after(task, options, settings.enqueue_lost_after)
     replace = settings.enqueue_on_duplicate is OnDuplicate.REPLACE
-    if replace and any(options.get(name) for name in _CONTINUATIONS):
+    if (
+        replace
+        and not (retry and checked)
+        and any(options.get(name) for name in _CONTINUATIONS)
+    ):
         # Never held in a row: its continuations would be lost (docs/guide/latest-wins.md).
         _unchecked(task, "canvas", f"it is part of a canvas ({key})", task_id, key)
         return send(args, kwargs, task_id, headers=headers, **options)

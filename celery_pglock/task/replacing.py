@@ -130,7 +130,10 @@ act AS MATERIALIZED (
       CASE WHEN prev.task_id <> %(id)s THEN 'hand_over'
         WHEN %(force)s OR prev.stale_at < now() THEN 'own' ELSE 'queued' END
     WHEN prev.task_id = %(id)s AND NOT %(force)s THEN 'again'
-    WHEN %(force)s AND prev.unstarted THEN 'superseded'
+    WHEN %(force)s AND prev.unstarted AND (prev.stale_at >= now()
+      OR prev.payload IS NOT NULL OR NOT pg_try_advisory_xact_lock({
+    keys.RUN_NAMESPACE
+}, prev.run_objid)) THEN 'superseded'
     WHEN %(force)s OR (prev.stale_at < now()
       AND pg_try_advisory_xact_lock({
     keys.RUN_NAMESPACE
@@ -372,14 +375,22 @@ def _hand_over(lock: AdvisoryLock, task_id: str, task_name: str) -> tuple[Any, .
     params = {"c": classid, "o": objid, "s": objsubid, "id": task_id, "name": task_name}
 
     def hand_over(dbapi: Any, cursor: Any) -> tuple[Any, ...]:
-        try:
-            statement = sql_text.prepared(dbapi, cursor, HAND_OVER_NAME, HAND_OVER)
-            sql_text.run(cursor, *sql_text.inline(statement, params))
-        except Exception as exc:
-            if driver_errors.sqlstate(exc) == sql_text.UNDEFINED_TABLE:
-                TABLE.forget(engine)
-            raise
-        return tuple(cursor.fetchone() or (None, None, None, None, None))
+        # Nothing back may mean a sweep or a send handed this carrier's row over (or took
+        # it) while the statement waited for the row: FOR UPDATE re-reads the row, but
+        # the tombstone that transaction wrote is not in the statement's snapshot. So
+        # once more, on a fresh snapshot (only a run that carries nothing pays it).
+        for _ in range(2):
+            try:
+                statement = sql_text.prepared(dbapi, cursor, HAND_OVER_NAME, HAND_OVER)
+                sql_text.run(cursor, *sql_text.inline(statement, params))
+            except Exception as exc:
+                if driver_errors.sqlstate(exc) == sql_text.UNDEFINED_TABLE:
+                    TABLE.forget(engine)
+                raise
+            row = cursor.fetchone()
+            if row is not None:
+                return tuple(row)
+        return (None, None, None, None, None)
 
     with driver_errors.wrap_db_errors(action, engine):
         row = lock.on_holding_session(action, hand_over)
