@@ -25,7 +25,7 @@ import psutil
 from celery_pglock import AdvisoryLock, keys
 from celery_pglock.db import engines
 from celery_pglock.lock import sessions
-from celery_pglock.task import queued
+from celery_pglock.task import queued, queued_writes
 from celery_pglock.testing import _support, start_services
 
 
@@ -64,7 +64,7 @@ def run(engine: Any, url: str, rider: bool, count: int) -> tuple[float, float]:
             lock.run_key = keys.run_key(task_id)
             lock.rider = queued.Queued(queued.UNTIL_FINISHED, key.pg_locks_ids, task_id)
         locks.append(lock)
-    queued.drain_writers()  # the claims' confirmations: not the lock's work
+    queued_writes.drain_writers()  # the claims' confirmations: not the lock's work
     server, client = backend_seconds(url), time.process_time()
     for lock in locks:
         if not lock.acquire():

@@ -11,10 +11,10 @@ from typing import Any, Protocol
 class Rider(Protocol):
     """What a feature changes with a grant and with its release (``task.queued.Queued``)."""
 
-    def on_grant(self) -> tuple[str, tuple[Any, ...]]:
+    def on_grant(self) -> tuple[str, tuple[Any, ...]] | None:
         """A data-modifying statement ending in RETURNING, and its params (sent after the
-        lock's own). Its ``{granted}`` is replaced by SQL that is true where the lock was
-        granted."""
+        lock's own); None: nothing to send. Its ``{granted}`` is replaced by SQL that is
+        true where the lock was granted."""
         ...
 
     def on_reply(self, changed: int) -> None:

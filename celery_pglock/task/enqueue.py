@@ -14,7 +14,7 @@ from celery.utils.time import maybe_iso8601
 from celery_pglock import celery_compat, config, exceptions
 from celery_pglock.config import Enqueue, OnDuplicate, OnEnqueueError
 from celery_pglock.db import engines
-from celery_pglock.task import outcomes, queued, replacing
+from celery_pglock.task import outcomes, queued, queued_writes, replacing
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -145,8 +145,15 @@ def publish(
         queued.give_back(engine, key, task_id, settings.db_timeout)
         raise
     if stale > queued.PUBLISH_GRACE:
-        queued.write_later(
-            task, (queued.CONFIRM_MANY, key.pg_locks_ids, task_id, stale)
+        queued_writes.write_later(
+            task,
+            (
+                queued_writes.CONFIRM_MANY,
+                key.pg_locks_ids,
+                task_id,
+                stale,
+                time.monotonic(),
+            ),
         )
     return result
 
@@ -213,7 +220,7 @@ def on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     row = queued.parse_header(headers.get(queued.HEADER))
     task_id = getattr(request, "id", None)
     if row is not None and task_id:
-        queued.free_later(sender, row, task_id)
+        queued_writes.free_later(sender, row, task_id)
 
 
 def on_rejected(sender: Any = None, message: Any = None, **_: Any) -> None:
@@ -228,14 +235,14 @@ def on_rejected(sender: Any = None, message: Any = None, **_: Any) -> None:
     name = headers.get("task")
     task: Any = app.tasks.get(name) if isinstance(name, str) else None
     if _enqueues(task):
-        queued.free_later(task, row, task_id)
+        queued_writes.free_later(task, row, task_id)
         return
     try:
         engine = engines.engine_for(app.conf)
     except exceptions.PgLockError:
         return  # no lock database here: its row frees itself once stale
-    queued.writer_for(
+    queued_writes.writer_for(
         engine,
         config.app_seconds(app.conf, "db_timeout"),
         config.app_seconds(app.conf, "enqueue_lost_after"),
-    ).put((queued.DELETE_MANY, row, task_id, 0.0))
+    ).put((queued_writes.DELETE_MANY, row, task_id, 0.0, 0.0))

@@ -6,6 +6,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from celery import states
+from celery.exceptions import Ignore, Reject, Retry
+
 from celery_pglock import metrics, signals
 
 if TYPE_CHECKING:
@@ -96,11 +99,11 @@ def released(
     task_id: str | None,
     lock: AdvisoryLock,
     *,
-    state: str,
     failed: bool,
     exception: BaseException | None,
 ) -> None:
     """The run ended (its lock released, or its release already reported as failed)."""
+    state = _state_of(exception) if failed else states.SUCCESS
     held = (lock.released_at or 0.0) - (lock.acquired_at or 0.0)
     if metrics.sink is not None:
         _count("released", task.name, state, held)
@@ -123,6 +126,13 @@ def released(
                 "state": state,
             },
         )
+
+
+_STATES = ((Retry, states.RETRY), (Ignore, states.IGNORED), (Reject, states.REJECTED))
+
+
+def _state_of(exc: BaseException | None) -> str:
+    return next((s for kind, s in _STATES if isinstance(exc, kind)), states.FAILURE)
 
 
 def release_failed(

@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from celery_pglock import config, exceptions, keys
-from celery_pglock.db import driver_errors, engines, own_tables, row_writer, sql_text
+from celery_pglock.db import driver_errors, engines, own_tables, sql_text
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -70,7 +70,7 @@ CLAIM = f"""
 WITH {_NEW_ROW},
 old AS MATERIALIZED (
   SELECT q.task_id, %(force)s OR CASE WHEN q.stale_at < now()
-    THEN pg_try_advisory_xact_lock({keys.RUN_NAMESPACE}, q.run_objid) END AS free
+    THEN pg_try_advisory_xact_lock_shared({keys.RUN_NAMESPACE}, q.run_objid) END AS free
   FROM celery_pglock_queued q WHERE {ROW} AND NOT EXISTS (SELECT 1 FROM ins)),
 upd AS (
   UPDATE celery_pglock_queued q SET task_id = %(id)s, task_name = %(name)s,
@@ -96,7 +96,7 @@ SELECT r.* FROM (
   SELECT 'new' AS outcome, task_id FROM ins
   UNION ALL SELECT 'queued', q.task_id FROM celery_pglock_queued q
   WHERE {ROW} AND NOT EXISTS (SELECT 1 FROM ins) AND CASE WHEN q.stale_at >= now()
-    THEN true ELSE NOT pg_try_advisory_xact_lock({keys.RUN_NAMESPACE}, q.run_objid)
+    THEN true ELSE NOT pg_try_advisory_xact_lock_shared({keys.RUN_NAMESPACE}, q.run_objid)
     END) r, sync
 """
 
@@ -108,32 +108,6 @@ WITH gone AS (
   WHERE {ROW} AND q.task_id = %(id)s AND q.carrier IS NULL RETURNING 1)
 UPDATE celery_pglock_queued q SET stale_at = least(q.stale_at, now())
 WHERE {ROW} AND q.carrier = %(id)s"""
-#: The same for many (revoked, expired or rejected messages). Params: oid[], oid[], int2[], text[].
-DELETE_MANY = """
-WITH d AS MATERIALIZED (
-  SELECT * FROM unnest(%s::oid[], %s::oid[], %s::int2[], %s::text[]) AS d(c, o, s, id)),
-gone AS (
-  DELETE FROM celery_pglock_queued q USING d
-  WHERE (q.classid, q.objid, q.objsubid, q.task_id) = (d.c, d.o, d.s, d.id)
-    AND q.carrier IS NULL RETURNING 1)
-UPDATE celery_pglock_queued q SET stale_at = least(q.stale_at, now()) FROM d
-WHERE (q.classid, q.objid, q.objsubid, q.carrier) = (d.c, d.o, d.s, d.id)"""
-
-_MESSAGE = "coalesce(q.carrier, q.task_id)"  #: The key's message in the broker.
-#: A confirmed publish: its unstarted row's real bound (``stale``: seconds past
-#: published_at) replaces PUBLISH_GRACE; a handed-over send's row drops the payload kept
-#: for a publish again (task.replacing.HANDED). Params: oid[], oid[], int2[], text[], float8[].
-CONFIRM_MANY = (
-    "WITH s AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true)) "
-    "UPDATE celery_pglock_queued q "
-    "SET stale_at = q.published_at + make_interval(secs => d.stale), "
-    "payload = CASE WHEN q.carrier IS NULL THEN NULL ELSE q.payload END, "
-    "payload_type = CASE WHEN q.carrier IS NULL THEN NULL ELSE q.payload_type END "
-    "FROM s, unnest(%s::oid[], %s::oid[], %s::int2[], %s::text[], %s::float8[]) "
-    "AS d(c, o, s, id, stale) "
-    f"WHERE (q.classid, q.objid, q.objsubid, {_MESSAGE}) = (d.c, d.o, d.s, d.id) "
-    "AND q.started_at IS NULL"
-)
 #: Seconds a row stays provisional (docs/guide/enqueue.md, How it works).
 PUBLISH_GRACE = 10.0
 
@@ -172,9 +146,14 @@ class Queued:
     #: Whether the grant's statement changed the row of this message (None: not sent).
     #: until_started: it deleted the row it owned, so it carries no later send.
     took_row: bool | None = None
+    #: until_started with lock_rate or lock_group: the grant leaves the row, deleted
+    #: once those let the run start (start_deferred): a refused start keeps its key.
+    deferred: bool = False
 
-    def on_grant(self) -> tuple[str, tuple[Any, ...]]:
+    def on_grant(self) -> tuple[str, tuple[Any, ...]] | None:
         if self.mode == UNTIL_STARTED:
+            if self.deferred:
+                return None
             return ON_START_STARTED, (*self.row, self.task_id)
         return ON_START_FINISHED, (self.redeliver, *self.row, self.task_id)
 
@@ -198,7 +177,19 @@ def rider_for(
         key.pg_locks_ids,
         task_id,
         options.enqueue_lost_after if requeued else 0.0,
+        deferred=until_started
+        and options.enqueue_on_duplicate is not config.OnDuplicate.REPLACE
+        and (options.rate is not None or options.group is not None),
     )
+
+
+def start_deferred(task: LockedTask, lock: AdvisoryLock) -> None:
+    """The run of a deferred until_started row (Queued.deferred) starts: free its key."""
+    row = row_of(lock)
+    if row is not None and row.deferred:
+        give_back(
+            task.locks_engine(), lock.key, row.task_id, task.lock_config.db_timeout
+        )
 
 
 def row_of(lock: AdvisoryLock | None) -> Queued | None:
@@ -257,7 +248,8 @@ def claim(
         "force": retry,
         **(more or {}),
     }
-    deadline = time.monotonic() + bound
+    began = time.monotonic()
+    deadline = began + bound
     try:
         return engines.on_kept(
             engine, bound, lambda c: _claim(first, statement, params, key, c)
@@ -285,9 +277,36 @@ def claim(
                 engine, bound, lambda c: _claim(first, statement, params, key, c)
             )
             # The first try's, committed before its reply was lost: still to publish.
-            if row[0] == "queued" and row[1] == task_id:
+            # Not a queued message that has this (reused) id: claimed before this send.
+            if (
+                row[0] == "queued"
+                and row[1] == task_id
+                and _claimed_since(engine, bound, key, task_id, began)
+            ):
                 return ("own", *row[1:])
             return row
+
+
+#: How long ago ``task_id``'s unstarted row of the key was claimed (seconds).
+_CLAIM_AGE = (
+    "SELECT extract(epoch FROM now() - q.published_at)::float8 "
+    f"FROM celery_pglock_queued q WHERE {ROW} AND q.task_id = %(id)s "
+    "AND q.started_at IS NULL"
+)
+
+
+def _claimed_since(
+    engine: sa.Engine, bound: float, key: keys.LockKey, task_id: str, began: float
+) -> bool:
+    """Whether ``task_id``'s row of ``key`` was claimed after ``began`` (monotonic)."""
+
+    def age(cursor: Any) -> float | None:
+        cursor.execute(_CLAIM_AGE, _row_params(key, task_id))
+        found = cursor.fetchone()
+        return None if found is None else float(found[0])
+
+    seconds = engines.on_kept(engine, bound, age)
+    return seconds is not None and seconds <= time.monotonic() - began
 
 
 def _claim(
@@ -337,54 +356,6 @@ def _row_params(key: keys.LockKey, task_id: str) -> dict[str, Any]:
     """``task_id``'s row of ``key`` as the params of ROW and ``%(id)s``."""
     classid, objid, objsubid = key.pg_locks_ids
     return {"c": classid, "o": objid, "s": objsubid, "id": task_id}
-
-
-#: (statement, the key's pg_locks ids, task id, seconds): a row change to send later.
-_Change = tuple[str, tuple[int, int, int], str, float]
-
-
-def _write_rows(engine: sa.Engine, cursor: Any, batch: list[_Change]) -> None:
-    # Array params per column: DELETE_MANY takes 4, CONFIRM_MANY all 5. Confirmations
-    # first: a carrier freed in the same batch stays stale for the sweep.
-    for statement, width in ((CONFIRM_MANY, 5), (DELETE_MANY, 4)):
-        rows = [(*row, i, n) for sql, row, i, n in batch if sql == statement]
-        if rows:
-            c, o, s, ids, stale = zip(*rows, strict=True)
-            array = sql_text.array_literal
-            params = [array(c), array(o), array(s), list(ids), array(stale)]
-            cursor.execute(statement, params[:width])
-
-
-#: Publish confirmations and deletes of unrun messages' rows, retried until the rows are
-#: stale; unsent at exit, a confirmation frees its key for a second send after the grace.
-QUEUED_ROWS = row_writer.Purpose(
-    "queued",
-    _write_rows,
-    lambda batch: ", ".join(task_id for _, _, task_id, _ in batch),
-    "each key frees itself once stale, or clear it with `celery pglock queued clear "
-    f"<task id>` (an unconfirmed one after {PUBLISH_GRACE:g}s)",
-)
-
-
-def free_later(task: LockedTask, row: tuple[int, int, int], task_id: str) -> None:
-    """Queue the delete of ``task_id``'s row (a no-op if a newer message has the key)."""
-    write_later(task, (DELETE_MANY, row, task_id, 0.0))
-
-
-def write_later(task: LockedTask, change: _Change) -> None:
-    settings = task.lock_config
-    writer_for(
-        task.locks_engine(), settings.db_timeout, settings.enqueue_lost_after
-    ).put(change)
-
-
-def writer_for(
-    engine: sa.Engine, bound: float, give_up_after: float
-) -> row_writer.RowWriter[_Change]:
-    return row_writer.writer_for(engine, QUEUED_ROWS, bound, give_up_after)
-
-
-drain_writers = row_writer.drain_all  #: At exit, and where a test needs rows written.
 
 
 def parse_header(value: object) -> tuple[int, int, int] | None:

@@ -16,7 +16,7 @@ from kombu import serialization
 
 from celery_pglock import exceptions, keys
 from celery_pglock.db import driver_errors, engines, own_tables, sql_text
-from celery_pglock.task import outcomes, queued, runs
+from celery_pglock.task import outcomes, queued, queued_writes, runs
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -71,7 +71,7 @@ TOMBSTONE = f"""
     replaced_at = now(), seen_at = NULL, keep_until = excluded.keep_until"""
 #: A row handed to its latest send ({source}.latest_run: its run key), whose message is
 #: published next: provisional until that publish is confirmed (CLAIM, HAND_OVER, sweep).
-#: It keeps the payload until then (queued.CONFIRM_MANY clears it): a publisher killed or
+#: It keeps the payload until then (queued_writes.CONFIRM_MANY clears it): a publisher killed or
 #: failing meanwhile loses no send, the sweep publishes it again (replacing_sweep.py).
 HANDED = f"""
   UPDATE celery_pglock_queued q SET carrier = NULL, run_objid = {{source}}.latest_run,
@@ -297,7 +297,8 @@ def publish_latest(
         now = datetime.datetime.now(datetime.timezone.utc)
         stale += max(0.0, (options["eta"] - now).total_seconds())
     # Unconfirmed, its row frees itself in 10 s: a later send (or the sweep) takes it.
-    queued.write_later(task, (queued.CONFIRM_MANY, key.pg_locks_ids, task_id, stale))
+    change = (queued_writes.CONFIRM_MANY, key.pg_locks_ids, task_id, stale, 0.0)
+    queued_writes.write_later(task, change)
 
 
 def replaced_error(task_name: str, task_id: str, by: str) -> exceptions.TaskReplaced:

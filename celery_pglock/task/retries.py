@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from celery_pglock import celery_compat
 from celery_pglock.db import driver_errors
-from celery_pglock.task import outcomes, queued, runs
+from celery_pglock.task import outcomes, queued, queued_writes, runs
 
 if TYPE_CHECKING:
     from celery_pglock import exceptions
@@ -61,4 +61,4 @@ def _free_queued_row_later(task: SingletonTask) -> None:
     execution = runs.current.get()
     row = None if execution is None else queued.row_of(execution.lock)
     if row is not None:
-        queued.free_later(task, row.row, row.task_id)
+        queued_writes.free_later(task, row.row, row.task_id)

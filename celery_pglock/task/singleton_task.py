@@ -12,8 +12,6 @@ import os
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import celery
-from celery import states
-from celery.exceptions import Ignore, Reject, Retry
 
 from celery_pglock import celery_compat, config, exceptions, keys
 from celery_pglock.config import Enqueue, LockScope, OnBusy, OnLost, SkipResult
@@ -196,6 +194,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 if group is None and options.rate is not None:
                     throttle = periods.start_run(self, options, lock, task_id, direct)
                 if throttle is None and group is None:
+                    if options.rate is not None or options.group is not None:
+                        queued.start_deferred(self, lock)  # kept through their checks
                     return self._run(options, execution, lock, args, kwargs, direct)
             if not options.shadow:
                 return busy_policy.apply_policy(
@@ -396,12 +396,10 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             or lost_error is not None
             or (release_error is not None and lock.scope is LockScope.TRANSACTION)
         )
-        state = _state_of(exc) if failed else states.SUCCESS
         outcomes.released(
             self,
             task_id,
             lock,
-            state=state,
             failed=failed,
             exception=lost_error or exc or release_error,
         )
@@ -409,13 +407,6 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             raise lost_error from exc
         if failed and exc is None and release_error is not None:
             raise release_error  # transaction scope: nothing was committed
-
-
-_STATES = ((Retry, states.RETRY), (Ignore, states.IGNORED), (Reject, states.REJECTED))
-
-
-def _state_of(exc: BaseException | None) -> str:
-    return next((s for kind, s in _STATES if isinstance(exc, kind)), states.FAILURE)
 
 
 #: SingletonTask's own lock_* members that are not options (lock_config, lock_key_for).

@@ -11,7 +11,13 @@ from celery_pglock import config, exceptions, metrics
 from celery_pglock.db import driver_errors, engines, server_probe
 from celery_pglock.lock import sessions
 from celery_pglock.metrics import server as metrics_server
-from celery_pglock.task import enqueue, queued, replacing_sweep, runs, singleton_task
+from celery_pglock.task import (
+    enqueue,
+    queued_writes,
+    replacing_sweep,
+    runs,
+    singleton_task,
+)
 
 if TYPE_CHECKING:
     import threading
@@ -204,7 +210,7 @@ def _release_everything(**_: Any) -> None:
     if _sweeping is not None:
         _sweeping.set()
     # A prefork child ends in os._exit, which runs no atexit hook: drain here.
-    queued.drain_writers()
+    queued_writes.drain_writers()
     for lock in runs.held_locks():
         if lock.owned():
             runs.release_leftover(lock, "worker shutdown")

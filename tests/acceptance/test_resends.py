@@ -265,12 +265,12 @@ def test_a_published_message_keeps_its_key_past_the_grace(
 ):
     """Its producer confirmed the publish: a message waiting in a queue no worker reads
     keeps its key long after PUBLISH_GRACE (1 s here)."""
-    from celery_pglock.task import queued
+    from celery_pglock.task import queued, queued_writes
 
     monkeypatch.setattr(queued, "PUBLISH_GRACE", 1.0)
     nobody = f"pglock-nobody-{run}"
     first = resend_app.finished.apply_async((run, "k"), queue=nobody)
-    queued.drain_writers()
+    queued_writes.drain_writers()
     time.sleep(1.5)
     again = resend_app.finished.apply_async((run, "k"), queue=nobody)
     assert again.id == first.id

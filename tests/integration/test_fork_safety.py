@@ -18,7 +18,7 @@ import warnings
 
 from celery_pglock.db import engines, row_writer, server_probe
 from celery_pglock.fencing import tokens as fencing_tokens
-from celery_pglock.task import queued, runs
+from celery_pglock.task import queued, queued_writes, runs
 from celery_pglock.testing import lock_state
 from tests.integration.task_support import current_engine, define
 
@@ -121,7 +121,7 @@ def test_the_row_writers_guard_is_free_in_a_forked_child(app):
     assert (sent.id,) == queued_row()
 
     def work():
-        queued.free_later(task, row, sent.id)
+        queued_writes.free_later(task, row, sent.id)
         deadline = time.monotonic() + 10
         while queued_row() is not None and time.monotonic() < deadline:
             time.sleep(0.05)

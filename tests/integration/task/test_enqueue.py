@@ -24,7 +24,7 @@ from celery_pglock import (
 )
 from celery_pglock.db import engines, sql_text
 from celery_pglock.lock import rider
-from celery_pglock.task import enqueue, queued
+from celery_pglock.task import enqueue, queued, queued_writes
 from celery_pglock.testing import lock_state
 from tests.integration.task_support import (
     current_engine,
@@ -120,7 +120,7 @@ def test_the_publish_statement_is_planned_once_per_connection(app, published):
     engine = current_engine(app)
 
     def executions():
-        queued.drain_writers()  # the confirmations, on the same kept connection
+        queued_writes.drain_writers()  # the confirmations, on the same kept connection
         kept = lock_state.kept_connection(engine)
         with kept.busy:
             kept.cursor.execute(
@@ -134,7 +134,7 @@ def test_the_publish_statement_is_planned_once_per_connection(app, published):
     sends = 8
     for tenant in range(sends):
         task.delay(tenant)
-        queued.drain_writers()  # never busy with a confirmation at the next send
+        queued_writes.drain_writers()  # never busy with a confirmation at the next send
     assert task.delay(0).id != published[-1]  # a duplicate of a fresh row
     assert 1 + sends == len(published)
     after = executions()
@@ -192,14 +192,14 @@ def test_a_connection_reset_by_discard_all_prepares_the_claim_again(app, publish
 
     resets = make(app, "resets", use_the_connection, lock_scope="transaction")
     engine = current_engine(app)
-    queued.drain_writers()  # earlier tests' row changes: none may open a second
+    queued_writes.drain_writers()  # earlier tests' row changes: none may open a second
     engine.dispose()  # a pool of one: the send, the run and the send share it
     task.delay(0)  # the claim's kept connection, out of the pool
     with lock_state.kept_connection(
         engine
     ).busy:  # another thread's claim: sends take the pool
         task.delay(1)
-        queued.drain_writers()  # its confirmation, on the same pooled connection
+        queued_writes.drain_writers()  # its confirmation, on the same pooled connection
         resets.apply().get()
         assert 1 == engine.pool.checkedin()
         task.delay(2)
@@ -638,7 +638,7 @@ def test_dispose_closes_the_claim_connection(app, published):
     )
     engine = current_engine(app)
     task.delay(1)
-    queued.drain_writers()
+    queued_writes.drain_writers()
     kept = lock_state.kept_connection(engine)
     engine.dispose()
     assert kept.dbapi.closed

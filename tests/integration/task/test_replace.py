@@ -14,7 +14,7 @@ from celery import signals as celery_signals
 
 from celery_pglock import AdvisoryLock, ConfigurationError, TaskReplaced, keys
 from celery_pglock.db import engines
-from celery_pglock.task import queued, replacing, replacing_sweep
+from celery_pglock.task import queued_writes, replacing, replacing_sweep
 from celery_pglock.testing import lock_state
 from tests.integration.task.test_enqueue import deliver, rows
 from tests.integration.task_support import (
@@ -70,7 +70,7 @@ def replaced_by(task, task_id):
 
 def execute(app, sql, *params):
     # The batched publish confirmations first: one written after ``sql`` could undo it.
-    queued.drain_writers()
+    queued_writes.drain_writers()
     with (
         engines.autocommit(current_engine(app)) as dbapi,
         dbapi.cursor() as cursor,
@@ -99,7 +99,7 @@ def test_a_send_into_a_queued_key_publishes_nothing_and_the_carrier_hands_over(
     assert [first.id, second.id] == ids_of(published)
     assert second.id == replaced_by(task, first.id)
     # Its publish confirmed (batched): the row holds its key for lock_enqueue_lost_after.
-    queued.drain_writers()
+    queued_writes.drain_writers()
     [(confirmed, kept)] = execute(
         app,
         "SELECT stale_at > now() + interval '60 s', payload IS NOT NULL "
@@ -422,8 +422,8 @@ def test_a_revoked_carrier_hands_its_later_send_over(app, published):
     task = latest(app, "revoked_carrier", ran)
     first = task.delay(14, 1)
     second = task.delay(14, 2)
-    queued.free_later(task, task.lock_key_for(14).pg_locks_ids, first.id)
-    queued.drain_writers()
+    queued_writes.free_later(task, task.lock_key_for(14).pg_locks_ids, first.id)
+    queued_writes.drain_writers()
     assert second.id == rows(task, 14)[0]
     assert replacing_sweep.sweep(app) >= 1
     assert second.id in ids_of(published)
