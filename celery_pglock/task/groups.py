@@ -65,7 +65,14 @@ def take(
     )
     lock.round_trip_timeout = options.db_timeout
     lock.slots = keys.slot_keys(key, options.group_limit)
-    waits = options.on_busy is OnBusy.WAIT and not options.shadow
+    request = task.request
+    # A retry waits for its predecessor's slot, kept until task_postrun as its key is
+    # (docs/guide/retries.md); under 'retry' a full group re-queues it instead.
+    retried = bool(request.retries) and not direct and not request.is_eager
+    waits = not options.shadow and (
+        options.on_busy is OnBusy.WAIT
+        or (retried and options.on_busy is not OnBusy.RETRY)
+    )
     if taken is not None and not waits:  # full, as the key's statement just found
         if not options.shadow:
             runs.release_unrun(task, key_lock, execution.task_id)

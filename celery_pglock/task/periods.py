@@ -211,11 +211,19 @@ def start(
         # No row at all: the refusing start is not in the statement's snapshot.
         return tuple(cursor.fetchone() or (False, None, None))
 
-    with driver_errors.wrap_db_errors(action, engine):
+    def send() -> tuple[Any, ...]:
         row = lock.on_holding_session(action, record)
         if row is None:
             with engines.autocommit_cursor(engine, bound) as cursor:
                 row = record(cursor.connection, cursor)
+        return row
+
+    with driver_errors.wrap_db_errors(action, engine):
+        row = send()
+        if not row[0] and (row[1] is None or row[1] <= 0):
+            # Refused on now(), from before a wait on the row: the refusing start was
+            # not in the snapshot, or the window has opened since. Once more decides.
+            row = send()
     started, left, last = row
     if started:
         return None

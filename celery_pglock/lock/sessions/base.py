@@ -11,7 +11,7 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, TypeGuard
 
 from celery_pglock.db import deadlines, driver_errors, engines, sql_text
 from celery_pglock.lock import rider as riders
@@ -97,6 +97,7 @@ class Hold:
     companions_tried: bool = False  # the request's companions were tried with the key
     companion: Hold | None = None  # the one of them taken, released with the key
     thread: int = dataclasses.field(default_factory=threading.get_ident)  # its acquirer
+    in_flight: bool = True  # its acquire has not ended: granted or not, it will say
 
 
 class Claims:
@@ -114,13 +115,23 @@ class Claims:
         self._cond = threading.Condition(self._mutex)
         self._waiting = 0
 
-    def claim(self, hold: Hold, deadline: float | None = None) -> bool:
+    def claim(
+        self, hold: Hold, deadline: float | None = None, settle: float | None = None
+    ) -> bool:
         """False if another run still holds ``hold.ids`` at monotonic ``deadline``
-        (None: at once). Blocks; pair with :meth:`release`, granted or not."""
+        (None: at once), or at ``settle`` if another thread's acquire in flight claimed
+        it (slots: it takes one and gives the others back). Blocks; pair with release."""
         ids = hold.ids
         with self._mutex:
-            while _taken(self._holder(ids)):
-                remaining = 0.0 if deadline is None else deadline - time.monotonic()
+            while _taken(holder := self._holder(ids)):
+                until = deadline
+                if (
+                    settle is not None
+                    and holder.in_flight
+                    and holder.connection is None
+                ):
+                    until = max(deadline or 0.0, settle)
+                remaining = 0.0 if until is None else until - time.monotonic()
                 if remaining <= 0:
                     return False
                 self._waiting += 1
@@ -141,6 +152,12 @@ class Claims:
             if ref is not None and ref() is companion:
                 del self._held[companion.ids]  # type: ignore[union-attr]
             if self._waiting:
+                self._cond.notify_all()
+
+    def wake(self) -> None:
+        """An acquire ended: a claim waiting for it looks again."""
+        if self._waiting:
+            with self._mutex:
                 self._cond.notify_all()
 
     def claim_free(self, keys: Sequence[LockKey], hold: Hold) -> list[LockKey]:
@@ -171,7 +188,7 @@ class Claims:
         return None if ref is None else ref()
 
 
-def _taken(holder: Hold | None) -> bool:
+def _taken(holder: Hold | None) -> TypeGuard[Hold]:
     """Claimed, unless by this thread's ended acquire, ungranted (docs/design.md)."""
     return holder is not None and (
         holder.connection is not None or holder.thread != threading.get_ident()
@@ -204,13 +221,19 @@ class LockSessions:
         deadline = None  # monotonic: until when a claim of another run is waited for
         if self._claims_wait and request.timeout_ms is not None:
             deadline = time.monotonic() + request.timeout_ms / 1000
+        # Slots: another thread's acquire claims every free one for its statement and
+        # takes one; wait (a round trip at most) for it to say which.
+        settle = time.monotonic() + request.bound if len(slots) > 1 else None
         granted = None
         try:
             # In the try: a soft time limit after a claim must not orphan the key.
-            free = [hold for hold in holds if claims.claim(hold, deadline)]
+            free = [hold for hold in holds if claims.claim(hold, deadline, settle)]
             if free:  # else all are claimed here: busy without a round trip
                 granted = self._take(request, free, deadline)
         finally:
+            for hold in holds:
+                hold.in_flight = False
+            claims.wake()
             for hold in holds:
                 if hold is not granted and not self._recorded(hold):
                     claims.release(hold)  # a no-op if its claim was refused
@@ -399,52 +422,3 @@ def try_slots(
         return None, False
     granted = holds[int(row[0][0]) - 1]
     return granted, run_ids is not None and row[0][-1] == "true"
-
-
-def lock_or_wait(
-    cursor: Any,
-    key: LockKey,
-    hold: Hold,
-    transaction: bool,
-    timeout_ms: int | None,
-    bound: float,
-    run_ids: tuple[int, ...] | None,
-) -> tuple[bool, bool, bool]:
-    """Try (``timeout_ms`` None) or wait: (granted, run lock granted, discard session)."""
-    connection, arity, name = cursor.connection, len(key.ids), hold.holding_name
-    if timeout_ms is None:
-        with deadlines.bounded(connection, bound):
-            granted = try_named(cursor, key.ids, name, run_ids, transaction, hold.rider)
-            return (*granted, False)
-    waits = (
-        sql_text.WAIT_LOCK_TRANSACTION if transaction else sql_text.WAIT_LOCK_SESSION
-    )
-    try:
-        # lock_timeout bounds the wait server-side; bound, a server that never answers.
-        with deadlines.bounded(connection, timeout_ms / 1000 + bound):
-            cursor.execute(waits[arity], (str(timeout_ms), name, *key.ids))
-    except Exception as exc:
-        code = driver_errors.sqlstate(exc)
-        if code not in (sql_text.LOCK_NOT_AVAILABLE, sql_text.QUERY_CANCELED):
-            raise
-        if transaction:
-            connection.rollback()  # ends the transaction and the wait
-            return False, False, False
-        if code == sql_text.QUERY_CANCELED:
-            # A cancel may land after the grant, and a session lock outlives the BEGIN.
-            return False, False, True
-        # lock_timeout: nothing granted; psycopg2's rollback() is a no-op in autocommit.
-        with deadlines.bounded(connection, bound):
-            cursor.execute(sql_text.ROLLBACK)
-        return False, False, False
-    if run_ids is None and hold.rider is None:
-        return True, False, False
-    # Granted: the rider runs with the run lock (or alone, if there is none).
-    statement = (
-        sql_text.RUN_LOCK_TRANSACTION if transaction else sql_text.RUN_LOCK_SESSION
-    )
-    with deadlines.bounded(connection, bound):
-        if run_ids is None:
-            statement, run_ids = sql_text.NOTHING, ()
-        row = execute(cursor, statement, run_ids, hold.rider, "true")
-    return True, bool(row and row[0]), False

@@ -75,7 +75,7 @@ class PerLockSessions(base.LockSessions):
                 lock_transaction = owner.begin()
             with dbapi.cursor() as cursor:
                 if len(request.slots) == 1:
-                    granted, run_granted, discard = base.lock_or_wait(
+                    granted, run_granted, discard = lock_or_wait(
                         cursor, key, hold, transaction, timeout_ms, bound, run_ids
                     )
                 else:
@@ -235,3 +235,54 @@ def _pinned_alive(hold: base.Hold) -> bool:
     """A per-lock hold whose pinned connection has not ended (as far as we know)."""
     connection = hold.connection
     return hold.lost is None and connection is not None and not connection.closed
+
+
+def lock_or_wait(
+    cursor: Any,
+    key: LockKey,
+    hold: base.Hold,
+    transaction: bool,
+    timeout_ms: int | None,
+    bound: float,
+    run_ids: tuple[int, ...] | None,
+) -> tuple[bool, bool, bool]:
+    """Try (``timeout_ms`` None) or wait: (granted, run lock granted, discard session)."""
+    connection, arity, name = cursor.connection, len(key.ids), hold.holding_name
+    if timeout_ms is None:
+        with deadlines.bounded(connection, bound):
+            granted = base.try_named(
+                cursor, key.ids, name, run_ids, transaction, hold.rider
+            )
+            return (*granted, False)
+    waits = (
+        sql_text.WAIT_LOCK_TRANSACTION if transaction else sql_text.WAIT_LOCK_SESSION
+    )
+    try:
+        # lock_timeout bounds the wait server-side; bound, a server that never answers.
+        with deadlines.bounded(connection, timeout_ms / 1000 + bound):
+            cursor.execute(waits[arity], (str(timeout_ms), name, *key.ids))
+    except Exception as exc:
+        code = driver_errors.sqlstate(exc)
+        if code not in (sql_text.LOCK_NOT_AVAILABLE, sql_text.QUERY_CANCELED):
+            raise
+        if transaction:
+            connection.rollback()  # ends the transaction and the wait
+            return False, False, False
+        if code == sql_text.QUERY_CANCELED:
+            # A cancel may land after the grant, and a session lock outlives the BEGIN.
+            return False, False, True
+        # lock_timeout: nothing granted; psycopg2's rollback() is a no-op in autocommit.
+        with deadlines.bounded(connection, bound):
+            cursor.execute(sql_text.ROLLBACK)
+        return False, False, False
+    if run_ids is None and hold.rider is None:
+        return True, False, False
+    # Granted: the rider runs with the run lock (or alone, if there is none).
+    statement = (
+        sql_text.RUN_LOCK_TRANSACTION if transaction else sql_text.RUN_LOCK_SESSION
+    )
+    with deadlines.bounded(connection, bound):
+        if run_ids is None:
+            statement, run_ids = sql_text.NOTHING, ()
+        row = base.execute(cursor, statement, run_ids, hold.rider, "true")
+    return True, bool(row and row[0]), False
