@@ -192,12 +192,16 @@ class AdvisoryLock:
         self, action: str, work: base.Work
     ) -> tuple[Any, ...] | None:
         """``work(dbapi_connection, cursor)`` on the session holding the lock, bounded by
-        ``round_trip_timeout``; None where it cannot run there: transaction scope (it would
-        commit with the lock's transaction), or the session has ended."""
+        ``round_trip_timeout``; None in transaction scope (it would commit with the lock's
+        transaction). Raises LockLostError if the session has ended since the grant."""
         hold = self._hold
         if hold is None:
             return None
-        return hold.session.on_holder(hold, action, self.round_trip_timeout, work)
+        row = hold.session.on_holder(hold, action, self.round_trip_timeout, work)
+        if row is None and self.scope is LockScope.SESSION:
+            self.mark_lost(hold.lost or "its session ended before " + action)
+            raise self.lost_error()
+        return row
 
     def drop_rider(self) -> None:
         """Send nothing more with the release (its feature's row now has another owner)."""

@@ -146,7 +146,7 @@ def release_failed(
         lock.key.name,
         lock.key,
         run_name(task, task_id),
-        error,
+        str(error).rstrip("."),
         extra=_extra("lock_release_failed", lock, task_id),
     )
     if signals.lock_release_failed.receivers:

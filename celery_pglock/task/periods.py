@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from celery_pglock import celery_compat, config, exceptions
 from celery_pglock.db import driver_errors, engines, own_tables, sql_text
 from celery_pglock.lock import identity
-from celery_pglock.task import retries, runs
+from celery_pglock.task import outcomes, retries, runs
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -257,6 +257,8 @@ def start_run(
             lock.wait_seconds = (lock.wait_seconds or 0.0) + time.monotonic() - began
     except BaseException as error:
         runs.release_unrun(task, lock, task_id)  # nothing runs without the check
+        if isinstance(error, exceptions.LockLostError):  # its session ended meanwhile
+            outcomes.lost(task, task_id, lock, lock.lost_cause or "unknown")
         if isinstance(error, exceptions.DatabaseError):
             retries.on_database_error(task, error, direct=direct)
         raise

@@ -51,7 +51,8 @@ def release_unrun(task: LockedTask, lock: AdvisoryLock, task_id: str | None) -> 
     try:
         lock.release(commit=False)
     except exceptions.PgLockError as error:
-        outcomes.release_failed(task, task_id, lock, error)
+        if not lock.lost:  # a lost lock's release fails; lock_lost said it all
+            outcomes.release_failed(task, task_id, lock, error)
 
 
 def release_leftover(lock: AdvisoryLock, where: str) -> None:

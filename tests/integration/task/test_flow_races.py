@@ -286,3 +286,49 @@ def test_a_lowered_per_key_limit_counts_its_own_slots_only(app):
     finally:
         for lock in runs:
             lock.release()
+
+
+def test_a_session_ended_before_the_rate_statement_fails_the_run_as_lost(
+    app, monkeypatch
+):
+    """The key's session ends between the grant and the rate's statement (the watcher,
+    or another thread's failure, closed it): the key is free in PostgreSQL, so the start
+    is not recorded elsewhere and the body does not run; the run fails LockLostError."""
+    from celery_pglock import exceptions, signals
+    from celery_pglock.lock.sessions import ProcessSession
+    from celery_pglock.task import periods
+    from celery_pglock.testing import lock_state
+
+    ran: list[int] = []
+
+    def body(tenant):
+        ran.append(tenant)
+
+    body.__name__ = f"rate_lost_{uuid.uuid4().hex[:6]}"
+    task = define(app, body, lock_args=("tenant",), lock_period=60)
+    real_start = periods.start
+
+    def session_ends_first(lock, *args, **kwargs):
+        if isinstance(lock.session, ProcessSession):
+            lock.session.lose("closed by a test")
+        else:
+            lock_state.holding_connection(lock).close()
+        return real_start(lock, *args, **kwargs)
+
+    monkeypatch.setattr(periods, "start", session_ends_first)
+    lost: list[str] = []
+
+    def on_lost(sender=None, **kwargs):
+        lost.append(kwargs.get("cause", ""))
+
+    signals.lock_lost.connect(on_lost, weak=False)
+    try:
+        result = task.apply((1,))
+    finally:
+        signals.lock_lost.disconnect(on_lost)
+    assert [] == ran
+    assert isinstance(result.result, exceptions.LockLostError), result.result
+    assert 1 == len(lost), lost  # reported: the lock_lost signal
+    monkeypatch.setattr(periods, "start", real_start)
+    assert "SUCCESS" == task.apply((1,)).state  # no start was recorded: the next runs
+    assert [1] == ran
