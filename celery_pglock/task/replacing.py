@@ -337,7 +337,7 @@ def end_if_replaced(task: LockedTask, lock: AdvisoryLock, task_id: str | None) -
         return  # not a checked message's run, or its grant took the key's row: its own
     try:
         latest, payload, payload_type, wait, told = _hand_over(lock, task_id, task.name)
-    except exceptions.DatabaseError:
+    except (exceptions.DatabaseError, exceptions.LockLostError):
         runs.release_unrun(task, lock, task_id)  # nothing runs without the check
         raise
     by = latest or told
