@@ -107,3 +107,13 @@ def lose_first_reply(monkeypatch):
 
     monkeypatch.setattr(db_module, "on_kept", reply_lost)
     return cut
+
+
+def lock_waiters(app):
+    """How many sessions of the test database wait on a heavyweight lock (a row lock)."""
+    with db_module.autocommit(current_engine(app)) as dbapi, dbapi.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND wait_event_type = 'Lock'"
+        )
+        return cursor.fetchone()[0]

@@ -18,7 +18,7 @@ from tests.integration.task.test_enqueue import (
     published,  # noqa: F401 (fixture)
     rows,
 )
-from tests.integration.task_support import current_engine
+from tests.integration.task_support import current_engine, lock_waiters
 
 
 def _terminate_kept(engine):
@@ -70,18 +70,6 @@ def _stale_row(task, *args):
         assert 1 == cursor.rowcount
 
 
-def _lock_waiters(app):
-    with (
-        engines.autocommit(current_engine(app)) as dbapi,
-        dbapi.cursor() as cursor,
-    ):
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = "
-            "current_database() AND wait_event_type = 'Lock'"
-        )
-        return cursor.fetchone()[0]
-
-
 def test_a_send_racing_a_stale_takeover_never_returns_the_lost_message(
     app,
     published,  # noqa: F811
@@ -124,14 +112,14 @@ def test_a_send_racing_a_stale_takeover_never_returns_the_lost_message(
         a.start()
         threads.append(a)
         deadline = time.monotonic() + 10
-        while _lock_waiters(app) < 1 and time.monotonic() < deadline:
+        while lock_waiters(app) < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert _lock_waiters(app) == 1, "A did not reach its update"
+        assert lock_waiters(app) == 1, "A did not reach its update"
         b = threading.Thread(target=send, args=("b",), daemon=True)
         b.start()
         threads.append(b)
         deadline = time.monotonic() + 10
-        while "b" not in results and _lock_waiters(app) < 2:
+        while "b" not in results and lock_waiters(app) < 2:
             assert time.monotonic() < deadline, "B neither answered nor waited"
             time.sleep(0.02)
         cursor.execute("COMMIT")

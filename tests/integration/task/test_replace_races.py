@@ -15,7 +15,12 @@ from celery_pglock.task import queued, replacing_sweep
 from tests.integration.task import test_replace
 from tests.integration.task.test_enqueue import deliver, rows
 from tests.integration.task.test_replace import execute, ids_of, latest, replaced_by
-from tests.integration.task_support import current_engine, define, trace_delivery
+from tests.integration.task_support import (
+    current_engine,
+    define,
+    lock_waiters,
+    trace_delivery,
+)
 
 published = test_replace.published  # the fixture: (task id, routing key) per publish
 
@@ -23,28 +28,9 @@ published = test_replace.published  # the fixture: (task id, routing key) per pu
 def wait_for_lock_waiter(app, seconds=10.0):
     """Until some session of this database waits on a heavyweight lock."""
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        with (
-            engines.autocommit(current_engine(app)) as dbapi,
-            dbapi.cursor() as cursor,
-        ):
-            cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = "
-                "current_database() AND wait_event_type = 'Lock'"
-            )
-            if cursor.fetchone()[0]:
-                return
+    while not lock_waiters(app):
+        assert time.monotonic() < deadline, "nobody waited on a lock"
         time.sleep(0.02)
-    with (
-        engines.autocommit(current_engine(app)) as dbapi,
-        dbapi.cursor() as cursor,
-    ):
-        cursor.execute(
-            "SELECT pid, state, wait_event_type, wait_event, left(query, 120) FROM pg_stat_activity WHERE datname = "
-            "current_database()"
-        )
-        activity = cursor.fetchall()
-    raise AssertionError(f"nobody waited on a lock: {activity}")
 
 
 class PausedCommit:
@@ -85,6 +71,7 @@ def test_a_carrier_taken_while_the_sweep_hands_its_row_over_runs_nothing(
     tombstone either: it must look again. A replaced message never runs its body."""
     ran: list[int] = []
     task = latest(app, "sweep_race", ran)
+    queued.TABLE.ensure(current_engine(app))  # a fresh database has none yet
     execute(app, "DELETE FROM celery_pglock_queued WHERE task_name = %s", task.name)
     first = task.delay(31, 1)
     second = task.delay(31, 2)
