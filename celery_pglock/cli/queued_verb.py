@@ -92,10 +92,12 @@ def clear(
         else:
             chosen = rows
         running = [r for r in chosen if r["state"] == "running"]
-        with engines.autocommit_cursor(engine) as cursor:
-            ids = [i for r in chosen for i in (r["task_id"], r["carrier"]) if i]
-            cursor.execute(queued_rows.CLEAR_BY_TASK_ID, (ids, ids))
-            freed = cursor.rowcount
+        ids = [i for r in chosen for i in (r["task_id"], r["carrier"]) if i]
+        freed = 0
+        if ids:  # none, or no table (lock_enqueue never ran here): nothing to free
+            with engines.autocommit_cursor(engine) as cursor:
+                cursor.execute(queued_rows.CLEAR_BY_TASK_ID, (ids, ids))
+                freed = cursor.rowcount
     click.echo(f"Freed {freed} queued key(s).")
     for row in running:
         click.echo(

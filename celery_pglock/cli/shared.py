@@ -60,7 +60,10 @@ class Target:
         connect_args.update(application_name="celery-pglock cli", connect_timeout=5)
         options.update(poolclass=NullPool, connect_args=connect_args)
         conf["pglock_engine_options"] = options
-        return engines.create_engine(self.require_url(), conf)
+        try:
+            return engines.create_engine(self.require_url(), conf)
+        except exceptions.ConfigurationError as error:  # a bad URL: masked, exit 2
+            raise click.UsageError(str(error)) from None
 
     @functools.cached_property
     def singleton_tasks(self) -> list[Any]:

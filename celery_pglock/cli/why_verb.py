@@ -68,8 +68,20 @@ def _verdict(found: list[tuple[float, str, dict[str, Any]]]) -> str:
     """One sentence: the last thing that became of the message."""
     if not found:
         return _UNKNOWN
+    # The first send precedes every run of its message, whatever the hosts' clocks say
+    # (sent: the producer's clock; started, ended: the worker's).
+    first = next((i for i, (_, e, _) in enumerate(found) if e == "sent"), None)
+    if first is not None:
+        found = [found[first], *found[:first], *found[first + 1 :]]
     _, event, detail = found[-1]
-    by = next((d.get("by_task") for _, e, d in found if e == "replaced"), None)
+    by = next((d.get("by_task") for _, e, d in found if e == "replaced"), None) or next(
+        (
+            d.get("replaced_by")
+            for _, e, d in found
+            if e == "skipped" and d.get("reason") == "replaced"
+        ),
+        None,
+    )
     if event == "sent" and detail.get("outcome") == "superseded":
         by = detail.get("queued")
     if by is not None:

@@ -9,7 +9,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery_pglock import exceptions, signals
+from celery_pglock import config, exceptions, signals
 from celery_pglock.config.options import seconds
 from celery_pglock.db import engines, own_tables, row_writer
 
@@ -123,7 +123,12 @@ def _enqueued(sender: Any = None, task_id: str | None = None, **kw: Any) -> None
     by = engines.process_tag()
     outcome, owner, key = kw.get("outcome"), kw.get("queued_task_id"), kw.get("key")
     _record(sender, task_id, "sent", outcome=outcome, queued=owner, key=key, by=by)
-    if outcome == "replaced":  # the replaced message's own record says by whom
+    # The replaced message's own record says by whom; a latest-wins send taking a stale
+    # row over drops the send waiting in it, as enqueue's tell_replaced says.
+    options = getattr(sender, "lock_config", None)
+    replacing = getattr(options, "enqueue_on_duplicate", None)
+    took_over = outcome == "took_over" and replacing is config.OnDuplicate.REPLACE
+    if (outcome == "replaced" or took_over) and owner not in (None, task_id):
         _record(sender, owner, "replaced", by_task=task_id, key=key, by=by)
 
 
