@@ -124,6 +124,25 @@ def first_delivery_ended(
     return alive is False
 
 
+def first_delivery_runs(
+    task: LockedTask, lock: AdvisoryLock, task_id: str | None, direct: bool, waits: bool
+) -> bool:
+    """Before a redelivery takes a free lock_limit slot, or waits for its key: is its
+    first delivery still running (its run lock held, looked at again after
+    KILLED_HOLDER_GRACE)? Then the key counts as busy, and apply_policy stores nothing."""
+    if (
+        task_id is None
+        or not (len(lock.slots) > 1 or (waits and not task.request.retries))
+        or not _acks_late_redelivery(task, direct)
+    ):
+        return False
+    run = keys.run_key(task_id)
+    if lock.run_alive(run) is not True:
+        return False
+    time.sleep(KILLED_HOLDER_GRACE)
+    return lock.run_alive(run) is True
+
+
 def _acks_late_redelivery(task: LockedTask, direct: bool) -> bool:
     """A worker's run of an ``acks_late`` message the broker delivered before: its first
     delivery holds a run lock while it runs (docs/guide/skipped-results.md)."""

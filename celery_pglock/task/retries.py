@@ -3,6 +3,7 @@ database error retried as Celery's autoretry_for would. Why: docs/guide/retries.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, NoReturn
 
 from celery_pglock import celery_compat
@@ -11,6 +12,7 @@ from celery_pglock.task import outcomes, queued, queued_writes, runs
 
 if TYPE_CHECKING:
     from celery_pglock import exceptions
+    from celery_pglock.lock import AdvisoryLock
     from celery_pglock.task.singleton_task import SingletonTask
 
 
@@ -28,6 +30,24 @@ def keep_lock_for_the_retry(task: SingletonTask, max_retries: int | None) -> Non
     ):
         execution.release_at_postrun = True
         execution.lock.drop_rider()  # the retry is the key's queued message now
+
+
+def wait_for_predecessor(lock: AdvisoryLock, timeout: float) -> float:
+    """A retry of a lock_limit key: its predecessor keeps its slot until task_postrun,
+    but another slot may be free; wait (within ``timeout``) for the predecessor's run
+    lock instead. The seconds left for the slot's own wait."""
+    run = lock.run_key
+    deadline = time.monotonic() + timeout
+    if run is None or len(lock.slots) < 2:
+        return timeout
+    pause = 0.05
+    while lock.run_alive(run) is not False:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 1.0)
+    return max(deadline - time.monotonic(), 0.001)
 
 
 def on_database_error(

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import os
 from typing import TYPE_CHECKING
 
 from celery_pglock import exceptions
 from celery_pglock.db import forks
 from celery_pglock.task import outcomes
+from celery_pglock.watch import loss_watcher
 
 if TYPE_CHECKING:
     from celery_pglock.lock import AdvisoryLock
@@ -72,3 +74,14 @@ def release_leftover(lock: AdvisoryLock, where: str) -> None:
         logger.exception(
             "Releasing leftover lock %s failed; PostgreSQL no longer holds it", lock.key
         )
+
+
+def release_direct_leftover(execution: Execution) -> None:
+    """A direct call's lock still held as it returns (an interrupt landed between its
+    grant and its release): task_postrun only sees the worker run's own, so release it."""
+    lock = execution.lock
+    if lock is None or not lock.owned() or lock.owner_pid != os.getpid():
+        return
+    for watched in filter(None, (lock, execution.group_lock)):
+        loss_watcher.unwatch(watched)
+    release_leftover(lock, "the end of a direct call")

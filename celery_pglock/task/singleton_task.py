@@ -144,8 +144,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         shadow: str | None = None,
         **options: Any,
     ) -> Any:
-        """Celery's apply_async; with lock_enqueue, a duplicate of a queued key returns
-        the queued message's AsyncResult instead of publishing (docs/guide/enqueue.md)."""
+        """Celery's apply_async, checked by lock_enqueue first (docs/guide/enqueue.md)."""
         options.update(
             producer=producer, link=link, link_error=link_error, shadow=shadow
         )
@@ -180,7 +179,12 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
                 options.on_busy is OnBusy.WAIT
                 or (request.retries and not direct and not request.is_eager)
             )
-            granted = self._acquire(options, lock, task_id, direct, waits)
+            # A redelivery beside its running first delivery is busy (busy_policy.py).
+            granted = not (
+                self.acks_late
+                and (waits or len(lock.slots) > 1)
+                and busy_policy.first_delivery_runs(self, lock, task_id, direct, waits)
+            ) and self._acquire(options, lock, task_id, direct, waits)
             # A wait gave a killed first delivery's key time to be freed; a try did not.
             if (
                 not granted
@@ -222,6 +226,8 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             unfenced.set(True)  # its fenced writes apply, token=None
             return self._body(task_id is None)(*args, **kwargs)
         finally:
+            if direct:  # no task_postrun of its own: its net is here
+                runs.release_direct_leftover(execution)
             if execution.group_lock is not None:  # its run may not have started
                 groups.release_unrun(self, execution)
             if unfenced.get() is not outer_unfenced:
@@ -262,8 +268,9 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         execution.lock = lock
         if (task_id := execution.task_id) is not None:
             enqueues = options.enqueue is not None and not self.request.is_eager
-            if self.acks_late or enqueues:
-                # Says this run goes on: to a redelivery, to the queued row (busy_policy.py).
+            if self.acks_late or enqueues or limit > 1:
+                # Says this run goes on: to a redelivery, the queued row, a retry of a
+                # lock_limit key waiting for it (busy_policy.py, retries.py).
                 lock.run_key = keys.run_key(task_id)
             if enqueues:
                 requeued = bool(self.acks_late and self.reject_on_worker_lost)
@@ -279,8 +286,11 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
         waits: bool,
     ) -> bool:
         """Take the lock (a carrier: hand over), waiting if ``waits``; False if held."""
+        timeout = options.wait_timeout if waits else None
+        if timeout is not None and task_id is not None and self.request.retries:
+            timeout = retries.wait_for_predecessor(lock, timeout)
         try:
-            granted = lock.acquire(timeout=options.wait_timeout if waits else None)
+            granted = lock.acquire(timeout=timeout)
             if granted and options.enqueue_on_duplicate is config.OnDuplicate.REPLACE:
                 replacing.end_if_replaced(self, lock, task_id)
             if granted and options.fencing:
@@ -353,8 +363,7 @@ class SingletonTask(celery.Task):  # type: ignore[type-arg]
             try:
                 loss_watcher.unwatch(watched)  # first: no loss interrupts the body now
             except exceptions.LockLostError as interrupted:
-                # Interrupted as it returned: it ends as interrupted, released below.
-                exc = exc if exc is not None else interrupted
+                exc = exc or interrupted  # interrupted as it returned: released below
                 loss_watcher.unwatch(watched)
         if execution.release_at_postrun:
             execution.ended_with = exc
