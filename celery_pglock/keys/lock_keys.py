@@ -290,7 +290,8 @@ def explicit_key(name: str, lock_id: object, *, where: str = "lock_id") -> LockK
 
 
 def run_key(task_id: str) -> LockKey:
-    """The run lock of an ``acks_late`` run (docs/reference/keys.md, Collision risk)."""
+    """The run lock of a run that others must see alive: acks_late, lock_enqueue or
+    lock_limit (docs/reference/keys.md, Collision risk)."""
     digest = hashlib.sha256(f"{KEY_FORMAT}/run\0{task_id}".encode()).digest()
     return LockKey(
         name=RUN_LOCK_NAME,
